@@ -1,0 +1,1 @@
+//! Backend-agnostic collectives for hypershard.

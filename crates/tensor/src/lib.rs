@@ -1,0 +1,2 @@
+//! The local dense tensor of hypershard.
+#![deny(missing_docs)]
