@@ -1,0 +1,362 @@
+//! Copies: `contiguous`, dtype casts, `copy_from` into a view, `fill_`, `cat`.
+
+use crate::dtype::sealed::Repr;
+use crate::dtype::{cast_elem, with_bits, with_repr};
+use crate::layout::{StridedIndices, broadcast_shapes, expand_strides, has_internal_overlap};
+use crate::lock::read_write;
+use crate::{DType, Error, Result, Tensor};
+
+impl Tensor {
+    /// `self` if already contiguous (no copy), otherwise a contiguous copy.
+    ///
+    /// ```
+    /// use hypershard_tensor::{DType, Tensor};
+    /// let t = Tensor::zeros(&[2, 3], DType::F32)?;
+    /// assert!(t.contiguous()?.shares_storage(&t));
+    /// let tt = t.transpose(0, 1)?.contiguous()?;
+    /// assert!(tt.is_contiguous() && !tt.shares_storage(&t));
+    /// # Ok::<(), hypershard_tensor::Error>(())
+    /// ```
+    pub fn contiguous(&self) -> Result<Tensor> {
+        if self.is_contiguous() {
+            Ok(self.clone())
+        } else {
+            self.deep_copy()
+        }
+    }
+
+    /// A contiguous copy in new storage (torch's `clone()`).
+    pub fn deep_copy(&self) -> Result<Tensor> {
+        let guard = self.storage.read();
+        let host = guard.host();
+        with_bits!(self.dtype, T => {
+            let data = self.gather(host.typed::<T>());
+            Tensor::build_raw::<T>("deep_copy", &self.shape, self.dtype, |o| o.copy_from_slice(&data))
+        })
+    }
+
+    /// The elements converted to `dtype`, in new contiguous storage; `self` (a view, no copy)
+    /// when the dtype already matches, like torch's `.to(dtype)`.
+    ///
+    /// Floats round to nearest-even, float→int truncates toward zero and saturates (NaN → 0),
+    /// int→int wraps like Rust's `as`, anything→bool is `x != 0`, bool→anything is 0 or 1.
+    ///
+    /// ```
+    /// use hypershard_tensor::{DType, Tensor};
+    /// let t = Tensor::from_vec(vec![1.5f32, -2.5, 1e10], &[3])?;
+    /// assert_eq!(t.to_dtype(DType::I32)?.to_vec::<i32>()?, vec![1, -2, i32::MAX]);
+    /// assert_eq!(t.to_dtype(DType::BF16)?.to_f64_vec()?[..2], [1.5, -2.5]);
+    /// # Ok::<(), hypershard_tensor::Error>(())
+    /// ```
+    pub fn to_dtype(&self, dtype: DType) -> Result<Tensor> {
+        if dtype == self.dtype {
+            return Ok(self.clone());
+        }
+        let guard = self.storage.read();
+        let host = guard.host();
+        with_repr!(self.dtype, S => {
+            let src = host.typed::<S>();
+            with_repr!(dtype, D => Tensor::build::<D>("to_dtype", &self.shape, |out| {
+                for (o, i) in out.iter_mut().zip(self.indices()) {
+                    *o = cast_elem::<S, D>(src[i]);
+                }
+            }))
+        })
+    }
+
+    /// Errors if writing into `self` would write one storage element twice.
+    pub(crate) fn check_writable(&self, op: &'static str) -> Result<()> {
+        if has_internal_overlap(&self.shape, &self.strides) {
+            Err(Error::OverlappingWrite {
+                op,
+                shape: self.shape.clone(),
+                strides: self.strides.clone(),
+            })
+        } else {
+            Ok(())
+        }
+    }
+
+    /// Copies `src` into this (possibly strided) view, in place in the shared storage.
+    ///
+    /// `src` is broadcast to `self`'s shape and converted to `self`'s dtype (the rules of
+    /// [`to_dtype`](Tensor::to_dtype)); `src` may alias `self` (it is read in full before the
+    /// write). This is how a shard lands in its slice of a flat buffer:
+    ///
+    /// ```
+    /// use hypershard_tensor::{DType, Tensor};
+    /// let flat = Tensor::zeros(&[6], DType::BF16)?;
+    /// let shard = Tensor::from_vec(vec![1.0f32, 2.0, 3.0], &[3])?;
+    /// flat.narrow(0, 3, 3)?.copy_from(&shard)?; // cast f32 -> bf16 on the way in
+    /// assert_eq!(flat.to_f64_vec()?, vec![0.0, 0.0, 0.0, 1.0, 2.0, 3.0]);
+    /// # Ok::<(), hypershard_tensor::Error>(())
+    /// ```
+    pub fn copy_from(&self, src: &Tensor) -> Result<()> {
+        self.check_writable("copy_from")?;
+        let Some(src_strides) = expand_strides(&src.shape, &src.strides, &self.shape) else {
+            return Err(Error::ShapeMismatch {
+                op: "copy_from",
+                lhs: self.shape.clone(),
+                rhs: src.shape.clone(),
+            });
+        };
+        if self.shares_storage(src) {
+            // Reading and writing one storage under one operation needs the bytes apart.
+            let detached = src.deep_copy()?;
+            return self.copy_from(&detached);
+        }
+        let mut guards = read_write(&src.storage, &self.storage);
+        let src_host = guards.src.host();
+        let dst_host = guards.dst.host_mut();
+        let src_idx = StridedIndices::new(&self.shape, &src_strides, src.offset);
+        if self.dtype == src.dtype {
+            with_bits!(self.dtype, T => {
+                let s = src_host.typed::<T>();
+                let d = dst_host.typed_mut::<T>();
+                if self.is_contiguous() && src.is_contiguous() && src.shape == self.shape {
+                    let n = self.numel();
+                    d[self.offset..self.offset + n].copy_from_slice(&s[src.offset..src.offset + n]);
+                } else {
+                    for (di, si) in self.indices().zip(src_idx) {
+                        d[di] = s[si];
+                    }
+                }
+            });
+        } else {
+            with_repr!(src.dtype, S => {
+                let s = src_host.typed::<S>();
+                with_repr!(self.dtype, D => {
+                    let d = dst_host.typed_mut::<D>();
+                    for (di, si) in self.indices().zip(src_idx) {
+                        d[di] = cast_elem::<S, D>(s[si]);
+                    }
+                })
+            });
+        }
+        Ok(())
+    }
+
+    /// Sets every element of this view to `value` (converted as in [`Tensor::full`]).
+    pub fn fill_(&self, value: f64) -> Result<()> {
+        self.check_writable("fill_")?;
+        let mut guard = self.storage.write();
+        let host = guard.host_mut();
+        with_repr!(self.dtype, T => {
+            let v = T::from_f64(value);
+            let d = host.typed_mut::<T>();
+            if self.is_contiguous() {
+                d[self.offset..self.offset + self.numel()].fill(v);
+            } else {
+                for i in self.indices() {
+                    d[i] = v;
+                }
+            }
+        });
+        Ok(())
+    }
+
+    /// Sets every element of this view to zero.
+    pub fn zero_(&self) -> Result<()> {
+        self.fill_(0.0)
+    }
+
+    /// Concatenates tensors of one dtype along `dim`; all other dims must match.
+    ///
+    /// ```
+    /// use hypershard_tensor::Tensor;
+    /// let a = Tensor::from_vec(vec![1i32, 2], &[1, 2])?;
+    /// let b = Tensor::from_vec(vec![3i32, 4, 5, 6], &[2, 2])?;
+    /// let c = Tensor::cat(&[&a, &b], 0)?;
+    /// assert_eq!(c.shape(), &[3, 2]);
+    /// assert_eq!(c.to_vec::<i32>()?, vec![1, 2, 3, 4, 5, 6]);
+    /// # Ok::<(), hypershard_tensor::Error>(())
+    /// ```
+    pub fn cat(tensors: &[&Tensor], dim: usize) -> Result<Tensor> {
+        let Some(first) = tensors.first() else {
+            return Err(Error::EmptyInput { op: "cat" });
+        };
+        first.check_dim("cat", dim)?;
+        let mut shape = first.shape.clone();
+        shape[dim] = 0;
+        for t in tensors {
+            if t.dtype != first.dtype {
+                return Err(Error::DTypeMismatch {
+                    op: "cat",
+                    lhs: first.dtype,
+                    rhs: t.dtype,
+                });
+            }
+            let same_rest = t.ndim() == first.ndim()
+                && t.shape
+                    .iter()
+                    .zip(&first.shape)
+                    .enumerate()
+                    .all(|(d, (a, b))| d == dim || a == b);
+            if !same_rest {
+                return Err(Error::ShapeMismatch {
+                    op: "cat",
+                    lhs: first.shape.clone(),
+                    rhs: t.shape.clone(),
+                });
+            }
+            shape[dim] =
+                shape[dim]
+                    .checked_add(t.shape[dim])
+                    .ok_or_else(|| Error::SizeOverflow {
+                        op: "cat",
+                        shape: t.shape.clone(),
+                    })?;
+        }
+        let out = Tensor::zeros(&shape, first.dtype)?;
+        let mut start = 0;
+        for t in tensors {
+            out.narrow(dim, start, t.shape[dim])?.copy_from(t)?;
+            start += t.shape[dim];
+        }
+        Ok(out)
+    }
+
+    /// Checks that `self` and `other` have one dtype and returns their broadcast shape.
+    pub(crate) fn broadcast_with(&self, op: &'static str, other: &Tensor) -> Result<Vec<usize>> {
+        if self.dtype != other.dtype {
+            return Err(Error::DTypeMismatch {
+                op,
+                lhs: self.dtype,
+                rhs: other.dtype,
+            });
+        }
+        broadcast_shapes(op, &self.shape, &other.shape)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use half::{bf16, f16};
+
+    use crate::{DType, Error, Result, Tensor};
+
+    #[test]
+    fn casts_between_all_dtypes() -> Result<()> {
+        let values = [0.0, 1.0, 2.0, 3.0, 100.0];
+        for from in DType::ALL {
+            let src = Tensor::from_vec(values.to_vec(), &[5])?.to_dtype(from)?;
+            for to in DType::ALL {
+                let got = src.to_dtype(to)?.to_f64_vec()?;
+                let expected: Vec<f64> = values
+                    .iter()
+                    .map(|&v| {
+                        if from == DType::Bool || to == DType::Bool {
+                            f64::from(u8::from(v != 0.0))
+                        } else {
+                            v
+                        }
+                    })
+                    .collect();
+                assert_eq!(got, expected, "{from} -> {to}");
+            }
+        }
+        let h = Tensor::from_vec(vec![f16::from_f32(0.333)], &[1])?;
+        assert_eq!(
+            h.to_dtype(DType::BF16)?.item::<bf16>()?,
+            bf16::from_f64(f16::from_f32(0.333).to_f64())
+        );
+        let same = h.to_dtype(DType::F16)?;
+        assert!(same.shares_storage(&h));
+        Ok(())
+    }
+
+    #[test]
+    fn copy_from_into_strided_views() -> Result<()> {
+        let dst = Tensor::zeros(&[3, 4], DType::F32)?;
+        let src = Tensor::from_vec(vec![1.0f64, 2.0, 3.0], &[3])?;
+        // Column 2, written through a transposed view, with a cast from f64.
+        dst.transpose(0, 1)?
+            .narrow(0, 2, 1)?
+            .copy_from(&src.unsqueeze(0)?)?;
+        assert_eq!(
+            dst.to_vec::<f32>()?,
+            vec![0., 0., 1., 0., 0., 0., 2., 0., 0., 0., 3., 0.]
+        );
+        // Broadcast a row into every row of a narrowed block.
+        let row = Tensor::from_vec(vec![7.0f32, 8.0], &[2])?;
+        dst.narrow(1, 0, 2)?.copy_from(&row)?;
+        assert_eq!(
+            dst.narrow(1, 0, 2)?.to_vec::<f32>()?,
+            vec![7., 8., 7., 8., 7., 8.]
+        );
+        assert!(matches!(
+            dst.copy_from(&Tensor::zeros(&[2, 4], DType::F32)?),
+            Err(Error::ShapeMismatch { .. })
+        ));
+        assert!(matches!(
+            row.expand(&[3, 2])?.copy_from(&row),
+            Err(Error::OverlappingWrite { .. })
+        ));
+        Ok(())
+    }
+
+    #[test]
+    fn copy_from_an_aliasing_source() -> Result<()> {
+        let t = Tensor::arange(6, DType::I64)?;
+        // Shift left by one inside one storage: the overlapping source is read before writing.
+        t.narrow(0, 0, 5)?.copy_from(&t.narrow(0, 1, 5)?)?;
+        assert_eq!(t.to_vec::<i64>()?, vec![1, 2, 3, 4, 5, 5]);
+        let m = Tensor::arange(4, DType::F32)?.view(&[2, 2])?;
+        m.copy_from(&m.transpose(0, 1)?)?;
+        assert_eq!(m.to_vec::<f32>()?, vec![0.0, 2.0, 1.0, 3.0]);
+        Ok(())
+    }
+
+    #[test]
+    fn gather_buffer_views_see_writes() -> Result<()> {
+        // The FSDP pattern: one flat buffer, parameters as views into it.
+        let flat = Tensor::zeros(&[10], DType::F32)?;
+        let w = flat.narrow(0, 0, 6)?.view(&[2, 3])?;
+        let b = flat.narrow(0, 6, 4)?;
+        flat.copy_from(&Tensor::arange(10, DType::F32)?)?;
+        assert_eq!(w.to_vec::<f32>()?, vec![0., 1., 2., 3., 4., 5.]);
+        assert_eq!(b.to_vec::<f32>()?, vec![6., 7., 8., 9.]);
+        b.fill_(-1.0)?;
+        w.narrow(1, 1, 1)?.zero_()?;
+        assert_eq!(
+            flat.to_vec::<f32>()?,
+            vec![0., 0., 2., 3., 0., 5., -1., -1., -1., -1.]
+        );
+        Ok(())
+    }
+
+    #[test]
+    fn cat_and_errors() -> Result<()> {
+        let a = Tensor::arange(6, DType::BF16)?.view(&[2, 3])?;
+        let b = Tensor::arange(2, DType::BF16)?.view(&[2, 1])?;
+        let c = Tensor::cat(&[&a, &b, &a.narrow(1, 0, 0)?], 1)?;
+        assert_eq!(c.shape(), &[2, 4]);
+        assert_eq!(c.to_f64_vec()?, vec![0., 1., 2., 0., 3., 4., 5., 1.]);
+        assert!(matches!(Tensor::cat(&[], 0), Err(Error::EmptyInput { .. })));
+        assert!(matches!(
+            Tensor::cat(&[&a, &b], 0),
+            Err(Error::ShapeMismatch { .. })
+        ));
+        let f = Tensor::zeros(&[2, 1], DType::F32)?;
+        assert!(matches!(
+            Tensor::cat(&[&a, &f], 1),
+            Err(Error::DTypeMismatch { .. })
+        ));
+        assert!(matches!(
+            Tensor::cat(&[&a], 2),
+            Err(Error::DimOutOfRange { .. })
+        ));
+        Ok(())
+    }
+
+    #[test]
+    fn deep_copy_detaches() -> Result<()> {
+        let b = Tensor::from_bools(&[true, false], &[2])?;
+        let c = b.deep_copy()?;
+        assert!(!c.shares_storage(&b));
+        b.fill_(0.0)?;
+        assert_eq!(c.to_bools()?, vec![true, false]);
+        assert_eq!(c.dtype(), DType::Bool);
+        Ok(())
+    }
+}
