@@ -1,1 +1,41 @@
 //! Backend-agnostic collectives for hypershard.
+//!
+//! * [`Communicator`]: the object-safe trait (`Arc<dyn Communicator>`) with all-reduce,
+//!   all-gather, reduce-scatter (and their uneven `_v` variants), broadcast, reduce, gather,
+//!   scatter, all-to-all, send/recv, barrier and `split`. Async by ownership: every op takes its
+//!   [`Buffer`]s by value and [`Work::wait`] hands them back.
+//! * [`ProgressEngine`]: the per-communicator worker thread that runs ops in issue order; every
+//!   backend uses it.
+//! * [`reduce`]: the vectorisable reduction kernels (bf16/f16 accumulate in f32).
+//! * [`Store`]: the rendezvous key-value store ([`MemoryStore`], [`PrefixStore`]; the TCP store
+//!   lives in `store::tcp`), and [`LaunchEnv`] for torchrun's variables.
+//! * Backends: [`local`] (ranks as threads of one process) and `tcp`.
+//! * [`CommCounter`]: a wrapper that counts calls and bytes per op.
+//! * [`conformance`]: the suite every backend must pass.
+//!
+//! See `docs/collectives.md` for the semantics of each op.
+
+mod buffer;
+mod communicator;
+mod config;
+mod dtype;
+mod engine;
+mod env;
+mod error;
+mod op;
+pub mod store;
+mod work;
+
+pub use buffer::{Buffer, BufferLocation, HostBuffer};
+pub use communicator::{Communicator, CommunicatorExt};
+pub use config::{CommConfig, DEFAULT_TIMEOUT, TIMEOUT_ENV, parse_seconds};
+pub use dtype::{DType, Element};
+pub use engine::{AbortFlag, JobContext, JobSpec, ProgressEngine};
+pub use env::LaunchEnv;
+pub use error::{EnvExpectation, Error, IoAction, ProtocolViolation, Result};
+pub use op::{AllToAllCounts, Argument, BufferPair, BufferRole, OpKind, ReduceOp, block_offsets};
+pub use store::{MemoryStore, PrefixStore, Store};
+pub use work::{Completer, WaitOutcome, Work};
+
+/// Re-exported so callers name `bf16`/`f16` the same way this crate does.
+pub use half::{bf16, f16};

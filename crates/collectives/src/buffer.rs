@@ -1,0 +1,376 @@
+//! Buffers: the owned, dtype-tagged memory that ops take by value and hand back.
+//!
+//! A [`Buffer`] is an enum so that a CUDA device variant can be added for the NCCL backend
+//! without changing any caller: code that builds buffers with [`Buffer::from_vec`] and reads them
+//! back with [`Buffer::into_vec`] keeps working, and a backend that meets a buffer it cannot
+//! serve returns [`Error::UnsupportedBuffer`].
+
+use std::fmt;
+
+use bytemuck::{Pod, Zeroable};
+use half::{bf16, f16};
+
+use crate::dtype::{DType, Element};
+use crate::error::{Error, Result};
+
+/// Where a buffer's memory lives.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+#[non_exhaustive]
+pub enum BufferLocation {
+    /// Ordinary host memory.
+    Host,
+}
+
+impl fmt::Display for BufferLocation {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            BufferLocation::Host => f.write_str("host"),
+        }
+    }
+}
+
+/// The allocation unit of a [`HostBuffer`]: 64 bytes, 64-byte aligned, so the storage is aligned
+/// for every element type and for full-width vector loads.
+#[derive(Clone, Copy, Pod, Zeroable)]
+#[repr(C, align(64))]
+struct Block([u8; BLOCK_BYTES]);
+
+const BLOCK_BYTES: usize = 64;
+
+/// Host memory holding `len` elements of `dtype`, 64-byte aligned.
+#[derive(Clone)]
+pub struct HostBuffer {
+    blocks: Vec<Block>,
+    dtype: DType,
+    len: usize,
+}
+
+impl HostBuffer {
+    /// A buffer of `len` zero elements (zero bits are `0` / `+0.0` in every dtype).
+    pub fn zeros(dtype: DType, len: usize) -> Self {
+        let bytes = len.saturating_mul(dtype.size_bytes());
+        HostBuffer {
+            blocks: vec![Block([0; BLOCK_BYTES]); bytes.div_ceil(BLOCK_BYTES)],
+            dtype,
+            len,
+        }
+    }
+
+    /// A buffer holding a copy of `values`.
+    pub fn from_slice<T: Element>(values: &[T]) -> Self {
+        let mut buffer = HostBuffer::zeros(T::DTYPE, values.len());
+        buffer
+            .as_bytes_mut()
+            .copy_from_slice(bytemuck::cast_slice(values));
+        buffer
+    }
+
+    /// A buffer holding the elements of `values` (copied once into aligned storage).
+    pub fn from_vec<T: Element>(values: Vec<T>) -> Self {
+        HostBuffer::from_slice(&values)
+    }
+
+    /// A buffer of `dtype` elements holding a copy of `bytes` (native byte order).
+    ///
+    /// Fails with [`Error::MisalignedBytes`] when `bytes.len()` is not a multiple of the element
+    /// size.
+    pub fn from_bytes(dtype: DType, bytes: &[u8]) -> Result<Self> {
+        if bytes.len() % dtype.size_bytes() != 0 {
+            return Err(Error::MisalignedBytes {
+                dtype,
+                bytes: bytes.len(),
+            });
+        }
+        let mut buffer = HostBuffer::zeros(dtype, bytes.len() / dtype.size_bytes());
+        buffer.as_bytes_mut().copy_from_slice(bytes);
+        Ok(buffer)
+    }
+
+    /// A buffer of `dtype` whose element `i` is `values[i]` converted the way `as` converts
+    /// (floats round to nearest, integers truncate and saturate). Used by tests and fixtures.
+    pub fn from_f64(dtype: DType, values: &[f64]) -> Self {
+        match dtype {
+            DType::F32 => HostBuffer::from_vec(values.iter().map(|&v| v as f32).collect()),
+            DType::F64 => HostBuffer::from_slice(values),
+            DType::BF16 => {
+                HostBuffer::from_vec(values.iter().map(|&v| bf16::from_f64(v)).collect())
+            }
+            DType::F16 => HostBuffer::from_vec(values.iter().map(|&v| f16::from_f64(v)).collect()),
+            DType::I32 => HostBuffer::from_vec(values.iter().map(|&v| v as i32).collect()),
+            DType::I64 => HostBuffer::from_vec(values.iter().map(|&v| v as i64).collect()),
+            DType::U8 => HostBuffer::from_vec(values.iter().map(|&v| v as u8).collect()),
+        }
+    }
+
+    /// Every element widened to `f64` (exact for every dtype except large `i64`s).
+    pub fn to_f64_vec(&self) -> Vec<f64> {
+        let bytes = self.as_bytes();
+        match self.dtype {
+            DType::F32 => typed::<f32>(bytes).iter().map(|&v| v as f64).collect(),
+            DType::F64 => typed::<f64>(bytes).to_vec(),
+            DType::BF16 => typed::<bf16>(bytes).iter().map(|v| v.to_f64()).collect(),
+            DType::F16 => typed::<f16>(bytes).iter().map(|v| v.to_f64()).collect(),
+            DType::I32 => typed::<i32>(bytes).iter().map(|&v| v as f64).collect(),
+            DType::I64 => typed::<i64>(bytes).iter().map(|&v| v as f64).collect(),
+            DType::U8 => bytes.iter().map(|&v| v as f64).collect(),
+        }
+    }
+
+    /// The element type.
+    pub fn dtype(&self) -> DType {
+        self.dtype
+    }
+
+    /// The number of elements.
+    pub fn len(&self) -> usize {
+        self.len
+    }
+
+    /// Whether the buffer holds no elements.
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+
+    /// The number of payload bytes (`len × element size`).
+    pub fn byte_len(&self) -> usize {
+        self.len * self.dtype.size_bytes()
+    }
+
+    /// The payload bytes, in native byte order.
+    pub fn as_bytes(&self) -> &[u8] {
+        let all: &[u8] = bytemuck::cast_slice(&self.blocks);
+        &all[..self.byte_len()]
+    }
+
+    /// The payload bytes, mutable.
+    pub fn as_bytes_mut(&mut self) -> &mut [u8] {
+        let byte_len = self.byte_len();
+        let all: &mut [u8] = bytemuck::cast_slice_mut(&mut self.blocks);
+        &mut all[..byte_len]
+    }
+
+    /// The elements as `&[T]`; [`Error::ElementTypeMismatch`] when `T` is not the buffer's dtype.
+    pub fn as_slice<T: Element>(&self) -> Result<&[T]> {
+        self.check_element::<T>()?;
+        Ok(typed(self.as_bytes()))
+    }
+
+    /// The elements as `&mut [T]`; [`Error::ElementTypeMismatch`] when `T` is not the dtype.
+    pub fn as_mut_slice<T: Element>(&mut self) -> Result<&mut [T]> {
+        self.check_element::<T>()?;
+        Ok(typed_mut(self.as_bytes_mut()))
+    }
+
+    /// The elements as a `Vec<T>`; [`Error::ElementTypeMismatch`] when `T` is not the dtype.
+    pub fn into_vec<T: Element>(self) -> Result<Vec<T>> {
+        Ok(self.as_slice::<T>()?.to_vec())
+    }
+
+    fn check_element<T: Element>(&self) -> Result<()> {
+        if T::DTYPE == self.dtype {
+            Ok(())
+        } else {
+            Err(Error::ElementTypeMismatch {
+                buffer: self.dtype,
+                requested: T::DTYPE,
+            })
+        }
+    }
+}
+
+/// Reinterprets aligned payload bytes as elements.
+///
+/// Every `&[u8]` handed in comes from a [`HostBuffer`] (64-byte aligned storage) sliced at a
+/// multiple of the element size, so the cast cannot fail on alignment or length; `bytemuck`
+/// still checks both.
+pub(crate) fn typed<T: Pod>(bytes: &[u8]) -> &[T] {
+    bytemuck::cast_slice(bytes)
+}
+
+/// The mutable counterpart of [`typed`].
+pub(crate) fn typed_mut<T: Pod>(bytes: &mut [u8]) -> &mut [T] {
+    bytemuck::cast_slice_mut(bytes)
+}
+
+impl fmt::Debug for HostBuffer {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("HostBuffer")
+            .field("dtype", &self.dtype)
+            .field("len", &self.len)
+            .finish()
+    }
+}
+
+impl PartialEq for HostBuffer {
+    fn eq(&self, other: &Self) -> bool {
+        self.dtype == other.dtype && self.len == other.len && self.as_bytes() == other.as_bytes()
+    }
+}
+
+/// An owned, dtype-tagged buffer that an op takes by value and hands back when it completes.
+#[derive(Clone, Debug, PartialEq)]
+#[non_exhaustive]
+pub enum Buffer {
+    /// Host memory.
+    Host(HostBuffer),
+}
+
+impl Buffer {
+    /// A host buffer of `len` zero elements.
+    pub fn zeros(dtype: DType, len: usize) -> Self {
+        Buffer::Host(HostBuffer::zeros(dtype, len))
+    }
+
+    /// A host buffer holding the elements of `values`.
+    pub fn from_vec<T: Element>(values: Vec<T>) -> Self {
+        Buffer::Host(HostBuffer::from_vec(values))
+    }
+
+    /// A host buffer holding a copy of `values`.
+    pub fn from_slice<T: Element>(values: &[T]) -> Self {
+        Buffer::Host(HostBuffer::from_slice(values))
+    }
+
+    /// The element type.
+    pub fn dtype(&self) -> DType {
+        match self {
+            Buffer::Host(host) => host.dtype(),
+        }
+    }
+
+    /// The number of elements.
+    pub fn len(&self) -> usize {
+        match self {
+            Buffer::Host(host) => host.len(),
+        }
+    }
+
+    /// Whether the buffer holds no elements.
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
+    /// The number of payload bytes.
+    pub fn byte_len(&self) -> usize {
+        self.len() * self.dtype().size_bytes()
+    }
+
+    /// Where the memory lives.
+    pub fn location(&self) -> BufferLocation {
+        match self {
+            Buffer::Host(_) => BufferLocation::Host,
+        }
+    }
+
+    /// The host buffer, or [`Error::NotHost`] for device memory.
+    pub fn as_host(&self) -> Result<&HostBuffer> {
+        match self {
+            Buffer::Host(host) => Ok(host),
+        }
+    }
+
+    /// The host buffer, mutable, or [`Error::NotHost`] for device memory.
+    pub fn as_host_mut(&mut self) -> Result<&mut HostBuffer> {
+        match self {
+            Buffer::Host(host) => Ok(host),
+        }
+    }
+
+    /// The host buffer by value, or [`Error::NotHost`] for device memory.
+    pub fn into_host(self) -> Result<HostBuffer> {
+        match self {
+            Buffer::Host(host) => Ok(host),
+        }
+    }
+
+    /// The elements as `&[T]` (host buffers only).
+    pub fn as_slice<T: Element>(&self) -> Result<&[T]> {
+        self.as_host()?.as_slice()
+    }
+
+    /// The elements as `&mut [T]` (host buffers only).
+    pub fn as_mut_slice<T: Element>(&mut self) -> Result<&mut [T]> {
+        self.as_host_mut()?.as_mut_slice()
+    }
+
+    /// The elements as a `Vec<T>`; [`Error::ElementTypeMismatch`] when `T` is not the dtype.
+    pub fn into_vec<T: Element>(self) -> Result<Vec<T>> {
+        self.into_host()?.into_vec()
+    }
+}
+
+impl From<HostBuffer> for Buffer {
+    fn from(host: HostBuffer) -> Self {
+        Buffer::Host(host)
+    }
+}
+
+impl<T: Element> From<Vec<T>> for Buffer {
+    fn from(values: Vec<T>) -> Self {
+        Buffer::from_vec(values)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn round_trips_every_dtype() {
+        let values = [0.0, 1.0, 2.5, 100.0];
+        for dtype in DType::ALL {
+            let buffer = HostBuffer::from_f64(dtype, &values);
+            assert_eq!(buffer.len(), 4);
+            assert_eq!(buffer.byte_len(), 4 * dtype.size_bytes());
+            let expected: Vec<f64> = values
+                .iter()
+                .map(|&v| if dtype.is_float() { v } else { v.trunc() })
+                .collect();
+            assert_eq!(buffer.to_f64_vec(), expected, "{dtype}");
+        }
+    }
+
+    #[test]
+    fn typed_access_checks_the_dtype() {
+        let buffer = Buffer::from_vec(vec![1.0f32, 2.0, 3.0]);
+        assert_eq!(buffer.as_slice::<f32>().unwrap(), &[1.0, 2.0, 3.0]);
+        match buffer.clone().into_vec::<i32>() {
+            Err(Error::ElementTypeMismatch { buffer, requested }) => {
+                assert_eq!(buffer, DType::F32);
+                assert_eq!(requested, DType::I32);
+            }
+            other => panic!("expected ElementTypeMismatch, got {other:?}"),
+        }
+        assert_eq!(buffer.into_vec::<f32>().unwrap(), vec![1.0, 2.0, 3.0]);
+    }
+
+    #[test]
+    fn storage_is_64_byte_aligned() {
+        for len in [1, 3, 17, 1000] {
+            let buffer = HostBuffer::zeros(DType::F64, len);
+            assert_eq!(buffer.as_bytes().as_ptr() as usize % 64, 0);
+            assert_eq!(buffer.as_bytes().len(), len * 8);
+        }
+        assert!(HostBuffer::zeros(DType::U8, 0).is_empty());
+    }
+
+    #[test]
+    fn from_bytes_rejects_partial_elements() {
+        assert!(matches!(
+            HostBuffer::from_bytes(DType::I32, &[1, 2, 3]),
+            Err(Error::MisalignedBytes {
+                dtype: DType::I32,
+                bytes: 3
+            })
+        ));
+        let ok = HostBuffer::from_bytes(DType::I32, &7i32.to_ne_bytes()).unwrap();
+        assert_eq!(ok.as_slice::<i32>().unwrap(), &[7]);
+    }
+
+    #[test]
+    fn mutation_through_slices() {
+        let mut buffer = Buffer::zeros(DType::I64, 3);
+        buffer.as_mut_slice::<i64>().unwrap()[1] = 42;
+        assert_eq!(buffer.into_vec::<i64>().unwrap(), vec![0, 42, 0]);
+    }
+}

@@ -1,0 +1,258 @@
+//! The [`Communicator`] trait: the one interface `dtensor` and `fsdp` talk to hardware through.
+
+use std::sync::Arc;
+
+use crate::buffer::Buffer;
+use crate::config::CommConfig;
+use crate::dtype::Element;
+use crate::error::Result;
+use crate::op::{AllToAllCounts, BufferPair, ReduceOp};
+use crate::work::Work;
+
+/// A group of `size()` ranks that run collectives together; this handle is rank `rank()`.
+///
+/// # Ordering and asynchrony
+/// Every op has an async form (`*_async`) that takes its buffers by value and returns a
+/// [`Work`]; [`Work::wait`] hands the buffers back. Ops issued on one communicator execute in
+/// issue order on the communicator's progress thread (stream semantics), so the caller computes
+/// while they run. All ranks must issue the same collectives in the same order; a rank that
+/// issues a different op at the same position gets [`Error::OpMismatch`](crate::Error::OpMismatch)
+/// or a length/dtype error on every rank.
+///
+/// The blocking forms are provided methods that call the async form and wait, so a backend
+/// implements only the async ones.
+///
+/// # Buffers and lengths
+/// Lengths are in elements. `n` below is the length of this rank's input. Every rank must pass
+/// the same dtype (and, for the even ops, the same `n`); disagreements become errors on every
+/// rank, not hangs. On error the buffers are dropped.
+///
+/// # Deadlines
+/// Every op must finish within [`CommConfig::timeout`] of starting to execute, or fail with
+/// [`Error::Timeout`](crate::Error::Timeout) / [`Error::PeerLost`](crate::Error::PeerLost).
+pub trait Communicator: Send + Sync {
+    /// This rank's index in the group, `0..size()`.
+    fn rank(&self) -> usize;
+
+    /// The number of ranks in the group.
+    fn size(&self) -> usize;
+
+    /// The options the communicator was built with (inherited by `split`).
+    fn config(&self) -> &CommConfig;
+
+    /// A name for spans and logs: `"world"` for a world, `"world/c1#0"` for a split, ...
+    fn group_name(&self) -> &str;
+
+    /// The backend's name: `"local"`, `"tcp"`, ...
+    fn backend(&self) -> &'static str;
+
+    /// Reduces `buffer` element-wise across the ranks, in place: every rank gets the result.
+    fn all_reduce_async(&self, buffer: Buffer, op: ReduceOp) -> Work<Buffer>;
+
+    /// Concatenates every rank's `input` (`n` elements) into `output` (`size × n`, rank `r`'s
+    /// block at `r × n`), on every rank.
+    fn all_gather_async(&self, input: Buffer, output: Buffer) -> Work<BufferPair>;
+
+    /// Uneven all-gather: rank `r` contributes `counts[r]` elements (its `input` must have
+    /// exactly that many), and `output` holds `sum(counts)` elements with rank `r`'s block at
+    /// `sum(counts[..r])`. Every rank passes the same `counts` (length `size`).
+    fn all_gather_v_async(
+        &self,
+        input: Buffer,
+        output: Buffer,
+        counts: Vec<usize>,
+    ) -> Work<BufferPair>;
+
+    /// Reduces `input` (`size × m` elements) across the ranks and leaves block `rank()` of the
+    /// result (`m` elements, from offset `rank() × m`) in `output`.
+    fn reduce_scatter_async(&self, input: Buffer, output: Buffer, op: ReduceOp)
+    -> Work<BufferPair>;
+
+    /// Uneven reduce-scatter: `input` holds `sum(counts)` elements on every rank; rank `r`
+    /// receives the reduction of the block of `counts[r]` elements at `sum(counts[..r])`.
+    /// Every rank passes the same `counts`.
+    fn reduce_scatter_v_async(
+        &self,
+        input: Buffer,
+        output: Buffer,
+        counts: Vec<usize>,
+        op: ReduceOp,
+    ) -> Work<BufferPair>;
+
+    /// Copies `root`'s `buffer` into every rank's `buffer` (same length everywhere).
+    fn broadcast_async(&self, buffer: Buffer, root: usize) -> Work<Buffer>;
+
+    /// Reduces `buffer` across the ranks into `root`'s `buffer`; other ranks get their buffer
+    /// back unchanged.
+    fn reduce_async(&self, buffer: Buffer, root: usize, op: ReduceOp) -> Work<Buffer>;
+
+    /// Concatenates every rank's `input` (`n` elements) into `root`'s `output` (`size × n`).
+    /// On other ranks `output` is not read or written and may have any length (use an empty
+    /// buffer).
+    fn gather_async(&self, input: Buffer, output: Buffer, root: usize) -> Work<BufferPair>;
+
+    /// Splits `root`'s `input` (`size × n`) into blocks and sends block `r` to rank `r`'s
+    /// `output` (`n` elements). On other ranks `input` is not read and may have any length.
+    fn scatter_async(&self, input: Buffer, output: Buffer, root: usize) -> Work<BufferPair>;
+
+    /// Block `j` of this rank's `input` (`size × n`) goes to rank `j`; block `i` of `output`
+    /// (`size × n`) comes from rank `i`.
+    fn all_to_all_async(&self, input: Buffer, output: Buffer) -> Work<BufferPair>;
+
+    /// Uneven all-to-all with per-peer counts (see [`AllToAllCounts`]).
+    fn all_to_all_v_async(
+        &self,
+        input: Buffer,
+        output: Buffer,
+        counts: AllToAllCounts,
+    ) -> Work<BufferPair>;
+
+    /// Sends `buffer` to rank `peer` with a `tag`; hands the buffer back once the transport has
+    /// taken its contents. A send never waits for the matching receive to be posted, so a pair
+    /// of ranks may each send before they receive.
+    fn send_async(&self, buffer: Buffer, peer: usize, tag: u32) -> Work<Buffer>;
+
+    /// Receives the next message from `peer` with `tag` into `buffer`, whose length and dtype
+    /// must equal the message's (else [`Error::LengthMismatch`](crate::Error::LengthMismatch) /
+    /// [`Error::DTypeMismatch`](crate::Error::DTypeMismatch) with role `Message`). Messages from
+    /// one peer with one tag arrive in the order they were sent.
+    fn recv_async(&self, buffer: Buffer, peer: usize, tag: u32) -> Work<Buffer>;
+
+    /// Completes once every rank has reached it.
+    fn barrier_async(&self) -> Work<()>;
+
+    /// Splits the group like `MPI_Comm_split`: ranks that pass the same `Some(color)` form a new
+    /// group whose ranks are ordered by `(key, old rank)`; ranks that pass `None` get `None`.
+    /// Every rank must call it (it is a collective, executed in stream order, and this call
+    /// blocks until it is done). The new communicator has its own stream and runs concurrently
+    /// with its parent and its siblings; it inherits the parent's [`CommConfig`].
+    fn split(&self, color: Option<u32>, key: i64) -> Result<Option<Arc<dyn Communicator>>>;
+
+    /// Fails every pending and future op on this handle with
+    /// [`Error::Aborted`](crate::Error::Aborted), including one blocked mid-transfer; peers
+    /// waiting on this rank see [`Error::PeerLost`](crate::Error::PeerLost) or a timeout.
+    /// Sub-communicators made by `split` are not aborted with it.
+    fn abort(&self);
+
+    /// Whether [`Communicator::abort`] was called.
+    fn is_aborted(&self) -> bool;
+
+    /// Blocking [`Communicator::all_reduce_async`].
+    fn all_reduce(&self, buffer: Buffer, op: ReduceOp) -> Result<Buffer> {
+        self.all_reduce_async(buffer, op).wait()
+    }
+
+    /// Blocking [`Communicator::all_gather_async`].
+    fn all_gather(&self, input: Buffer, output: Buffer) -> Result<BufferPair> {
+        self.all_gather_async(input, output).wait()
+    }
+
+    /// Blocking [`Communicator::all_gather_v_async`].
+    fn all_gather_v(
+        &self,
+        input: Buffer,
+        output: Buffer,
+        counts: Vec<usize>,
+    ) -> Result<BufferPair> {
+        self.all_gather_v_async(input, output, counts).wait()
+    }
+
+    /// Blocking [`Communicator::reduce_scatter_async`].
+    fn reduce_scatter(&self, input: Buffer, output: Buffer, op: ReduceOp) -> Result<BufferPair> {
+        self.reduce_scatter_async(input, output, op).wait()
+    }
+
+    /// Blocking [`Communicator::reduce_scatter_v_async`].
+    fn reduce_scatter_v(
+        &self,
+        input: Buffer,
+        output: Buffer,
+        counts: Vec<usize>,
+        op: ReduceOp,
+    ) -> Result<BufferPair> {
+        self.reduce_scatter_v_async(input, output, counts, op)
+            .wait()
+    }
+
+    /// Blocking [`Communicator::broadcast_async`].
+    fn broadcast(&self, buffer: Buffer, root: usize) -> Result<Buffer> {
+        self.broadcast_async(buffer, root).wait()
+    }
+
+    /// Blocking [`Communicator::reduce_async`].
+    fn reduce(&self, buffer: Buffer, root: usize, op: ReduceOp) -> Result<Buffer> {
+        self.reduce_async(buffer, root, op).wait()
+    }
+
+    /// Blocking [`Communicator::gather_async`].
+    fn gather(&self, input: Buffer, output: Buffer, root: usize) -> Result<BufferPair> {
+        self.gather_async(input, output, root).wait()
+    }
+
+    /// Blocking [`Communicator::scatter_async`].
+    fn scatter(&self, input: Buffer, output: Buffer, root: usize) -> Result<BufferPair> {
+        self.scatter_async(input, output, root).wait()
+    }
+
+    /// Blocking [`Communicator::all_to_all_async`].
+    fn all_to_all(&self, input: Buffer, output: Buffer) -> Result<BufferPair> {
+        self.all_to_all_async(input, output).wait()
+    }
+
+    /// Blocking [`Communicator::all_to_all_v_async`].
+    fn all_to_all_v(
+        &self,
+        input: Buffer,
+        output: Buffer,
+        counts: AllToAllCounts,
+    ) -> Result<BufferPair> {
+        self.all_to_all_v_async(input, output, counts).wait()
+    }
+
+    /// Blocking [`Communicator::send_async`].
+    fn send(&self, buffer: Buffer, peer: usize, tag: u32) -> Result<Buffer> {
+        self.send_async(buffer, peer, tag).wait()
+    }
+
+    /// Blocking [`Communicator::recv_async`].
+    fn recv(&self, buffer: Buffer, peer: usize, tag: u32) -> Result<Buffer> {
+        self.recv_async(buffer, peer, tag).wait()
+    }
+
+    /// Blocking [`Communicator::barrier_async`].
+    fn barrier(&self) -> Result<()> {
+        self.barrier_async().wait()
+    }
+}
+
+/// Typed conveniences over any communicator (`Vec<T>` in, `Vec<T>` out), blanket-implemented
+/// for every [`Communicator`], `dyn Communicator` included.
+pub trait CommunicatorExt: Communicator {
+    /// All-reduce of a vector.
+    fn all_reduce_vec<T: Element>(&self, values: Vec<T>, op: ReduceOp) -> Result<Vec<T>> {
+        self.all_reduce(Buffer::from_vec(values), op)?.into_vec()
+    }
+
+    /// All-gather of a vector: `size × values.len()` elements, rank order.
+    fn all_gather_vec<T: Element>(&self, values: Vec<T>) -> Result<Vec<T>> {
+        let output = Buffer::zeros(T::DTYPE, values.len().saturating_mul(self.size()));
+        self.all_gather(Buffer::from_vec(values), output)?
+            .output
+            .into_vec()
+    }
+
+    /// Reduce-scatter of a vector of `size × m` elements: this rank's `m`-element block.
+    fn reduce_scatter_vec<T: Element>(&self, values: Vec<T>, op: ReduceOp) -> Result<Vec<T>> {
+        let output = Buffer::zeros(T::DTYPE, values.len() / self.size().max(1));
+        self.reduce_scatter(Buffer::from_vec(values), output, op)?
+            .output
+            .into_vec()
+    }
+
+    /// Broadcast of a vector from `root`.
+    fn broadcast_vec<T: Element>(&self, values: Vec<T>, root: usize) -> Result<Vec<T>> {
+        self.broadcast(Buffer::from_vec(values), root)?.into_vec()
+    }
+}
+
+impl<C: Communicator + ?Sized> CommunicatorExt for C {}
