@@ -350,6 +350,51 @@ mod tests {
     }
 
     #[test]
+    fn threads_write_disjoint_views_of_one_buffer() -> Result<()> {
+        let flat = Tensor::zeros(&[4, 100], DType::F32)?;
+        std::thread::scope(|scope| {
+            let handles: Vec<_> = (0..4)
+                .map(|rank| {
+                    let row = flat.narrow(0, rank, 1);
+                    scope.spawn(move || -> Result<()> {
+                        let row = row?;
+                        let shard = Tensor::full(&[1, 100], rank as f64 + 1.0, DType::F64)?;
+                        row.copy_from(&shard)?;
+                        row.axpy(1.0, &shard.to_dtype(DType::F32)?)
+                    })
+                })
+                .collect();
+            handles
+                .into_iter()
+                .try_for_each(|h| h.join().unwrap_or(Err(Error::EmptyInput { op: "join" })))
+        })?;
+        let sums = flat.sum(1, false)?.to_vec::<f32>()?;
+        assert_eq!(sums, vec![200.0, 400.0, 600.0, 800.0]);
+        Ok(())
+    }
+
+    #[test]
+    fn opposite_copies_do_not_deadlock() -> Result<()> {
+        // Thread 1 copies a -> b while thread 2 copies b -> a: the locks are taken in address
+        // order, so the two can never wait on each other.
+        let a = Tensor::ones(&[64], DType::F32)?;
+        let b = Tensor::zeros(&[64], DType::F32)?;
+        std::thread::scope(|scope| {
+            let (a1, b1) = (a.clone(), b.clone());
+            let t1 = scope.spawn(move || (0..500).try_for_each(|_| b1.copy_from(&a1)));
+            let (a2, b2) = (a.clone(), b.clone());
+            let t2 = scope.spawn(move || (0..500).try_for_each(|_| a2.copy_from(&b2)));
+            let r1 = t1.join().unwrap_or(Err(Error::EmptyInput { op: "join" }));
+            let r2 = t2.join().unwrap_or(Err(Error::EmptyInput { op: "join" }));
+            r1.and(r2)
+        })?;
+        // Whatever the interleaving, both end up holding one of the two original values.
+        let (va, vb) = (a.to_vec::<f32>()?, b.to_vec::<f32>()?);
+        assert!(va.iter().chain(&vb).all(|&x| x == 0.0 || x == 1.0));
+        Ok(())
+    }
+
+    #[test]
     fn deep_copy_detaches() -> Result<()> {
         let b = Tensor::from_bools(&[true, false], &[2])?;
         let c = b.deep_copy()?;

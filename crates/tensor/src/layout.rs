@@ -19,7 +19,8 @@ pub(crate) fn contiguous_strides(shape: &[usize]) -> Vec<usize> {
     let mut acc = 1usize;
     for (stride, &size) in strides.iter_mut().zip(shape).rev() {
         *stride = acc;
-        acc = acc.saturating_mul(size);
+        // As in torch, a size-0 dim counts as 1 so strides stay positive.
+        acc = acc.saturating_mul(size.max(1));
     }
     strides
 }
@@ -45,10 +46,11 @@ pub(crate) fn is_contiguous(shape: &[usize], strides: &[usize]) -> bool {
 /// Whether two distinct indices of the view can reach the same storage element. Views made by
 /// this crate only alias through stride-0 dims (expand), so that is what is checked.
 pub(crate) fn has_internal_overlap(shape: &[usize], strides: &[usize]) -> bool {
-    shape
-        .iter()
-        .zip(strides)
-        .any(|(&size, &stride)| size > 1 && stride == 0)
+    !shape.contains(&0)
+        && shape
+            .iter()
+            .zip(strides)
+            .any(|(&size, &stride)| size > 1 && stride == 0)
 }
 
 /// The broadcast of two shapes under numpy/torch rules (align right; sizes equal or one is 1).
@@ -224,6 +226,8 @@ mod tests {
     fn strides_and_contiguity() {
         assert_eq!(contiguous_strides(&[2, 3, 4]), vec![12, 4, 1]);
         assert_eq!(contiguous_strides(&[]), Vec::<usize>::new());
+        assert_eq!(contiguous_strides(&[2, 0, 3]), vec![3, 3, 1]);
+        assert!(!has_internal_overlap(&[2, 0], &[0, 1]));
         assert!(is_contiguous(&[2, 3], &[3, 1]));
         assert!(!is_contiguous(&[2, 3], &[1, 2]));
         assert!(is_contiguous(&[2, 1, 3], &[3, 99, 1]));

@@ -7,7 +7,10 @@ use crate::{Error, Result, Tensor};
 /// Sums `n` elements starting at `base`, `stride` apart. Contiguous runs use eight
 /// independent accumulators so the loop vectorises and rounding error grows more slowly.
 fn sum_run<T: Arith>(data: &[T], base: usize, n: usize, stride: usize) -> T::Acc {
-    if stride == 1 {
+    if n == 0 {
+        // `base` of an empty run may lie past the storage; touch nothing.
+        T::acc_zero()
+    } else if stride == 1 {
         let run = &data[base..base + n];
         let mut lanes = [T::acc_zero(); 8];
         let mut blocks = run.chunks_exact(8);

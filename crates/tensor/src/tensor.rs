@@ -535,7 +535,10 @@ mod tests {
                 .item::<f32>()?,
             23.0
         );
-        assert!(matches!(t.narrow(0, 1, 1)?.item_f64(), Err(Error::NotScalar { .. })));
+        assert!(matches!(
+            t.narrow(0, 1, 1)?.item_f64(),
+            Err(Error::NotScalar { .. })
+        ));
         assert_eq!(t.with_data(|xs: &[f32]| xs.iter().sum::<f32>())?, 276.0);
         Ok(())
     }

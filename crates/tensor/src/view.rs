@@ -39,8 +39,9 @@ impl Tensor {
         }
         let mut shape = self.shape.clone();
         shape[dim] = len;
-        // An empty view keeps its offset so that the offset never points past the storage.
-        let offset = if len == 0 {
+        // An empty view keeps its offset so that the offset never points past the storage
+        // (slicing `data[offset..offset]` must stay in bounds).
+        let offset = if shape.contains(&0) {
             self.offset
         } else {
             self.offset + start * self.strides[dim]
@@ -332,6 +333,10 @@ mod tests {
             t.narrow(1, usize::MAX, 2),
             Err(Error::RangeOutOfBounds { .. })
         ));
+        // Narrowing a tensor that is already empty must not move the offset past the storage.
+        let hollow = Tensor::zeros(&[3, 0], DType::F32)?.narrow(0, 2, 1)?;
+        assert_eq!(hollow.offset(), 0);
+        assert_eq!(hollow.to_vec::<f32>()?, Vec::<f32>::new());
         let empty = t.narrow(1, 4, 0)?;
         assert_eq!(empty.numel(), 0);
         assert_eq!(empty.to_vec::<i64>()?, Vec::<i64>::new());
