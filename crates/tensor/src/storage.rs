@@ -145,6 +145,13 @@ impl SharedStorage {
         }
     }
 
+    /// The storage, once no other owner is left.
+    pub fn into_inner(self) -> Storage {
+        self.inner
+            .into_inner()
+            .unwrap_or_else(PoisonError::into_inner)
+    }
+
     /// Locks the storage for reading.
     pub fn read(&self) -> RwLockReadGuard<'_, Storage> {
         self.inner.read().unwrap_or_else(PoisonError::into_inner)

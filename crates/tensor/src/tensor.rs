@@ -233,6 +233,68 @@ impl Tensor {
         Ok(Tensor::from_host(buf, dtype, shape.to_vec()))
     }
 
+    /// A contiguous tensor of `shape` and `dtype` over `buf`, without copying; `buf` must hold
+    /// exactly the tensor's bytes.
+    pub fn from_host_buffer(buf: HostBuffer, shape: &[usize], dtype: DType) -> Result<Tensor> {
+        let numel = checked_numel("from_host_buffer", shape)?;
+        if numel.checked_mul(dtype.size_of()) != Some(buf.len()) {
+            return Err(Error::NumelMismatch {
+                op: "from_host_buffer",
+                shape: shape.to_vec(),
+                expected: numel,
+                actual: buf.len() / dtype.size_of(),
+            });
+        }
+        let mut buf = buf;
+        if dtype == DType::Bool {
+            for b in buf.as_bytes_mut() {
+                *b = u8::from(*b != 0);
+            }
+        }
+        Ok(Tensor::from_host(buf, dtype, shape.to_vec()))
+    }
+
+    /// The host buffer behind this tensor, without copying, when this is the only view of it
+    /// and covers it exactly (contiguous, offset 0); otherwise the tensor comes back unchanged.
+    /// This lets a caller hand memory to a communicator by value.
+    ///
+    /// ```
+    /// use hypershard_tensor::{DType, Tensor};
+    /// let t = Tensor::ones(&[4], DType::F32)?;
+    /// let view = t.clone();
+    /// let t = t.try_into_host_buffer().unwrap_err(); // `view` still aliases it
+    /// drop(view);
+    /// let buf = t.try_into_host_buffer().map_err(|_| hypershard_tensor::Error::EmptyInput { op: "doc" })?;
+    /// assert_eq!(buf.len(), 16);
+    /// # Ok::<(), hypershard_tensor::Error>(())
+    /// ```
+    pub fn try_into_host_buffer(self) -> std::result::Result<HostBuffer, Tensor> {
+        let covers_all =
+            self.offset == 0 && self.is_contiguous() && self.storage.read().len() == self.nbytes();
+        if !covers_all {
+            return Err(self);
+        }
+        let Tensor {
+            storage,
+            dtype,
+            shape,
+            strides,
+            offset,
+        } = self;
+        match Arc::try_unwrap(storage) {
+            Ok(shared) => match shared.into_inner() {
+                Storage::Host(buf) => Ok(buf),
+            },
+            Err(storage) => Err(Tensor {
+                storage,
+                dtype,
+                shape,
+                strides,
+                offset,
+            }),
+        }
+    }
+
     /// A tensor of zeros.
     ///
     /// ```
@@ -554,6 +616,30 @@ mod tests {
         let f = Tensor::from_vec(vec![1.5f32, -2.0], &[2])?;
         let back = Tensor::from_bytes(&f.to_bytes()?, &[2], DType::F32)?;
         assert_eq!(back.to_vec::<f32>()?, vec![1.5, -2.0]);
+        Ok(())
+    }
+
+    #[test]
+    fn host_buffers_move_in_and_out_without_copy() -> Result<()> {
+        let mut buf = HostBuffer::zeroed(8);
+        buf.as_bytes_mut()
+            .copy_from_slice(bytemuck::cast_slice(&[1.5f32, 2.5]));
+        let t = Tensor::from_host_buffer(buf, &[2], DType::F32)?;
+        assert_eq!(t.to_vec::<f32>()?, vec![1.5, 2.5]);
+        assert!(matches!(
+            Tensor::from_host_buffer(HostBuffer::zeroed(8), &[3], DType::F32),
+            Err(Error::NumelMismatch { .. })
+        ));
+        let part = t.narrow(0, 1, 1)?;
+        let part = match part.try_into_host_buffer() {
+            Ok(_) => panic!("a partial view must not release the buffer"),
+            Err(part) => part,
+        };
+        drop(part);
+        let back = t.try_into_host_buffer();
+        assert!(
+            matches!(back, Ok(ref b) if b.as_bytes() == bytemuck::cast_slice::<f32, u8>(&[1.5, 2.5]))
+        );
         Ok(())
     }
 
