@@ -23,6 +23,7 @@ mod engine;
 mod env;
 mod error;
 mod op;
+pub mod reduce;
 pub mod store;
 mod work;
 
