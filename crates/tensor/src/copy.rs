@@ -57,8 +57,15 @@ impl Tensor {
         with_repr!(self.dtype, S => {
             let src = host.typed::<S>();
             with_repr!(dtype, D => Tensor::build::<D>("to_dtype", &self.shape, |out| {
-                for (o, i) in out.iter_mut().zip(self.indices()) {
-                    *o = cast_elem::<S, D>(src[i]);
+                if self.is_contiguous() {
+                    let run = &src[self.offset..self.offset + self.numel()];
+                    for (o, &x) in out.iter_mut().zip(run) {
+                        *o = cast_elem::<S, D>(x);
+                    }
+                } else {
+                    for (o, i) in out.iter_mut().zip(self.indices()) {
+                        *o = cast_elem::<S, D>(src[i]);
+                    }
                 }
             }))
         })
@@ -109,11 +116,13 @@ impl Tensor {
         let src_host = guards.src.host();
         let dst_host = guards.dst.host_mut();
         let src_idx = StridedIndices::new(&self.shape, &src_strides, src.offset);
+        let contiguous_pair =
+            self.is_contiguous() && src.is_contiguous() && src.shape == self.shape;
         if self.dtype == src.dtype {
             with_bits!(self.dtype, T => {
                 let s = src_host.typed::<T>();
                 let d = dst_host.typed_mut::<T>();
-                if self.is_contiguous() && src.is_contiguous() && src.shape == self.shape {
+                if contiguous_pair {
                     let n = self.numel();
                     d[self.offset..self.offset + n].copy_from_slice(&s[src.offset..src.offset + n]);
                 } else {
@@ -127,8 +136,16 @@ impl Tensor {
                 let s = src_host.typed::<S>();
                 with_repr!(self.dtype, D => {
                     let d = dst_host.typed_mut::<D>();
-                    for (di, si) in self.indices().zip(src_idx) {
-                        d[di] = cast_elem::<S, D>(s[si]);
+                    if contiguous_pair {
+                        let n = self.numel();
+                        let dst_run = &mut d[self.offset..self.offset + n];
+                        for (o, &x) in dst_run.iter_mut().zip(&s[src.offset..src.offset + n]) {
+                            *o = cast_elem::<S, D>(x);
+                        }
+                    } else {
+                        for (di, si) in self.indices().zip(src_idx) {
+                            d[di] = cast_elem::<S, D>(s[si]);
+                        }
                     }
                 })
             });
@@ -259,6 +276,14 @@ mod tests {
         assert_eq!(
             h.to_dtype(DType::BF16)?.item::<bf16>()?,
             bf16::from_f64(f16::from_f32(0.333).to_f64())
+        );
+        // A strided source casts element by element in row-major order.
+        let m = Tensor::arange(6, DType::I32)?
+            .view(&[2, 3])?
+            .transpose(0, 1)?;
+        assert_eq!(
+            m.to_dtype(DType::F16)?.to_f64_vec()?,
+            vec![0., 3., 1., 4., 2., 5.]
         );
         let same = h.to_dtype(DType::F16)?;
         assert!(same.shares_storage(&h));

@@ -80,6 +80,32 @@ impl DType {
     }
 }
 
+impl DType {
+    /// The dtype named `name`: torch names (`float32`, `bfloat16`, `int64`, `bool`...), their
+    /// short forms (`f32`, `bf16`, `fp16`, `i64`, `u8`...) or the torch aliases `float`,
+    /// `double`, `half`, `int`, `long`.
+    ///
+    /// ```
+    /// use hypershard_tensor::DType;
+    /// assert_eq!(DType::from_name("bf16"), Some(DType::BF16));
+    /// assert_eq!(DType::from_name("float32"), Some(DType::F32));
+    /// assert_eq!(DType::from_name("complex64"), None);
+    /// ```
+    pub fn from_name(name: &str) -> Option<DType> {
+        Some(match name.to_ascii_lowercase().as_str() {
+            "float32" | "f32" | "fp32" | "float" => DType::F32,
+            "float64" | "f64" | "fp64" | "double" => DType::F64,
+            "bfloat16" | "bf16" => DType::BF16,
+            "float16" | "f16" | "fp16" | "half" => DType::F16,
+            "int32" | "i32" | "int" => DType::I32,
+            "int64" | "i64" | "long" => DType::I64,
+            "uint8" | "u8" => DType::U8,
+            "bool" => DType::Bool,
+            _ => return None,
+        })
+    }
+}
+
 impl fmt::Display for DType {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.write_str(self.name())
@@ -116,7 +142,17 @@ use sealed::Repr;
 /// [`half::f16`], `i32`, `i64`, `u8`.
 ///
 /// The trait is sealed; [`DType::Bool`] has no element type (see [`DType`]).
-pub trait Element: Repr + bytemuck::Pod + PartialEq + fmt::Debug {}
+pub trait Element: Repr + bytemuck::Pod + PartialEq + fmt::Debug {
+    /// The dtype of this element type.
+    ///
+    /// ```
+    /// use hypershard_tensor::{DType, Element};
+    /// assert_eq!(<half::bf16 as Element>::dtype(), DType::BF16);
+    /// ```
+    fn dtype() -> DType {
+        <Self as Repr>::DTYPE
+    }
+}
 
 /// A `bool` element as stored: one byte, 0 or 1. Crate-private so 0/1 is an invariant.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, bytemuck::Pod, bytemuck::Zeroable)]
@@ -552,6 +588,7 @@ mod tests {
     fn sizes_and_names() {
         for dtype in DType::ALL {
             assert_eq!(dtype.to_string(), dtype.name());
+            assert_eq!(DType::from_name(dtype.name()), Some(dtype));
         }
         assert_eq!(DType::F32.size_of(), 4);
         assert_eq!(DType::F64.size_of(), 8);
@@ -561,6 +598,8 @@ mod tests {
         assert_eq!(DType::I64.size_of(), 8);
         assert_eq!(DType::U8.size_of(), 1);
         assert_eq!(DType::Bool.size_of(), 1);
+        assert_eq!(DType::from_name("FP16"), Some(DType::F16));
+        assert_eq!(DType::from_name("long"), Some(DType::I64));
         let floats: Vec<DType> = DType::ALL.into_iter().filter(|d| d.is_float()).collect();
         assert_eq!(
             floats,
@@ -571,7 +610,8 @@ mod tests {
     #[test]
     fn element_dtypes_match_sizes() {
         fn check<T: Element>() {
-            assert_eq!(std::mem::size_of::<T>(), T::DTYPE.size_of());
+            assert_eq!(std::mem::size_of::<T>(), <T as Repr>::DTYPE.size_of());
+            assert_eq!(T::dtype(), <T as Repr>::DTYPE);
         }
         check::<f32>();
         check::<f64>();

@@ -138,14 +138,15 @@ pub(crate) fn view_strides(
     let mut tensor_numel = 1usize;
     let mut view_numel = 1usize;
     for tensor_d in (0..shape.len()).rev() {
-        tensor_numel *= shape[tensor_d];
+        tensor_numel = tensor_numel.checked_mul(shape[tensor_d])?;
+        // An overflowing product cannot equal a real stride, so it ends the chunk.
         let chunk_ends = tensor_d == 0
             || (shape[tensor_d - 1] != 1
-                && strides[tensor_d - 1] != tensor_numel * chunk_base_stride);
+                && Some(strides[tensor_d - 1]) != tensor_numel.checked_mul(chunk_base_stride));
         if chunk_ends {
             while view_d >= 0 && (view_numel < tensor_numel || new_shape[view_d as usize] == 1) {
-                new_strides[view_d as usize] = view_numel * chunk_base_stride;
-                view_numel *= new_shape[view_d as usize];
+                new_strides[view_d as usize] = view_numel.checked_mul(chunk_base_stride)?;
+                view_numel = view_numel.checked_mul(new_shape[view_d as usize])?;
                 view_d -= 1;
             }
             if view_numel != tensor_numel {
@@ -283,6 +284,11 @@ mod tests {
         // Scalars and size-1 dims.
         assert_eq!(view_strides(&[], &[], &[1, 1]), Some(vec![1, 1]));
         assert_eq!(view_strides(&[1], &[1], &[]), Some(vec![]));
+        // Overflowing sizes are not viewable rather than a panic.
+        assert_eq!(
+            view_strides(&[usize::MAX, 4], &[0, 1], &[2, usize::MAX]),
+            None
+        );
         // Expanded dims split into zero strides.
         assert_eq!(
             view_strides(&[4, 3], &[0, 1], &[2, 2, 3]),

@@ -244,7 +244,7 @@ impl Tensor {
         }
         // The stride of a size-1 dim is never used to step; torch's choice keeps views tidy.
         let stride = if dim < self.ndim() {
-            self.shape[dim] * self.strides[dim]
+            self.shape[dim].saturating_mul(self.strides[dim])
         } else {
             1
         };
