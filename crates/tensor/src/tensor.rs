@@ -456,7 +456,9 @@ impl Tensor {
 
     /// Runs `f` on the elements of a contiguous tensor, in place in the storage (no copy).
     ///
-    /// This is how data reaches a communicator or a GEMM without an extra copy.
+    /// This is how data reaches a communicator or a GEMM without an extra copy. The storage
+    /// lock is held while `f` runs, so `f` must not use another view of the same storage
+    /// (that would wait on itself).
     pub fn with_data<T: Element, R>(&self, f: impl FnOnce(&[T]) -> R) -> Result<R> {
         self.check_dtype::<T>("with_data")?;
         self.check_contiguous("with_data")?;
@@ -467,7 +469,9 @@ impl Tensor {
     }
 
     /// Runs `f` on the elements of a contiguous tensor, mutably, holding the storage's write
-    /// lock: every view of the storage sees the writes afterwards.
+    /// lock: every view of the storage sees the writes afterwards. As with
+    /// [`with_data`](Tensor::with_data), `f` must not touch the same storage through another
+    /// view.
     ///
     /// ```
     /// use hypershard_tensor::{DType, Tensor};
