@@ -22,6 +22,7 @@ mod dtype;
 mod engine;
 mod env;
 mod error;
+pub mod local;
 mod op;
 pub mod reduce;
 pub mod store;

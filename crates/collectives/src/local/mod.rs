@@ -1,0 +1,256 @@
+//! The `local` backend: every rank is a thread of one process, and ranks exchange data through
+//! shared memory.
+//!
+//! [`spawn_world`] returns one [`Communicator`] per rank; hand each to its own thread. Every
+//! communicator has its own progress thread ([`ProgressEngine`]), so ops overlap the caller's
+//! compute and run in issue order exactly as on the other backends. The ranks of a group share
+//! a [`group::Group`]: collectives rendezvous there in numbered phases (see that module), and
+//! point-to-point messages go through per-(sender, receiver, tag) mailboxes.
+//!
+//! Data moves with at most one copy per destination: a rank posts its input buffer itself
+//! (no copy), every peer reads what it needs straight from it, and the author takes it back
+//! once the peers are done. All-reduce splits the reduction: rank `r` reduces block `r` of all
+//! inputs, then every rank copies the reduced blocks into its buffer, so the work is spread
+//! over the ranks like a ring's reduce-scatter + all-gather.
+
+mod group;
+mod ops;
+mod validate;
+
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
+
+use crate::buffer::Buffer;
+use crate::communicator::Communicator;
+use crate::config::CommConfig;
+use crate::engine::{JobContext, JobSpec, ProgressEngine};
+use crate::error::{Error, Result};
+use crate::op::{AllToAllCounts, BufferPair, OpKind, ReduceOp};
+use crate::work::Work;
+
+use group::Group;
+
+/// The backend name reported by [`Communicator::backend`].
+pub const BACKEND: &str = "local";
+
+/// A world of `size` local ranks with options from the environment
+/// ([`CommConfig::from_env`]: `HYPERSHARD_TIMEOUT`). Element `r` is rank `r`.
+pub fn spawn_world(size: usize) -> Result<Vec<Arc<dyn Communicator>>> {
+    spawn_world_with(size, CommConfig::from_env()?)
+}
+
+/// A world of `size` local ranks with explicit options.
+pub fn spawn_world_with(size: usize, config: CommConfig) -> Result<Vec<Arc<dyn Communicator>>> {
+    if size == 0 {
+        return Err(Error::InvalidWorldSize { size });
+    }
+    let group = Arc::new(Group::new(size));
+    (0..size)
+        .map(|rank| {
+            LocalComm::new(group.clone(), rank, config.clone(), "world".to_string())
+                .map(|comm| Arc::new(comm) as Arc<dyn Communicator>)
+        })
+        .collect()
+}
+
+/// What a rank's jobs need, shared between the handle and its progress thread.
+#[derive(Debug)]
+struct Inner {
+    group: Arc<Group>,
+    rank: usize,
+    config: CommConfig,
+    name: String,
+    /// The sequence number of the next collective (p2p ops do not take one).
+    next_collective: AtomicU64,
+    /// How many splits this rank has made, for naming the children.
+    splits: AtomicU64,
+}
+
+/// One rank of a local group.
+#[derive(Debug)]
+pub struct LocalComm {
+    inner: Arc<Inner>,
+    engine: ProgressEngine,
+}
+
+impl LocalComm {
+    fn new(group: Arc<Group>, rank: usize, config: CommConfig, name: String) -> Result<Self> {
+        let engine = ProgressEngine::new(name.clone())?;
+        Ok(LocalComm {
+            inner: Arc::new(Inner {
+                group,
+                rank,
+                config,
+                name,
+                next_collective: AtomicU64::new(0),
+                splits: AtomicU64::new(0),
+            }),
+            engine,
+        })
+    }
+
+    fn submit<T, F>(&self, op: OpKind, bytes: usize, job: F) -> Work<T>
+    where
+        T: Send + 'static,
+        F: FnOnce(&Inner, &JobContext) -> Result<T> + Send + 'static,
+    {
+        let inner = self.inner.clone();
+        let spec = JobSpec {
+            op,
+            bytes,
+            timeout: inner.config.timeout,
+        };
+        self.engine.submit(spec, move |ctx| job(&inner, ctx))
+    }
+}
+
+impl Inner {
+    fn next_seq(&self) -> u64 {
+        self.next_collective.fetch_add(1, Ordering::Relaxed)
+    }
+}
+
+impl Communicator for LocalComm {
+    fn rank(&self) -> usize {
+        self.inner.rank
+    }
+
+    fn size(&self) -> usize {
+        self.inner.group.size()
+    }
+
+    fn config(&self) -> &CommConfig {
+        &self.inner.config
+    }
+
+    fn group_name(&self) -> &str {
+        &self.inner.name
+    }
+
+    fn backend(&self) -> &'static str {
+        BACKEND
+    }
+
+    fn all_reduce_async(&self, buffer: Buffer, op: ReduceOp) -> Work<Buffer> {
+        self.submit(OpKind::AllReduce, buffer.byte_len(), move |inner, ctx| {
+            ops::all_reduce(inner, ctx, buffer, op)
+        })
+    }
+
+    fn all_gather_async(&self, input: Buffer, output: Buffer) -> Work<BufferPair> {
+        self.submit(OpKind::AllGather, input.byte_len(), move |inner, ctx| {
+            ops::all_gather(inner, ctx, input, output, None)
+        })
+    }
+
+    fn all_gather_v_async(
+        &self,
+        input: Buffer,
+        output: Buffer,
+        counts: Vec<usize>,
+    ) -> Work<BufferPair> {
+        self.submit(OpKind::AllGatherV, input.byte_len(), move |inner, ctx| {
+            ops::all_gather(inner, ctx, input, output, Some(counts))
+        })
+    }
+
+    fn reduce_scatter_async(
+        &self,
+        input: Buffer,
+        output: Buffer,
+        op: ReduceOp,
+    ) -> Work<BufferPair> {
+        self.submit(
+            OpKind::ReduceScatter,
+            input.byte_len(),
+            move |inner, ctx| ops::reduce_scatter(inner, ctx, input, output, None, op),
+        )
+    }
+
+    fn reduce_scatter_v_async(
+        &self,
+        input: Buffer,
+        output: Buffer,
+        counts: Vec<usize>,
+        op: ReduceOp,
+    ) -> Work<BufferPair> {
+        self.submit(
+            OpKind::ReduceScatterV,
+            input.byte_len(),
+            move |inner, ctx| ops::reduce_scatter(inner, ctx, input, output, Some(counts), op),
+        )
+    }
+
+    fn broadcast_async(&self, buffer: Buffer, root: usize) -> Work<Buffer> {
+        self.submit(OpKind::Broadcast, buffer.byte_len(), move |inner, ctx| {
+            ops::broadcast(inner, ctx, buffer, root)
+        })
+    }
+
+    fn reduce_async(&self, buffer: Buffer, root: usize, op: ReduceOp) -> Work<Buffer> {
+        self.submit(OpKind::Reduce, buffer.byte_len(), move |inner, ctx| {
+            ops::reduce(inner, ctx, buffer, root, op)
+        })
+    }
+
+    fn gather_async(&self, input: Buffer, output: Buffer, root: usize) -> Work<BufferPair> {
+        self.submit(OpKind::Gather, input.byte_len(), move |inner, ctx| {
+            ops::gather(inner, ctx, input, output, root)
+        })
+    }
+
+    fn scatter_async(&self, input: Buffer, output: Buffer, root: usize) -> Work<BufferPair> {
+        self.submit(OpKind::Scatter, input.byte_len(), move |inner, ctx| {
+            ops::scatter(inner, ctx, input, output, root)
+        })
+    }
+
+    fn all_to_all_async(&self, input: Buffer, output: Buffer) -> Work<BufferPair> {
+        self.submit(OpKind::AllToAll, input.byte_len(), move |inner, ctx| {
+            ops::all_to_all(inner, ctx, input, output, None)
+        })
+    }
+
+    fn all_to_all_v_async(
+        &self,
+        input: Buffer,
+        output: Buffer,
+        counts: AllToAllCounts,
+    ) -> Work<BufferPair> {
+        self.submit(OpKind::AllToAllV, input.byte_len(), move |inner, ctx| {
+            ops::all_to_all(inner, ctx, input, output, Some(counts))
+        })
+    }
+
+    fn send_async(&self, buffer: Buffer, peer: usize, tag: u32) -> Work<Buffer> {
+        self.submit(OpKind::Send, buffer.byte_len(), move |inner, ctx| {
+            ops::send(inner, ctx, buffer, peer, tag)
+        })
+    }
+
+    fn recv_async(&self, buffer: Buffer, peer: usize, tag: u32) -> Work<Buffer> {
+        self.submit(OpKind::Recv, buffer.byte_len(), move |inner, ctx| {
+            ops::recv(inner, ctx, buffer, peer, tag)
+        })
+    }
+
+    fn barrier_async(&self) -> Work<()> {
+        self.submit(OpKind::Barrier, 0, ops::barrier)
+    }
+
+    fn split(&self, color: Option<u32>, key: i64) -> Result<Option<Arc<dyn Communicator>>> {
+        self.submit(OpKind::Split, 0, move |inner, ctx| {
+            ops::split(inner, ctx, color, key)
+        })
+        .wait()
+    }
+
+    fn abort(&self) {
+        self.engine.abort();
+        self.inner.group.abort_rank(self.inner.rank);
+    }
+
+    fn is_aborted(&self) -> bool {
+        self.engine.is_aborted()
+    }
+}
