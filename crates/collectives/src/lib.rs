@@ -18,6 +18,8 @@
 mod buffer;
 mod communicator;
 mod config;
+pub mod conformance;
+mod counter;
 mod dtype;
 mod engine;
 mod env;
@@ -31,6 +33,7 @@ mod work;
 pub use buffer::{Buffer, BufferLocation, HostBuffer};
 pub use communicator::{Communicator, CommunicatorExt};
 pub use config::{CommConfig, DEFAULT_TIMEOUT, TIMEOUT_ENV, parse_seconds};
+pub use counter::{CommCounter, CounterSnapshot, OpCount};
 pub use dtype::{DType, Element};
 pub use engine::{AbortFlag, JobContext, JobSpec, ProgressEngine};
 pub use env::LaunchEnv;

@@ -262,6 +262,7 @@ impl<'a> Session<'a> {
                 return Err(Error::Aborted { op });
             };
             if my_abort {
+                retract(round.phase_mut(phase, size), me);
                 round.abandoned = Some(Abandon {
                     by: me,
                     cause: AbandonCause::Left,
@@ -280,8 +281,10 @@ impl<'a> Session<'a> {
                 }
                 return Ok(posts);
             }
-            let missing = (0..size).find(|&r| slot.posts[r].is_none());
             if let Some(abandon) = abandoned {
+                // The abandoner retracted its post; report the rank that was really missing
+                // when there is one, else the abandoner itself.
+                let missing = (0..size).find(|&r| r != abandon.by && slot.posts[r].is_none());
                 return Err(match (abandon.cause, missing) {
                     (AbandonCause::Timeout, Some(peer)) => Error::Timeout {
                         op,
@@ -305,6 +308,8 @@ impl<'a> Session<'a> {
             }
             let left = self.ctx.time_left();
             if left.is_zero() {
+                let missing = (0..size).find(|&r| slot.posts[r].is_none());
+                retract(slot, me);
                 round.abandoned = Some(Abandon {
                     by: me,
                     cause: AbandonCause::Timeout,
@@ -350,6 +355,14 @@ impl Drop for Session<'_> {
         }
         drop(state);
         self.group.changed.notify_all();
+    }
+}
+
+/// Withdraws `rank`'s post from an incomplete phase, so that a late peer does not complete the
+/// phase with a rank that has already given up.
+fn retract(slot: &mut Phase, rank: usize) {
+    if slot.posted < slot.posts.len() && slot.posts[rank].take().is_some() {
+        slot.posted -= 1;
     }
 }
 
