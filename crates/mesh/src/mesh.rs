@@ -241,9 +241,9 @@ impl DeviceMesh {
     /// assert_eq!(mesh.select(5, &["tp", "dp"])?.ranks(), &[4, 6, 5, 7]);
     /// # Ok::<(), hypershard_mesh::MeshError>(())
     /// ```
-    pub fn select<'a, D>(&self, rank: usize, dims: impl IntoIterator<Item = D>) -> Result<Self>
+    pub fn select<'a, D>(&self, rank: usize, dims: &[D]) -> Result<Self>
     where
-        D: Into<DimRef<'a>>,
+        D: Into<DimRef<'a>> + Copy,
     {
         let dims = self.resolve_dims(dims, "select")?;
         let base = self.coordinate_of(rank)?;
@@ -269,9 +269,9 @@ impl DeviceMesh {
     /// assert_eq!(flat.groups("dp")?[0], vec![0, 1, 6, 7]);
     /// # Ok::<(), hypershard_mesh::MeshError>(())
     /// ```
-    pub fn flatten<'a, D>(&self, dims: impl IntoIterator<Item = D>, name: &str) -> Result<Self>
+    pub fn flatten<'a, D>(&self, dims: &[D], name: &str) -> Result<Self>
     where
-        D: Into<DimRef<'a>>,
+        D: Into<DimRef<'a>> + Copy,
     {
         let merged = self.resolve_dims(dims, "flatten")?;
         // invariant: resolve_dims rejects an empty list, so a minimum exists.
@@ -349,16 +349,12 @@ impl DeviceMesh {
     }
 
     /// Resolves a list of dimensions to unique indices, in the given order.
-    fn resolve_dims<'a, D>(
-        &self,
-        dims: impl IntoIterator<Item = D>,
-        op: &'static str,
-    ) -> Result<Vec<usize>>
+    fn resolve_dims<'a, D>(&self, dims: &[D], op: &'static str) -> Result<Vec<usize>>
     where
-        D: Into<DimRef<'a>>,
+        D: Into<DimRef<'a>> + Copy,
     {
-        let mut resolved: Vec<usize> = Vec::new();
-        for dim in dims {
+        let mut resolved: Vec<usize> = Vec::with_capacity(dims.len());
+        for &dim in dims {
             let index = self.dim_index(dim)?;
             if resolved.contains(&index) {
                 return Err(MeshError::DuplicateDim { dim: index });
@@ -587,12 +583,16 @@ mod tests {
         assert_eq!(shard.shape(), &[4]);
         assert_eq!(shard.ranks(), &[4, 5, 6, 7]);
         assert_eq!(shard.dim_name(0), Ok(Some("dp_shard")));
-        let replicate = mesh.select(6, [0]).expect("valid select"); // invariant: known dim.
+        let replicate = mesh.select(6, &[0]).expect("valid select"); // invariant: known dim.
         assert_eq!(replicate.ranks(), &[2, 6]);
         assert_eq!(replicate.dim_name(0), Ok(Some("dp_replicate")));
-        let both = mesh.select(6, ["dp_shard", "dp_replicate"]).expect("valid"); // invariant: known dims.
+        let both = mesh
+            .select(6, &["dp_shard", "dp_replicate"])
+            .expect("valid"); // invariant: known dims.
         assert_eq!(both.shape(), &[4, 2]);
         assert_eq!(both.ranks(), &[0, 4, 1, 5, 2, 6, 3, 7]);
+        let mixed = [DimRef::Name("dp_shard"), DimRef::Index(0)];
+        assert_eq!(mesh.select(6, &mixed), Ok(both));
     }
 
     #[test]
@@ -600,19 +600,19 @@ mod tests {
         let mesh = hsdp();
         let none: [&str; 0] = [];
         assert_eq!(
-            mesh.select(0, none),
+            mesh.select(0, &none),
             Err(MeshError::NoDims { op: "select" })
         );
         assert_eq!(
-            mesh.select(0, ["dp_shard", "dp_shard"]),
+            mesh.select(0, &["dp_shard", "dp_shard"]),
             Err(MeshError::DuplicateDim { dim: 1 })
         );
         assert_eq!(
-            mesh.select(9, ["dp_shard"]),
+            mesh.select(9, &["dp_shard"]),
             Err(MeshError::RankNotInMesh { rank: 9 })
         );
         assert!(matches!(
-            mesh.select(0, ["tp"]),
+            mesh.select(0, &["tp"]),
             Err(MeshError::UnknownDimName { name, .. }) if name == "tp"
         ));
     }
@@ -626,14 +626,14 @@ mod tests {
         assert_eq!(dp.shape(), &[8]);
         assert_eq!(dp.ranks(), &[0, 1, 2, 3, 4, 5, 6, 7]);
         assert_eq!(dp.dim_name(0), Ok(Some("dp")));
-        let reversed = mesh.flatten([1, 0], "dp").expect("valid flatten"); // invariant: known dims.
+        let reversed = mesh.flatten(&[1, 0], "dp").expect("valid flatten"); // invariant: known dims.
         assert_eq!(reversed.ranks(), &[0, 4, 1, 5, 2, 6, 3, 7]);
     }
 
     #[test]
     fn flatten_merges_non_adjacent_dims_and_keeps_the_rest() {
         let mesh = DeviceMesh::new(&[2, 3, 2], &["a", "b", "c"]).expect("valid"); // invariant: literal.
-        let flat = mesh.flatten(["c", "a"], "ca").expect("valid flatten"); // invariant: known dims.
+        let flat = mesh.flatten(&["c", "a"], "ca").expect("valid flatten"); // invariant: known dims.
         assert_eq!(flat.shape(), &[4, 3]);
         assert_eq!(flat.dim_name(0), Ok(Some("ca")));
         assert_eq!(flat.dim_name(1), Ok(Some("b")));
@@ -644,7 +644,7 @@ mod tests {
                 assert_eq!(flat.rank_at(&[ca, b]), Ok(a * 6 + b * 2 + c));
             }
         }
-        let single = mesh.flatten(["b"], "b").expect("valid flatten"); // invariant: known dim.
+        let single = mesh.flatten(&["b"], "b").expect("valid flatten"); // invariant: known dim.
         assert_eq!(single, mesh);
     }
 
@@ -653,19 +653,19 @@ mod tests {
         let mesh = DeviceMesh::new(&[2, 3, 2], &["a", "b", "c"]).expect("valid"); // invariant: literal.
         let none: [usize; 0] = [];
         assert_eq!(
-            mesh.flatten(none, "x"),
+            mesh.flatten(&none, "x"),
             Err(MeshError::NoDims { op: "flatten" })
         );
         assert_eq!(
-            mesh.flatten(["a", "c"], "b"),
+            mesh.flatten(&["a", "c"], "b"),
             Err(MeshError::DuplicateDimName { name: "b".into() })
         );
         assert_eq!(
-            mesh.flatten([0, 0], "x"),
+            mesh.flatten(&[0, 0], "x"),
             Err(MeshError::DuplicateDim { dim: 0 })
         );
         assert_eq!(
-            mesh.flatten([0, 3], "x"),
+            mesh.flatten(&[0, 3], "x"),
             Err(MeshError::DimOutOfRange { dim: 3, ndim: 3 })
         );
     }
@@ -698,7 +698,7 @@ mod tests {
                 let SplitKey { color, key } = mesh.split_key(rank, dim).expect("valid"); // invariant: rank in mesh.
                 assert_eq!(groups[color][key], rank);
                 assert_eq!(key, mesh.local_rank(rank, dim).expect("valid")); // invariant: as above.
-                let selected = mesh.select(rank, [dim]).expect("valid"); // invariant: as above.
+                let selected = mesh.select(rank, &[dim]).expect("valid"); // invariant: as above.
                 assert_eq!(selected.ranks(), groups[color].as_slice());
             }
         }
