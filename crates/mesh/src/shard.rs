@@ -161,6 +161,8 @@ mod tests {
         assert_eq!(lens(1, 3), [1, 0, 0]);
         assert_eq!(lens(0, 3), [0, 0, 0]);
         assert_eq!(lens(7, 1), [7]);
+        // Flat sharding over 6 ranks differs from the nested 2 x 3 layout (docs/placements.md).
+        assert_eq!(lens(10, 6), [2, 2, 2, 2, 2, 0]);
     }
 
     #[test]
