@@ -1,5 +1,8 @@
 //! Property tests: rank ↔ coordinate is a bijection, groups and split keys agree, and the local
 //! blocks of all ranks tile the global tensor exactly once.
+//!
+//! The strategies generate only valid meshes and layouts, so every `unwrap` on a result of the
+//! crate rests on that invariant: an error there is a bug, and proptest reports it as a failure.
 
 use std::collections::BTreeMap;
 
