@@ -75,7 +75,7 @@ impl HostBuffer {
     /// Fails with [`Error::MisalignedBytes`] when `bytes.len()` is not a multiple of the element
     /// size.
     pub fn from_bytes(dtype: DType, bytes: &[u8]) -> Result<Self> {
-        if bytes.len() % dtype.size_bytes() != 0 {
+        if !bytes.len().is_multiple_of(dtype.size_bytes()) {
             return Err(Error::MisalignedBytes {
                 dtype,
                 bytes: bytes.len(),

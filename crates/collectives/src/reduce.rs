@@ -180,7 +180,7 @@ impl ReducePlan {
     }
 
     fn check_whole(&self, bytes: usize) -> Result<()> {
-        if bytes % self.dtype.size_bytes() == 0 {
+        if bytes.is_multiple_of(self.dtype.size_bytes()) {
             Ok(())
         } else {
             Err(Error::MisalignedBytes {
