@@ -649,9 +649,9 @@ mod tests {
     fn unaligned_byte_slices_are_handled() {
         // Offsetting by one byte makes the f32 views unaligned: the kernels copy, not panic.
         let plan = ReducePlan::new(ReduceOp::Sum, DType::F32, 2).unwrap();
-        let mut acc_storage = vec![0u8; 9];
+        let mut acc_storage = [0u8; 9];
         acc_storage[1..].copy_from_slice(bytemuck::cast_slice(&[1.5f32, 2.0]));
-        let mut in_storage = vec![0u8; 9];
+        let mut in_storage = [0u8; 9];
         in_storage[1..].copy_from_slice(bytemuck::cast_slice(&[0.5f32, 4.0]));
         plan.combine(&mut acc_storage[1..], &in_storage[1..])
             .unwrap();
