@@ -1,5 +1,46 @@
-//! The training substrate of hypershard.
+//! The training substrate of hypershard: modules with explicit backward, losses, optimizers.
 //!
-//! This crate will hold the `Module` trait with explicit `forward` and `backward`, the
-//! transformer layers, losses and optimizers that `fully_shard` wraps. It is empty until the nn
-//! issue lands: nothing here pretends to work yet.
+//! Every [`Module`] caches what its backward needs in `forward`, and `backward` accumulates
+//! parameter gradients and returns the input gradient, so a wrapper (FSDP) can run its
+//! unshard / reshard / reduce-scatter hooks exactly at module boundaries. Parameter names and
+//! shapes follow PyTorch (`0.weight`, Linear weight `[out, in]`) so state dicts interoperate.
+//!
+//! ```
+//! use hypershard_nn::{Linear, LinearConfig, Module, Relu, Sequential, mse_loss};
+//! use hypershard_tensor::{DType, Tensor};
+//!
+//! let config = |i, o, seed| LinearConfig { in_features: i, out_features: o, bias: true, dtype: DType::F64, seed };
+//! let mut mlp = Sequential::default()
+//!     .with(Linear::new(config(3, 8, 0))?)
+//!     .with(Relu::new())
+//!     .with(Linear::new(config(8, 1, 2))?);
+//! let x = Tensor::ones(&[4, 3], DType::F64)?;
+//! let y = mlp.forward(&x)?;
+//! let loss = mse_loss(&y, &Tensor::zeros(&[4, 1], DType::F64)?)?;
+//! let grad_x = mlp.backward(&loss.grad)?;
+//! assert_eq!(grad_x.shape(), &[4, 3]);
+//! assert_eq!(hypershard_nn::parameter_names(&mlp)?, ["0.weight", "0.bias", "2.weight", "2.bias"]);
+//! # Ok::<(), hypershard_nn::Error>(())
+//! ```
+
+mod activation;
+mod elementwise;
+mod error;
+pub mod linalg;
+mod linear;
+mod loss;
+mod module;
+pub mod optim;
+mod param;
+mod sequential;
+pub mod special;
+
+pub use activation::{Gelu, GeluApproximation, Relu, Silu};
+pub use error::{Error, Result};
+pub use linear::{Linear, LinearConfig};
+pub use loss::{DEFAULT_IGNORE_INDEX, LossOutput, cross_entropy, mse_loss};
+pub use module::{
+    ChildVisitorMut, Module, ParamVisitor, ParamVisitorMut, join_name, parameter_names, zero_grad,
+};
+pub use param::Parameter;
+pub use sequential::Sequential;

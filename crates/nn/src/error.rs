@@ -1,0 +1,100 @@
+//! The one error type of this crate.
+
+use hypershard_tensor::DType;
+
+/// Everything that can go wrong in a module, loss or optimizer.
+///
+/// Variants carry the operation (`op`), the module kind, the parameter name, shapes or dtypes
+/// involved, so a caller can react without parsing a message.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum Error {
+    /// A tensor operation failed.
+    #[error(transparent)]
+    Tensor(#[from] hypershard_tensor::Error),
+    /// A parameter's storage is not materialised on this rank (for example, sharded away).
+    #[error("parameter `{name}` is not materialised")]
+    NotMaterialised {
+        /// The parameter's name as stored in the [`Parameter`](crate::Parameter).
+        name: String,
+    },
+    /// `backward` was called without a preceding `forward` (or twice after one forward).
+    #[error("{module}: backward called without a preceding forward")]
+    BackwardBeforeForward {
+        /// The kind of module, e.g. `"Linear"`.
+        module: &'static str,
+    },
+    /// A tensor has a shape the operation does not accept.
+    #[error("{op}: expected shape {expected}, got {actual:?}")]
+    BadShape {
+        /// The operation that failed.
+        op: &'static str,
+        /// What the operation expects, in words (e.g. `"[*, 4]"`).
+        expected: String,
+        /// The shape it got.
+        actual: Vec<usize>,
+    },
+    /// Two shapes that must agree do not.
+    #[error("{op}: shape mismatch, {lhs:?} vs {rhs:?}")]
+    ShapeMismatch {
+        /// The operation that failed.
+        op: &'static str,
+        /// The first shape.
+        lhs: Vec<usize>,
+        /// The second shape.
+        rhs: Vec<usize>,
+    },
+    /// Two dtypes that must agree do not.
+    #[error("{op}: dtype mismatch, {lhs} vs {rhs}")]
+    DTypeMismatch {
+        /// The operation that failed.
+        op: &'static str,
+        /// The first dtype.
+        lhs: DType,
+        /// The second dtype.
+        rhs: DType,
+    },
+    /// The operation does not support this dtype.
+    #[error("{op}: dtype {dtype} is not supported")]
+    UnsupportedDType {
+        /// The operation that failed.
+        op: &'static str,
+        /// The offending dtype.
+        dtype: DType,
+    },
+    /// A class index is neither in `0..classes` nor the ignore index.
+    #[error("{op}: target {target} at position {position} is outside 0..{classes}")]
+    TargetOutOfRange {
+        /// The operation that failed.
+        op: &'static str,
+        /// The position of the target in the flattened targets.
+        position: usize,
+        /// The offending target.
+        target: i64,
+        /// The number of classes.
+        classes: usize,
+    },
+    /// A configuration value is outside its valid range.
+    #[error("{op}: invalid {field} = {value}: {reason}")]
+    InvalidConfig {
+        /// The constructor that rejected the value.
+        op: &'static str,
+        /// The configuration field.
+        field: &'static str,
+        /// The rejected value.
+        value: f64,
+        /// Why it is rejected.
+        reason: &'static str,
+    },
+    /// A size does not fit the integer type a kernel needs.
+    #[error("{op}: size {size} does not fit the kernel's index type")]
+    SizeOverflow {
+        /// The operation that failed.
+        op: &'static str,
+        /// The offending size.
+        size: usize,
+    },
+}
+
+/// The result type of this crate.
+pub type Result<T> = std::result::Result<T, Error>;

@@ -1,0 +1,219 @@
+//! `Linear`: `y = x Wᵀ + b` with torch's names, shapes and default initialisation.
+
+use hypershard_tensor::{DType, RandomInit, Tensor};
+
+use crate::elementwise::check_float;
+use crate::linalg::{MatmulOptions, matmul_with};
+use crate::module::{ParamVisitor, ParamVisitorMut, join_name};
+use crate::{Error, Module, Parameter, Result};
+
+/// How to build a [`Linear`].
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct LinearConfig {
+    /// The size of the last input dim.
+    pub in_features: usize,
+    /// The size of the last output dim.
+    pub out_features: usize,
+    /// Whether the layer has a bias (torch's default: true).
+    pub bias: bool,
+    /// The parameters' dtype.
+    pub dtype: DType,
+    /// The seed of the weight; the bias uses `seed + 1`, so distinct layers need seeds at least
+    /// two apart.
+    pub seed: u64,
+}
+
+/// A fully connected layer: `weight` is `[out_features, in_features]`, `bias` `[out_features]`.
+///
+/// Both are initialised as torch does, from `U(-1/√in, 1/√in)` (torch's
+/// `kaiming_uniform_(a=√5)` for the weight reduces to this bound), drawn from the tensor
+/// crate's counter-based generator, so values depend only on the seed, not on torch's RNG.
+/// Inputs may have any number of leading dims: `[*, in] → [*, out]`.
+#[derive(Debug)]
+pub struct Linear {
+    /// The weight, `[out_features, in_features]`.
+    pub weight: Parameter,
+    /// The bias, `[out_features]`, if any.
+    pub bias: Option<Parameter>,
+    in_features: usize,
+    out_features: usize,
+    input: Option<Tensor>,
+}
+
+impl Linear {
+    /// A layer initialised as torch's `nn.Linear`.
+    pub fn new(config: LinearConfig) -> Result<Self> {
+        check_float("Linear::new", config.dtype)?;
+        // torch: bound = 1/sqrt(fan_in), and 0 when fan_in is 0.
+        let bound = if config.in_features == 0 {
+            0.0
+        } else {
+            1.0 / (config.in_features as f64).sqrt()
+        };
+        let weight = Tensor::random(
+            &[config.out_features, config.in_features],
+            config.dtype,
+            RandomInit::uniform(config.seed, -bound, bound),
+        )?;
+        let bias = if config.bias {
+            Some(Tensor::random(
+                &[config.out_features],
+                config.dtype,
+                RandomInit::uniform(config.seed.wrapping_add(1), -bound, bound),
+            )?)
+        } else {
+            None
+        };
+        Linear::from_tensors(weight, bias)
+    }
+
+    /// A layer with the given weight `[out, in]` and optional bias `[out]`.
+    pub fn from_tensors(weight: Tensor, bias: Option<Tensor>) -> Result<Self> {
+        check_float("Linear::from_tensors", weight.dtype())?;
+        let [out_features, in_features] = weight.shape() else {
+            return Err(Error::BadShape {
+                op: "Linear::from_tensors",
+                expected: "a 2-D weight [out, in]".to_string(),
+                actual: weight.shape().to_vec(),
+            });
+        };
+        let (out_features, in_features) = (*out_features, *in_features);
+        if let Some(b) = &bias {
+            if b.shape() != [out_features] {
+                return Err(Error::ShapeMismatch {
+                    op: "Linear::from_tensors",
+                    lhs: weight.shape().to_vec(),
+                    rhs: b.shape().to_vec(),
+                });
+            }
+            if b.dtype() != weight.dtype() {
+                return Err(Error::DTypeMismatch {
+                    op: "Linear::from_tensors",
+                    lhs: weight.dtype(),
+                    rhs: b.dtype(),
+                });
+            }
+        }
+        Ok(Linear {
+            weight: Parameter::new("weight", weight),
+            bias: bias.map(|b| Parameter::new("bias", b)),
+            in_features,
+            out_features,
+            input: None,
+        })
+    }
+
+    /// The size of the last input dim.
+    pub fn in_features(&self) -> usize {
+        self.in_features
+    }
+
+    /// The size of the last output dim.
+    pub fn out_features(&self) -> usize {
+        self.out_features
+    }
+
+    /// Views `t` as `[rows, last]`, checking that its last dim is `last`.
+    fn as_matrix(&self, t: &Tensor, last: usize, what: &'static str) -> Result<Tensor> {
+        if t.shape().last() != Some(&last) {
+            return Err(Error::BadShape {
+                op: what,
+                expected: format!("[*, {last}]"),
+                actual: t.shape().to_vec(),
+            });
+        }
+        let rows = t.numel().checked_div(last).unwrap_or(0);
+        Ok(t.reshape(&[rows, last])?)
+    }
+}
+
+impl Module for Linear {
+    fn kind(&self) -> &'static str {
+        "Linear"
+    }
+
+    fn forward(&mut self, input: &Tensor) -> Result<Tensor> {
+        let weight = self.weight.data()?;
+        if input.dtype() != weight.dtype() {
+            return Err(Error::DTypeMismatch {
+                op: "Linear::forward",
+                lhs: weight.dtype(),
+                rhs: input.dtype(),
+            });
+        }
+        let x = self.as_matrix(input, self.in_features, "Linear::forward")?;
+        let options = MatmulOptions {
+            transpose_a: false,
+            transpose_b: true,
+        };
+        let mut y = matmul_with(&x, weight, options)?;
+        if let Some(bias) = &self.bias {
+            y.add_(bias.data()?)?;
+        }
+        let mut out_shape = input.shape().to_vec();
+        if let Some(last) = out_shape.last_mut() {
+            *last = self.out_features;
+        }
+        y = y.reshape(&out_shape)?;
+        self.input = Some(input.clone());
+        Ok(y)
+    }
+
+    fn backward(&mut self, grad_output: &Tensor) -> Result<Tensor> {
+        let input = self
+            .input
+            .take()
+            .ok_or(Error::BackwardBeforeForward { module: "Linear" })?;
+        let weight = self.weight.data()?;
+        if grad_output.dtype() != weight.dtype() {
+            return Err(Error::DTypeMismatch {
+                op: "Linear::backward",
+                lhs: weight.dtype(),
+                rhs: grad_output.dtype(),
+            });
+        }
+        let gy = self.as_matrix(grad_output, self.out_features, "Linear::backward")?;
+        let x = self.as_matrix(&input, self.in_features, "Linear::backward")?;
+        if gy.shape()[0] != x.shape()[0] {
+            return Err(Error::ShapeMismatch {
+                op: "Linear::backward",
+                lhs: input.shape().to_vec(),
+                rhs: grad_output.shape().to_vec(),
+            });
+        }
+        // dx = gy · W, [N, out] · [out, in].
+        let grad_input =
+            matmul_with(&gy, weight, MatmulOptions::default())?.reshape(input.shape())?;
+        if self.weight.requires_grad {
+            // dW = gyᵀ · x, [out, N] · [N, in].
+            let options = MatmulOptions {
+                transpose_a: true,
+                transpose_b: false,
+            };
+            let grad_weight = matmul_with(&gy, &x, options)?;
+            self.weight.accumulate_grad(grad_weight)?;
+        }
+        if let Some(bias) = &mut self.bias
+            && bias.requires_grad
+        {
+            bias.accumulate_grad(gy.sum(0, false)?)?;
+        }
+        Ok(grad_input)
+    }
+
+    fn visit_params(&self, prefix: &str, f: &mut ParamVisitor<'_>) -> Result<()> {
+        f(&join_name(prefix, "weight"), &self.weight)?;
+        if let Some(bias) = &self.bias {
+            f(&join_name(prefix, "bias"), bias)?;
+        }
+        Ok(())
+    }
+
+    fn visit_params_mut(&mut self, prefix: &str, f: &mut ParamVisitorMut<'_>) -> Result<()> {
+        f(&join_name(prefix, "weight"), &mut self.weight)?;
+        if let Some(bias) = &mut self.bias {
+            f(&join_name(prefix, "bias"), bias)?;
+        }
+        Ok(())
+    }
+}

@@ -1,0 +1,79 @@
+//! The `Module` trait: explicit forward and backward, parameter and child visitors.
+
+use hypershard_tensor::Tensor;
+
+use crate::{Parameter, Result};
+
+/// A visitor over parameters by shared reference, called with the full dotted name.
+pub type ParamVisitor<'a> = dyn FnMut(&str, &Parameter) -> Result<()> + 'a;
+/// A visitor over parameters by mutable reference, called with the full dotted name.
+pub type ParamVisitorMut<'a> = dyn FnMut(&str, &mut Parameter) -> Result<()> + 'a;
+/// A visitor over the direct children of a module, called with the child's local name.
+pub type ChildVisitorMut<'a> = dyn FnMut(&str, &mut dyn Module) -> Result<()> + 'a;
+
+/// A layer with an explicit backward pass.
+///
+/// `forward` caches what `backward` needs; `backward` consumes that cache, accumulates
+/// parameter gradients into [`Parameter::grad`] and returns the gradient of the input. A
+/// second `backward` without a new `forward` is
+/// [`Error::BackwardBeforeForward`](crate::Error::BackwardBeforeForward), as torch refuses
+/// to backward through a freed graph.
+///
+/// Because the trait is object safe and every call goes through it, a wrapper (FSDP) can
+/// implement `Module` around any inner module and run code before and after the inner
+/// `forward` and `backward` (unshard, reshard, reduce-scatter) at exactly the module boundary.
+///
+/// Cached inputs are views sharing storage with the caller's tensors: writing into an input in
+/// place between `forward` and `backward` changes the gradient (torch would detect this with
+/// its version counter; we do not).
+pub trait Module: Send {
+    /// The kind of module (`"Linear"`), used in errors.
+    fn kind(&self) -> &'static str;
+
+    /// Computes the output and caches what `backward` needs.
+    fn forward(&mut self, input: &Tensor) -> Result<Tensor>;
+
+    /// Given the gradient of the output, accumulates parameter gradients and returns the
+    /// gradient of the input.
+    fn backward(&mut self, grad_output: &Tensor) -> Result<Tensor>;
+
+    /// Calls `f` with every parameter and its full name (`prefix` joined with the local path by
+    /// dots; an empty prefix gives `weight`, `0.weight`, ...).
+    fn visit_params(&self, prefix: &str, f: &mut ParamVisitor<'_>) -> Result<()>;
+
+    /// Calls `f` with every parameter, mutably, and its full name.
+    fn visit_params_mut(&mut self, prefix: &str, f: &mut ParamVisitorMut<'_>) -> Result<()>;
+
+    /// Calls `f` with each direct child and its local name. Leaves have no children.
+    fn visit_children_mut(&mut self, f: &mut ChildVisitorMut<'_>) -> Result<()> {
+        let _ = f;
+        Ok(())
+    }
+}
+
+/// Joins a prefix and a local name with a dot, as torch's `named_parameters` does.
+pub fn join_name(prefix: &str, name: &str) -> String {
+    if prefix.is_empty() {
+        name.to_string()
+    } else {
+        format!("{prefix}.{name}")
+    }
+}
+
+/// The names of all parameters of `module`, in visiting order.
+pub fn parameter_names(module: &dyn Module) -> Result<Vec<String>> {
+    let mut names = Vec::new();
+    module.visit_params("", &mut |name, _| {
+        names.push(name.to_string());
+        Ok(())
+    })?;
+    Ok(names)
+}
+
+/// Clears every parameter's gradient (torch's `zero_grad(set_to_none=True)`).
+pub fn zero_grad(module: &mut dyn Module) -> Result<()> {
+    module.visit_params_mut("", &mut |_, param| {
+        param.clear_grad();
+        Ok(())
+    })
+}

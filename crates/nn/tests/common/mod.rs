@@ -1,0 +1,96 @@
+//! Helpers shared by the integration tests: random tensors and central finite differences.
+
+#![allow(dead_code)]
+
+use hypershard_nn::{Module, zero_grad};
+use hypershard_tensor::{DType, RandomInit, Tensor};
+
+/// A uniform random tensor on `[-1, 1)`.
+pub fn random(shape: &[usize], dtype: DType, seed: u64) -> Tensor {
+    // invariant: float dtype and small shapes, so creation cannot fail.
+    Tensor::random(shape, dtype, RandomInit::uniform(seed, -1.0, 1.0)).expect("random")
+}
+
+/// `|a − n| ≤ 1e-6 · max(|a|, |n|) + 1e-9`: relative error 1e-6, with an absolute floor for
+/// entries that are zero up to rounding.
+pub fn assert_close(analytic: &[f64], numeric: &[f64], what: &str) {
+    assert_eq!(analytic.len(), numeric.len(), "{what}: lengths");
+    for (i, (a, n)) in analytic.iter().zip(numeric).enumerate() {
+        let tol = 1e-6 * a.abs().max(n.abs()) + 1e-9;
+        assert!(
+            (a - n).abs() <= tol,
+            "{what}[{i}]: analytic {a} vs numeric {n}"
+        );
+    }
+}
+
+/// `Σ forward(x) ⊙ weights`, the scalar whose gradient `backward(weights)` computes.
+fn probe(module: &mut dyn Module, input: &Tensor, weights: &[f64]) -> f64 {
+    // invariant: the module accepted this input in the analytic pass.
+    let out = module
+        .forward(input)
+        .expect("forward")
+        .to_f64_vec()
+        .expect("f64");
+    out.iter().zip(weights).map(|(o, w)| o * w).sum()
+}
+
+/// Central difference of `probe` with respect to element `index` of `target`, which is the
+/// input or a view of a parameter's storage.
+fn central_difference(
+    module: &mut dyn Module,
+    input: &Tensor,
+    target: &Tensor,
+    index: usize,
+    weights: &[f64],
+) -> f64 {
+    const H: f64 = 1e-5;
+    let set = |delta: f64| {
+        // invariant: targets are contiguous f64 tensors created by the tests or layers.
+        target
+            .with_data_mut(|xs: &mut [f64]| xs[index] += delta)
+            .expect("f64 contiguous");
+    };
+    set(H);
+    let plus = probe(module, input, weights);
+    set(-2.0 * H);
+    let minus = probe(module, input, weights);
+    set(H);
+    (plus - minus) / (2.0 * H)
+}
+
+/// Checks `backward` of an f64 module against central finite differences for the input and
+/// every parameter.
+pub fn check_module(module: &mut dyn Module, input_shape: &[usize], seed: u64) {
+    let input = random(input_shape, DType::F64, seed);
+    // invariant: the tests pass modules that accept `input_shape`.
+    let out = module.forward(&input).expect("forward");
+    let weights = random(out.shape(), DType::F64, seed + 1000);
+    zero_grad(module).expect("zero_grad");
+    let grad_input = module.backward(&weights).expect("backward");
+    let weights = weights.to_f64_vec().expect("f64");
+
+    let mut analytic = Vec::new();
+    module
+        .visit_params("", &mut |name, param| {
+            let grad = param
+                .grad
+                .as_ref()
+                .expect("every parameter gets a gradient");
+            analytic.push((name.to_string(), param.data()?.clone(), grad.to_f64_vec()?));
+            Ok(())
+        })
+        .expect("visit");
+
+    let numeric: Vec<f64> = (0..input.numel())
+        .map(|i| central_difference(module, &input, &input, i, &weights))
+        .collect();
+    assert_close(&grad_input.to_f64_vec().expect("f64"), &numeric, "input");
+
+    for (name, data, grad) in analytic {
+        let numeric: Vec<f64> = (0..data.numel())
+            .map(|i| central_difference(module, &input, &data, i, &weights))
+            .collect();
+        assert_close(&grad, &numeric, &name);
+    }
+}
