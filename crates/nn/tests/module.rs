@@ -1,0 +1,203 @@
+//! The Module contract: names, child visiting, wrapping, accumulation and typed errors.
+
+mod common;
+
+use common::random;
+use hypershard_nn::optim::clip_grad_norm;
+use hypershard_nn::{
+    ChildVisitorMut, Error, Linear, LinearConfig, Module, ParamVisitor, ParamVisitorMut, Relu,
+    Result, Sequential, parameter_names, zero_grad,
+};
+use hypershard_tensor::{DType, Tensor};
+
+fn linear(in_features: usize, out_features: usize, seed: u64) -> Linear {
+    let config = LinearConfig {
+        in_features,
+        out_features,
+        bias: true,
+        dtype: DType::F64,
+        seed,
+    };
+    Linear::new(config).expect("linear")
+}
+
+/// A wrapper that counts the calls of the module it wraps, as FSDP runs hooks around them.
+struct Counting {
+    inner: Box<dyn Module>,
+    forwards: usize,
+    backwards: usize,
+}
+
+impl Module for Counting {
+    fn kind(&self) -> &'static str {
+        "Counting"
+    }
+
+    fn forward(&mut self, input: &Tensor) -> Result<Tensor> {
+        self.forwards += 1;
+        self.inner.forward(input)
+    }
+
+    fn backward(&mut self, grad_output: &Tensor) -> Result<Tensor> {
+        self.backwards += 1;
+        self.inner.backward(grad_output)
+    }
+
+    fn visit_params(&self, prefix: &str, f: &mut ParamVisitor<'_>) -> Result<()> {
+        self.inner.visit_params(prefix, f)
+    }
+
+    fn visit_params_mut(&mut self, prefix: &str, f: &mut ParamVisitorMut<'_>) -> Result<()> {
+        self.inner.visit_params_mut(prefix, f)
+    }
+
+    fn visit_children_mut(&mut self, f: &mut ChildVisitorMut<'_>) -> Result<()> {
+        f("", self.inner.as_mut())
+    }
+}
+
+#[test]
+fn names_follow_pytorch() {
+    let inner = Sequential::default()
+        .with(linear(2, 3, 0))
+        .with(Relu::new());
+    let mut no_bias = linear(3, 1, 2);
+    no_bias.bias = None;
+    let model = Sequential::default().with(inner).with(no_bias);
+    assert_eq!(
+        parameter_names(&model).expect("names"),
+        ["0.0.weight", "0.0.bias", "1.weight"]
+    );
+    let layer = linear(4, 5, 0);
+    assert_eq!(layer.weight.data().expect("data").shape(), &[5, 4]);
+}
+
+#[test]
+fn wrapping_children_keeps_results_and_names() {
+    let mut plain = Sequential::default()
+        .with(linear(3, 4, 0))
+        .with(linear(4, 2, 2));
+    let mut wrapped = Sequential::default();
+    for seed in [0, 2] {
+        let (i, o) = if seed == 0 { (3, 4) } else { (4, 2) };
+        wrapped.layers.push(Box::new(Counting {
+            inner: Box::new(linear(i, o, seed)),
+            forwards: 0,
+            backwards: 0,
+        }));
+    }
+    let x = random(&[5, 3], DType::F64, 9);
+    let y_plain = plain.forward(&x).expect("forward");
+    let y_wrapped = wrapped.forward(&x).expect("forward");
+    assert_eq!(
+        y_plain.to_vec::<f64>().expect("f64"),
+        y_wrapped.to_vec::<f64>().expect("f64")
+    );
+    let g = random(&[5, 2], DType::F64, 10);
+    let gx_plain = plain.backward(&g).expect("backward");
+    let gx_wrapped = wrapped.backward(&g).expect("backward");
+    assert_eq!(
+        gx_plain.to_vec::<f64>().expect("f64"),
+        gx_wrapped.to_vec::<f64>().expect("f64")
+    );
+    assert_eq!(
+        parameter_names(&plain).expect("names"),
+        parameter_names(&wrapped).expect("names")
+    );
+    let mut kinds = Vec::new();
+    wrapped
+        .visit_children_mut(&mut |name, child| {
+            kinds.push(format!("{name}:{}", child.kind()));
+            Ok(())
+        })
+        .expect("children");
+    assert_eq!(kinds, ["0:Counting", "1:Counting"]);
+}
+
+#[test]
+fn gradients_accumulate_over_backward_passes() {
+    let mut layer = linear(3, 2, 4);
+    let x = random(&[4, 3], DType::F64, 11);
+    let g = random(&[4, 2], DType::F64, 12);
+    layer.forward(&x).expect("forward");
+    layer.backward(&g).expect("backward");
+    let once = layer
+        .weight
+        .grad
+        .as_ref()
+        .expect("grad")
+        .to_vec::<f64>()
+        .expect("f64");
+    layer.forward(&x).expect("forward");
+    layer.backward(&g).expect("backward");
+    let twice = layer
+        .weight
+        .grad
+        .as_ref()
+        .expect("grad")
+        .to_vec::<f64>()
+        .expect("f64");
+    for (a, b) in once.iter().zip(&twice) {
+        assert!((2.0 * a - b).abs() < 1e-14);
+    }
+    zero_grad(&mut layer).expect("zero_grad");
+    assert!(layer.weight.grad.is_none() && layer.bias.as_ref().expect("bias").grad.is_none());
+    layer.weight.requires_grad = false;
+    layer.forward(&x).expect("forward");
+    layer.backward(&g).expect("backward");
+    assert!(layer.weight.grad.is_none());
+    assert!(layer.bias.as_ref().expect("bias").grad.is_some());
+    let norm = clip_grad_norm(&mut layer, 1e9).expect("clip");
+    let bias_grad = layer
+        .bias
+        .as_ref()
+        .expect("bias")
+        .grad
+        .as_ref()
+        .expect("grad");
+    let expected = bias_grad
+        .to_vec::<f64>()
+        .expect("f64")
+        .iter()
+        .map(|v| v * v)
+        .sum::<f64>()
+        .sqrt();
+    assert!((norm - expected).abs() < 1e-14);
+}
+
+#[test]
+fn typed_errors() {
+    let mut layer = linear(3, 2, 0);
+    let g = Tensor::zeros(&[1, 2], DType::F64).expect("zeros");
+    assert!(matches!(
+        layer.backward(&g),
+        Err(Error::BackwardBeforeForward { module: "Linear" })
+    ));
+    let x = Tensor::zeros(&[1, 3], DType::F64).expect("zeros");
+    layer.forward(&x).expect("forward");
+    layer.backward(&g).expect("backward");
+    // The cache is consumed: a second backward needs a new forward.
+    assert!(matches!(
+        layer.backward(&g),
+        Err(Error::BackwardBeforeForward { .. })
+    ));
+    let mut relu = Relu::new();
+    assert!(matches!(
+        relu.backward(&g),
+        Err(Error::BackwardBeforeForward { module: "ReLU" })
+    ));
+
+    let wrong = Tensor::zeros(&[1, 4], DType::F64).expect("zeros");
+    assert!(matches!(layer.forward(&wrong), Err(Error::BadShape { .. })));
+    let wrong_dtype = Tensor::zeros(&[1, 3], DType::F32).expect("zeros");
+    assert!(matches!(
+        layer.forward(&wrong_dtype),
+        Err(Error::DTypeMismatch { .. })
+    ));
+
+    layer.weight.data = None;
+    layer.weight.name = "0.weight".to_string();
+    let err = layer.forward(&x).expect_err("not materialised");
+    assert!(matches!(&err, Error::NotMaterialised { name } if name == "0.weight"));
+    assert_eq!(err.to_string(), "parameter `0.weight` is not materialised");
+}

@@ -1,0 +1,257 @@
+//! Optimizer steps against values worked out by hand, and gradient clipping.
+
+use hypershard_nn::optim::{AdamW, AdamWConfig, Sgd, SgdConfig, clip_grad_norm_params};
+use hypershard_nn::{Error, Parameter};
+use hypershard_tensor::{DType, Tensor};
+
+fn param(values: &[f64]) -> Parameter {
+    // invariant: a 1-D f64 tensor of the slice's length always builds.
+    Parameter::new(
+        "p",
+        Tensor::from_slice(values, &[values.len()]).expect("tensor"),
+    )
+}
+
+fn set_grad(p: &mut Parameter, grad: &[f64]) {
+    p.grad = Some(Tensor::from_slice(grad, &[grad.len()]).expect("tensor"));
+}
+
+fn values(p: &Parameter) -> Vec<f64> {
+    p.data()
+        .expect("materialised")
+        .to_vec::<f64>()
+        .expect("f64")
+}
+
+fn assert_values(p: &Parameter, expected: &[f64], tol: f64) {
+    for (got, want) in values(p).iter().zip(expected) {
+        assert!((got - want).abs() <= tol, "{got} vs {want}");
+    }
+}
+
+/// Runs three SGD steps with gradient 1 on a parameter starting at 1 and returns the values.
+fn sgd_three_steps(config: SgdConfig, grad: f64) -> Vec<f64> {
+    let mut sgd = Sgd::new(config).expect("config");
+    let mut p = param(&[1.0]);
+    (0..3)
+        .map(|_| {
+            set_grad(&mut p, &[grad]);
+            sgd.step_param("p", &mut p).expect("step");
+            values(&p)[0]
+        })
+        .collect()
+}
+
+#[test]
+fn sgd_momentum() {
+    // lr 0.1, momentum 0.9, g = 1: b = 1, 1.9, 2.71; p = 0.9, 0.71, 0.439.
+    let config = SgdConfig {
+        lr: 0.1,
+        momentum: 0.9,
+        ..SgdConfig::default()
+    };
+    let got = sgd_three_steps(config, 1.0);
+    for (g, e) in got.iter().zip([0.9, 0.71, 0.439]) {
+        assert!((g - e).abs() < 1e-14, "{g} vs {e}");
+    }
+}
+
+#[test]
+fn sgd_nesterov() {
+    // b = 1, 1.9, 2.71; direction g + 0.9 b = 1.9, 2.71, 3.439; p = 0.81, 0.539, 0.1951.
+    let config = SgdConfig {
+        lr: 0.1,
+        momentum: 0.9,
+        nesterov: true,
+        ..SgdConfig::default()
+    };
+    let got = sgd_three_steps(config, 1.0);
+    for (g, e) in got.iter().zip([0.81, 0.539, 0.1951]) {
+        assert!((g - e).abs() < 1e-14, "{g} vs {e}");
+    }
+}
+
+#[test]
+fn sgd_dampening_skips_the_first_step() {
+    // torch initialises the buffer with g undamped: b = 1, 0.9 + 0.5, 1.26 + 0.5.
+    let config = SgdConfig {
+        lr: 0.1,
+        momentum: 0.9,
+        dampening: 0.5,
+        ..SgdConfig::default()
+    };
+    let got = sgd_three_steps(config, 1.0);
+    for (g, e) in got.iter().zip([0.9, 0.76, 0.584]) {
+        assert!((g - e).abs() < 1e-14, "{g} vs {e}");
+    }
+}
+
+#[test]
+fn sgd_weight_decay() {
+    // g = 0 + 0.5 p, so p *= 1 − 0.05 each step.
+    let config = SgdConfig {
+        lr: 0.1,
+        weight_decay: 0.5,
+        ..SgdConfig::default()
+    };
+    let got = sgd_three_steps(config, 0.0);
+    for (g, e) in got.iter().zip([0.95, 0.9025, 0.857375]) {
+        assert!((g - e).abs() < 1e-14, "{g} vs {e}");
+    }
+}
+
+#[test]
+fn sgd_rejects_invalid_nesterov_and_skips_params_without_grad() {
+    let bad = SgdConfig {
+        nesterov: true,
+        ..SgdConfig::default()
+    };
+    assert!(matches!(
+        Sgd::new(bad),
+        Err(Error::InvalidConfig {
+            field: "nesterov",
+            ..
+        })
+    ));
+    let negative = SgdConfig {
+        lr: -1.0,
+        ..SgdConfig::default()
+    };
+    assert!(matches!(
+        Sgd::new(negative),
+        Err(Error::InvalidConfig { field: "lr", .. })
+    ));
+    let mut sgd = Sgd::new(SgdConfig::default()).expect("config");
+    let mut p = param(&[2.0]);
+    sgd.step_param("p", &mut p).expect("step");
+    assert_eq!(values(&p), vec![2.0]);
+    assert!(sgd.momentum_buffer("p").is_none());
+}
+
+#[test]
+fn adamw_defaults_are_torchs() {
+    let d = AdamWConfig::default();
+    assert_eq!(
+        (d.lr, d.betas, d.eps, d.weight_decay),
+        (1e-3, (0.9, 0.999), 1e-8, 1e-2)
+    );
+    let s = SgdConfig::default();
+    assert_eq!(
+        (s.lr, s.momentum, s.dampening, s.weight_decay, s.nesterov),
+        (1e-3, 0.0, 0.0, 0.0, false)
+    );
+}
+
+#[test]
+fn adamw_three_steps() {
+    let config = AdamWConfig {
+        lr: 0.1,
+        ..AdamWConfig::default()
+    };
+    let mut adamw = AdamW::new(config).expect("config");
+    let mut p = param(&[1.0, -0.5]);
+    // Step 1 in closed form: m̂ = g and v̂ = g², so p = p(1 − lr·wd) − lr·g/(|g| + eps):
+    // 1·0.999 − 0.1·0.5/(0.5 + 1e-8) = 0.899000002 and −0.5·0.999 + 0.1·1/(1 + 1e-8).
+    // Steps 2 and 3 were worked through torch's recursions (m, v, bias corrections) by hand.
+    let grads = [[0.5, -1.0], [-0.25, 2.0], [1.0, 0.5]];
+    let expected = [
+        [0.899_000_002, -0.399_500_001],
+        [0.871_467_298_705_846_3, -0.435_710_853_471_074_85],
+        [0.804_784_672_376_384, -0.476_840_262_292_302_75],
+    ];
+    for (grad, want) in grads.iter().zip(expected) {
+        set_grad(&mut p, grad);
+        adamw.step_param("p", &mut p).expect("step");
+        assert_values(&p, &want, 1e-12);
+    }
+    let state = adamw.state("p").expect("state");
+    assert_eq!(state.step, 3);
+    // m₃ = 0.9·(0.9·0.05 − 0.025) + 0.1 = 0.118 for the first element.
+    let m = state.exp_avg.to_vec::<f64>().expect("f64");
+    assert!((m[0] - 0.118).abs() < 1e-15);
+}
+
+#[test]
+fn adamw_constant_gradient_moves_by_lr_per_step() {
+    // With a constant g the bias-corrected moments are exactly g and g², so without weight
+    // decay every step moves by lr·g/(|g| + eps).
+    let config = AdamWConfig {
+        lr: 0.01,
+        weight_decay: 0.0,
+        ..AdamWConfig::default()
+    };
+    let mut adamw = AdamW::new(config).expect("config");
+    let mut p = param(&[0.0, 0.0]);
+    for step in 1..=3 {
+        set_grad(&mut p, &[2.0, -3.0]);
+        adamw.step_param("p", &mut p).expect("step");
+        let moved = f64::from(step) * 0.01;
+        assert_values(
+            &p,
+            &[-moved * 2.0 / (2.0 + 1e-8), moved * 3.0 / (3.0 + 1e-8)],
+            1e-12,
+        );
+    }
+}
+
+#[test]
+fn adamw_f32_state_stays_f32() {
+    let mut adamw = AdamW::new(AdamWConfig::default()).expect("config");
+    let mut p = Parameter::new("w", Tensor::ones(&[3], DType::F32).expect("ones"));
+    p.grad = Some(Tensor::full(&[3], 0.5, DType::F32).expect("full"));
+    adamw.step_param("w", &mut p).expect("step");
+    let state = adamw.state("w").expect("state");
+    assert_eq!(state.exp_avg.dtype(), DType::F32);
+    // 1·(1 − 1e-5) − 1e-3·0.5/(0.5 + 1e-8), rounded to f32.
+    let want = (0.99999f64 - 1e-3 * 0.5 / (0.5 + 1e-8)) as f32;
+    assert_eq!(
+        p.data().expect("data").to_vec::<f32>().expect("f32"),
+        vec![want; 3]
+    );
+}
+
+#[test]
+fn adamw_rejects_bad_betas_and_unmaterialised_params() {
+    let bad = AdamWConfig {
+        betas: (0.9, 1.0),
+        ..AdamWConfig::default()
+    };
+    assert!(matches!(
+        AdamW::new(bad),
+        Err(Error::InvalidConfig {
+            field: "betas.1",
+            ..
+        })
+    ));
+    let mut adamw = AdamW::new(AdamWConfig::default()).expect("config");
+    let mut p = param(&[1.0]);
+    set_grad(&mut p, &[1.0]);
+    p.data = None;
+    assert!(matches!(
+        adamw.step_param("p", &mut p),
+        Err(Error::NotMaterialised { name }) if name == "p"
+    ));
+}
+
+#[test]
+fn clipping_scales_to_max_norm_and_returns_total_norm() {
+    let mut a = param(&[0.0, 0.0]);
+    let mut b = param(&[0.0]);
+    set_grad(&mut a, &[3.0, 4.0]);
+    set_grad(&mut b, &[12.0]);
+    // ‖(3, 4, 12)‖ = 13.
+    let norm = clip_grad_norm_params(&mut [&mut a, &mut b], 6.5).expect("clip");
+    assert!((norm - 13.0).abs() < 1e-15);
+    let coef = 6.5 / (13.0 + 1e-6);
+    let ga = a.grad.as_ref().expect("grad").to_vec::<f64>().expect("f64");
+    let gb = b.grad.as_ref().expect("grad").to_vec::<f64>().expect("f64");
+    assert_eq!(ga, vec![3.0 * coef, 4.0 * coef]);
+    assert_eq!(gb, vec![12.0 * coef]);
+    // Below the bound nothing changes.
+    let norm = clip_grad_norm_params(&mut [&mut a, &mut b], 100.0).expect("clip");
+    assert!((norm - 13.0 * coef).abs() < 1e-12);
+    assert_eq!(
+        b.grad.as_ref().expect("grad").to_vec::<f64>().expect("f64"),
+        vec![12.0 * coef]
+    );
+}
