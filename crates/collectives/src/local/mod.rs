@@ -4,7 +4,7 @@
 //! [`spawn_world`] returns one [`Communicator`] per rank; hand each to its own thread. Every
 //! communicator has its own progress thread ([`ProgressEngine`]), so ops overlap the caller's
 //! compute and run in issue order exactly as on the other backends. The ranks of a group share
-//! a [`group::Group`]: collectives rendezvous there in numbered phases (see that module), and
+//! a `Group` (in `local/group.rs`): collectives rendezvous there in numbered phases (see that module), and
 //! point-to-point messages go through per-(sender, receiver, tag) mailboxes.
 //!
 //! Data moves with at most one copy per destination: a rank posts its input buffer itself
