@@ -40,7 +40,8 @@ pub use error::{Error, Result};
 pub use linear::{Linear, LinearConfig};
 pub use loss::{DEFAULT_IGNORE_INDEX, LossOutput, cross_entropy, mse_loss};
 pub use module::{
-    ChildVisitorMut, Module, ParamVisitor, ParamVisitorMut, join_name, parameter_names, zero_grad,
+    ChildVisitorMut, Module, ParamVisitor, ParamVisitorMut, join_name, parameter_names,
+    qualify_parameter_names, zero_grad,
 };
 pub use param::Parameter;
 pub use sequential::Sequential;

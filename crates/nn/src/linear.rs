@@ -44,25 +44,34 @@ impl Linear {
     /// A layer initialised as torch's `nn.Linear`.
     pub fn new(config: LinearConfig) -> Result<Self> {
         check_float("Linear::new", config.dtype)?;
-        // torch: bound = 1/sqrt(fan_in), and 0 when fan_in is 0.
-        let bound = if config.in_features == 0 {
-            0.0
+        let weight_shape = [config.out_features, config.in_features];
+        let bias_shape = [config.out_features];
+        // torch draws from U(-1/sqrt(fan_in), 1/sqrt(fan_in)); with fan_in = 0 the weight is
+        // empty and the bound is 0, so the bias is all zeros.
+        let (weight, bias) = if config.in_features == 0 {
+            let bias = config
+                .bias
+                .then(|| Tensor::zeros(&bias_shape, config.dtype))
+                .transpose()?;
+            (Tensor::zeros(&weight_shape, config.dtype)?, bias)
         } else {
-            1.0 / (config.in_features as f64).sqrt()
-        };
-        let weight = Tensor::random(
-            &[config.out_features, config.in_features],
-            config.dtype,
-            RandomInit::uniform(config.seed, -bound, bound),
-        )?;
-        let bias = if config.bias {
-            Some(Tensor::random(
-                &[config.out_features],
+            let bound = 1.0 / (config.in_features as f64).sqrt();
+            let weight = Tensor::random(
+                &weight_shape,
                 config.dtype,
-                RandomInit::uniform(config.seed.wrapping_add(1), -bound, bound),
-            )?)
-        } else {
-            None
+                RandomInit::uniform(config.seed, -bound, bound),
+            )?;
+            let bias = config
+                .bias
+                .then(|| {
+                    Tensor::random(
+                        &bias_shape,
+                        config.dtype,
+                        RandomInit::uniform(config.seed.wrapping_add(1), -bound, bound),
+                    )
+                })
+                .transpose()?;
+            (weight, bias)
         };
         Linear::from_tensors(weight, bias)
     }
@@ -122,7 +131,9 @@ impl Linear {
                 actual: t.shape().to_vec(),
             });
         }
-        let rows = t.numel().checked_div(last).unwrap_or(0);
+        // The product of the leading dims, not numel / last, so a zero-sized last dim keeps
+        // the row count.
+        let rows = t.shape()[..t.ndim() - 1].iter().product::<usize>();
         Ok(t.reshape(&[rows, last])?)
     }
 }

@@ -77,3 +77,13 @@ pub fn zero_grad(module: &mut dyn Module) -> Result<()> {
         Ok(())
     })
 }
+
+/// Sets every parameter's [`Parameter::name`] to its full dotted name, so errors such as
+/// [`Error::NotMaterialised`](crate::Error::NotMaterialised) name `0.weight` rather than
+/// `weight`. A wrapper calls this once on the root after building the model.
+pub fn qualify_parameter_names(module: &mut dyn Module) -> Result<()> {
+    module.visit_params_mut("", &mut |name, param| {
+        param.name = name.to_string();
+        Ok(())
+    })
+}

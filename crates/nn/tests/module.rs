@@ -6,7 +6,7 @@ use common::random;
 use hypershard_nn::optim::clip_grad_norm;
 use hypershard_nn::{
     ChildVisitorMut, Error, Linear, LinearConfig, Module, ParamVisitor, ParamVisitorMut, Relu,
-    Result, Sequential, parameter_names, zero_grad,
+    Result, Sequential, parameter_names, qualify_parameter_names, zero_grad,
 };
 use hypershard_tensor::{DType, Tensor};
 
@@ -200,4 +200,85 @@ fn typed_errors() {
     let err = layer.forward(&x).expect_err("not materialised");
     assert!(matches!(&err, Error::NotMaterialised { name } if name == "0.weight"));
     assert_eq!(err.to_string(), "parameter `0.weight` is not materialised");
+}
+
+#[test]
+fn qualified_names_reach_errors() {
+    let mut model = Sequential::default()
+        .with(Relu::new())
+        .with(linear(3, 2, 0));
+    qualify_parameter_names(&mut model).expect("qualify");
+    model
+        .visit_params_mut("", &mut |name, param| {
+            if name == "1.bias" {
+                param.data = None;
+            }
+            Ok(())
+        })
+        .expect("visit");
+    let x = Tensor::zeros(&[2, 3], DType::F64).expect("zeros");
+    assert!(matches!(
+        model.forward(&x),
+        Err(Error::NotMaterialised { name }) if name == "1.bias"
+    ));
+}
+
+#[test]
+fn zero_sized_dims() {
+    let mut layer = linear(0, 2, 0);
+    let x = Tensor::zeros(&[3, 0], DType::F64).expect("zeros");
+    let y = layer.forward(&x).expect("forward");
+    assert_eq!(y.shape(), &[3, 2]);
+    // With no inputs the output is the bias on every row, and torch's bias bound is 0.
+    let bias = layer
+        .bias
+        .as_ref()
+        .expect("bias")
+        .data()
+        .expect("data")
+        .to_vec::<f64>()
+        .expect("f64");
+    assert_eq!(
+        y.to_vec::<f64>().expect("f64"),
+        [bias.clone(), bias.clone(), bias].concat()
+    );
+    let gx = layer
+        .backward(&Tensor::ones(&[3, 2], DType::F64).expect("ones"))
+        .expect("backward");
+    assert_eq!(gx.shape(), &[3, 0]);
+    let bias_grad = layer
+        .bias
+        .as_ref()
+        .expect("bias")
+        .grad
+        .as_ref()
+        .expect("grad");
+    assert_eq!(bias_grad.to_vec::<f64>().expect("f64"), vec![3.0, 3.0]);
+}
+
+#[test]
+fn linear_init_is_torchs_bound_and_seeded() {
+    let a = linear(16, 8, 42);
+    let b = linear(16, 8, 42);
+    let w = a.weight.data().expect("data").to_vec::<f64>().expect("f64");
+    // torch: U(-1/√16, 1/√16) = U(-0.25, 0.25) for weight and bias.
+    assert!(w.iter().all(|v| (-0.25..0.25).contains(v)));
+    assert!(
+        w.iter().any(|v| v.abs() > 0.2),
+        "values spread over the interval"
+    );
+    let bias = a
+        .bias
+        .as_ref()
+        .expect("bias")
+        .data()
+        .expect("data")
+        .to_vec::<f64>()
+        .expect("f64");
+    assert!(bias.iter().all(|v| (-0.25..0.25).contains(v)));
+    assert_eq!(
+        w,
+        b.weight.data().expect("data").to_vec::<f64>().expect("f64")
+    );
+    assert_ne!(w[..8], bias[..], "weight and bias use different seeds");
 }

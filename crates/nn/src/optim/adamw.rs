@@ -100,8 +100,10 @@ impl AdamW {
             weight_decay,
         } = self.config;
         let data = param.data()?;
-        let state = match self.state.remove(name) {
-            Some(state) => state,
+        // The state tensors are cloned as views, so an error below leaves the stored state
+        // (and the parameter) untouched.
+        let state = match self.state.get(name) {
+            Some(state) => state.clone(),
             None => AdamWState {
                 step: 0,
                 exp_avg: Tensor::zeros(data.shape(), data.dtype())?,
