@@ -30,6 +30,7 @@ pub mod linalg;
 mod linear;
 mod loss;
 mod module;
+mod norm;
 pub mod optim;
 mod param;
 mod sequential;
@@ -43,5 +44,6 @@ pub use module::{
     ChildVisitorMut, Module, ParamVisitor, ParamVisitorMut, join_name, parameter_names,
     qualify_parameter_names, zero_grad,
 };
+pub use norm::{LayerNorm, LayerNormConfig, RmsNorm, RmsNormConfig};
 pub use param::Parameter;
 pub use sequential::Sequential;

@@ -4,8 +4,8 @@ mod common;
 
 use common::{assert_close, check_module, random};
 use hypershard_nn::{
-    DEFAULT_IGNORE_INDEX, Gelu, GeluApproximation, Linear, LinearConfig, Module, Relu, Sequential,
-    Silu, cross_entropy, mse_loss,
+    DEFAULT_IGNORE_INDEX, Gelu, GeluApproximation, LayerNorm, LayerNormConfig, Linear,
+    LinearConfig, Module, Relu, RmsNorm, RmsNormConfig, Sequential, Silu, cross_entropy, mse_loss,
 };
 use hypershard_tensor::{DType, Tensor};
 
@@ -130,4 +130,45 @@ fn f32_layers_agree_with_f64() {
     for (a, b) in gx32.to_f64_vec().expect("f64").iter().zip(&gx64) {
         assert!((a - b).abs() < 1e-5, "{a} vs {b}");
     }
+}
+
+/// Perturbs the freshly initialised (ones / zeros) affine parameters so the check sees a
+/// general weight and bias.
+fn randomise_params(module: &mut dyn Module, seed: u64) {
+    let mut next = seed;
+    module
+        .visit_params_mut("", &mut |_, param| {
+            let data = param.data()?;
+            data.copy_from(&random(data.shape(), DType::F64, next))?;
+            next += 1;
+            Ok(())
+        })
+        .expect("randomise");
+}
+
+#[test]
+fn layer_norm_with_and_without_bias() {
+    for bias in [true, false] {
+        let config = LayerNormConfig {
+            normalized_shape: 6,
+            eps: 1e-5,
+            bias,
+            dtype: DType::F64,
+        };
+        let mut norm = LayerNorm::new(config).expect("layer norm");
+        randomise_params(&mut norm, 90);
+        check_module(&mut norm, &[2, 3, 6], 91);
+    }
+}
+
+#[test]
+fn rms_norm() {
+    let config = RmsNormConfig {
+        normalized_shape: 5,
+        eps: None,
+        dtype: DType::F64,
+    };
+    let mut norm = RmsNorm::new(config).expect("rms norm");
+    randomise_params(&mut norm, 95);
+    check_module(&mut norm, &[4, 5], 96);
 }

@@ -282,3 +282,47 @@ fn linear_init_is_torchs_bound_and_seeded() {
     );
     assert_ne!(w[..8], bias[..], "weight and bias use different seeds");
 }
+
+#[test]
+fn norms_closed_form() {
+    use hypershard_nn::{LayerNorm, LayerNormConfig, RmsNorm, RmsNormConfig};
+    let x = Tensor::from_vec(vec![1.0f64, 2.0, 3.0, 4.0], &[1, 4]).expect("tensor");
+    let mut ln = LayerNorm::new(LayerNormConfig {
+        normalized_shape: 4,
+        eps: 0.0,
+        bias: true,
+        dtype: DType::F64,
+    })
+    .expect("layer norm");
+    // mean 2.5, biased variance 1.25.
+    let s = 1.25f64.sqrt();
+    let y = ln
+        .forward(&x)
+        .expect("forward")
+        .to_vec::<f64>()
+        .expect("f64");
+    for (got, want) in y.iter().zip([-1.5 / s, -0.5 / s, 0.5 / s, 1.5 / s]) {
+        assert!((got - want).abs() < 1e-15);
+    }
+    assert_eq!(parameter_names(&ln).expect("names"), ["weight", "bias"]);
+    let mut rms = RmsNorm::new(RmsNormConfig {
+        normalized_shape: 4,
+        eps: Some(0.0),
+        dtype: DType::F64,
+    })
+    .expect("rms norm");
+    // mean square 7.5.
+    let r = 7.5f64.sqrt();
+    let y = rms
+        .forward(&x)
+        .expect("forward")
+        .to_vec::<f64>()
+        .expect("f64");
+    for (got, want) in y.iter().zip([1.0 / r, 2.0 / r, 3.0 / r, 4.0 / r]) {
+        assert!((got - want).abs() < 1e-15);
+    }
+    assert!(matches!(
+        rms.forward(&Tensor::zeros(&[2, 3], DType::F64).expect("zeros")),
+        Err(Error::BadShape { .. })
+    ));
+}
