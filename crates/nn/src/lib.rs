@@ -24,6 +24,7 @@
 //! ```
 
 mod activation;
+mod dropout;
 mod elementwise;
 mod error;
 pub mod linalg;
@@ -37,6 +38,7 @@ mod sequential;
 pub mod special;
 
 pub use activation::{Gelu, GeluApproximation, Relu, Silu};
+pub use dropout::Dropout;
 pub use error::{Error, Result};
 pub use linear::{Linear, LinearConfig};
 pub use loss::{DEFAULT_IGNORE_INDEX, LossOutput, cross_entropy, mse_loss};

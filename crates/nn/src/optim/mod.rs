@@ -9,10 +9,12 @@
 
 mod adamw;
 mod clip;
+mod schedule;
 mod sgd;
 
 pub use adamw::{AdamW, AdamWConfig, AdamWState};
 pub use clip::{clip_grad_norm, clip_grad_norm_params};
+pub use schedule::WarmupCosine;
 pub use sgd::{Sgd, SgdConfig};
 
 use hypershard_tensor::Tensor;

@@ -1,0 +1,214 @@
+//! Dropout with a seeded, counter-based mask.
+
+use hypershard_tensor::{RandomInit, Tensor};
+
+use crate::elementwise::{check_float, from_f64};
+use crate::module::{ParamVisitor, ParamVisitorMut};
+use crate::{Error, Module, Result};
+
+/// Zeroes each element with probability `p` in training and scales the rest by `1/(1 − p)`;
+/// the identity in evaluation or when `p = 0` (as torch's `nn.Dropout`).
+///
+/// The mask of the `n`-th training forward is drawn from the tensor crate's counter-based
+/// generator with seed `seed + n`, so a run is reproducible but the masks differ per call.
+/// With `p = 1` every element is zeroed, as in torch.
+#[derive(Debug)]
+pub struct Dropout {
+    p: f64,
+    seed: u64,
+    calls: u64,
+    /// Whether the layer drops elements (torch's `module.train()` / `module.eval()`).
+    pub training: bool,
+    mask: Option<MaskCache>,
+}
+
+/// The scale applied to each element in the last forward (0 or `1/(1 − p)`, or 1 when off).
+#[derive(Debug)]
+struct MaskCache {
+    scales: Option<Vec<f64>>,
+    shape: Vec<usize>,
+}
+
+impl Dropout {
+    /// A dropout layer in training mode; `p` must lie in `[0, 1]`.
+    pub fn new(p: f64, seed: u64) -> Result<Self> {
+        if !(0.0..=1.0).contains(&p) {
+            return Err(Error::InvalidConfig {
+                op: "Dropout::new",
+                field: "p",
+                value: p,
+                reason: "must lie in [0, 1]",
+            });
+        }
+        Ok(Dropout {
+            p,
+            seed,
+            calls: 0,
+            training: true,
+            mask: None,
+        })
+    }
+}
+
+impl Module for Dropout {
+    fn kind(&self) -> &'static str {
+        "Dropout"
+    }
+
+    fn forward(&mut self, input: &Tensor) -> Result<Tensor> {
+        check_float("Dropout::forward", input.dtype())?;
+        if !self.training || self.p == 0.0 {
+            self.mask = Some(MaskCache {
+                scales: None,
+                shape: input.shape().to_vec(),
+            });
+            return Ok(input.clone());
+        }
+        let init = RandomInit::uniform(self.seed.wrapping_add(self.calls), 0.0, 1.0);
+        self.calls += 1;
+        let keep_scale = if self.p < 1.0 {
+            1.0 / (1.0 - self.p)
+        } else {
+            0.0
+        };
+        let scales: Vec<f64> = (0..input.numel() as u64)
+            .map(|i| {
+                if init.value_at(i) < self.p {
+                    0.0
+                } else {
+                    keep_scale
+                }
+            })
+            .collect();
+        let x = input.to_f64_vec()?;
+        let out = x.iter().zip(&scales).map(|(x, s)| x * s).collect();
+        self.mask = Some(MaskCache {
+            scales: Some(scales),
+            shape: input.shape().to_vec(),
+        });
+        from_f64(out, input.shape(), input.dtype())
+    }
+
+    fn backward(&mut self, grad_output: &Tensor) -> Result<Tensor> {
+        let mask = self
+            .mask
+            .take()
+            .ok_or(Error::BackwardBeforeForward { module: "Dropout" })?;
+        if grad_output.shape() != mask.shape.as_slice() {
+            return Err(Error::ShapeMismatch {
+                op: "Dropout::backward",
+                lhs: mask.shape,
+                rhs: grad_output.shape().to_vec(),
+            });
+        }
+        match mask.scales {
+            None => Ok(grad_output.clone()),
+            Some(scales) => {
+                let g = grad_output.to_f64_vec()?;
+                let out = g.iter().zip(&scales).map(|(g, s)| g * s).collect();
+                from_f64(out, grad_output.shape(), grad_output.dtype())
+            }
+        }
+    }
+
+    fn visit_params(&self, _prefix: &str, _f: &mut ParamVisitor<'_>) -> Result<()> {
+        Ok(())
+    }
+
+    fn visit_params_mut(&mut self, _prefix: &str, _f: &mut ParamVisitorMut<'_>) -> Result<()> {
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use hypershard_tensor::DType;
+
+    use super::*;
+
+    #[test]
+    fn p_zero_and_eval_are_the_identity() {
+        let x = Tensor::arange(6, DType::F64).expect("arange");
+        let mut off = Dropout::new(0.0, 1).expect("dropout");
+        assert_eq!(
+            off.forward(&x)
+                .expect("forward")
+                .to_vec::<f64>()
+                .expect("f64"),
+            x.to_vec::<f64>().expect("f64")
+        );
+        let mut eval = Dropout::new(0.5, 1).expect("dropout");
+        eval.training = false;
+        assert_eq!(
+            eval.forward(&x)
+                .expect("forward")
+                .to_vec::<f64>()
+                .expect("f64"),
+            x.to_vec::<f64>().expect("f64")
+        );
+        assert_eq!(
+            eval.backward(&x)
+                .expect("backward")
+                .to_vec::<f64>()
+                .expect("f64"),
+            x.to_vec::<f64>().expect("f64")
+        );
+    }
+
+    #[test]
+    fn drops_about_p_scales_the_rest_and_reuses_the_mask_in_backward() {
+        let x = Tensor::ones(&[4000], DType::F32).expect("ones");
+        let mut dropout = Dropout::new(0.25, 7).expect("dropout");
+        let y = dropout
+            .forward(&x)
+            .expect("forward")
+            .to_vec::<f32>()
+            .expect("f32");
+        let dropped = y.iter().filter(|v| **v == 0.0).count();
+        assert!(y.iter().all(|v| *v == 0.0 || (*v - 4.0 / 3.0).abs() < 1e-6));
+        // 1000 expected; ±120 is about 4.4 standard deviations (σ ≈ 27.4) either side.
+        assert!((880..1120).contains(&dropped), "dropped {dropped}");
+        let g = dropout
+            .backward(&x)
+            .expect("backward")
+            .to_vec::<f32>()
+            .expect("f32");
+        assert_eq!(g, y, "backward applies the forward's mask");
+        let again = dropout
+            .forward(&x)
+            .expect("forward")
+            .to_vec::<f32>()
+            .expect("f32");
+        assert_ne!(again, y, "each call draws a new mask");
+        let mut same_seed = Dropout::new(0.25, 7).expect("dropout");
+        assert_eq!(
+            same_seed
+                .forward(&x)
+                .expect("forward")
+                .to_vec::<f32>()
+                .expect("f32"),
+            y
+        );
+    }
+
+    #[test]
+    fn p_one_zeroes_and_bad_p_is_rejected() {
+        let x = Tensor::ones(&[5], DType::F64).expect("ones");
+        let mut all = Dropout::new(1.0, 0).expect("dropout");
+        assert_eq!(
+            all.forward(&x)
+                .expect("forward")
+                .to_vec::<f64>()
+                .expect("f64"),
+            vec![0.0; 5]
+        );
+        assert!(matches!(
+            Dropout::new(1.5, 0),
+            Err(Error::InvalidConfig { field: "p", .. })
+        ));
+        assert!(matches!(
+            Dropout::new(f64::NAN, 0),
+            Err(Error::InvalidConfig { .. })
+        ));
+    }
+}
