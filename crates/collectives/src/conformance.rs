@@ -30,6 +30,9 @@ pub struct SuiteParams {
     pub dtypes: Vec<DType>,
     /// The reduce ops to cover (default: all, `PreMulSum(0.5)`).
     pub reduce_ops: Vec<ReduceOp>,
+    /// Whether to cover the large sizes (4096 + 3 and past two segments); default true. Very
+    /// large worlds turn it off to keep the `size²` data volume of gathers small.
+    pub large_sizes: bool,
 }
 
 impl SuiteParams {
@@ -39,6 +42,7 @@ impl SuiteParams {
             segment_bytes,
             dtypes: DType::ALL.to_vec(),
             reduce_ops: ReduceOp::ALL.to_vec(),
+            large_sizes: true,
         }
     }
 

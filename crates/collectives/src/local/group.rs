@@ -242,7 +242,7 @@ impl<'a> Session<'a> {
         let size = self.group.size;
         let (me, op, seq) = (self.rank, self.ctx.op, self.seq);
         let mut state = self.group.lock();
-        {
+        let complete = {
             let round = state.rounds.entry(seq).or_insert_with(|| Round {
                 phases: Vec::new(),
                 abandoned: None,
@@ -251,8 +251,13 @@ impl<'a> Session<'a> {
             let slot = round.phase_mut(phase, size);
             slot.posts[me] = Some(post);
             slot.posted += 1;
+            // Waiters only care about a complete phase (or abandonment and aborts, which
+            // notify on their own): waking all ranks on every post would cost size² wake-ups.
+            slot.posted == size
+        };
+        if complete {
+            self.group.changed.notify_all();
         }
-        self.group.changed.notify_all();
         loop {
             let my_abort = state.aborted[me] || self.ctx.is_aborted();
             let aborted = state.aborted.clone();
@@ -341,12 +346,14 @@ impl Drop for Session<'_> {
     fn drop(&mut self) {
         let size = self.group.size;
         let mut state = self.group.lock();
+        let mut abandoned_now = false;
         if let Some(round) = state.rounds.get_mut(&self.seq) {
             if !self.finished && round.abandoned.is_none() {
                 round.abandoned = Some(Abandon {
                     by: self.rank,
                     cause: AbandonCause::Left,
                 });
+                abandoned_now = true;
             }
             round.left += 1;
             if round.left >= size {
@@ -354,7 +361,9 @@ impl Drop for Session<'_> {
             }
         }
         drop(state);
-        self.group.changed.notify_all();
+        if abandoned_now {
+            self.group.changed.notify_all();
+        }
     }
 }
 
