@@ -74,6 +74,18 @@ pub enum Error {
         /// The number of classes.
         classes: usize,
     },
+    /// An index into a table (an embedding row) is outside `0..size`.
+    #[error("{op}: index {index} at position {position} is outside 0..{size}")]
+    IndexOutOfRange {
+        /// The operation that failed.
+        op: &'static str,
+        /// The position of the index in the flattened indices.
+        position: usize,
+        /// The offending index.
+        index: i64,
+        /// The size of the table.
+        size: usize,
+    },
     /// A configuration value is outside its valid range.
     #[error("{op}: invalid {field} = {value}: {reason}")]
     InvalidConfig {

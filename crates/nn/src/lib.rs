@@ -26,6 +26,7 @@
 mod activation;
 mod dropout;
 mod elementwise;
+mod embedding;
 mod error;
 pub mod linalg;
 mod linear;
@@ -39,6 +40,7 @@ pub mod special;
 
 pub use activation::{Gelu, GeluApproximation, Relu, Silu};
 pub use dropout::Dropout;
+pub use embedding::{Embedding, EmbeddingConfig};
 pub use error::{Error, Result};
 pub use linear::{Linear, LinearConfig};
 pub use loss::{DEFAULT_IGNORE_INDEX, LossOutput, cross_entropy, mse_loss};

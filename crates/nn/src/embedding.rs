@@ -1,0 +1,227 @@
+//! `Embedding`: a lookup table of rows indexed by integer ids.
+
+use hypershard_tensor::{DType, RandomInit, Tensor};
+
+use crate::elementwise::{check_float, from_f64};
+use crate::module::{ParamVisitor, ParamVisitorMut, join_name};
+use crate::{Error, Module, Parameter, Result};
+
+/// How to build an [`Embedding`].
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct EmbeddingConfig {
+    /// The number of rows (the vocabulary size).
+    pub num_embeddings: usize,
+    /// The width of each row.
+    pub embedding_dim: usize,
+    /// The weight's dtype.
+    pub dtype: DType,
+    /// The seed of the `N(0, 1)` initialisation (torch's default for `nn.Embedding`).
+    pub seed: u64,
+}
+
+/// torch's `nn.Embedding`: `weight` is `[num_embeddings, embedding_dim]`; the input is an I64
+/// tensor of ids of any shape and the output is `[*ids, embedding_dim]`.
+///
+/// Ids have no gradient: `backward` scatter-adds the output gradient into the weight's rows
+/// and returns a zero tensor of the ids' shape in the weight's dtype, a placeholder that keeps
+/// the [`Module`] contract (torch returns no gradient for integer inputs).
+#[derive(Debug)]
+pub struct Embedding {
+    /// The table, `[num_embeddings, embedding_dim]`.
+    pub weight: Parameter,
+    ids: Option<Tensor>,
+}
+
+impl Embedding {
+    /// A table initialised from `N(0, 1)`, as torch does.
+    pub fn new(config: EmbeddingConfig) -> Result<Self> {
+        check_float("Embedding::new", config.dtype)?;
+        let weight = Tensor::random(
+            &[config.num_embeddings, config.embedding_dim],
+            config.dtype,
+            RandomInit::normal(config.seed, 0.0, 1.0),
+        )?;
+        Ok(Embedding {
+            weight: Parameter::new("weight", weight),
+            ids: None,
+        })
+    }
+
+    /// The ids as row numbers, checked against the table size.
+    fn rows(ids: &Tensor, size: usize) -> Result<Vec<usize>> {
+        if ids.dtype() != DType::I64 {
+            return Err(Error::DTypeMismatch {
+                op: "Embedding::forward",
+                lhs: DType::I64,
+                rhs: ids.dtype(),
+            });
+        }
+        ids.to_vec::<i64>()?
+            .into_iter()
+            .enumerate()
+            .map(|(position, index)| {
+                usize::try_from(index).ok().filter(|&row| row < size).ok_or(
+                    Error::IndexOutOfRange {
+                        op: "Embedding::forward",
+                        position,
+                        index,
+                        size,
+                    },
+                )
+            })
+            .collect()
+    }
+}
+
+/// The `[rows, width]` of a table, which must be 2-D (the field is public, so check).
+fn table_shape(weight: &Tensor) -> Result<[usize; 2]> {
+    match weight.shape() {
+        &[rows, width] => Ok([rows, width]),
+        other => Err(Error::BadShape {
+            op: "Embedding",
+            expected: "a 2-D weight [num_embeddings, embedding_dim]".to_string(),
+            actual: other.to_vec(),
+        }),
+    }
+}
+
+impl Module for Embedding {
+    fn kind(&self) -> &'static str {
+        "Embedding"
+    }
+
+    fn forward(&mut self, input: &Tensor) -> Result<Tensor> {
+        let weight = self.weight.data()?;
+        let [size, dim] = table_shape(weight)?;
+        let rows = Embedding::rows(input, size)?;
+        let table = weight.to_f64_vec()?;
+        let mut out = Vec::with_capacity(rows.len() * dim);
+        for row in &rows {
+            out.extend_from_slice(&table[row * dim..(row + 1) * dim]);
+        }
+        let mut shape = input.shape().to_vec();
+        shape.push(dim);
+        self.ids = Some(input.clone());
+        from_f64(out, &shape, weight.dtype())
+    }
+
+    fn backward(&mut self, grad_output: &Tensor) -> Result<Tensor> {
+        let ids = self.ids.take().ok_or(Error::BackwardBeforeForward {
+            module: "Embedding",
+        })?;
+        let weight = self.weight.data()?;
+        let [size, dim] = table_shape(weight)?;
+        let mut expected = ids.shape().to_vec();
+        expected.push(dim);
+        if grad_output.shape() != expected.as_slice() {
+            return Err(Error::ShapeMismatch {
+                op: "Embedding::backward",
+                lhs: expected,
+                rhs: grad_output.shape().to_vec(),
+            });
+        }
+        if grad_output.dtype() != weight.dtype() {
+            return Err(Error::DTypeMismatch {
+                op: "Embedding::backward",
+                lhs: weight.dtype(),
+                rhs: grad_output.dtype(),
+            });
+        }
+        let dtype = weight.dtype();
+        if self.weight.requires_grad {
+            let rows = Embedding::rows(&ids, size)?;
+            let g = grad_output.to_f64_vec()?;
+            let mut grad = vec![0.0; size * dim];
+            for (row, g_row) in rows.iter().zip(g.chunks(dim.max(1))) {
+                for (acc, v) in grad[row * dim..(row + 1) * dim].iter_mut().zip(g_row) {
+                    *acc += v;
+                }
+            }
+            self.weight
+                .accumulate_grad(from_f64(grad, &[size, dim], dtype)?)?;
+        }
+        Ok(Tensor::zeros(ids.shape(), dtype)?)
+    }
+
+    fn visit_params(&self, prefix: &str, f: &mut ParamVisitor<'_>) -> Result<()> {
+        f(&join_name(prefix, "weight"), &self.weight)
+    }
+
+    fn visit_params_mut(&mut self, prefix: &str, f: &mut ParamVisitorMut<'_>) -> Result<()> {
+        f(&join_name(prefix, "weight"), &mut self.weight)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn table() -> Embedding {
+        let weight =
+            Tensor::from_vec((0..8).map(f64::from).collect::<Vec<_>>(), &[4, 2]).expect("tensor");
+        Embedding {
+            weight: Parameter::new("weight", weight),
+            ids: None,
+        }
+    }
+
+    #[test]
+    fn looks_up_rows_and_scatter_adds_gradients() {
+        let mut emb = table();
+        let ids = Tensor::from_vec(vec![3i64, 0, 3], &[1, 3]).expect("ids");
+        let out = emb.forward(&ids).expect("forward");
+        assert_eq!(out.shape(), &[1, 3, 2]);
+        assert_eq!(
+            out.to_vec::<f64>().expect("f64"),
+            vec![6.0, 7.0, 0.0, 1.0, 6.0, 7.0]
+        );
+        let g = Tensor::from_vec(vec![1.0f64, 2.0, 10.0, 20.0, 100.0, 200.0], &[1, 3, 2])
+            .expect("grad");
+        let gx = emb.backward(&g).expect("backward");
+        assert_eq!(gx.shape(), &[1, 3]);
+        // Row 3 is used twice, so its gradient is the sum of both output rows.
+        let grad = emb
+            .weight
+            .grad
+            .as_ref()
+            .expect("grad")
+            .to_vec::<f64>()
+            .expect("f64");
+        assert_eq!(grad, vec![10.0, 20.0, 0.0, 0.0, 0.0, 0.0, 101.0, 202.0]);
+    }
+
+    #[test]
+    fn rejects_bad_ids_and_initialises_normally() {
+        let mut emb = table();
+        let ids = Tensor::from_vec(vec![1i64, 4], &[2]).expect("ids");
+        assert!(matches!(
+            emb.forward(&ids),
+            Err(Error::IndexOutOfRange {
+                position: 1,
+                index: 4,
+                size: 4,
+                ..
+            })
+        ));
+        let float_ids = Tensor::zeros(&[2], DType::F32).expect("zeros");
+        assert!(matches!(
+            emb.forward(&float_ids),
+            Err(Error::DTypeMismatch { .. })
+        ));
+        let config = EmbeddingConfig {
+            num_embeddings: 64,
+            embedding_dim: 64,
+            dtype: DType::F32,
+            seed: 3,
+        };
+        let emb = Embedding::new(config).expect("embedding");
+        let w = emb.weight.data().expect("data").to_f64_vec().expect("f64");
+        let mean = w.iter().sum::<f64>() / w.len() as f64;
+        let var = w.iter().map(|v| (v - mean) * (v - mean)).sum::<f64>() / w.len() as f64;
+        // 4096 N(0, 1) samples: the mean's standard error is 1/64.
+        assert!(
+            mean.abs() < 0.07 && (var - 1.0).abs() < 0.1,
+            "mean {mean}, var {var}"
+        );
+    }
+}
