@@ -286,6 +286,8 @@ pub enum ProtocolViolation {
         /// The claimed rank.
         rank: u64,
     },
+    /// A field that must be UTF-8 text (a store key) was not.
+    NotUtf8,
 }
 
 impl fmt::Display for ProtocolViolation {
@@ -309,6 +311,7 @@ impl fmt::Display for ProtocolViolation {
                 write!(f, "connection closed after {got} of {expected} bytes")
             }
             ProtocolViolation::BadRank { rank } => write!(f, "invalid peer rank {rank}"),
+            ProtocolViolation::NotUtf8 => f.write_str("a text field was not valid UTF-8"),
         }
     }
 }

@@ -8,6 +8,7 @@
 
 mod memory;
 mod prefix;
+pub mod tcp;
 
 use std::time::Duration;
 
@@ -15,6 +16,7 @@ use crate::error::Result;
 
 pub use memory::MemoryStore;
 pub use prefix::PrefixStore;
+pub use tcp::{TcpStore, TcpStoreServer};
 
 /// A key-value store shared by the ranks of a job. Every method is safe to call from many
 /// threads at once.
