@@ -191,6 +191,16 @@ pub enum Error {
         /// The deadline that passed.
         after: Duration,
     },
+    /// The TCP mesh rendezvous did not hear from every peer before its deadline.
+    #[error("rank {rank}: tcp rendezvous timed out after {after:?}; missing peers {missing:?}")]
+    RendezvousTimeout {
+        /// The rank that gave up.
+        rank: usize,
+        /// The peers that never completed a handshake.
+        missing: Vec<usize>,
+        /// The deadline that passed.
+        after: Duration,
+    },
     /// `Store::add` met a key whose value is not a decimal `i64`.
     #[error("store: key {key:?} does not hold a decimal counter")]
     StoreNotACounter {

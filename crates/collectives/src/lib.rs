@@ -28,6 +28,7 @@ pub mod local;
 mod op;
 pub mod reduce;
 pub mod store;
+pub mod tcp;
 mod work;
 
 pub use buffer::{Buffer, BufferLocation, HostBuffer};

@@ -1,0 +1,375 @@
+//! [`Mesh`]: one handshaken TCP connection to every other rank.
+
+use std::io::{self, Read, Write};
+use std::net::{SocketAddr, TcpListener, TcpStream};
+use std::thread;
+use std::time::{Duration, Instant};
+
+use super::config::TcpConfig;
+use super::handshake::{
+    ACCEPTED, Hello, HelloFailure, REFUSED_RANK, REFUSED_TOKEN, REFUSED_VERSION, read_hello,
+};
+use crate::error::{Error, IoAction, ProtocolViolation, Result};
+use crate::store::Store;
+
+/// How long one accepted connection may take to send its hello before it is dropped.
+const HELLO_TIMEOUT: Duration = Duration::from_secs(5);
+
+/// A full mesh: `peer(p)` is the connection to rank `p` (none for this rank itself). Every
+/// stream has `TCP_NODELAY` set and no read timeout.
+#[derive(Debug)]
+pub struct Mesh {
+    rank: usize,
+    peers: Vec<Option<TcpStream>>,
+}
+
+/// The store key under which `rank` publishes its listener's address.
+fn address_key(rank: usize) -> String {
+    format!("tcp/addr/{rank}")
+}
+
+fn io_error(action: IoAction, peer: Option<usize>) -> impl FnOnce(io::Error) -> Error {
+    move |source| Error::Io {
+        action,
+        peer,
+        source,
+    }
+}
+
+impl Mesh {
+    /// Joins the mesh of `world_size` ranks as `rank`: binds a listener, publishes its address
+    /// in `store`, connects to every lower rank and accepts every higher one. Collective:
+    /// every rank must call it with the same store, world size and job token.
+    pub fn establish(
+        store: &dyn Store,
+        rank: usize,
+        world_size: usize,
+        config: &TcpConfig,
+    ) -> Result<Mesh> {
+        if world_size == 0 {
+            return Err(Error::InvalidWorldSize { size: world_size });
+        }
+        if rank >= world_size {
+            // Joining a mesh creates a communicator, which is what `Split` names.
+            return Err(Error::InvalidRank {
+                op: crate::OpKind::Split,
+                rank,
+                size: world_size,
+            });
+        }
+        let deadline = Instant::now() + config.rendezvous_timeout;
+        let listener = TcpListener::bind(SocketAddr::new(config.bind_ip, 0))
+            .map_err(io_error(IoAction::Bind, None))?;
+        let addr = listener
+            .local_addr()
+            .map_err(io_error(IoAction::Bind, None))?;
+        store.set(&address_key(rank), addr.to_string().as_bytes())?;
+
+        let mut peers: Vec<Option<TcpStream>> = (0..world_size).map(|_| None).collect();
+        for (peer, slot) in peers.iter_mut().enumerate().take(rank) {
+            *slot = Some(connect_to(store, peer, rank, world_size, config, deadline)?);
+        }
+        accept_higher(&listener, &mut peers, rank, config, deadline)?;
+        for stream in peers.iter().flatten() {
+            stream
+                .set_nodelay(true)
+                .map_err(io_error(IoAction::SocketOption, None))?;
+        }
+        Ok(Mesh { rank, peers })
+    }
+
+    /// This rank.
+    pub fn rank(&self) -> usize {
+        self.rank
+    }
+
+    /// The number of ranks.
+    pub fn world_size(&self) -> usize {
+        self.peers.len()
+    }
+
+    /// The connection to `peer`; `None` for this rank itself or an out-of-range rank.
+    pub fn peer(&self, peer: usize) -> Option<&TcpStream> {
+        self.peers.get(peer).and_then(Option::as_ref)
+    }
+}
+
+/// Connects to lower rank `peer` and performs the handshake.
+fn connect_to(
+    store: &dyn Store,
+    peer: usize,
+    rank: usize,
+    world_size: usize,
+    config: &TcpConfig,
+    deadline: Instant,
+) -> Result<TcpStream> {
+    let left = deadline.saturating_duration_since(Instant::now());
+    let published = store.get(&address_key(peer), left)?;
+    let addr: SocketAddr = std::str::from_utf8(&published)
+        .ok()
+        .and_then(|s| s.parse().ok())
+        .ok_or(Error::Protocol {
+            peer: Some(peer),
+            violation: ProtocolViolation::NotUtf8,
+        })?;
+    let left = deadline
+        .saturating_duration_since(Instant::now())
+        .max(Duration::from_millis(10));
+    let mut stream =
+        TcpStream::connect_timeout(&addr, left).map_err(io_error(IoAction::Connect, Some(peer)))?;
+    stream
+        .set_read_timeout(Some(left))
+        .map_err(io_error(IoAction::SocketOption, Some(peer)))?;
+    let hello = Hello {
+        job_token: config.job_token,
+        rank: rank as u64,
+        world_size: world_size as u64,
+    };
+    stream
+        .write_all(&hello.encode())
+        .map_err(io_error(IoAction::Write, Some(peer)))?;
+    let mut status = [0u8; 1];
+    stream
+        .read_exact(&mut status)
+        .map_err(io_error(IoAction::Read, Some(peer)))?;
+    let violation = match status[0] {
+        ACCEPTED => None,
+        REFUSED_TOKEN => Some(ProtocolViolation::TokenMismatch),
+        REFUSED_VERSION => {
+            // The refusing rank follows the code with the version it speaks.
+            let mut theirs = [0u8; 4];
+            stream
+                .read_exact(&mut theirs)
+                .map_err(io_error(IoAction::Read, Some(peer)))?;
+            Some(ProtocolViolation::VersionMismatch {
+                ours: super::MESH_PROTOCOL_VERSION,
+                theirs: u32::from_le_bytes(theirs),
+            })
+        }
+        REFUSED_RANK => Some(ProtocolViolation::BadRank { rank: rank as u64 }),
+        other => Some(ProtocolViolation::UnexpectedFrame {
+            expected: ACCEPTED,
+            got: other,
+        }),
+    };
+    if let Some(violation) = violation {
+        tracing::warn!(rank, peer, %violation, "tcp mesh: our connection was refused");
+        return Err(Error::Protocol {
+            peer: Some(peer),
+            violation,
+        });
+    }
+    let mut their_rank = [0u8; 8];
+    stream
+        .read_exact(&mut their_rank)
+        .map_err(io_error(IoAction::Read, Some(peer)))?;
+    let their_rank = u64::from_le_bytes(their_rank);
+    if their_rank != peer as u64 {
+        return Err(Error::Protocol {
+            peer: Some(peer),
+            violation: ProtocolViolation::BadRank { rank: their_rank },
+        });
+    }
+    stream
+        .set_read_timeout(None)
+        .map_err(io_error(IoAction::SocketOption, Some(peer)))?;
+    Ok(stream)
+}
+
+/// Accepts one connection from every rank above `rank`. Connections with a bad hello are
+/// refused (with a warning) and do not count; the rendezvous goes on until the deadline.
+fn accept_higher(
+    listener: &TcpListener,
+    peers: &mut [Option<TcpStream>],
+    rank: usize,
+    config: &TcpConfig,
+    deadline: Instant,
+) -> Result<()> {
+    let world_size = peers.len();
+    listener
+        .set_nonblocking(true)
+        .map_err(io_error(IoAction::SocketOption, None))?;
+    while peers[rank + 1..].iter().any(Option::is_none) {
+        if Instant::now() >= deadline {
+            return Err(Error::RendezvousTimeout {
+                rank,
+                missing: (rank + 1..world_size)
+                    .filter(|&p| peers[p].is_none())
+                    .collect(),
+                after: config.rendezvous_timeout,
+            });
+        }
+        let (mut stream, from) = match listener.accept() {
+            Ok(accepted) => accepted,
+            Err(e) if e.kind() == io::ErrorKind::WouldBlock => {
+                thread::sleep(Duration::from_millis(5));
+                continue;
+            }
+            Err(e) if e.kind() == io::ErrorKind::Interrupted => continue,
+            Err(e) => {
+                return Err(Error::Io {
+                    action: IoAction::Accept,
+                    peer: None,
+                    source: e,
+                });
+            }
+        };
+        let setup = stream
+            .set_nonblocking(false)
+            .and_then(|()| stream.set_read_timeout(Some(HELLO_TIMEOUT)));
+        if let Err(e) = setup {
+            tracing::warn!(rank, %from, error = %e, "tcp mesh: cannot configure an accepted socket");
+            continue;
+        }
+        match read_hello(&mut stream, config.job_token, world_size as u64) {
+            Ok(hello) => {
+                // invariant: read_hello checked hello.rank < world_size, which is a usize.
+                let peer = hello.rank as usize;
+                if peer <= rank || peers[peer].is_some() {
+                    tracing::warn!(rank, %from, claimed = peer, "tcp mesh: refusing a duplicate or lower rank");
+                    let _ = stream.write_all(&[REFUSED_RANK]);
+                    continue;
+                }
+                let mut reply = [0u8; 9];
+                reply[0] = ACCEPTED;
+                reply[1..].copy_from_slice(&(rank as u64).to_le_bytes());
+                stream
+                    .write_all(&reply)
+                    .map_err(io_error(IoAction::Write, Some(peer)))?;
+                stream
+                    .set_read_timeout(None)
+                    .map_err(io_error(IoAction::SocketOption, Some(peer)))?;
+                peers[peer] = Some(stream);
+            }
+            Err(HelloFailure::Violation(violation)) => {
+                tracing::warn!(rank, %from, %violation, "tcp mesh: refused a connection");
+            }
+            Err(HelloFailure::Io(e)) => {
+                tracing::warn!(rank, %from, error = %e, "tcp mesh: a connection failed during its hello");
+            }
+        }
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::store::MemoryStore;
+    use crate::tcp::handshake::HELLO_BYTES;
+    use std::sync::Arc;
+
+    fn establish_world(world: usize, tokens: &[u64], timeout: Duration) -> Vec<Result<Mesh>> {
+        let store = Arc::new(MemoryStore::new());
+        let handles: Vec<_> = (0..world)
+            .map(|rank| {
+                let store = store.clone();
+                let config = TcpConfig::default()
+                    .with_job_token(tokens[rank])
+                    .with_rendezvous_timeout(timeout);
+                thread::spawn(move || Mesh::establish(&*store, rank, world, &config))
+            })
+            .collect();
+        handles.into_iter().map(|h| h.join().unwrap()).collect()
+    }
+
+    #[test]
+    fn every_pair_is_connected_to_the_right_rank() {
+        for world in [1, 2, 4] {
+            let meshes: Vec<Mesh> = establish_world(world, &[7; 4], Duration::from_secs(10))
+                .into_iter()
+                .map(Result::unwrap)
+                .collect();
+            // Rank r writes 10 * r + p to peer p; peer p must read 10 * r + p from rank r.
+            for mesh in &meshes {
+                for p in 0..world {
+                    assert_eq!(mesh.peer(p).is_some(), p != mesh.rank());
+                    if let Some(mut s) = mesh.peer(p) {
+                        s.write_all(&[(10 * mesh.rank() + p) as u8]).unwrap();
+                    }
+                }
+            }
+            for mesh in &meshes {
+                for r in 0..world {
+                    if let Some(mut s) = mesh.peer(r) {
+                        let mut b = [0u8; 1];
+                        s.read_exact(&mut b).unwrap();
+                        assert_eq!(b[0] as usize, 10 * r + mesh.rank());
+                    }
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn wrong_token_is_refused_and_the_acceptor_times_out() {
+        let results = establish_world(2, &[1, 2], Duration::from_millis(500));
+        assert!(matches!(
+            results[1],
+            Err(Error::Protocol {
+                peer: Some(0),
+                violation: ProtocolViolation::TokenMismatch
+            })
+        ));
+        match &results[0] {
+            Err(Error::RendezvousTimeout {
+                rank: 0, missing, ..
+            }) => {
+                assert_eq!(missing, &vec![1]);
+            }
+            other => panic!("expected RendezvousTimeout, got {other:?}"),
+        }
+    }
+
+    #[test]
+    fn stray_garbage_connection_does_not_break_the_rendezvous() {
+        let store = Arc::new(MemoryStore::new());
+        let config = TcpConfig::default().with_rendezvous_timeout(Duration::from_secs(10));
+        let rank0 = {
+            let store = store.clone();
+            let config = config.clone();
+            thread::spawn(move || Mesh::establish(&*store, 0, 2, &config))
+        };
+        let published = store.get(&address_key(0), Duration::from_secs(10)).unwrap();
+        let addr: SocketAddr = std::str::from_utf8(&published).unwrap().parse().unwrap();
+        let mut stray = TcpStream::connect(addr).unwrap();
+        stray.write_all(&[0xff; HELLO_BYTES]).unwrap();
+        let rank1 = Mesh::establish(&*store, 1, 2, &config).unwrap();
+        let rank0 = rank0.join().unwrap().unwrap();
+        assert!(rank0.peer(1).is_some());
+        assert!(rank1.peer(0).is_some());
+    }
+
+    #[test]
+    fn wrong_version_is_refused_with_the_acceptors_version() {
+        let store = Arc::new(MemoryStore::new());
+        let config = TcpConfig::default().with_rendezvous_timeout(Duration::from_secs(10));
+        let rank0 = {
+            let store = store.clone();
+            let config = config.clone();
+            thread::spawn(move || Mesh::establish(&*store, 0, 2, &config))
+        };
+        let published = store.get(&address_key(0), Duration::from_secs(10)).unwrap();
+        let addr: SocketAddr = std::str::from_utf8(&published).unwrap().parse().unwrap();
+        let mut old = TcpStream::connect(addr).unwrap();
+        let mut hello = Hello {
+            job_token: 0,
+            rank: 1,
+            world_size: 2,
+        }
+        .encode();
+        hello[4..8].copy_from_slice(&99u32.to_le_bytes());
+        old.write_all(&hello).unwrap();
+        let mut refusal = [0u8; 5];
+        old.read_exact(&mut refusal).unwrap();
+        assert_eq!(refusal[0], REFUSED_VERSION);
+        assert_eq!(
+            u32::from_le_bytes([refusal[1], refusal[2], refusal[3], refusal[4]]),
+            crate::tcp::MESH_PROTOCOL_VERSION
+        );
+        // The refused connection does not count: a real rank 1 still completes the mesh.
+        let rank1 = Mesh::establish(&*store, 1, 2, &config).unwrap();
+        assert!(rank0.join().unwrap().unwrap().peer(1).is_some());
+        assert!(rank1.peer(0).is_some());
+    }
+}

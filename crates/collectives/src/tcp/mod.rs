@@ -1,0 +1,15 @@
+//! The TCP backend's foundations: [`TcpConfig`] and the full-mesh rendezvous
+//! ([`Mesh::establish`]) with its versioned, token-checked handshake.
+//!
+//! Each rank binds a listener, publishes its address in the [`Store`](crate::Store) under
+//! `tcp/addr/{rank}`, connects to every lower rank and accepts a connection from every higher
+//! rank. The collectives that will run over the mesh (framed messages driven by the
+//! [`ProgressEngine`](crate::ProgressEngine)) are not built yet.
+
+mod config;
+mod handshake;
+mod mesh;
+
+pub use config::TcpConfig;
+pub use handshake::{MESH_MAGIC, MESH_PROTOCOL_VERSION};
+pub use mesh::Mesh;
