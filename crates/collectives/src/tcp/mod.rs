@@ -1,5 +1,6 @@
 //! The TCP backend's foundations: [`TcpConfig`] and the full-mesh rendezvous
-//! ([`Mesh::establish`]) with its versioned, token-checked handshake.
+//! ([`Mesh::establish`]) with its versioned, token-checked handshake, and
+//! [`rendezvous_from_env`] for launched jobs.
 //!
 //! Each rank binds a listener, publishes its address in the [`Store`](crate::Store) under
 //! `tcp/addr/{rank}`, connects to every lower rank and accepts a connection from every higher
@@ -8,8 +9,10 @@
 
 mod config;
 mod handshake;
+mod launch;
 mod mesh;
 
 pub use config::TcpConfig;
 pub use handshake::{MESH_MAGIC, MESH_PROTOCOL_VERSION};
+pub use launch::{Rendezvous, rendezvous_from_env};
 pub use mesh::Mesh;
