@@ -298,6 +298,13 @@ pub enum ProtocolViolation {
     },
     /// A field that must be UTF-8 text (a store key) was not.
     NotUtf8,
+    /// A frame named a dtype code this build does not know.
+    BadDType {
+        /// The code that arrived.
+        code: u8,
+    },
+    /// Bytes the protocol reserves (and sends as zero) were not zero.
+    ReservedNotZero,
 }
 
 impl fmt::Display for ProtocolViolation {
@@ -322,6 +329,10 @@ impl fmt::Display for ProtocolViolation {
             }
             ProtocolViolation::BadRank { rank } => write!(f, "invalid peer rank {rank}"),
             ProtocolViolation::NotUtf8 => f.write_str("a text field was not valid UTF-8"),
+            ProtocolViolation::BadDType { code } => write!(f, "unknown dtype code {code}"),
+            ProtocolViolation::ReservedNotZero => {
+                f.write_str("reserved header bytes were not zero")
+            }
         }
     }
 }

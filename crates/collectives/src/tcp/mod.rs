@@ -8,11 +8,13 @@
 //! [`ProgressEngine`](crate::ProgressEngine)) are not built yet.
 
 mod config;
+mod frame;
 mod handshake;
 mod launch;
 mod mesh;
 
 pub use config::TcpConfig;
+pub use frame::{FRAME_HEADER_BYTES, FRAME_MAGIC, FrameHeader, FrameKind};
 pub use handshake::{MESH_MAGIC, MESH_PROTOCOL_VERSION};
 pub use launch::{Rendezvous, rendezvous_from_env};
 pub use mesh::Mesh;
