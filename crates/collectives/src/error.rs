@@ -305,6 +305,13 @@ pub enum ProtocolViolation {
     },
     /// Bytes the protocol reserves (and sends as zero) were not zero.
     ReservedNotZero,
+    /// A frame's header declared another payload length than the payload handed to send.
+    PayloadLengthMismatch {
+        /// What the header declared.
+        declared: u64,
+        /// The payload's actual length.
+        actual: u64,
+    },
 }
 
 impl fmt::Display for ProtocolViolation {
@@ -333,6 +340,10 @@ impl fmt::Display for ProtocolViolation {
             ProtocolViolation::ReservedNotZero => {
                 f.write_str("reserved header bytes were not zero")
             }
+            ProtocolViolation::PayloadLengthMismatch { declared, actual } => write!(
+                f,
+                "frame header declares {declared} payload bytes but {actual} were given"
+            ),
         }
     }
 }

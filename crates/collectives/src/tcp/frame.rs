@@ -15,7 +15,7 @@ pub const FRAME_MAGIC: u32 = u32::from_le_bytes(*b"HSFR");
 pub const FRAME_HEADER_BYTES: usize = 36;
 
 /// What a frame carries.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 #[non_exhaustive]
 pub enum FrameKind {
     /// A phase-0 descriptor: the sender's view of the op's arguments.

@@ -92,6 +92,11 @@ impl Mesh {
     pub fn peer(&self, peer: usize) -> Option<&TcpStream> {
         self.peers.get(peer).and_then(Option::as_ref)
     }
+
+    /// The connections, by peer rank (`None` at this rank's own slot).
+    pub(crate) fn into_peers(self) -> Vec<Option<TcpStream>> {
+        self.peers
+    }
 }
 
 /// Connects to lower rank `peer` and performs the handshake.

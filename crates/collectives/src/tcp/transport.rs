@@ -1,0 +1,619 @@
+//! [`Transport`]: framed messages over the mesh, with one reader thread per peer that files
+//! every incoming frame into a mailbox, and eager sends.
+//!
+//! The reader thread of peer `p` reads a [`FrameHeader`] (validated by
+//! [`FrameHeader::decode`] against the payload cap before anything is allocated), then exactly
+//! `payload_bytes` bytes, and files the frame under ([`MailboxKey`], `p`). A waiter blocks on
+//! a [`Condvar`] until its frame is there, the peer is lost, the transport is aborted or its
+//! deadline passes. Sends write the whole frame under the peer's writer lock and never wait
+//! for the receiver to ask for it: the kernel buffers and the remote reader thread drain the
+//! socket, so two ranks that both send before receiving cannot deadlock.
+
+use std::collections::{HashMap, VecDeque};
+use std::io::{self, Read, Write};
+use std::net::{Shutdown, TcpStream};
+use std::sync::{Arc, Condvar, Mutex, MutexGuard};
+use std::thread::{self, JoinHandle};
+use std::time::{Duration, Instant};
+
+use super::frame::{FRAME_HEADER_BYTES, FrameHeader, FrameKind};
+use super::mesh::Mesh;
+use crate::error::{Error, IoAction, ProtocolViolation, Result};
+use crate::op::OpKind;
+
+/// Where a frame is filed: the communicator it belongs to, the op's sequence number, the tag
+/// (user tag for send/recv, step of an algorithm otherwise) and the frame kind.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub struct MailboxKey {
+    /// The communicator (world or split group).
+    pub group: u32,
+    /// The op's sequence number in its group.
+    pub seq: u64,
+    /// The tag or algorithm step.
+    pub tag: u32,
+    /// What the frame carries.
+    pub kind: FrameKind,
+}
+
+impl MailboxKey {
+    /// The key a frame with this header is filed under.
+    pub fn of(header: &FrameHeader) -> MailboxKey {
+        MailboxKey {
+            group: header.group,
+            seq: header.seq,
+            tag: header.tag,
+            kind: header.kind,
+        }
+    }
+}
+
+/// One received frame.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Frame {
+    /// The validated header.
+    pub header: FrameHeader,
+    /// Exactly `header.payload_bytes` bytes.
+    pub payload: Vec<u8>,
+}
+
+/// The op a wait belongs to and when it must give up.
+#[derive(Clone, Copy, Debug)]
+pub struct WaitBudget {
+    /// The op, named by the errors.
+    pub op: OpKind,
+    /// The op's timeout, reported by [`Error::Timeout`].
+    pub timeout: Duration,
+    /// When the wait gives up.
+    pub deadline: Instant,
+}
+
+impl WaitBudget {
+    /// A budget of `timeout` from now.
+    pub fn from_now(op: OpKind, timeout: Duration) -> WaitBudget {
+        WaitBudget {
+            op,
+            timeout,
+            deadline: Instant::now() + timeout,
+        }
+    }
+}
+
+/// Why a peer can no longer deliver frames.
+#[derive(Clone, Debug)]
+enum LossCause {
+    /// The connection closed or failed.
+    Closed,
+    /// The peer sent something that is not a valid frame.
+    Protocol(ProtocolViolation),
+}
+
+#[derive(Debug, Default)]
+struct State {
+    mailbox: HashMap<(usize, MailboxKey), VecDeque<Frame>>,
+    lost: HashMap<usize, LossCause>,
+    aborted: bool,
+}
+
+#[derive(Debug, Default)]
+struct Shared {
+    state: Mutex<State>,
+    arrived: Condvar,
+}
+
+impl Shared {
+    fn lock(&self) -> MutexGuard<'_, State> {
+        // A poisoned lock only means a thread panicked while holding it; the maps stay
+        // consistent (every update is a single insert), so the state is still usable.
+        self.state
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+    }
+
+    fn deliver(&self, peer: usize, frame: Frame) {
+        self.lock()
+            .mailbox
+            .entry((peer, MailboxKey::of(&frame.header)))
+            .or_default()
+            .push_back(frame);
+        self.arrived.notify_all();
+    }
+
+    fn mark_lost(&self, peer: usize, cause: LossCause) {
+        self.lock().lost.entry(peer).or_insert(cause);
+        self.arrived.notify_all();
+    }
+}
+
+/// Framed, mailbox-delivered messaging over a [`Mesh`]. Dropping it shuts every socket down
+/// (peers then see this rank as lost) and joins the reader threads.
+#[derive(Debug)]
+pub struct Transport {
+    rank: usize,
+    max_payload: u64,
+    writers: Vec<Option<Mutex<TcpStream>>>,
+    shared: Arc<Shared>,
+    readers: Vec<JoinHandle<()>>,
+}
+
+fn io_error(action: IoAction, peer: usize) -> impl FnOnce(io::Error) -> Error {
+    move |source| Error::Io {
+        action,
+        peer: Some(peer),
+        source,
+    }
+}
+
+impl Transport {
+    /// Starts one reader thread per peer of `mesh`. Frames whose payload exceeds
+    /// `max_payload` bytes are protocol violations and cost the sender its connection.
+    pub fn start(mesh: Mesh, max_payload: u64) -> Result<Transport> {
+        let rank = mesh.rank();
+        Transport::from_streams(rank, mesh.into_peers(), max_payload)
+    }
+
+    /// Starts a transport over already-connected streams (`streams[p]` leads to rank `p`,
+    /// `None` for `rank` itself).
+    pub(crate) fn from_streams(
+        rank: usize,
+        streams: Vec<Option<TcpStream>>,
+        max_payload: u64,
+    ) -> Result<Transport> {
+        let shared = Arc::new(Shared::default());
+        let mut writers = Vec::with_capacity(streams.len());
+        let mut readers = Vec::new();
+        let mut transport_streams = Vec::new();
+        for (peer, stream) in streams.into_iter().enumerate() {
+            let Some(stream) = stream else {
+                writers.push(None);
+                continue;
+            };
+            let reader = stream
+                .try_clone()
+                .map_err(io_error(IoAction::SocketOption, peer))?;
+            transport_streams.push((peer, reader));
+            writers.push(Some(Mutex::new(stream)));
+        }
+        let mut transport = Transport {
+            rank,
+            max_payload,
+            writers,
+            shared: Arc::clone(&shared),
+            readers: Vec::new(),
+        };
+        for (peer, reader) in transport_streams {
+            let shared = Arc::clone(&shared);
+            let spawned = thread::Builder::new()
+                .name(format!("hypershard-tcp-rx-{rank}-from-{peer}"))
+                .spawn(move || read_frames(reader, peer, max_payload, &shared));
+            match spawned {
+                Ok(handle) => readers.push(handle),
+                Err(source) => {
+                    // The transport's drop shuts the sockets and joins the readers started so far.
+                    transport.readers = readers;
+                    return Err(Error::SpawnFailed {
+                        group: format!("tcp-rx-{rank}-from-{peer}"),
+                        source,
+                    });
+                }
+            }
+        }
+        transport.readers = readers;
+        Ok(transport)
+    }
+
+    /// This rank.
+    pub fn rank(&self) -> usize {
+        self.rank
+    }
+
+    /// The number of ranks.
+    pub fn world_size(&self) -> usize {
+        self.writers.len()
+    }
+
+    fn check_peer(&self, op: OpKind, peer: usize) -> Result<()> {
+        if peer >= self.world_size() {
+            return Err(Error::InvalidRank {
+                op,
+                rank: peer,
+                size: self.world_size(),
+            });
+        }
+        Ok(())
+    }
+
+    /// Sends one frame to `peer` without waiting for it to be received. A frame to this rank
+    /// itself goes straight into the mailbox. `header.payload_bytes` must equal
+    /// `payload.len()` and stay within the cap, so the receiver never sees a frame it refuses.
+    pub fn send(&self, op: OpKind, peer: usize, header: FrameHeader, payload: &[u8]) -> Result<()> {
+        self.check_peer(op, peer)?;
+        let len = payload.len() as u64;
+        if header.payload_bytes != len {
+            return Err(Error::Protocol {
+                peer: Some(peer),
+                violation: ProtocolViolation::PayloadLengthMismatch {
+                    declared: header.payload_bytes,
+                    actual: len,
+                },
+            });
+        }
+        if len > self.max_payload {
+            return Err(Error::Protocol {
+                peer: Some(peer),
+                violation: ProtocolViolation::FrameTooLarge {
+                    limit: self.max_payload,
+                    got: len,
+                },
+            });
+        }
+        if self.shared.lock().aborted {
+            return Err(Error::Aborted { op });
+        }
+        let Some(writer) = &self.writers[peer] else {
+            self.shared.deliver(
+                peer,
+                Frame {
+                    header,
+                    payload: payload.to_vec(),
+                },
+            );
+            return Ok(());
+        };
+        if self.shared.lock().lost.contains_key(&peer) {
+            return Err(Error::PeerLost { op, peer });
+        }
+        let mut stream = writer
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner);
+        let written = stream
+            .write_all(&header.encode())
+            .and_then(|()| stream.write_all(payload));
+        if written.is_err() {
+            // A failed write leaves the stream mid-frame, so the connection is unusable.
+            let _ = stream.shutdown(Shutdown::Both);
+            self.shared.mark_lost(peer, LossCause::Closed);
+            return Err(Error::PeerLost { op, peer });
+        }
+        Ok(())
+    }
+
+    /// Waits for the frame filed under `key` from `peer`. Frames that arrived before the peer
+    /// was lost are still delivered; after that the wait fails with [`Error::PeerLost`] (or
+    /// [`Error::Protocol`] when the peer broke the protocol), with [`Error::Aborted`] after
+    /// [`Transport::abort`], and with [`Error::Timeout`] once `budget.deadline` passes.
+    pub fn recv(&self, budget: &WaitBudget, peer: usize, key: MailboxKey) -> Result<Frame> {
+        self.check_peer(budget.op, peer)?;
+        let mut state = self.shared.lock();
+        loop {
+            if let Some(queue) = state.mailbox.get_mut(&(peer, key))
+                && let Some(frame) = queue.pop_front()
+            {
+                if queue.is_empty() {
+                    state.mailbox.remove(&(peer, key));
+                }
+                return Ok(frame);
+            }
+            if state.aborted {
+                return Err(Error::Aborted { op: budget.op });
+            }
+            if let Some(cause) = state.lost.get(&peer) {
+                return Err(match cause {
+                    LossCause::Closed => Error::PeerLost {
+                        op: budget.op,
+                        peer,
+                    },
+                    LossCause::Protocol(violation) => Error::Protocol {
+                        peer: Some(peer),
+                        violation: violation.clone(),
+                    },
+                });
+            }
+            let left = budget.deadline.saturating_duration_since(Instant::now());
+            if left.is_zero() {
+                return Err(Error::Timeout {
+                    op: budget.op,
+                    after: budget.timeout,
+                    peer: Some(peer),
+                });
+            }
+            state = self
+                .shared
+                .arrived
+                .wait_timeout(state, left)
+                .unwrap_or_else(std::sync::PoisonError::into_inner)
+                .0;
+        }
+    }
+
+    /// Whether `peer`'s connection is gone.
+    pub fn is_lost(&self, peer: usize) -> bool {
+        self.shared.lock().lost.contains_key(&peer)
+    }
+
+    /// Fails every current and later wait and send with [`Error::Aborted`] and shuts the
+    /// sockets down, so peers see this rank as lost instead of waiting out their deadline.
+    pub fn abort(&self) {
+        self.shared.lock().aborted = true;
+        self.shared.arrived.notify_all();
+        self.shutdown_sockets();
+    }
+
+    fn shutdown_sockets(&self) {
+        for writer in self.writers.iter().flatten() {
+            // Shutting down unblocks this rank's reader thread (its clone shares the socket)
+            // and tells the peer's reader that this rank is gone; an already-closed socket
+            // has nothing left to shut, so the error is of no interest.
+            let stream = writer
+                .lock()
+                .unwrap_or_else(std::sync::PoisonError::into_inner);
+            let _ = stream.shutdown(Shutdown::Both);
+        }
+    }
+}
+
+impl Drop for Transport {
+    fn drop(&mut self) {
+        self.shutdown_sockets();
+        for reader in self.readers.drain(..) {
+            // A reader that panicked has nothing left to clean up; drop must not panic.
+            let _ = reader.join();
+        }
+    }
+}
+
+/// The body of a reader thread: files frames from `peer` until the connection ends.
+fn read_frames(mut stream: TcpStream, peer: usize, max_payload: u64, shared: &Shared) {
+    loop {
+        let mut header_bytes = [0u8; FRAME_HEADER_BYTES];
+        if stream.read_exact(&mut header_bytes).is_err() {
+            shared.mark_lost(peer, LossCause::Closed);
+            return;
+        }
+        let header = match FrameHeader::decode(&header_bytes, peer, max_payload) {
+            Ok(header) => header,
+            Err(error) => {
+                let cause = match error {
+                    Error::Protocol { violation, .. } => LossCause::Protocol(violation),
+                    _ => LossCause::Closed,
+                };
+                // After a bad header the stream position is unknown, so the connection ends.
+                let _ = stream.shutdown(Shutdown::Both);
+                shared.mark_lost(peer, cause);
+                return;
+            }
+        };
+        // invariant: decode checked payload_bytes <= max_payload, which the caller chose as an
+        // allocatable size, so it fits in usize on every supported target.
+        let len = usize::try_from(header.payload_bytes).unwrap_or(usize::MAX);
+        let mut payload = vec![0u8; len];
+        if stream.read_exact(&mut payload).is_err() {
+            // A frame cut short is never delivered: waiters see the peer as lost instead.
+            shared.mark_lost(peer, LossCause::Closed);
+            return;
+        }
+        shared.deliver(peer, Frame { header, payload });
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::dtype::DType;
+    use std::net::TcpListener;
+
+    /// Connected streams for a world of `n` ranks: `result[r][p]` leads from `r` to `p`.
+    fn stream_mesh(n: usize) -> Vec<Vec<Option<TcpStream>>> {
+        let mut mesh: Vec<Vec<Option<TcpStream>>> =
+            (0..n).map(|_| (0..n).map(|_| None).collect()).collect();
+        let listener = TcpListener::bind("127.0.0.1:0").unwrap();
+        let addr = listener.local_addr().unwrap();
+        let pairs = (0..n).flat_map(|a| ((a + 1)..n).map(move |b| (a, b)));
+        for (a, b) in pairs {
+            let outgoing = TcpStream::connect(addr).unwrap();
+            let (incoming, _) = listener.accept().unwrap();
+            mesh[a][b] = Some(outgoing);
+            mesh[b][a] = Some(incoming);
+        }
+        mesh
+    }
+
+    fn transports(n: usize, max_payload: u64) -> Vec<Transport> {
+        stream_mesh(n)
+            .into_iter()
+            .enumerate()
+            .map(|(rank, streams)| Transport::from_streams(rank, streams, max_payload).unwrap())
+            .collect()
+    }
+
+    fn header(seq: u64, tag: u32, payload_bytes: u64) -> FrameHeader {
+        FrameHeader {
+            kind: FrameKind::Data,
+            dtype: DType::U8,
+            group: 0,
+            seq,
+            tag,
+            root: 0,
+            payload_bytes,
+        }
+    }
+
+    fn budget(ms: u64) -> WaitBudget {
+        WaitBudget::from_now(OpKind::AllReduce, Duration::from_millis(ms))
+    }
+
+    #[test]
+    fn frames_are_filed_by_key_and_delivered_out_of_order() {
+        let ranks = transports(3, 1 << 20);
+        // Rank 0 sends three frames to rank 2 (eagerly, nobody is receiving yet) and one to
+        // itself; rank 1 sends one to rank 2.
+        for seq in 0..3u64 {
+            let payload: Vec<u8> = (0..100).map(|i| (i as u64 * 7 + seq) as u8).collect();
+            ranks[0]
+                .send(OpKind::AllReduce, 2, header(seq, 5, 100), &payload)
+                .unwrap();
+        }
+        ranks[0]
+            .send(OpKind::AllReduce, 0, header(9, 1, 3), &[1, 2, 3])
+            .unwrap();
+        ranks[1]
+            .send(OpKind::AllReduce, 2, header(0, 5, 4), &[4, 3, 2, 1])
+            .unwrap();
+        // Received in reverse order of sending, and per source.
+        for seq in (0..3u64).rev() {
+            let key = MailboxKey::of(&header(seq, 5, 0));
+            let frame = ranks[2].recv(&budget(5_000), 0, key).unwrap();
+            assert_eq!(frame.header.seq, seq);
+            let expected: Vec<u8> = (0..100).map(|i| (i as u64 * 7 + seq) as u8).collect();
+            assert_eq!(frame.payload, expected);
+        }
+        let from_one = ranks[2]
+            .recv(&budget(5_000), 1, MailboxKey::of(&header(0, 5, 0)))
+            .unwrap();
+        assert_eq!(from_one.payload, vec![4, 3, 2, 1]);
+        let to_self = ranks[0]
+            .recv(&budget(5_000), 0, MailboxKey::of(&header(9, 1, 0)))
+            .unwrap();
+        assert_eq!(to_self.payload, vec![1, 2, 3]);
+    }
+
+    #[test]
+    fn a_missing_frame_times_out_within_the_deadline() {
+        let ranks = transports(2, 1 << 10);
+        let started = Instant::now();
+        let error = ranks[0]
+            .recv(&budget(150), 1, MailboxKey::of(&header(0, 0, 0)))
+            .unwrap_err();
+        assert!(
+            matches!(
+                error,
+                Error::Timeout {
+                    op: OpKind::AllReduce,
+                    peer: Some(1),
+                    ..
+                }
+            ),
+            "{error:?}"
+        );
+        let waited = started.elapsed();
+        assert!(waited >= Duration::from_millis(150) && waited < Duration::from_secs(3));
+    }
+
+    #[test]
+    fn a_dropped_peer_is_lost_but_its_earlier_frames_still_arrive() {
+        let mut ranks = transports(2, 1 << 10);
+        ranks[1]
+            .send(OpKind::Broadcast, 0, header(0, 0, 2), &[8, 9])
+            .unwrap();
+        drop(ranks.pop());
+        let early = ranks[0]
+            .recv(&budget(5_000), 1, MailboxKey::of(&header(0, 0, 0)))
+            .unwrap();
+        assert_eq!(early.payload, vec![8, 9]);
+        let started = Instant::now();
+        let error = ranks[0]
+            .recv(&budget(5_000), 1, MailboxKey::of(&header(1, 0, 0)))
+            .unwrap_err();
+        assert!(
+            matches!(
+                error,
+                Error::PeerLost {
+                    op: OpKind::AllReduce,
+                    peer: 1
+                }
+            ),
+            "{error:?}"
+        );
+        assert!(started.elapsed() < Duration::from_secs(3));
+        assert!(ranks[0].is_lost(1));
+    }
+
+    #[test]
+    fn an_oversized_or_garbage_frame_is_a_protocol_error() {
+        let mut mesh = stream_mesh(2);
+        let mut raw = mesh[1][0].take().unwrap();
+        let receiver = Transport::from_streams(0, std::mem::take(&mut mesh[0]), 64).unwrap();
+        raw.write_all(&header(0, 0, 65).encode()).unwrap();
+        let error = receiver
+            .recv(&budget(5_000), 1, MailboxKey::of(&header(0, 0, 0)))
+            .unwrap_err();
+        assert!(
+            matches!(
+                error,
+                Error::Protocol {
+                    peer: Some(1),
+                    violation: ProtocolViolation::FrameTooLarge { limit: 64, got: 65 }
+                }
+            ),
+            "{error:?}"
+        );
+    }
+
+    #[test]
+    fn a_frame_cut_short_is_never_delivered() {
+        let mut mesh = stream_mesh(2);
+        let mut raw = mesh[1][0].take().unwrap();
+        let receiver = Transport::from_streams(0, std::mem::take(&mut mesh[0]), 64).unwrap();
+        raw.write_all(&header(0, 0, 10).encode()).unwrap();
+        raw.write_all(&[1, 2, 3]).unwrap();
+        drop(raw);
+        let error = receiver
+            .recv(&budget(5_000), 1, MailboxKey::of(&header(0, 0, 0)))
+            .unwrap_err();
+        assert!(
+            matches!(error, Error::PeerLost { peer: 1, .. }),
+            "{error:?}"
+        );
+    }
+
+    #[test]
+    fn sends_check_the_declared_length_and_the_peer() {
+        let ranks = transports(2, 16);
+        assert!(matches!(
+            ranks[0].send(OpKind::Send, 1, header(0, 0, 3), &[1, 2]),
+            Err(Error::Protocol {
+                violation: ProtocolViolation::PayloadLengthMismatch {
+                    declared: 3,
+                    actual: 2
+                },
+                ..
+            })
+        ));
+        assert!(matches!(
+            ranks[0].send(OpKind::Send, 1, header(0, 0, 17), &[0; 17]),
+            Err(Error::Protocol {
+                violation: ProtocolViolation::FrameTooLarge { limit: 16, got: 17 },
+                ..
+            })
+        ));
+        assert!(matches!(
+            ranks[0].send(OpKind::Send, 2, header(0, 0, 1), &[0]),
+            Err(Error::InvalidRank {
+                rank: 2,
+                size: 2,
+                ..
+            })
+        ));
+    }
+
+    #[test]
+    fn abort_wakes_waiters_and_the_peer_sees_the_rank_lost() {
+        let ranks = Arc::new(transports(2, 16));
+        let waiter = {
+            let ranks = Arc::clone(&ranks);
+            thread::spawn(move || {
+                ranks[0].recv(&budget(10_000), 1, MailboxKey::of(&header(0, 0, 0)))
+            })
+        };
+        thread::sleep(Duration::from_millis(50));
+        let started = Instant::now();
+        ranks[0].abort();
+        let woken = waiter.join().unwrap();
+        assert!(matches!(woken, Err(Error::Aborted { .. })), "{woken:?}");
+        let peer_view = ranks[1].recv(&budget(10_000), 0, MailboxKey::of(&header(0, 0, 0)));
+        assert!(
+            matches!(peer_view, Err(Error::PeerLost { peer: 0, .. })),
+            "{peer_view:?}"
+        );
+        assert!(started.elapsed() < Duration::from_secs(3));
+    }
+}
