@@ -312,6 +312,11 @@ pub enum ProtocolViolation {
         /// The payload's actual length.
         actual: u64,
     },
+    /// A phase-0 descriptor was malformed (truncated, an unknown code, trailing bytes).
+    BadDescriptor {
+        /// The byte offset at which decoding failed.
+        at: usize,
+    },
 }
 
 impl fmt::Display for ProtocolViolation {
@@ -344,6 +349,9 @@ impl fmt::Display for ProtocolViolation {
                 f,
                 "frame header declares {declared} payload bytes but {actual} were given"
             ),
+            ProtocolViolation::BadDescriptor { at } => {
+                write!(f, "malformed op descriptor at byte {at}")
+            }
         }
     }
 }

@@ -13,9 +13,9 @@
 //! inputs, then every rank copies the reduced blocks into its buffer, so the work is spread
 //! over the ranks like a ring's reduce-scatter + all-gather.
 
-mod group;
-mod ops;
-mod validate;
+pub(crate) mod group;
+pub(crate) mod ops;
+pub(crate) mod validate;
 
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};

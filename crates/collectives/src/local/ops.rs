@@ -19,21 +19,21 @@ use crate::op::{AllToAllCounts, BufferPair, BufferRole, OpKind, ReduceOp, block_
 use crate::reduce::ReducePlan;
 
 /// Collects the first local argument error of a rank.
-struct Faults {
-    op: OpKind,
-    first: Option<Error>,
+pub(crate) struct Faults {
+    pub(crate) op: OpKind,
+    pub(crate) first: Option<Error>,
 }
 
 impl Faults {
-    fn new(op: OpKind) -> Self {
+    pub(crate) fn new(op: OpKind) -> Self {
         Faults { op, first: None }
     }
 
-    fn add(&mut self, error: Error) {
+    pub(crate) fn add(&mut self, error: Error) {
         self.first.get_or_insert(error);
     }
 
-    fn length(&mut self, role: BufferRole, expected: usize, got: usize) {
+    pub(crate) fn length(&mut self, role: BufferRole, expected: usize, got: usize) {
         if expected != got {
             let op = self.op;
             self.add(Error::LengthMismatch {
@@ -45,7 +45,7 @@ impl Faults {
         }
     }
 
-    fn dtype(&mut self, role: BufferRole, expected: DType, got: DType) {
+    pub(crate) fn dtype(&mut self, role: BufferRole, expected: DType, got: DType) {
         if expected != got {
             let op = self.op;
             self.add(Error::DTypeMismatch {
@@ -57,7 +57,7 @@ impl Faults {
         }
     }
 
-    fn rank(&mut self, rank: usize, size: usize) {
+    pub(crate) fn rank(&mut self, rank: usize, size: usize) {
         if rank >= size {
             let op = self.op;
             self.add(Error::InvalidRank { op, rank, size });
@@ -65,7 +65,7 @@ impl Faults {
     }
 
     /// The host memory of `buffer`; a device buffer becomes a fault and an empty placeholder.
-    fn host(&mut self, buffer: Buffer) -> HostBuffer {
+    pub(crate) fn host(&mut self, buffer: Buffer) -> HostBuffer {
         let dtype = buffer.dtype();
         let location = buffer.location();
         match buffer.into_host() {
@@ -82,7 +82,7 @@ impl Faults {
         }
     }
 
-    fn plan(&mut self, op: ReduceOp, dtype: DType, world: usize) -> Option<ReducePlan> {
+    pub(crate) fn plan(&mut self, op: ReduceOp, dtype: DType, world: usize) -> Option<ReducePlan> {
         match ReducePlan::new(op, dtype, world) {
             Ok(plan) => Some(plan.for_op(self.op)),
             Err(error) => {
@@ -121,7 +121,13 @@ fn payload(post: &Post) -> &[u8] {
 
 /// Elements `start..start + len` of `bytes`, as bytes; a typed error if out of range (the
 /// validation above makes that impossible, but the copy stays total).
-fn elements(op: OpKind, bytes: &[u8], dtype: DType, start: usize, len: usize) -> Result<&[u8]> {
+pub(crate) fn elements(
+    op: OpKind,
+    bytes: &[u8],
+    dtype: DType,
+    start: usize,
+    len: usize,
+) -> Result<&[u8]> {
     let size = dtype.size_bytes();
     bytes
         .get(start * size..(start + len) * size)
@@ -134,7 +140,7 @@ fn elements(op: OpKind, bytes: &[u8], dtype: DType, start: usize, len: usize) ->
 }
 
 /// Copies whole elements into `dst` at element offset `start`, checking the range.
-fn copy_into(op: OpKind, dst: &mut HostBuffer, start: usize, src: &[u8]) -> Result<()> {
+pub(crate) fn copy_into(op: OpKind, dst: &mut HostBuffer, start: usize, src: &[u8]) -> Result<()> {
     let size = dst.dtype().size_bytes();
     let have = dst.len();
     let begin = start * size;
@@ -154,7 +160,7 @@ fn copy_into(op: OpKind, dst: &mut HostBuffer, start: usize, src: &[u8]) -> Resu
 
 /// The block of `n` elements that rank `r` of `size` reduces in an all-reduce: chunks of
 /// `ceil(n / size)`, the trailing ones short or empty.
-fn block(n: usize, size: usize, r: usize) -> (usize, usize) {
+pub(crate) fn block(n: usize, size: usize, r: usize) -> (usize, usize) {
     let chunk = n.div_ceil(size.max(1));
     let start = (r * chunk).min(n);
     (start, ((r + 1) * chunk).min(n))

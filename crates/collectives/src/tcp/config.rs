@@ -3,7 +3,10 @@
 use std::net::{IpAddr, Ipv4Addr};
 use std::time::Duration;
 
-/// How a rank joins the TCP mesh.
+/// The default [`TcpConfig::segment_bytes`].
+pub const DEFAULT_SEGMENT_BYTES: usize = 1 << 20;
+
+/// How a rank joins the TCP mesh and how its collectives cut data into frames.
 #[derive(Clone, Debug, PartialEq, Eq)]
 #[non_exhaustive]
 pub struct TcpConfig {
@@ -15,6 +18,10 @@ pub struct TcpConfig {
     pub job_token: u64,
     /// How long the rendezvous may take in all (store lookups, connects, handshakes).
     pub rendezvous_timeout: Duration,
+    /// The most payload bytes one data frame carries: collectives cut every block into
+    /// segments of this size (rounded down to whole elements, at least one element), so a
+    /// ring step forwards a segment while the next is still in flight. Defaults to 1 MiB.
+    pub segment_bytes: usize,
 }
 
 impl Default for TcpConfig {
@@ -23,6 +30,7 @@ impl Default for TcpConfig {
             bind_ip: IpAddr::V4(Ipv4Addr::LOCALHOST),
             job_token: 0,
             rendezvous_timeout: Duration::from_secs(300),
+            segment_bytes: DEFAULT_SEGMENT_BYTES,
         }
     }
 }
@@ -37,6 +45,12 @@ impl TcpConfig {
     /// The same config with another rendezvous deadline.
     pub fn with_rendezvous_timeout(mut self, timeout: Duration) -> Self {
         self.rendezvous_timeout = timeout;
+        self
+    }
+
+    /// The same config with another segment size (zero is treated as one element).
+    pub fn with_segment_bytes(mut self, bytes: usize) -> Self {
+        self.segment_bytes = bytes;
         self
     }
 }

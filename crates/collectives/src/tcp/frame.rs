@@ -24,6 +24,8 @@ pub enum FrameKind {
     Data,
     /// The sender failed the op; the payload names why.
     Failure,
+    /// A point-to-point message (send/recv), filed by its user tag.
+    Message,
 }
 
 impl FrameKind {
@@ -32,6 +34,7 @@ impl FrameKind {
             FrameKind::Descriptor => 1,
             FrameKind::Data => 2,
             FrameKind::Failure => 3,
+            FrameKind::Message => 4,
         }
     }
 
@@ -40,6 +43,7 @@ impl FrameKind {
             1 => Some(FrameKind::Descriptor),
             2 => Some(FrameKind::Data),
             3 => Some(FrameKind::Failure),
+            4 => Some(FrameKind::Message),
             _ => None,
         }
     }
@@ -170,7 +174,12 @@ mod tests {
                 header
             );
         }
-        for kind in [FrameKind::Descriptor, FrameKind::Data, FrameKind::Failure] {
+        for kind in [
+            FrameKind::Descriptor,
+            FrameKind::Data,
+            FrameKind::Failure,
+            FrameKind::Message,
+        ] {
             let header = FrameHeader {
                 kind,
                 ..sample(DType::F32)

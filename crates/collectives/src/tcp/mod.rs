@@ -5,17 +5,33 @@
 //! Each rank binds a listener, publishes its address in the [`Store`](crate::Store) under
 //! `tcp/addr/{rank}`, connects to every lower rank and accepts a connection from every higher
 //! rank. [`Transport`] runs framed messages over the mesh: a reader thread per peer files
-//! validated frames into a mailbox keyed by [`MailboxKey`], sends are eager. The collectives
-//! on top of it (driven by the [`ProgressEngine`](crate::ProgressEngine)) are not built yet.
+//! validated frames into a mailbox keyed by [`MailboxKey`], sends are eager.
+//! [`TcpCommunicator`] implements every op of the [`Communicator`](crate::Communicator) on it,
+//! driven by the [`ProgressEngine`](crate::ProgressEngine): a phase-0 descriptor exchange
+//! (so argument errors and cross-rank disagreements fail the op on every rank), then ring
+//! reduce-scatter / all-gather / all-reduce, a chain broadcast, a dissemination barrier,
+//! pairwise all-to-all, direct gather / scatter / reduce and tagged send / recv, all cut into
+//! frames of at most [`TcpConfig::segment_bytes`]. Split groups reuse the world's sockets.
 
+mod alltoall;
+mod barrier;
+mod broadcast;
+mod communicator;
 mod config;
+mod descriptor;
 mod frame;
 mod handshake;
 mod launch;
+mod link;
 mod mesh;
+mod p2p;
+mod ring;
+mod rooted;
+mod split;
 mod transport;
 
-pub use config::TcpConfig;
+pub use communicator::{BACKEND, TcpCommunicator};
+pub use config::{DEFAULT_SEGMENT_BYTES, TcpConfig};
 pub use frame::{FRAME_HEADER_BYTES, FRAME_MAGIC, FrameHeader, FrameKind};
 pub use handshake::{MESH_MAGIC, MESH_PROTOCOL_VERSION};
 pub use launch::{Rendezvous, rendezvous_from_env};

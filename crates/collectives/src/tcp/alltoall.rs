@@ -1,0 +1,93 @@
+//! All-to-all (and its `_v` form) by pairwise exchange: in step `s` every rank sends its
+//! block for rank `+s` and receives the block of rank `-s`, so each step is a permutation
+//! and no rank is flooded by all peers at once.
+
+use super::communicator::Inner;
+use super::link::Link;
+use crate::buffer::Buffer;
+use crate::engine::JobContext;
+use crate::error::Result;
+use crate::local::group::Desc;
+use crate::local::ops::{Faults, copy_into, elements};
+use crate::op::{AllToAllCounts, BufferPair, BufferRole, OpKind, block_offsets};
+
+pub(crate) fn all_to_all(
+    inner: &Inner,
+    ctx: &JobContext,
+    input: Buffer,
+    output: Buffer,
+    counts: Option<AllToAllCounts>,
+) -> Result<BufferPair> {
+    let kind = if counts.is_some() {
+        OpKind::AllToAllV
+    } else {
+        OpKind::AllToAll
+    };
+    let link = Link::collective(inner, ctx, kind);
+    let (size, rank) = (link.size(), link.rank());
+    let mut faults = Faults::new(kind);
+    let input = faults.host(input);
+    let mut output = faults.host(output);
+    let dtype = input.dtype();
+    faults.dtype(BufferRole::Output, dtype, output.dtype());
+    let mut desc = Desc::new(kind);
+    desc.dtype = Some(dtype);
+    let counts = match counts {
+        Some(counts) => {
+            faults.length(BufferRole::SendCounts, size, counts.send.len());
+            faults.length(BufferRole::RecvCounts, size, counts.recv.len());
+            faults.length(BufferRole::Input, counts.send.iter().sum(), input.len());
+            faults.length(BufferRole::Output, counts.recv.iter().sum(), output.len());
+            desc.a2a = Some(counts.clone());
+            counts
+        }
+        None => {
+            let block = input.len() / size;
+            faults.length(BufferRole::Input, block * size, input.len());
+            faults.length(BufferRole::Output, input.len(), output.len());
+            desc.len = Some(input.len());
+            AllToAllCounts {
+                send: vec![block; size],
+                recv: vec![block; size],
+            }
+        }
+    };
+    link.open(desc, faults)?;
+    let send_offsets = block_offsets(&counts.send);
+    let recv_offsets = block_offsets(&counts.recv);
+    let own = elements(
+        kind,
+        input.as_bytes(),
+        dtype,
+        send_offsets[rank],
+        counts.send[rank],
+    )?;
+    copy_into(kind, &mut output, recv_offsets[rank], own)?;
+    let elem = dtype.size_bytes();
+    for step in 1..size {
+        let (to, from) = (link.right(step), link.left(step));
+        let block = elements(
+            kind,
+            input.as_bytes(),
+            dtype,
+            send_offsets[to],
+            counts.send[to],
+        )?;
+        link.send_data(to, dtype, 0, block)?;
+        let range = recv_offsets[from] * elem..(recv_offsets[from] + counts.recv[from]) * elem;
+        link.recv_data(
+            from,
+            dtype,
+            0,
+            &mut output.as_bytes_mut()[range],
+            |dst, src| {
+                dst.copy_from_slice(src);
+                Ok(())
+            },
+        )?;
+    }
+    Ok(BufferPair {
+        input: Buffer::Host(input),
+        output: Buffer::Host(output),
+    })
+}

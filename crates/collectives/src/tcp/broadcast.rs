@@ -1,0 +1,50 @@
+//! Broadcast as a chain from the root: rank `root + i` receives each segment from
+//! `root + i - 1` and forwards it to `root + i + 1` before taking the next, so segments stream
+//! down the chain instead of the root sending the whole buffer `size - 1` times.
+
+use super::communicator::Inner;
+use super::link::Link;
+use crate::buffer::Buffer;
+use crate::engine::JobContext;
+use crate::error::Result;
+use crate::local::group::Desc;
+use crate::local::ops::Faults;
+use crate::op::OpKind;
+
+pub(crate) fn broadcast(
+    inner: &Inner,
+    ctx: &JobContext,
+    buffer: Buffer,
+    root: usize,
+) -> Result<Buffer> {
+    let kind = OpKind::Broadcast;
+    let link = Link::collective(inner, ctx, kind);
+    let (size, rank) = (link.size(), link.rank());
+    let mut faults = Faults::new(kind);
+    let mut host = faults.host(buffer);
+    faults.rank(root, size);
+    let dtype = host.dtype();
+    let mut desc = Desc::new(kind);
+    desc.dtype = Some(dtype);
+    desc.len = Some(host.len());
+    desc.root = Some(root);
+    link.open(desc, faults)?;
+    // This rank's place in the chain, counted from the root.
+    let position = (rank + size - root) % size;
+    let next = (position + 1 < size).then(|| link.right(1));
+    if position == 0 {
+        if let Some(next) = next {
+            link.send_data(next, dtype, 0, host.as_bytes())?;
+        }
+        return Ok(Buffer::Host(host));
+    }
+    let previous = link.left(1);
+    link.recv_data(previous, dtype, 0, host.as_bytes_mut(), |dst, src| {
+        dst.copy_from_slice(src);
+        if let Some(next) = next {
+            link.send_frame(next, super::frame::FrameKind::Data, dtype, 0, src)?;
+        }
+        Ok(())
+    })?;
+    Ok(Buffer::Host(host))
+}

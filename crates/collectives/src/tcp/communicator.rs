@@ -1,0 +1,290 @@
+//! [`TcpCommunicator`]: the [`Communicator`] of the TCP backend.
+//!
+//! Every op runs on the communicator's [`ProgressEngine`] in issue order. A collective first
+//! exchanges phase-0 descriptors with every peer (see [`Link::open`](super::link::Link)), so
+//! argument errors and cross-rank disagreements fail the op on every rank before data moves,
+//! then runs its algorithm (ring, chain, dissemination, pairwise or direct) over the shared
+//! [`Transport`]. Split groups reuse the world's sockets: their frames carry their own group
+//! id, derived deterministically from the parent's id, the split count and the color.
+
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
+
+use super::config::TcpConfig;
+use super::mesh::Mesh;
+use super::transport::Transport;
+use super::{alltoall, barrier, broadcast, p2p, ring, rooted, split};
+use crate::buffer::Buffer;
+use crate::communicator::Communicator;
+use crate::config::CommConfig;
+use crate::engine::{JobContext, JobSpec, ProgressEngine};
+use crate::error::Result;
+use crate::op::{AllToAllCounts, BufferPair, OpKind, ReduceOp};
+use crate::store::Store;
+use crate::work::Work;
+
+/// The backend name reported by [`Communicator::backend`].
+pub const BACKEND: &str = "tcp";
+
+/// The group id of the world communicator.
+const WORLD_GROUP: u32 = 0;
+
+/// What a rank's jobs need, shared between the handle and its progress thread.
+#[derive(Debug)]
+pub(crate) struct Inner {
+    pub(crate) transport: Arc<Transport>,
+    /// The id every frame of this group carries.
+    pub(crate) group_id: u32,
+    /// `members[r]` is the world rank of group rank `r`.
+    pub(crate) members: Vec<usize>,
+    /// This rank in the group.
+    pub(crate) rank: usize,
+    pub(crate) config: CommConfig,
+    pub(crate) segment_bytes: usize,
+    pub(crate) name: String,
+    next_collective: AtomicU64,
+    /// How many splits this rank has made, for deriving the children's group ids.
+    pub(crate) splits: AtomicU64,
+}
+
+impl Inner {
+    pub(crate) fn next_seq(&self) -> u64 {
+        self.next_collective.fetch_add(1, Ordering::Relaxed)
+    }
+}
+
+/// One rank of a TCP group.
+#[derive(Debug)]
+pub struct TcpCommunicator {
+    inner: Arc<Inner>,
+    engine: ProgressEngine,
+}
+
+/// How large a frame may be: one segment, or a descriptor (whose all-to-all-v counts grow
+/// with the world), whichever is larger.
+fn frame_cap(tcp: &TcpConfig, world_size: usize) -> u64 {
+    let descriptor = 1024 + 16 * world_size as u64;
+    (tcp.segment_bytes.max(8) as u64).max(descriptor)
+}
+
+impl TcpCommunicator {
+    /// Joins a world of `world_size` ranks as `rank`: builds the mesh through `store`
+    /// ([`Mesh::establish`]) and starts the transport. Collective over the world.
+    pub fn connect(
+        store: &dyn Store,
+        rank: usize,
+        world_size: usize,
+        tcp: &TcpConfig,
+        config: CommConfig,
+    ) -> Result<TcpCommunicator> {
+        let mesh = Mesh::establish(store, rank, world_size, tcp)?;
+        TcpCommunicator::from_mesh(mesh, tcp, config)
+    }
+
+    /// The world communicator over an established mesh.
+    pub fn from_mesh(mesh: Mesh, tcp: &TcpConfig, config: CommConfig) -> Result<TcpCommunicator> {
+        let (rank, world_size) = (mesh.rank(), mesh.world_size());
+        let transport = Arc::new(Transport::start(mesh, frame_cap(tcp, world_size))?);
+        TcpCommunicator::new(Inner {
+            transport,
+            group_id: WORLD_GROUP,
+            members: (0..world_size).collect(),
+            rank,
+            config,
+            segment_bytes: tcp.segment_bytes,
+            name: "world".to_string(),
+            next_collective: AtomicU64::new(0),
+            splits: AtomicU64::new(0),
+        })
+    }
+
+    /// A child group over the parent's transport.
+    pub(crate) fn child(
+        parent: &Inner,
+        group_id: u32,
+        members: Vec<usize>,
+        rank: usize,
+        name: String,
+    ) -> Result<TcpCommunicator> {
+        TcpCommunicator::new(Inner {
+            transport: Arc::clone(&parent.transport),
+            group_id,
+            members,
+            rank,
+            config: parent.config.clone(),
+            segment_bytes: parent.segment_bytes,
+            name,
+            next_collective: AtomicU64::new(0),
+            splits: AtomicU64::new(0),
+        })
+    }
+
+    fn new(inner: Inner) -> Result<TcpCommunicator> {
+        let engine = ProgressEngine::new(inner.name.clone())?;
+        Ok(TcpCommunicator {
+            inner: Arc::new(inner),
+            engine,
+        })
+    }
+
+    fn submit<T, F>(&self, op: OpKind, bytes: usize, job: F) -> Work<T>
+    where
+        T: Send + 'static,
+        F: FnOnce(&Inner, &JobContext) -> Result<T> + Send + 'static,
+    {
+        let inner = Arc::clone(&self.inner);
+        let spec = JobSpec {
+            op,
+            bytes,
+            timeout: inner.config.timeout,
+        };
+        self.engine.submit(spec, move |ctx| job(&inner, ctx))
+    }
+}
+
+impl Communicator for TcpCommunicator {
+    fn rank(&self) -> usize {
+        self.inner.rank
+    }
+
+    fn size(&self) -> usize {
+        self.inner.members.len()
+    }
+
+    fn config(&self) -> &CommConfig {
+        &self.inner.config
+    }
+
+    fn group_name(&self) -> &str {
+        &self.inner.name
+    }
+
+    fn backend(&self) -> &'static str {
+        BACKEND
+    }
+
+    fn all_reduce_async(&self, buffer: Buffer, op: ReduceOp) -> Work<Buffer> {
+        self.submit(OpKind::AllReduce, buffer.byte_len(), move |inner, ctx| {
+            ring::all_reduce(inner, ctx, buffer, op)
+        })
+    }
+
+    fn all_gather_async(&self, input: Buffer, output: Buffer) -> Work<BufferPair> {
+        self.submit(OpKind::AllGather, input.byte_len(), move |inner, ctx| {
+            ring::all_gather(inner, ctx, input, output, None)
+        })
+    }
+
+    fn all_gather_v_async(
+        &self,
+        input: Buffer,
+        output: Buffer,
+        counts: Vec<usize>,
+    ) -> Work<BufferPair> {
+        self.submit(OpKind::AllGatherV, input.byte_len(), move |inner, ctx| {
+            ring::all_gather(inner, ctx, input, output, Some(counts))
+        })
+    }
+
+    fn reduce_scatter_async(
+        &self,
+        input: Buffer,
+        output: Buffer,
+        op: ReduceOp,
+    ) -> Work<BufferPair> {
+        self.submit(
+            OpKind::ReduceScatter,
+            input.byte_len(),
+            move |inner, ctx| ring::reduce_scatter(inner, ctx, input, output, None, op),
+        )
+    }
+
+    fn reduce_scatter_v_async(
+        &self,
+        input: Buffer,
+        output: Buffer,
+        counts: Vec<usize>,
+        op: ReduceOp,
+    ) -> Work<BufferPair> {
+        self.submit(
+            OpKind::ReduceScatterV,
+            input.byte_len(),
+            move |inner, ctx| ring::reduce_scatter(inner, ctx, input, output, Some(counts), op),
+        )
+    }
+
+    fn broadcast_async(&self, buffer: Buffer, root: usize) -> Work<Buffer> {
+        self.submit(OpKind::Broadcast, buffer.byte_len(), move |inner, ctx| {
+            broadcast::broadcast(inner, ctx, buffer, root)
+        })
+    }
+
+    fn reduce_async(&self, buffer: Buffer, root: usize, op: ReduceOp) -> Work<Buffer> {
+        self.submit(OpKind::Reduce, buffer.byte_len(), move |inner, ctx| {
+            rooted::reduce(inner, ctx, buffer, root, op)
+        })
+    }
+
+    fn gather_async(&self, input: Buffer, output: Buffer, root: usize) -> Work<BufferPair> {
+        self.submit(OpKind::Gather, input.byte_len(), move |inner, ctx| {
+            rooted::gather(inner, ctx, input, output, root)
+        })
+    }
+
+    fn scatter_async(&self, input: Buffer, output: Buffer, root: usize) -> Work<BufferPair> {
+        self.submit(OpKind::Scatter, input.byte_len(), move |inner, ctx| {
+            rooted::scatter(inner, ctx, input, output, root)
+        })
+    }
+
+    fn all_to_all_async(&self, input: Buffer, output: Buffer) -> Work<BufferPair> {
+        self.submit(OpKind::AllToAll, input.byte_len(), move |inner, ctx| {
+            alltoall::all_to_all(inner, ctx, input, output, None)
+        })
+    }
+
+    fn all_to_all_v_async(
+        &self,
+        input: Buffer,
+        output: Buffer,
+        counts: AllToAllCounts,
+    ) -> Work<BufferPair> {
+        self.submit(OpKind::AllToAllV, input.byte_len(), move |inner, ctx| {
+            alltoall::all_to_all(inner, ctx, input, output, Some(counts))
+        })
+    }
+
+    fn send_async(&self, buffer: Buffer, peer: usize, tag: u32) -> Work<Buffer> {
+        self.submit(OpKind::Send, buffer.byte_len(), move |inner, ctx| {
+            p2p::send(inner, ctx, buffer, peer, tag)
+        })
+    }
+
+    fn recv_async(&self, buffer: Buffer, peer: usize, tag: u32) -> Work<Buffer> {
+        self.submit(OpKind::Recv, buffer.byte_len(), move |inner, ctx| {
+            p2p::recv(inner, ctx, buffer, peer, tag)
+        })
+    }
+
+    fn barrier_async(&self) -> Work<()> {
+        self.submit(OpKind::Barrier, 0, barrier::barrier)
+    }
+
+    fn split(&self, color: Option<u32>, key: i64) -> Result<Option<Arc<dyn Communicator>>> {
+        self.submit(OpKind::Split, 0, move |inner, ctx| {
+            split::split(inner, ctx, color, key)
+        })
+        .wait()
+    }
+
+    fn abort(&self) {
+        // The sockets are shared by the world and every group split from it, so aborting any
+        // of them aborts the transport they all use (as an aborted NCCL communicator would).
+        self.engine.abort();
+        self.inner.transport.abort();
+    }
+
+    fn is_aborted(&self) -> bool {
+        self.engine.is_aborted()
+    }
+}

@@ -1,0 +1,268 @@
+//! [`Link`]: what one running op of a TCP group uses to talk to its peers: the phase-0
+//! descriptor exchange (validated with the same checks as `local`) and segmented data
+//! transfers, all addressed by group rank and filed under the op's (group, seq).
+
+use std::sync::Arc;
+
+use super::communicator::Inner;
+use super::descriptor;
+use super::frame::{FrameHeader, FrameKind};
+use super::transport::{MailboxKey, WaitBudget};
+use crate::dtype::DType;
+use crate::engine::JobContext;
+use crate::error::{Error, ProtocolViolation, Result};
+use crate::local::group::{Desc, Post};
+use crate::local::ops::Faults;
+use crate::local::validate::{peer_view, validate};
+use crate::op::OpKind;
+
+/// One op's view of its group: who it is, which seq it runs under, and its deadline.
+pub(crate) struct Link<'a> {
+    pub(crate) inner: &'a Inner,
+    pub(crate) op: OpKind,
+    pub(crate) seq: u64,
+    budget: WaitBudget,
+}
+
+impl<'a> Link<'a> {
+    /// A link for a collective: it takes the group's next sequence number.
+    pub(crate) fn collective(inner: &'a Inner, ctx: &JobContext, op: OpKind) -> Link<'a> {
+        Link {
+            inner,
+            op,
+            seq: inner.next_seq(),
+            budget: WaitBudget {
+                op,
+                timeout: ctx.timeout,
+                deadline: ctx.deadline,
+            },
+        }
+    }
+
+    /// A link for a point-to-point op, which takes no sequence number.
+    pub(crate) fn p2p(inner: &'a Inner, ctx: &JobContext, op: OpKind) -> Link<'a> {
+        Link {
+            inner,
+            op,
+            seq: 0,
+            budget: WaitBudget {
+                op,
+                timeout: ctx.timeout,
+                deadline: ctx.deadline,
+            },
+        }
+    }
+
+    /// This rank in the group.
+    pub(crate) fn rank(&self) -> usize {
+        self.inner.rank
+    }
+
+    /// The group's size.
+    pub(crate) fn size(&self) -> usize {
+        self.inner.members.len()
+    }
+
+    /// The group rank `r` steps to the right of this rank.
+    pub(crate) fn right(&self, steps: usize) -> usize {
+        (self.rank() + steps) % self.size()
+    }
+
+    /// The group rank `r` steps to the left of this rank.
+    pub(crate) fn left(&self, steps: usize) -> usize {
+        let n = self.size();
+        (self.rank() + n - steps % n) % n
+    }
+
+    fn world(&self, peer: usize) -> Result<usize> {
+        self.inner
+            .members
+            .get(peer)
+            .copied()
+            .ok_or(Error::InvalidRank {
+                op: self.op,
+                rank: peer,
+                size: self.size(),
+            })
+    }
+
+    /// Maps a transport error about a world rank back to the group rank the caller knows.
+    fn group_view(&self, error: Error) -> Error {
+        let to_group = |world: usize| {
+            self.inner
+                .members
+                .iter()
+                .position(|&w| w == world)
+                .unwrap_or(world)
+        };
+        match error {
+            Error::PeerLost { op, peer } => Error::PeerLost {
+                op,
+                peer: to_group(peer),
+            },
+            Error::Timeout { op, after, peer } => Error::Timeout {
+                op,
+                after,
+                peer: peer.map(to_group),
+            },
+            Error::Protocol { peer, violation } => Error::Protocol {
+                peer: peer.map(to_group),
+                violation,
+            },
+            other => other,
+        }
+    }
+
+    fn header(&self, kind: FrameKind, dtype: DType, tag: u32, bytes: usize) -> FrameHeader {
+        FrameHeader {
+            kind,
+            dtype,
+            group: self.inner.group_id,
+            seq: self.seq,
+            tag,
+            root: 0,
+            payload_bytes: bytes as u64,
+        }
+    }
+
+    fn key(&self, kind: FrameKind, tag: u32) -> MailboxKey {
+        MailboxKey {
+            group: self.inner.group_id,
+            seq: self.seq,
+            tag,
+            kind,
+        }
+    }
+
+    /// Sends one frame to group rank `peer`.
+    pub(crate) fn send_frame(
+        &self,
+        peer: usize,
+        kind: FrameKind,
+        dtype: DType,
+        tag: u32,
+        payload: &[u8],
+    ) -> Result<()> {
+        let world = self.world(peer)?;
+        let header = self.header(kind, dtype, tag, payload.len());
+        self.inner
+            .transport
+            .send(self.op, world, header, payload)
+            .map_err(|e| self.group_view(e))
+    }
+
+    /// Waits for one frame from group rank `peer`.
+    pub(crate) fn recv_frame(
+        &self,
+        peer: usize,
+        kind: FrameKind,
+        tag: u32,
+    ) -> Result<super::transport::Frame> {
+        let world = self.world(peer)?;
+        self.inner
+            .transport
+            .recv(&self.budget, world, self.key(kind, tag))
+            .map_err(|e| self.group_view(e))
+    }
+
+    /// The bytes of one segment for `dtype`: `segment_bytes` rounded down to whole elements,
+    /// at least one element.
+    pub(crate) fn segment_bytes(&self, dtype: DType) -> usize {
+        let size = dtype.size_bytes();
+        (self.inner.segment_bytes / size).max(1) * size
+    }
+
+    /// Sends `bytes` to `peer` as consecutive data frames of at most one segment each (an
+    /// empty block sends nothing). The receiver knows the length from the validated
+    /// descriptors, so it knows how many frames to expect.
+    pub(crate) fn send_data(
+        &self,
+        peer: usize,
+        dtype: DType,
+        tag: u32,
+        bytes: &[u8],
+    ) -> Result<()> {
+        for segment in bytes.chunks(self.segment_bytes(dtype)) {
+            self.send_frame(peer, FrameKind::Data, dtype, tag, segment)?;
+        }
+        Ok(())
+    }
+
+    /// Receives `dst.len()` bytes from `peer` as [`Link::send_data`] sent them, handing each
+    /// segment and its destination to `apply` (a copy, or a reduction). Every frame's dtype is
+    /// checked, and its length must be whole elements that fit in what is still missing, so
+    /// the sender's segment size need not match this rank's.
+    pub(crate) fn recv_data(
+        &self,
+        peer: usize,
+        dtype: DType,
+        tag: u32,
+        dst: &mut [u8],
+        mut apply: impl FnMut(&mut [u8], &[u8]) -> Result<()>,
+    ) -> Result<()> {
+        let mut filled = 0;
+        while filled < dst.len() {
+            let frame = self.recv_frame(peer, FrameKind::Data, tag)?;
+            if frame.header.dtype != dtype {
+                return Err(Error::DTypeMismatch {
+                    op: self.op,
+                    role: crate::op::BufferRole::Peer { rank: peer },
+                    expected: dtype,
+                    got: frame.header.dtype,
+                });
+            }
+            let len = frame.payload.len();
+            let missing = dst.len() - filled;
+            if len == 0 || len > missing || len % dtype.size_bytes() != 0 {
+                return Err(Error::Protocol {
+                    peer: Some(peer),
+                    violation: ProtocolViolation::PayloadLengthMismatch {
+                        declared: missing as u64,
+                        actual: len as u64,
+                    },
+                });
+            }
+            apply(&mut dst[filled..filled + len], &frame.payload)?;
+            filled += len;
+        }
+        Ok(())
+    }
+
+    /// Phase 0: sends this rank's descriptor (with its local fault, in the peers' view) to
+    /// every peer, receives theirs, and runs the same checks as `local` on every rank, so an
+    /// argument error anywhere fails the op everywhere before data moves. Returns every
+    /// rank's descriptor, by group rank.
+    pub(crate) fn open(&self, mut desc: Desc, faults: Faults) -> Result<Vec<Desc>> {
+        let me = self.rank();
+        desc.fault = faults.first.as_ref().map(|e| peer_view(e, self.op, me));
+        let wire = descriptor::encode(&desc);
+        for peer in (0..self.size()).filter(|&p| p != me) {
+            self.send_frame(peer, FrameKind::Descriptor, DType::U8, 0, &wire)?;
+        }
+        let mut posts = Vec::with_capacity(self.size());
+        for peer in 0..self.size() {
+            let peer_desc = if peer == me {
+                descriptor::decode(&wire, me)?
+            } else {
+                let frame = self.recv_frame(peer, FrameKind::Descriptor, 0)?;
+                descriptor::decode(&frame.payload, peer)?
+            };
+            posts.push(Arc::new(Post {
+                desc: Some(peer_desc),
+                data: None,
+                group: None,
+            }));
+        }
+        validate(me, self.seq, self.op, &posts, faults.first)?;
+        Ok(posts
+            .into_iter()
+            .map(|post| {
+                // invariant: `validate` only borrowed the posts, so each Arc is unique here.
+                Arc::try_unwrap(post)
+                    .ok()
+                    .and_then(|p| p.desc)
+                    .unwrap_or_else(|| Desc::new(self.op))
+            })
+            .collect())
+    }
+}

@@ -1,0 +1,224 @@
+//! Ring algorithms: reduce-scatter, all-gather, and all-reduce as reduce-scatter followed by
+//! all-gather over the same blocks. Every block moves in segments of
+//! [`TcpConfig::segment_bytes`](super::TcpConfig::segment_bytes); step `s` of a ring phase is
+//! filed under tag `s` (reduce-scatter) or `size + s` (all-gather of an all-reduce), and the
+//! segments of one step queue in order in the mailbox.
+
+use std::ops::Range;
+
+use super::communicator::Inner;
+use super::link::Link;
+use crate::buffer::{Buffer, HostBuffer};
+use crate::dtype::DType;
+use crate::engine::JobContext;
+use crate::error::{Error, Result};
+use crate::local::group::Desc;
+use crate::local::ops::{Faults, block};
+use crate::op::{BufferPair, BufferRole, OpKind, ReduceOp, block_offsets};
+use crate::reduce::ReducePlan;
+
+/// Byte ranges of the blocks of a ring, by the rank that owns each block at the end.
+fn byte_blocks(counts: &[usize], dtype: DType) -> Vec<Range<usize>> {
+    let size = dtype.size_bytes();
+    block_offsets(counts)
+        .iter()
+        .zip(counts)
+        .map(|(start, len)| start * size..(start + len) * size)
+        .collect()
+}
+
+fn tag(step: usize) -> u32 {
+    // Steps are below the group size, which is far below u32::MAX for any real mesh.
+    u32::try_from(step).unwrap_or(u32::MAX)
+}
+
+/// Ring reduce-scatter in place: `work` holds this rank's prepared contribution; afterwards
+/// its own block holds the combined (not yet finished) result.
+fn ring_reduce_scatter(
+    link: &Link<'_>,
+    plan: &ReducePlan,
+    work: &mut [u8],
+    blocks: &[Range<usize>],
+) -> Result<()> {
+    let n = link.size();
+    let dtype = plan.dtype();
+    let (right, left) = (link.right(1), link.left(1));
+    for step in 0..n.saturating_sub(1) {
+        let send = &blocks[link.left(step + 1)];
+        link.send_data(right, dtype, tag(step), &work[send.clone()])?;
+        let recv = blocks[link.left(step + 2)].clone();
+        link.recv_data(left, dtype, tag(step), &mut work[recv], |acc, incoming| {
+            plan.combine(acc, incoming)
+        })?;
+    }
+    Ok(())
+}
+
+/// Ring all-gather in place: this rank's own block of `work` is filled; afterwards every
+/// block is.
+fn ring_all_gather(
+    link: &Link<'_>,
+    dtype: DType,
+    work: &mut [u8],
+    blocks: &[Range<usize>],
+    tag_base: usize,
+) -> Result<()> {
+    let n = link.size();
+    let (right, left) = (link.right(1), link.left(1));
+    for step in 0..n.saturating_sub(1) {
+        let send = &blocks[link.left(step)];
+        link.send_data(right, dtype, tag(tag_base + step), &work[send.clone()])?;
+        let recv = blocks[link.left(step + 1)].clone();
+        link.recv_data(
+            left,
+            dtype,
+            tag(tag_base + step),
+            &mut work[recv],
+            |dst, src| {
+                dst.copy_from_slice(src);
+                Ok(())
+            },
+        )?;
+    }
+    Ok(())
+}
+
+pub(crate) fn all_reduce(
+    inner: &Inner,
+    ctx: &JobContext,
+    buffer: Buffer,
+    op: ReduceOp,
+) -> Result<Buffer> {
+    let kind = OpKind::AllReduce;
+    let link = Link::collective(inner, ctx, kind);
+    let size = link.size();
+    let mut faults = Faults::new(kind);
+    let mut host = faults.host(buffer);
+    let (dtype, n) = (host.dtype(), host.len());
+    let plan = faults.plan(op, dtype, size);
+    let mut desc = Desc::new(kind);
+    desc.dtype = Some(dtype);
+    desc.len = Some(n);
+    desc.reduce = Some(op);
+    link.open(desc, faults)?;
+    // invariant: a failed plan is a posted fault, and open returned it above.
+    let plan = plan.ok_or(Error::UnsupportedOp { op, dtype })?;
+    let counts: Vec<usize> = (0..size)
+        .map(|r| {
+            let (start, end) = block(n, size, r);
+            end - start
+        })
+        .collect();
+    let blocks = byte_blocks(&counts, dtype);
+    let work = host.as_bytes_mut();
+    plan.prepare(work)?;
+    ring_reduce_scatter(&link, &plan, work, &blocks)?;
+    plan.finish(&mut work[blocks[link.rank()].clone()])?;
+    ring_all_gather(&link, dtype, work, &blocks, size)?;
+    Ok(Buffer::Host(host))
+}
+
+pub(crate) fn all_gather(
+    inner: &Inner,
+    ctx: &JobContext,
+    input: Buffer,
+    output: Buffer,
+    counts: Option<Vec<usize>>,
+) -> Result<BufferPair> {
+    let kind = if counts.is_some() {
+        OpKind::AllGatherV
+    } else {
+        OpKind::AllGather
+    };
+    let link = Link::collective(inner, ctx, kind);
+    let (size, rank) = (link.size(), link.rank());
+    let mut faults = Faults::new(kind);
+    let input = faults.host(input);
+    let mut output = faults.host(output);
+    let dtype = input.dtype();
+    faults.dtype(BufferRole::Output, dtype, output.dtype());
+    let mut desc = Desc::new(kind);
+    desc.dtype = Some(dtype);
+    let counts = match counts {
+        Some(counts) => {
+            faults.length(BufferRole::Counts, size, counts.len());
+            if counts.len() == size {
+                faults.length(BufferRole::Input, counts[rank], input.len());
+                faults.length(BufferRole::Output, counts.iter().sum(), output.len());
+            }
+            desc.counts = Some(counts.clone());
+            counts
+        }
+        None => {
+            faults.length(BufferRole::Output, size * input.len(), output.len());
+            desc.len = Some(input.len());
+            vec![input.len(); size]
+        }
+    };
+    link.open(desc, faults)?;
+    let blocks = byte_blocks(&counts, dtype);
+    let work = output.as_bytes_mut();
+    work[blocks[rank].clone()].copy_from_slice(input.as_bytes());
+    ring_all_gather(&link, dtype, work, &blocks, 0)?;
+    Ok(BufferPair {
+        input: Buffer::Host(input),
+        output: Buffer::Host(output),
+    })
+}
+
+pub(crate) fn reduce_scatter(
+    inner: &Inner,
+    ctx: &JobContext,
+    input: Buffer,
+    output: Buffer,
+    counts: Option<Vec<usize>>,
+    op: ReduceOp,
+) -> Result<BufferPair> {
+    let kind = if counts.is_some() {
+        OpKind::ReduceScatterV
+    } else {
+        OpKind::ReduceScatter
+    };
+    let link = Link::collective(inner, ctx, kind);
+    let (size, rank) = (link.size(), link.rank());
+    let mut faults = Faults::new(kind);
+    let input = faults.host(input);
+    let mut output = faults.host(output);
+    let dtype = input.dtype();
+    faults.dtype(BufferRole::Output, dtype, output.dtype());
+    let plan = faults.plan(op, dtype, size);
+    let mut desc = Desc::new(kind);
+    desc.dtype = Some(dtype);
+    desc.reduce = Some(op);
+    let counts = match counts {
+        Some(counts) => {
+            faults.length(BufferRole::Counts, size, counts.len());
+            if counts.len() == size {
+                faults.length(BufferRole::Input, counts.iter().sum(), input.len());
+                faults.length(BufferRole::Output, counts[rank], output.len());
+            }
+            desc.counts = Some(counts.clone());
+            counts
+        }
+        None => {
+            faults.length(BufferRole::Input, size * output.len(), input.len());
+            desc.len = Some(input.len());
+            vec![output.len(); size]
+        }
+    };
+    link.open(desc, faults)?;
+    // invariant: a failed plan is a posted fault, and open returned it above.
+    let plan = plan.ok_or(Error::UnsupportedOp { op, dtype })?;
+    let blocks = byte_blocks(&counts, dtype);
+    let mut work = HostBuffer::from_bytes(dtype, input.as_bytes())?;
+    let work_bytes = work.as_bytes_mut();
+    plan.prepare(work_bytes)?;
+    ring_reduce_scatter(&link, &plan, work_bytes, &blocks)?;
+    let own = &mut work_bytes[blocks[rank].clone()];
+    plan.finish(own)?;
+    output.as_bytes_mut().copy_from_slice(own);
+    Ok(BufferPair {
+        input: Buffer::Host(input),
+        output: Buffer::Host(output),
+    })
+}

@@ -1,0 +1,80 @@
+//! The conformance suite on the TCP backend: every rank is a thread of this process with its
+//! own [`TcpCommunicator`] over 127.0.0.1, meeting through one shared [`MemoryStore`]. A small
+//! segment size makes every ring step, chain hop and message span several frames.
+
+use std::sync::{Arc, Barrier};
+use std::time::{Duration, Instant};
+
+use hypershard_collectives::conformance::{self, SuiteParams};
+use hypershard_collectives::tcp::{TcpCommunicator, TcpConfig};
+use hypershard_collectives::{
+    Buffer, CommConfig, Communicator, DType, Error, MemoryStore, ReduceOp, Store,
+};
+use hypershard_testkit::run_ranks;
+
+/// Small enough that the suite's larger cases cross many segment boundaries.
+const SEGMENT_BYTES: usize = 256;
+
+fn tcp_world(size: usize, timeout: Duration) -> Vec<Arc<dyn Communicator>> {
+    let store: Arc<dyn Store> = Arc::new(MemoryStore::new());
+    let tcp = TcpConfig::default()
+        .with_segment_bytes(SEGMENT_BYTES)
+        .with_rendezvous_timeout(Duration::from_secs(20));
+    let config = CommConfig::default().with_timeout(timeout);
+    run_ranks(size, move |rank| {
+        TcpCommunicator::connect(store.as_ref(), rank, size, &tcp, config.clone())
+            .map(|comm| Arc::new(comm) as Arc<dyn Communicator>)
+    })
+    .unwrap()
+}
+
+#[test]
+fn full_suite_on_two_three_and_four_ranks() {
+    for size in [2, 3, 4] {
+        let comms = tcp_world(size, Duration::from_secs(30));
+        let reports = run_ranks(size, move |rank| {
+            conformance::run_all(comms[rank].as_ref(), &SuiteParams::new(SEGMENT_BYTES))
+        })
+        .unwrap_or_else(|e| panic!("world {size}: {e}"));
+        for report in &reports {
+            assert!(
+                report.cases > 1000,
+                "world {size}: only {} cases",
+                report.cases
+            );
+        }
+    }
+}
+
+#[test]
+fn a_peer_that_drops_mid_op_fails_the_others_fast() {
+    let comms = tcp_world(3, Duration::from_secs(30));
+    let slots: Vec<std::sync::Mutex<Option<Arc<dyn Communicator>>>> = comms
+        .into_iter()
+        .map(|c| std::sync::Mutex::new(Some(c)))
+        .collect();
+    let slots = Arc::new(slots);
+    let ready = Arc::new(Barrier::new(3));
+    let outcomes = run_ranks(3, move |rank| {
+        // invariant: each rank takes only its own slot, once.
+        let comm = slots[rank].lock().unwrap().take().unwrap();
+        comm.barrier()?;
+        if rank == 2 {
+            ready.wait();
+            // Let the others block in their all-reduce, then vanish.
+            std::thread::sleep(Duration::from_millis(100));
+            drop(comm);
+            return Ok::<_, Error>(true);
+        }
+        ready.wait();
+        let start = Instant::now();
+        let result = comm.all_reduce(Buffer::zeros(DType::F32, 1000), ReduceOp::Sum);
+        let failed = matches!(
+            result,
+            Err(Error::PeerLost { .. }) | Err(Error::Timeout { .. })
+        );
+        Ok(failed && start.elapsed() < Duration::from_secs(10))
+    })
+    .unwrap();
+    assert_eq!(outcomes, vec![true, true, true]);
+}
