@@ -78,3 +78,53 @@ fn a_peer_that_drops_mid_op_fails_the_others_fast() {
     .unwrap();
     assert_eq!(outcomes, vec![true, true, true]);
 }
+
+#[test]
+fn an_absent_rank_times_out_the_others() {
+    let comms = tcp_world(4, Duration::from_millis(300));
+    let start = Instant::now();
+    let counts = run_ranks(4, move |rank| {
+        conformance::check_timeout_when_a_rank_is_absent(comms[rank].as_ref(), 2)
+    })
+    .unwrap();
+    assert_eq!(counts, vec![1, 1, 0, 1]);
+    assert!(start.elapsed() < Duration::from_secs(10));
+}
+
+#[test]
+fn abort_fails_pending_work_and_peers_see_peer_lost() {
+    let comms = tcp_world(3, Duration::from_secs(30));
+    let aborted = Arc::new(Barrier::new(3));
+    let outcomes = run_ranks(3, move |rank| {
+        let comm = &comms[rank];
+        comm.barrier()?;
+        if rank == 0 {
+            // Two ops the others never join: one running, one queued behind it.
+            let running = comm.all_reduce_async(Buffer::zeros(DType::F32, 8), ReduceOp::Sum);
+            let queued = comm.broadcast_async(Buffer::zeros(DType::F32, 8), 0);
+            comm.abort();
+            aborted.wait();
+            let running = running.wait();
+            let queued = queued.wait();
+            let later = comm.barrier();
+            return Ok::<_, Error>(vec![
+                comm.is_aborted(),
+                matches!(running, Err(Error::Aborted { .. })),
+                matches!(queued, Err(Error::Aborted { .. })),
+                matches!(later, Err(Error::Aborted { .. })),
+            ]);
+        }
+        aborted.wait();
+        let start = Instant::now();
+        let result = comm.all_reduce(Buffer::zeros(DType::F32, 8), ReduceOp::Sum);
+        Ok(vec![
+            matches!(result, Err(Error::PeerLost { peer: 0, .. })),
+            start.elapsed() < Duration::from_secs(10),
+        ])
+    })
+    .unwrap();
+    assert_eq!(
+        outcomes,
+        vec![vec![true; 4], vec![true, true], vec![true, true]]
+    );
+}
