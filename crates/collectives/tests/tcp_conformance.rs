@@ -29,8 +29,8 @@ fn tcp_world(size: usize, timeout: Duration) -> Vec<Arc<dyn Communicator>> {
 }
 
 #[test]
-fn full_suite_on_two_three_and_four_ranks() {
-    for size in [2, 3, 4] {
+fn full_suite_on_one_to_four_ranks() {
+    for size in [1, 2, 3, 4] {
         let comms = tcp_world(size, Duration::from_secs(30));
         let reports = run_ranks(size, move |rank| {
             conformance::run_all(comms[rank].as_ref(), &SuiteParams::new(SEGMENT_BYTES))
@@ -127,4 +127,55 @@ fn abort_fails_pending_work_and_peers_see_peer_lost() {
         outcomes,
         vec![vec![true; 4], vec![true, true], vec![true, true]]
     );
+}
+
+#[test]
+fn cross_rank_disagreements_fail_every_rank_and_leave_the_comm_usable() {
+    let comms = tcp_world(3, Duration::from_secs(30));
+    let outcomes = run_ranks(3, move |rank| {
+        let comm = &comms[rank];
+        // Rank 1 asks for another reduce op.
+        let op = if rank == 1 {
+            ReduceOp::Max
+        } else {
+            ReduceOp::Sum
+        };
+        let reduce = comm.all_reduce(Buffer::zeros(DType::F32, 4), op);
+        // Rank 2 passes another length.
+        let len = if rank == 2 { 5 } else { 4 };
+        let length = comm.broadcast(Buffer::zeros(DType::I32, len), 0);
+        // Rank 0 issues another op at the same seq.
+        let kind = if rank == 0 {
+            comm.barrier().map(|()| 0)
+        } else {
+            comm.broadcast(Buffer::zeros(DType::U8, 1), 0).map(|_| 0)
+        };
+        // The comm is still in step: a real all-reduce gives 0 + 1 + 2 everywhere.
+        let sum = comm.all_reduce(Buffer::from_vec(vec![rank as f32; 3]), ReduceOp::Sum)?;
+        Ok::<_, Error>((
+            matches!(
+                reduce,
+                Err(Error::ArgumentMismatch {
+                    argument: hypershard_collectives::Argument::ReduceOp,
+                    peer: 1,
+                    ..
+                })
+            ),
+            matches!(
+                length,
+                Err(Error::LengthMismatch {
+                    role: hypershard_collectives::BufferRole::Peer { rank: 2 },
+                    expected: 4,
+                    got: 5,
+                    ..
+                })
+            ),
+            matches!(kind, Err(Error::OpMismatch { .. })),
+            sum.into_host()?.into_vec::<f32>()?,
+        ))
+    })
+    .unwrap();
+    for (rank, outcome) in outcomes.into_iter().enumerate() {
+        assert_eq!(outcome, (true, true, true, vec![3.0; 3]), "rank {rank}");
+    }
 }
