@@ -6,7 +6,7 @@ use std::sync::{Arc, Barrier};
 use std::time::{Duration, Instant};
 
 use hypershard_collectives::conformance::{self, SuiteParams};
-use hypershard_collectives::tcp::{TcpCommunicator, TcpConfig};
+use hypershard_collectives::tcp::{AllReduceAlgorithm, TcpCommunicator, TcpConfig};
 use hypershard_collectives::{
     Buffer, CommConfig, Communicator, DType, Error, MemoryStore, ReduceOp, Store,
 };
@@ -16,9 +16,18 @@ use hypershard_testkit::run_ranks;
 const SEGMENT_BYTES: usize = 256;
 
 fn tcp_world(size: usize, timeout: Duration) -> Vec<Arc<dyn Communicator>> {
+    tcp_world_with(size, timeout, AllReduceAlgorithm::Auto)
+}
+
+fn tcp_world_with(
+    size: usize,
+    timeout: Duration,
+    all_reduce: AllReduceAlgorithm,
+) -> Vec<Arc<dyn Communicator>> {
     let store: Arc<dyn Store> = Arc::new(MemoryStore::new());
     let tcp = TcpConfig::default()
         .with_segment_bytes(SEGMENT_BYTES)
+        .with_all_reduce(all_reduce)
         .with_rendezvous_timeout(Duration::from_secs(20));
     let config = CommConfig::default().with_timeout(timeout);
     run_ranks(size, move |rank| {
@@ -30,12 +39,18 @@ fn tcp_world(size: usize, timeout: Duration) -> Vec<Arc<dyn Communicator>> {
 
 #[test]
 fn full_suite_on_one_to_four_ranks() {
-    for size in [1, 2, 3, 4] {
-        let comms = tcp_world(size, Duration::from_secs(30));
+    // Auto sends the suite's all-reduces (all below the small-message threshold) to recursive
+    // doubling; the forced ring run covers the ring all-reduce with many segments.
+    let runs = [1, 2, 3, 4]
+        .map(|size| (size, AllReduceAlgorithm::Auto))
+        .into_iter()
+        .chain([2, 3, 4].map(|size| (size, AllReduceAlgorithm::Ring)));
+    for (size, algorithm) in runs {
+        let comms = tcp_world_with(size, Duration::from_secs(30), algorithm);
         let reports = run_ranks(size, move |rank| {
             conformance::run_all(comms[rank].as_ref(), &SuiteParams::new(SEGMENT_BYTES))
         })
-        .unwrap_or_else(|e| panic!("world {size}: {e}"));
+        .unwrap_or_else(|e| panic!("world {size}, {algorithm:?}: {e}"));
         for report in &reports {
             assert!(
                 report.cases > 1000,

@@ -10,7 +10,7 @@
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 
-use super::config::TcpConfig;
+use super::config::{AllReduceAlgorithm, TcpConfig};
 use super::mesh::Mesh;
 use super::transport::Transport;
 use super::{alltoall, barrier, broadcast, p2p, ring, rooted, split};
@@ -41,6 +41,8 @@ pub(crate) struct Inner {
     pub(crate) rank: usize,
     pub(crate) config: CommConfig,
     pub(crate) segment_bytes: usize,
+    pub(crate) all_reduce: AllReduceAlgorithm,
+    pub(crate) small_all_reduce_bytes: usize,
     pub(crate) name: String,
     next_collective: AtomicU64,
     /// How many splits this rank has made, for deriving the children's group ids.
@@ -92,6 +94,8 @@ impl TcpCommunicator {
             rank,
             config,
             segment_bytes: tcp.segment_bytes,
+            all_reduce: tcp.all_reduce,
+            small_all_reduce_bytes: tcp.small_all_reduce_bytes,
             name: "world".to_string(),
             next_collective: AtomicU64::new(0),
             splits: AtomicU64::new(0),
@@ -113,6 +117,8 @@ impl TcpCommunicator {
             rank,
             config: parent.config.clone(),
             segment_bytes: parent.segment_bytes,
+            all_reduce: parent.all_reduce,
+            small_all_reduce_bytes: parent.small_all_reduce_bytes,
             name,
             next_collective: AtomicU64::new(0),
             splits: AtomicU64::new(0),

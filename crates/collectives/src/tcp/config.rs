@@ -3,6 +3,23 @@
 use std::net::{IpAddr, Ipv4Addr};
 use std::time::Duration;
 
+/// The default [`TcpConfig::small_all_reduce_bytes`]: a guess sized so that the ring's
+/// `2 (size - 1)` latency-bound steps dominate below it on loopback; not yet measured.
+pub const DEFAULT_SMALL_ALL_REDUCE_BYTES: usize = 64 * 1024;
+
+/// Which all-reduce algorithm runs.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Default)]
+#[non_exhaustive]
+pub enum AllReduceAlgorithm {
+    /// Recursive doubling up to [`TcpConfig::small_all_reduce_bytes`], the ring above.
+    #[default]
+    Auto,
+    /// Always the ring (reduce-scatter then all-gather).
+    Ring,
+    /// Always recursive doubling.
+    RecursiveDoubling,
+}
+
 /// The default [`TcpConfig::segment_bytes`].
 pub const DEFAULT_SEGMENT_BYTES: usize = 1 << 20;
 
@@ -22,6 +39,12 @@ pub struct TcpConfig {
     /// segments of this size (rounded down to whole elements, at least one element), so a
     /// ring step forwards a segment while the next is still in flight. Defaults to 1 MiB.
     pub segment_bytes: usize,
+    /// Which all-reduce algorithm runs. Every rank must choose alike (the choice is not
+    /// checked across ranks; mixed choices fail the op with a timeout).
+    pub all_reduce: AllReduceAlgorithm,
+    /// Under [`AllReduceAlgorithm::Auto`], all-reduces of at most this many bytes use
+    /// recursive doubling.
+    pub small_all_reduce_bytes: usize,
 }
 
 impl Default for TcpConfig {
@@ -31,6 +54,8 @@ impl Default for TcpConfig {
             job_token: 0,
             rendezvous_timeout: Duration::from_secs(300),
             segment_bytes: DEFAULT_SEGMENT_BYTES,
+            all_reduce: AllReduceAlgorithm::Auto,
+            small_all_reduce_bytes: DEFAULT_SMALL_ALL_REDUCE_BYTES,
         }
     }
 }
@@ -51,6 +76,12 @@ impl TcpConfig {
     /// The same config with another segment size (zero is treated as one element).
     pub fn with_segment_bytes(mut self, bytes: usize) -> Self {
         self.segment_bytes = bytes;
+        self
+    }
+
+    /// The same config with another all-reduce algorithm.
+    pub fn with_all_reduce(mut self, algorithm: AllReduceAlgorithm) -> Self {
+        self.all_reduce = algorithm;
         self
     }
 }

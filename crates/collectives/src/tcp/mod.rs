@@ -9,7 +9,8 @@
 //! [`TcpCommunicator`] implements every op of the [`Communicator`](crate::Communicator) on it,
 //! driven by the [`ProgressEngine`](crate::ProgressEngine): a phase-0 descriptor exchange
 //! (so argument errors and cross-rank disagreements fail the op on every rank), then ring
-//! reduce-scatter / all-gather / all-reduce, a chain broadcast, a dissemination barrier,
+//! reduce-scatter / all-gather / all-reduce (recursive doubling for small all-reduces, see
+//! [`AllReduceAlgorithm`]), a chain broadcast, a dissemination barrier,
 //! pairwise all-to-all, direct gather / scatter / reduce and tagged send / recv, all cut into
 //! frames of at most [`TcpConfig::segment_bytes`]. Split groups reuse the world's sockets.
 
@@ -19,6 +20,7 @@ mod broadcast;
 mod communicator;
 mod config;
 mod descriptor;
+mod doubling;
 mod frame;
 mod handshake;
 mod launch;
@@ -31,7 +33,9 @@ mod split;
 mod transport;
 
 pub use communicator::{BACKEND, TcpCommunicator};
-pub use config::{DEFAULT_SEGMENT_BYTES, TcpConfig};
+pub use config::{
+    AllReduceAlgorithm, DEFAULT_SEGMENT_BYTES, DEFAULT_SMALL_ALL_REDUCE_BYTES, TcpConfig,
+};
 pub use frame::{FRAME_HEADER_BYTES, FRAME_MAGIC, FrameHeader, FrameKind};
 pub use handshake::{MESH_MAGIC, MESH_PROTOCOL_VERSION};
 pub use launch::{Rendezvous, rendezvous_from_env};

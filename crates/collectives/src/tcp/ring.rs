@@ -1,5 +1,6 @@
 //! Ring algorithms: reduce-scatter, all-gather, and all-reduce as reduce-scatter followed by
-//! all-gather over the same blocks. Every block moves in segments of
+//! all-gather over the same blocks (small all-reduces go to [`doubling`](super::doubling)
+//! instead, see [`AllReduceAlgorithm`]). Every block moves in segments of
 //! [`TcpConfig::segment_bytes`](super::TcpConfig::segment_bytes); step `s` of a ring phase is
 //! filed under tag `s` (reduce-scatter) or `size + s` (all-gather of an all-reduce), and the
 //! segments of one step queue in order in the mailbox.
@@ -7,6 +8,7 @@
 use std::ops::Range;
 
 use super::communicator::Inner;
+use super::config::AllReduceAlgorithm;
 use super::link::Link;
 use crate::buffer::{Buffer, HostBuffer};
 use crate::dtype::DType;
@@ -112,6 +114,15 @@ pub(crate) fn all_reduce(
     let blocks = byte_blocks(&counts, dtype);
     let work = host.as_bytes_mut();
     plan.prepare(work)?;
+    let doubling = match inner.all_reduce {
+        AllReduceAlgorithm::Ring => false,
+        AllReduceAlgorithm::RecursiveDoubling => true,
+        AllReduceAlgorithm::Auto => work.len() <= inner.small_all_reduce_bytes,
+    };
+    if doubling {
+        super::doubling::all_reduce(&link, &plan, work)?;
+        return Ok(Buffer::Host(host));
+    }
     ring_reduce_scatter(&link, &plan, work, &blocks)?;
     plan.finish(&mut work[blocks[link.rank()].clone()])?;
     ring_all_gather(&link, dtype, work, &blocks, size)?;
