@@ -1,5 +1,5 @@
-//! Real processes: this binary spawns itself once per rank (torchrun-style environment, rank 0
-//! hosting the store), checks an all-reduce across the processes, then kills rank 2 with
+//! Real processes: this binary spawns itself once per rank (torchrun-style environment read by
+//! `tcp::init_from_env`, rank 0 hosting the store), checks an all-reduce across the processes, then kills rank 2 with
 //! SIGKILL while ranks 0 and 1 wait in an all-reduce it never joins: both must fail with
 //! `PeerLost` or `Timeout` well within their deadline, and no process may hang.
 
@@ -8,8 +8,8 @@ use std::net::TcpListener;
 use std::process::{Command, ExitCode, Stdio};
 use std::time::{Duration, Instant};
 
-use hypershard_collectives::tcp::{TcpCommunicator, TcpConfig, rendezvous_from_env};
-use hypershard_collectives::{Buffer, CommConfig, Communicator, DType, Error, LaunchEnv, ReduceOp};
+use hypershard_collectives::tcp::{TcpConfig, init_from_env};
+use hypershard_collectives::{Buffer, Communicator, DType, Error, ReduceOp};
 
 const WORLD: usize = 3;
 const VICTIM: usize = 2;
@@ -18,17 +18,12 @@ const CHILD_VAR: &str = "HYPERSHARD_TCP_PROCESS_CHILD";
 const OP_TIMEOUT: Duration = Duration::from_secs(20);
 
 fn child() -> ExitCode {
-    let env = LaunchEnv::from_env().expect("launch environment");
     let tcp = TcpConfig::default()
         .with_segment_bytes(256)
         .with_rendezvous_timeout(Duration::from_secs(20));
-    let rendezvous = rendezvous_from_env(&env, &tcp).expect("rendezvous");
-    let comm = TcpCommunicator::from_mesh(
-        rendezvous.mesh,
-        &tcp,
-        CommConfig::default().with_timeout(OP_TIMEOUT),
-    )
-    .expect("communicator");
+    // The op timeout comes from HYPERSHARD_TIMEOUT, set by the parent.
+    let world = init_from_env(&tcp).expect("tcp world");
+    let comm = world.comm.as_ref();
     // rank r contributes r + i; the sum over 3 ranks is 3 + 3i.
     let values: Vec<f32> = (0..1000).map(|i| (comm.rank() + i) as f32).collect();
     let sum = comm
@@ -83,6 +78,7 @@ fn main() -> ExitCode {
                 .env("LOCAL_WORLD_SIZE", WORLD.to_string())
                 .env("MASTER_ADDR", "127.0.0.1")
                 .env("MASTER_PORT", port.to_string())
+                .env("HYPERSHARD_TIMEOUT", OP_TIMEOUT.as_secs().to_string())
                 .stdout(Stdio::piped())
                 .spawn()
                 .expect("spawn rank")

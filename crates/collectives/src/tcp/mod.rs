@@ -31,6 +31,7 @@ mod ring;
 mod rooted;
 mod split;
 mod transport;
+mod world;
 
 pub use communicator::{BACKEND, TcpCommunicator};
 pub use config::{
@@ -41,3 +42,4 @@ pub use handshake::{MESH_MAGIC, MESH_PROTOCOL_VERSION};
 pub use launch::{Rendezvous, rendezvous_from_env};
 pub use mesh::Mesh;
 pub use transport::{Frame, MailboxKey, Transport, WaitBudget};
+pub use world::{TcpWorld, init_from_env};
