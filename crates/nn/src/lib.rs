@@ -45,8 +45,8 @@ pub use error::{Error, Result};
 pub use linear::{Linear, LinearConfig};
 pub use loss::{DEFAULT_IGNORE_INDEX, LossOutput, cross_entropy, mse_loss};
 pub use module::{
-    ChildVisitorMut, Module, ParamVisitor, ParamVisitorMut, join_name, parameter_names,
-    qualify_parameter_names, zero_grad,
+    ChildVisitorMut, Identity, Module, ParamVisitor, ParamVisitorMut, join_name, parameter_names,
+    qualify_parameter_names, replace_module, zero_grad,
 };
 pub use norm::{LayerNorm, LayerNormConfig, RmsNorm, RmsNormConfig};
 pub use param::Parameter;

@@ -9,7 +9,11 @@ pub type ParamVisitor<'a> = dyn FnMut(&str, &Parameter) -> Result<()> + 'a;
 /// A visitor over parameters by mutable reference, called with the full dotted name.
 pub type ParamVisitorMut<'a> = dyn FnMut(&str, &mut Parameter) -> Result<()> + 'a;
 /// A visitor over the direct children of a module, called with the child's local name.
-pub type ChildVisitorMut<'a> = dyn FnMut(&str, &mut dyn Module) -> Result<()> + 'a;
+///
+/// The child is handed out as the owning box so that a wrapper can replace it in place
+/// (`fully_shard` swaps a block for its wrapped version this way, as FSDP2 swaps the class of
+/// a module).
+pub type ChildVisitorMut<'a> = dyn FnMut(&str, &mut Box<dyn Module>) -> Result<()> + 'a;
 
 /// A layer with an explicit backward pass.
 ///
@@ -47,6 +51,53 @@ pub trait Module: Send {
     /// Calls `f` with each direct child and its local name. Leaves have no children.
     fn visit_children_mut(&mut self, f: &mut ChildVisitorMut<'_>) -> Result<()> {
         let _ = f;
+        Ok(())
+    }
+
+    /// This module as `Any`, for wrappers that need to find their own kind among the children
+    /// of a module (the outermost `fully_shard` unit discovers the nested units this way).
+    /// Plain layers keep the default, `None`.
+    fn as_any_mut(&mut self) -> Option<&mut dyn std::any::Any> {
+        None
+    }
+}
+
+/// Replaces the module in `slot` by `wrap(old)`, for wrappers applied in place.
+///
+/// While `wrap` runs, the slot holds an [`Identity`]; if `wrap` fails, the error is returned and
+/// the slot keeps the identity (the old module went into `wrap` by value and is lost with the
+/// error, as in any by-value constructor).
+pub fn replace_module(
+    slot: &mut Box<dyn Module>,
+    wrap: impl FnOnce(Box<dyn Module>) -> Result<Box<dyn Module>>,
+) -> Result<()> {
+    let old = std::mem::replace(slot, Box::new(Identity));
+    *slot = wrap(old)?;
+    Ok(())
+}
+
+/// The identity module: no parameters, output = input, input grad = output grad.
+#[derive(Debug, Default, Clone, Copy)]
+pub struct Identity;
+
+impl Module for Identity {
+    fn kind(&self) -> &'static str {
+        "Identity"
+    }
+
+    fn forward(&mut self, input: &Tensor) -> Result<Tensor> {
+        Ok(input.clone())
+    }
+
+    fn backward(&mut self, grad_output: &Tensor) -> Result<Tensor> {
+        Ok(grad_output.clone())
+    }
+
+    fn visit_params(&self, _prefix: &str, _f: &mut ParamVisitor<'_>) -> Result<()> {
+        Ok(())
+    }
+
+    fn visit_params_mut(&mut self, _prefix: &str, _f: &mut ParamVisitorMut<'_>) -> Result<()> {
         Ok(())
     }
 }

@@ -73,7 +73,7 @@ impl Module for Sequential {
 
     fn visit_children_mut(&mut self, f: &mut ChildVisitorMut<'_>) -> Result<()> {
         for (index, layer) in self.layers.iter_mut().enumerate() {
-            f(&index.to_string(), layer.as_mut())?;
+            f(&index.to_string(), layer)?;
         }
         Ok(())
     }

@@ -52,7 +52,7 @@ impl Module for Counting {
     }
 
     fn visit_children_mut(&mut self, f: &mut ChildVisitorMut<'_>) -> Result<()> {
-        f("", self.inner.as_mut())
+        f("", &mut self.inner)
     }
 }
 
@@ -325,4 +325,41 @@ fn norms_closed_form() {
         rms.forward(&Tensor::zeros(&[2, 3], DType::F64).expect("zeros")),
         Err(Error::BadShape { .. })
     ));
+}
+
+#[test]
+fn replace_module_wraps_a_child_in_place_and_downcasts() {
+    let mut model = Sequential::default()
+        .with(linear(2, 3, 0))
+        .with(Relu::new());
+    let x = random(&[4, 2], DType::F64, 5);
+    let before = model
+        .forward(&x)
+        .expect("forward")
+        .to_vec::<f64>()
+        .expect("f64");
+    hypershard_nn::replace_module(&mut model.layers[0], |old| {
+        Ok(Box::new(Counting {
+            inner: old,
+            forwards: 0,
+            backwards: 0,
+        }))
+    })
+    .expect("replace");
+    assert_eq!(model.layers[0].kind(), "Counting");
+    let after = model
+        .forward(&x)
+        .expect("forward")
+        .to_vec::<f64>()
+        .expect("f64");
+    assert_eq!(before, after);
+    // Plain layers do not offer themselves as `Any`.
+    assert!(model.layers[1].as_any_mut().is_none());
+    // A failing wrap leaves the identity in the slot and returns the error.
+    let err = hypershard_nn::replace_module(&mut model.layers[0], |_| {
+        Err(Error::BackwardBeforeForward { module: "test" })
+    })
+    .expect_err("wrap fails");
+    assert!(matches!(err, Error::BackwardBeforeForward { .. }));
+    assert_eq!(model.layers[0].kind(), "Identity");
 }
