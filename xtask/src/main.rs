@@ -2,6 +2,10 @@
 //!
 //! Commands:
 //! - `ci`: the same checks `.ci/run` performs (fmt, clippy, tests, docs), for local use.
+//! - `bench <suite> [ARGS...]`: runs the benchmark binary `bench-<suite>` of the
+//!   `hypershard-benches` package in release mode, passing `ARGS` through. Each suite lives in
+//!   its own file, `benches/src/bin/bench-<suite>.rs`, and writes JSON under `target/bench/`.
+//!   `cargo xtask bench` alone lists the suites.
 
 use std::process::{Command, ExitCode};
 
@@ -44,12 +48,67 @@ fn ci() -> Result<(), String> {
     )
 }
 
+/// The benchmark suites: one binary per file in `benches/src/bin/`, named `bench-<suite>.rs`.
+fn bench_suites() -> Result<Vec<String>, String> {
+    let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../benches/src/bin");
+    let entries = match std::fs::read_dir(&dir) {
+        Ok(entries) => entries,
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(Vec::new()),
+        Err(e) => {
+            return Err(format!(
+                "cannot list benchmark suites in {}: {e}",
+                dir.display()
+            ));
+        }
+    };
+    let mut suites: Vec<String> = entries
+        .filter_map(|entry| entry.ok())
+        .filter_map(|entry| {
+            let name = entry.file_name().into_string().ok()?;
+            let suite = name.strip_prefix("bench-")?.strip_suffix(".rs")?;
+            Some(suite.to_string())
+        })
+        .collect();
+    suites.sort();
+    Ok(suites)
+}
+
+fn bench(args: &[String]) -> Result<(), String> {
+    let suites = bench_suites()?;
+    let Some(suite) = args.first() else {
+        return Err(format!(
+            "usage: cargo xtask bench <suite> [ARGS...]; suites: {}",
+            suites.join(", ")
+        ));
+    };
+    if !suites.contains(suite) {
+        return Err(format!(
+            "unknown benchmark suite `{suite}`; suites: {}",
+            suites.join(", ")
+        ));
+    }
+    let bin = format!("bench-{suite}");
+    let mut cargo_args = vec![
+        "run",
+        "--release",
+        "--quiet",
+        "-p",
+        "hypershard-benches",
+        "--bin",
+        bin.as_str(),
+        "--",
+    ];
+    cargo_args.extend(args[1..].iter().map(String::as_str));
+    run(&format!("bench {suite}"), &cargo_args, &[])
+}
+
 fn main() -> ExitCode {
     let args: Vec<String> = std::env::args().skip(1).collect();
     let result = match args.first().map(String::as_str) {
         Some("ci") => ci(),
-        Some(other) => Err(format!("unknown xtask command `{other}`; known: ci")),
-        None => Err("usage: cargo xtask <ci>".to_string()),
+        Some("bench") => bench(&args[1..]),
+        Some(other) => Err(format!("unknown xtask command `{other}`; known: ci, bench")),
+        None => Err("usage: cargo xtask <ci | bench <suite> [ARGS...]>".to_string()),
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,
