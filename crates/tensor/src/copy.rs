@@ -1,7 +1,7 @@
 //! Copies: `contiguous`, dtype casts, `copy_from` into a view, `fill_`, `cat`.
 
 use crate::dtype::sealed::Repr;
-use crate::dtype::{cast_elem, with_bits, with_repr};
+use crate::dtype::{cast_elem, cast_run, with_bits, with_repr};
 use crate::layout::{StridedIndices, broadcast_shapes, expand_strides, has_internal_overlap};
 use crate::lock::read_write;
 use crate::{DType, Error, Result, Tensor};
@@ -58,10 +58,7 @@ impl Tensor {
             let src = host.typed::<S>();
             with_repr!(dtype, D => Tensor::build::<D>("to_dtype", &self.shape, |out| {
                 if self.is_contiguous() {
-                    let run = &src[self.offset..self.offset + self.numel()];
-                    for (o, &x) in out.iter_mut().zip(run) {
-                        *o = cast_elem::<S, D>(x);
-                    }
+                    cast_run::<S, D>(&src[self.offset..self.offset + self.numel()], out);
                 } else {
                     for (o, i) in out.iter_mut().zip(self.indices()) {
                         *o = cast_elem::<S, D>(src[i]);
@@ -138,10 +135,7 @@ impl Tensor {
                     let d = dst_host.typed_mut::<D>();
                     if contiguous_pair {
                         let n = self.numel();
-                        let dst_run = &mut d[self.offset..self.offset + n];
-                        for (o, &x) in dst_run.iter_mut().zip(&s[src.offset..src.offset + n]) {
-                            *o = cast_elem::<S, D>(x);
-                        }
+                        cast_run::<S, D>(&s[src.offset..src.offset + n], &mut d[self.offset..self.offset + n]);
                     } else {
                         for (di, si) in self.indices().zip(src_idx) {
                             d[di] = cast_elem::<S, D>(s[si]);

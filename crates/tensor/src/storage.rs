@@ -12,7 +12,45 @@ pub const HOST_ALIGN: usize = 64;
 #[repr(C, align(64))]
 struct Block([u8; HOST_ALIGN]);
 
+/// Memory owned by another crate that a [`HostBuffer`] can adopt without copying.
+///
+/// The collectives crate hands out its receive buffers this way: after an all-gather, FSDP
+/// turns the gather output into tensor storage and makes every unsharded parameter a view into
+/// it (zero-copy unshard), then takes the buffer back with [`HostBuffer::into_foreign`] to
+/// reuse it for the next collective.
+///
+/// Contract: `bytes` and `bytes_mut` return the same memory every time (same address, same
+/// length) for the lifetime of the object, starting on a [`HOST_ALIGN`] boundary.
+/// [`HostBuffer::from_foreign`] checks the alignment once; the buffer relies on the memory not
+/// moving afterwards.
+pub trait ForeignBytes: std::any::Any + Send + Sync {
+    /// The bytes.
+    fn bytes(&self) -> &[u8];
+    /// The bytes, mutably.
+    fn bytes_mut(&mut self) -> &mut [u8];
+}
+
+impl std::fmt::Debug for dyn ForeignBytes {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("ForeignBytes")
+            .field("len", &self.bytes().len())
+            .finish()
+    }
+}
+
+/// Where a host buffer's bytes come from.
+enum HostMemory {
+    /// Our own allocation of whole aligned blocks.
+    Owned(Vec<Block>),
+    /// Memory adopted from another crate.
+    Foreign(Box<dyn ForeignBytes>),
+}
+
 /// A zero-initialised, 64-byte aligned host allocation of a fixed number of bytes.
+///
+/// Every buffer counts itself in the [`memory`](crate::memory) tracker current on the thread
+/// that allocates it, and uncounts itself when dropped (on whatever thread), so tests can
+/// measure the peak storage of one rank even when ranks are threads of one process.
 ///
 /// ```
 /// use hypershard_tensor::HostBuffer;
@@ -20,17 +58,29 @@ struct Block([u8; HOST_ALIGN]);
 /// assert_eq!(buf.len(), 10);
 /// assert_eq!(buf.as_bytes().as_ptr() as usize % 64, 0);
 /// ```
-#[derive(Clone)]
 pub struct HostBuffer {
-    blocks: Vec<Block>,
+    memory: HostMemory,
     len: usize,
+    /// The accounting entry, released in `Drop`.
+    _tracked: crate::memory::Tracked,
+}
+
+impl Clone for HostBuffer {
+    /// A copy in a new owned allocation (a foreign buffer's copy is owned by us).
+    fn clone(&self) -> Self {
+        HostBuffer::from_bytes(self.as_bytes())
+    }
 }
 
 impl HostBuffer {
     /// A buffer of `len` zero bytes.
     pub fn zeroed(len: usize) -> Self {
         let blocks = bytemuck::zeroed_vec(len.div_ceil(HOST_ALIGN));
-        HostBuffer { blocks, len }
+        HostBuffer {
+            memory: HostMemory::Owned(blocks),
+            len,
+            _tracked: crate::memory::Tracked::new(len),
+        }
     }
 
     /// A buffer holding a copy of `bytes`.
@@ -38,6 +88,46 @@ impl HostBuffer {
         let mut buf = HostBuffer::zeroed(bytes.len());
         buf.as_bytes_mut().copy_from_slice(bytes);
         buf
+    }
+
+    /// Adopts foreign memory without copying; its length is the buffer's length.
+    ///
+    /// Gives the object back unchanged when its bytes do not start on a [`HOST_ALIGN`]
+    /// boundary (the kernels reinterpret bytes as elements, which needs the alignment).
+    ///
+    /// ```
+    /// use hypershard_tensor::{ForeignBytes, HostBuffer};
+    /// struct Pages(HostBuffer);
+    /// impl ForeignBytes for Pages {
+    ///     fn bytes(&self) -> &[u8] { self.0.as_bytes() }
+    ///     fn bytes_mut(&mut self) -> &mut [u8] { self.0.as_bytes_mut() }
+    /// }
+    /// let buf = HostBuffer::from_foreign(Box::new(Pages(HostBuffer::zeroed(8)))).ok().unwrap();
+    /// assert_eq!(buf.len(), 8);
+    /// let back = buf.into_foreign().ok().unwrap();
+    /// assert_eq!(back.bytes().len(), 8);
+    /// ```
+    pub fn from_foreign(
+        foreign: Box<dyn ForeignBytes>,
+    ) -> std::result::Result<HostBuffer, Box<dyn ForeignBytes>> {
+        let bytes = foreign.bytes();
+        if !(bytes.as_ptr() as usize).is_multiple_of(HOST_ALIGN) {
+            return Err(foreign);
+        }
+        let len = bytes.len();
+        Ok(HostBuffer {
+            memory: HostMemory::Foreign(foreign),
+            len,
+            _tracked: crate::memory::Tracked::new(len),
+        })
+    }
+
+    /// The adopted foreign memory, or the buffer back if it owns its bytes.
+    pub fn into_foreign(self) -> std::result::Result<Box<dyn ForeignBytes>, HostBuffer> {
+        match self.memory {
+            HostMemory::Foreign(foreign) => Ok(foreign),
+            memory @ HostMemory::Owned(_) => Err(HostBuffer { memory, ..self }),
+        }
     }
 
     /// Length in bytes.
@@ -52,36 +142,47 @@ impl HostBuffer {
 
     /// The bytes of the buffer; the slice starts on a 64-byte boundary.
     pub fn as_bytes(&self) -> &[u8] {
-        &bytemuck::cast_slice::<Block, u8>(&self.blocks)[..self.len]
+        match &self.memory {
+            HostMemory::Owned(blocks) => &bytemuck::cast_slice::<Block, u8>(blocks)[..self.len],
+            HostMemory::Foreign(foreign) => foreign.bytes(),
+        }
     }
 
     /// The bytes of the buffer, mutably.
     pub fn as_bytes_mut(&mut self) -> &mut [u8] {
-        &mut bytemuck::cast_slice_mut::<Block, u8>(&mut self.blocks)[..self.len]
+        match &mut self.memory {
+            HostMemory::Owned(blocks) => {
+                &mut bytemuck::cast_slice_mut::<Block, u8>(blocks)[..self.len]
+            }
+            HostMemory::Foreign(foreign) => foreign.bytes_mut(),
+        }
     }
 
     /// The buffer as elements of `T`, rounding the length down to whole elements.
     pub(crate) fn typed<T: bytemuck::Pod>(&self) -> &[T] {
-        let whole = self.len - self.len % size_of::<T>();
-        // invariant: the bytes start 64-aligned (Block's alignment) and `whole` is a multiple of
-        // size_of::<T>() <= 8, so the cast cannot fail.
-        bytemuck::cast_slice(&bytemuck::cast_slice::<Block, u8>(&self.blocks)[..whole])
+        let bytes = self.as_bytes();
+        let whole = bytes.len() - bytes.len() % size_of::<T>();
+        // invariant: the bytes start 64-aligned (Block's alignment, or checked in
+        // `from_foreign` for memory that the `ForeignBytes` contract says never moves) and
+        // `whole` is a multiple of size_of::<T>() <= 8, so the cast cannot fail.
+        bytemuck::cast_slice(&bytes[..whole])
     }
 
     /// The buffer as elements of `T`, mutably.
     pub(crate) fn typed_mut<T: bytemuck::Pod>(&mut self) -> &mut [T] {
-        let whole = self.len - self.len % size_of::<T>();
+        let bytes = self.as_bytes_mut();
+        let whole = bytes.len() - bytes.len() % size_of::<T>();
         // invariant: as in `typed`.
-        bytemuck::cast_slice_mut(
-            &mut bytemuck::cast_slice_mut::<Block, u8>(&mut self.blocks)[..whole],
-        )
+        bytemuck::cast_slice_mut(&mut bytes[..whole])
     }
 }
 
 impl std::fmt::Debug for HostBuffer {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let foreign = matches!(self.memory, HostMemory::Foreign(_));
         f.debug_struct("HostBuffer")
             .field("len", &self.len)
+            .field("foreign", &foreign)
             .finish()
     }
 }
@@ -188,6 +289,64 @@ mod tests {
         assert_eq!(buf.typed::<f64>().len(), 1);
         let copy = HostBuffer::from_bytes(buf.as_bytes());
         assert_eq!(copy.typed::<f32>(), &[1.0, 2.0, 3.0]);
+    }
+
+    /// Foreign memory for the tests: a vector of bytes with a chosen start offset, so that a
+    /// misaligned start can be made on purpose.
+    struct Offset {
+        bytes: Vec<u8>,
+        start: usize,
+        len: usize,
+    }
+
+    impl Offset {
+        fn aligned(len: usize) -> Offset {
+            let bytes = vec![0u8; len + HOST_ALIGN];
+            let start = bytes.as_ptr().align_offset(HOST_ALIGN);
+            Offset { bytes, start, len }
+        }
+    }
+
+    impl ForeignBytes for Offset {
+        fn bytes(&self) -> &[u8] {
+            &self.bytes[self.start..self.start + self.len]
+        }
+        fn bytes_mut(&mut self) -> &mut [u8] {
+            &mut self.bytes[self.start..self.start + self.len]
+        }
+    }
+
+    #[test]
+    fn foreign_memory_is_adopted_without_copying_and_given_back() {
+        let mut foreign = Offset::aligned(12);
+        foreign.bytes_mut().copy_from_slice(bytemuck::cast_slice(&[1.0f32, 2.0, 3.0]));
+        let address = foreign.bytes().as_ptr() as usize;
+        let Ok(buf) = HostBuffer::from_foreign(Box::new(foreign)) else {
+            panic!("an aligned foreign buffer is adopted");
+        };
+        assert_eq!(buf.as_bytes().as_ptr() as usize, address);
+        let t = crate::Tensor::from_host_buffer(buf, &[3], crate::DType::F32).expect("tensor");
+        t.scale_(2.0).expect("scale");
+        assert_eq!(t.to_vec::<f32>().expect("f32"), vec![2.0, 4.0, 6.0]);
+        let buf = t.try_into_host_buffer().expect("sole owner");
+        let Ok(back) = buf.into_foreign() else {
+            panic!("the adopted memory comes back");
+        };
+        assert_eq!(back.bytes().as_ptr() as usize, address);
+        assert_eq!(bytemuck::cast_slice::<u8, f32>(back.bytes()), &[2.0, 4.0, 6.0]);
+        // An owned buffer is not foreign and comes back unchanged.
+        let owned = HostBuffer::zeroed(3).into_foreign().expect_err("owned");
+        assert_eq!(owned.len(), 3);
+    }
+
+    #[test]
+    fn misaligned_foreign_memory_is_refused() {
+        let mut foreign = Offset::aligned(8);
+        foreign.start += 4;
+        let Err(refused) = HostBuffer::from_foreign(Box::new(foreign)) else {
+            panic!("a misaligned foreign buffer is refused");
+        };
+        assert_eq!(refused.bytes().len(), 8);
     }
 
     #[test]
