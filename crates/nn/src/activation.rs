@@ -4,9 +4,8 @@ use std::f64::consts::{FRAC_1_SQRT_2, PI};
 
 use hypershard_tensor::Tensor;
 
-use crate::elementwise::{map, zip_map};
+use crate::kernels::{Float, load, store, with_float};
 use crate::module::{ParamVisitor, ParamVisitorMut};
-use crate::special::erf;
 use crate::{Error, Module, Result};
 
 /// `max(x, 0)`; the gradient at 0 is 0, as in torch.
@@ -63,49 +62,137 @@ impl Silu {
 }
 
 const GELU_TANH_COEFF: f64 = 0.044_715;
+/// `1/√(2π)`, the standard normal density at 0.
+const INV_SQRT_2PI: f64 = 0.398_942_280_401_432_7;
 
+/// `√(2/π)`.
 fn sqrt_2_over_pi() -> f64 {
     (2.0 / PI).sqrt()
 }
 
-fn gelu_exact(x: f64) -> f64 {
-    0.5 * x * (1.0 + erf(x * FRAC_1_SQRT_2))
+/// A pointwise function and its derivative, generic over the compute type so one definition
+/// serves the f64 reference path and the vectorised f32 path.
+trait Pointwise {
+    /// `f(x)`.
+    fn value<F: Float>(&self, x: F) -> F;
+    /// `f'(x)`.
+    fn derivative<F: Float>(&self, x: F) -> F;
 }
 
-fn gelu_exact_grad(x: f64) -> f64 {
-    let cdf = 0.5 * (1.0 + erf(x * FRAC_1_SQRT_2));
-    let pdf = (-0.5 * x * x).exp() / (2.0 * PI).sqrt();
+fn gelu_exact<F: Float>(x: F) -> F {
+    let half = F::of(0.5);
+    half * x * (F::ONE + (x * F::of(FRAC_1_SQRT_2)).erf())
+}
+
+fn gelu_exact_grad<F: Float>(x: F) -> F {
+    let half = F::of(0.5);
+    let cdf = half * (F::ONE + (x * F::of(FRAC_1_SQRT_2)).erf());
+    let pdf = (-half * x * x).exp() * F::of(INV_SQRT_2PI);
     cdf + x * pdf
 }
 
-fn gelu_tanh(x: f64) -> f64 {
-    let inner = sqrt_2_over_pi() * (x + GELU_TANH_COEFF * x * x * x);
-    0.5 * x * (1.0 + inner.tanh())
+fn gelu_tanh<F: Float>(x: F) -> F {
+    let inner = F::of(sqrt_2_over_pi()) * (x + F::of(GELU_TANH_COEFF) * x * x * x);
+    F::of(0.5) * x * (F::ONE + inner.tanh())
 }
 
-fn gelu_tanh_grad(x: f64) -> f64 {
-    let inner = sqrt_2_over_pi() * (x + GELU_TANH_COEFF * x * x * x);
-    let t = inner.tanh();
-    let d_inner = sqrt_2_over_pi() * (1.0 + 3.0 * GELU_TANH_COEFF * x * x);
-    0.5 * (1.0 + t) + 0.5 * x * (1.0 - t * t) * d_inner
+fn gelu_tanh_grad<F: Float>(x: F) -> F {
+    let c = F::of(sqrt_2_over_pi());
+    let coeff = F::of(GELU_TANH_COEFF);
+    let half = F::of(0.5);
+    let t = (c * (x + coeff * x * x * x)).tanh();
+    let d_inner = c * (F::ONE + F::of(3.0) * coeff * x * x);
+    half * (F::ONE + t) + half * x * (F::ONE - t * t) * d_inner
 }
 
-fn sigmoid(x: f64) -> f64 {
-    1.0 / (1.0 + (-x).exp())
+fn sigmoid<F: Float>(x: F) -> F {
+    F::ONE / (F::ONE + (-x).exp())
 }
 
-/// Implements the parameterless parts of `Module` for an activation whose input is cached in
-/// `self.input`.
+impl Pointwise for Relu {
+    fn value<F: Float>(&self, x: F) -> F {
+        if x > F::ZERO { x } else { F::ZERO }
+    }
+    fn derivative<F: Float>(&self, x: F) -> F {
+        if x > F::ZERO { F::ONE } else { F::ZERO }
+    }
+}
+
+impl Pointwise for Gelu {
+    fn value<F: Float>(&self, x: F) -> F {
+        match self.approximation {
+            GeluApproximation::None => gelu_exact(x),
+            GeluApproximation::Tanh => gelu_tanh(x),
+        }
+    }
+    fn derivative<F: Float>(&self, x: F) -> F {
+        match self.approximation {
+            GeluApproximation::None => gelu_exact_grad(x),
+            GeluApproximation::Tanh => gelu_tanh_grad(x),
+        }
+    }
+}
+
+impl Pointwise for Silu {
+    fn value<F: Float>(&self, x: F) -> F {
+        x * sigmoid(x)
+    }
+    fn derivative<F: Float>(&self, x: F) -> F {
+        let s = sigmoid(x);
+        s * (F::ONE + x * (F::ONE - s))
+    }
+}
+
+/// `f(x)` for every element of `input`, in the compute type of its dtype.
+fn apply<P: Pointwise>(op: &'static str, f: &P, input: &Tensor) -> Result<Tensor> {
+    with_float!(op, input.dtype(), F => {
+        let xs = load::<F>(input)?;
+        // A match-free loop over one function: the compiler hoists the formula choice and
+        // vectorises the body (the f32 math has no libm calls).
+        let out: Vec<F> = xs.iter().map(|&x| f.value(x)).collect();
+        store(out, input.shape(), input.dtype())
+    })
+}
+
+/// `g · f'(x)` for every element, checking that `grad` matches `input`.
+fn apply_grad<P: Pointwise>(
+    op: &'static str,
+    f: &P,
+    input: &Tensor,
+    grad: &Tensor,
+) -> Result<Tensor> {
+    if input.shape() != grad.shape() {
+        return Err(Error::ShapeMismatch {
+            op,
+            lhs: input.shape().to_vec(),
+            rhs: grad.shape().to_vec(),
+        });
+    }
+    if input.dtype() != grad.dtype() {
+        return Err(Error::DTypeMismatch {
+            op,
+            lhs: input.dtype(),
+            rhs: grad.dtype(),
+        });
+    }
+    with_float!(op, input.dtype(), F => {
+        let xs = load::<F>(input)?;
+        let gs = load::<F>(grad)?;
+        let out: Vec<F> = xs.iter().zip(&gs).map(|(&x, &g)| g * f.derivative(x)).collect();
+        store(out, input.shape(), input.dtype())
+    })
+}
+
+/// Implements `Module` for an activation whose input is cached in `self.input`.
 macro_rules! activation_module {
-    ($ty:ty, $kind:literal, |$this:ident, $x:ident| $fwd:expr, |$this2:ident, $xb:ident, $g:ident| $bwd:expr) => {
+    ($ty:ty, $kind:literal) => {
         impl Module for $ty {
             fn kind(&self) -> &'static str {
                 $kind
             }
 
             fn forward(&mut self, input: &Tensor) -> Result<Tensor> {
-                let $this = &*self;
-                let output = map($kind, input, |$x| $fwd)?;
+                let output = apply($kind, &*self, input)?;
                 self.input = Some(input.clone());
                 Ok(output)
             }
@@ -115,8 +202,7 @@ macro_rules! activation_module {
                     .input
                     .take()
                     .ok_or(Error::BackwardBeforeForward { module: $kind })?;
-                let $this2 = &*self;
-                zip_map($kind, &input, grad_output, |$xb, $g| $bwd)
+                apply_grad($kind, &*self, &input, grad_output)
             }
 
             fn visit_params(&self, _prefix: &str, _f: &mut ParamVisitor<'_>) -> Result<()> {
@@ -134,30 +220,9 @@ macro_rules! activation_module {
     };
 }
 
-activation_module!(
-    Relu,
-    "ReLU",
-    |_this, x| if x > 0.0 { x } else { 0.0 },
-    |_this, x, g| if x > 0.0 { g } else { 0.0 }
-);
-
-activation_module!(
-    Gelu,
-    "GELU",
-    |this, x| match this.approximation {
-        GeluApproximation::None => gelu_exact(x),
-        GeluApproximation::Tanh => gelu_tanh(x),
-    },
-    |this, x, g| g * match this.approximation {
-        GeluApproximation::None => gelu_exact_grad(x),
-        GeluApproximation::Tanh => gelu_tanh_grad(x),
-    }
-);
-
-activation_module!(Silu, "SiLU", |_this, x| x * sigmoid(x), |_this, x, g| {
-    let s = sigmoid(x);
-    g * s * (1.0 + x * (1.0 - s))
-});
+activation_module!(Relu, "ReLU");
+activation_module!(Gelu, "GELU");
+activation_module!(Silu, "SiLU");
 
 #[cfg(test)]
 mod tests {
@@ -166,10 +231,37 @@ mod tests {
     #[test]
     fn closed_form_values() {
         // gelu(1) = 0.5 (1 + erf(1/√2)) = Φ(1) = 0.8413447460685429.
-        assert!((gelu_exact(1.0) - 0.841_344_746_068_542_9).abs() < 1e-15);
-        assert!((gelu_exact(-1.0) + 0.158_655_253_931_457_05).abs() < 1e-15);
+        assert!((gelu_exact(1.0f64) - 0.841_344_746_068_542_9).abs() < 1e-15);
+        assert!((gelu_exact(-1.0f64) + 0.158_655_253_931_457_05).abs() < 1e-15);
         // torch.nn.functional.gelu(1.0, approximate="tanh") = 0.8411919906082768.
-        assert!((gelu_tanh(1.0) - 0.841_191_990_608_276_8).abs() < 1e-15);
-        assert!((sigmoid(0.0) - 0.5).abs() < 1e-16);
+        assert!((gelu_tanh(1.0f64) - 0.841_191_990_608_276_8).abs() < 1e-15);
+        assert!((sigmoid(0.0f64) - 0.5).abs() < 1e-16);
+    }
+
+    #[test]
+    fn f32_kernels_match_the_f64_reference() {
+        let exact = Gelu::new(GeluApproximation::None);
+        let tanh = Gelu::new(GeluApproximation::Tanh);
+        let silu = Silu::new();
+        let mut x = -8.0f32;
+        while x < 8.0 {
+            let x64 = f64::from(x);
+            let pairs = [
+                (exact.value(x), exact.value(x64)),
+                (exact.derivative(x), exact.derivative(x64)),
+                (tanh.value(x), tanh.value(x64)),
+                (tanh.derivative(x), tanh.derivative(x64)),
+                (silu.value(x), silu.value(x64)),
+                (silu.derivative(x), silu.derivative(x64)),
+            ];
+            for (index, (got, want)) in pairs.into_iter().enumerate() {
+                let err = (f64::from(got) - want).abs();
+                assert!(
+                    err < 2e-6 * (1.0 + want.abs()),
+                    "{index} at {x}: {got} vs {want}"
+                );
+            }
+            x += 0.0173;
+        }
     }
 }

@@ -2,7 +2,8 @@
 
 use hypershard_tensor::{RandomInit, Tensor};
 
-use crate::elementwise::{check_float, from_f64};
+use crate::elementwise::check_float;
+use crate::kernels::{Float, load, store, with_float};
 use crate::module::{ParamVisitor, ParamVisitorMut};
 use crate::{Error, Module, Result};
 
@@ -50,6 +51,15 @@ impl Dropout {
     }
 }
 
+/// `x[i] · scales[i]` in the compute type of `x`'s dtype.
+fn scale_elements(op: &'static str, x: &Tensor, scales: &[f64]) -> Result<Tensor> {
+    with_float!(op, x.dtype(), F => {
+        let xs = load::<F>(x)?;
+        let out: Vec<F> = xs.iter().zip(scales).map(|(&v, &s)| v * F::of(s)).collect();
+        store(out, x.shape(), x.dtype())
+    })
+}
+
 impl Module for Dropout {
     fn kind(&self) -> &'static str {
         "Dropout"
@@ -80,13 +90,12 @@ impl Module for Dropout {
                 }
             })
             .collect();
-        let x = input.to_f64_vec()?;
-        let out = x.iter().zip(&scales).map(|(x, s)| x * s).collect();
+        let out = scale_elements("Dropout::forward", input, &scales)?;
         self.mask = Some(MaskCache {
             scales: Some(scales),
             shape: input.shape().to_vec(),
         });
-        from_f64(out, input.shape(), input.dtype())
+        Ok(out)
     }
 
     fn backward(&mut self, grad_output: &Tensor) -> Result<Tensor> {
@@ -103,12 +112,13 @@ impl Module for Dropout {
         }
         match mask.scales {
             None => Ok(grad_output.clone()),
-            Some(scales) => {
-                let g = grad_output.to_f64_vec()?;
-                let out = g.iter().zip(&scales).map(|(g, s)| g * s).collect();
-                from_f64(out, grad_output.shape(), grad_output.dtype())
-            }
+            Some(scales) => scale_elements("Dropout::backward", grad_output, &scales),
         }
+    }
+
+    fn set_training(&mut self, training: bool) -> Result<()> {
+        self.training = training;
+        Ok(())
     }
 
     fn visit_params(&self, _prefix: &str, _f: &mut ParamVisitor<'_>) -> Result<()> {

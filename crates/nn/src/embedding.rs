@@ -2,7 +2,8 @@
 
 use hypershard_tensor::{DType, RandomInit, Tensor};
 
-use crate::elementwise::{check_float, from_f64};
+use crate::elementwise::check_float;
+use crate::kernels::{Float, load, store, with_float};
 use crate::module::{ParamVisitor, ParamVisitorMut, join_name};
 use crate::{Error, Module, Parameter, Result};
 
@@ -48,7 +49,7 @@ impl Embedding {
     }
 
     /// The ids as row numbers, checked against the table size.
-    fn rows(ids: &Tensor, size: usize) -> Result<Vec<usize>> {
+    pub(crate) fn rows(ids: &Tensor, size: usize) -> Result<Vec<usize>> {
         if ids.dtype() != DType::I64 {
             return Err(Error::DTypeMismatch {
                 op: "Embedding::forward",
@@ -73,6 +74,34 @@ impl Embedding {
     }
 }
 
+/// The rows `rows` of a row-major `[_, dim]` table, concatenated. The rows must be in range
+/// (checked by [`Embedding::rows`]).
+pub(crate) fn gather_rows<F: Float>(table: &[F], rows: &[usize], dim: usize) -> Vec<F> {
+    let mut out = Vec::with_capacity(rows.len() * dim);
+    for &row in rows {
+        out.extend_from_slice(&table[row * dim..(row + 1) * dim]);
+    }
+    out
+}
+
+/// `grad[rows[i]] += g[i]` for a `[size, dim]` table gradient: the backward of
+/// [`gather_rows`]. The rows must be in range (checked by [`Embedding::rows`]).
+pub(crate) fn scatter_add_rows<F: Float>(
+    g: &[F],
+    rows: &[usize],
+    size: usize,
+    dim: usize,
+) -> Vec<F> {
+    let mut grad = vec![F::ZERO; size * dim];
+    if dim == 0 {
+        return grad;
+    }
+    for (&row, g_row) in rows.iter().zip(g.chunks_exact(dim)) {
+        crate::kernels::add_assign(&mut grad[row * dim..(row + 1) * dim], g_row);
+    }
+    grad
+}
+
 /// The `[rows, width]` of a table, which must be 2-D (the field is public, so check).
 fn table_shape(weight: &Tensor) -> Result<[usize; 2]> {
     match weight.shape() {
@@ -94,15 +123,13 @@ impl Module for Embedding {
         let weight = self.weight.data()?;
         let [size, dim] = table_shape(weight)?;
         let rows = Embedding::rows(input, size)?;
-        let table = weight.to_f64_vec()?;
-        let mut out = Vec::with_capacity(rows.len() * dim);
-        for row in &rows {
-            out.extend_from_slice(&table[row * dim..(row + 1) * dim]);
-        }
         let mut shape = input.shape().to_vec();
         shape.push(dim);
+        let out = with_float!("Embedding::forward", weight.dtype(), F => {
+            store(gather_rows(&load::<F>(weight)?, &rows, dim), &shape, weight.dtype())?
+        });
         self.ids = Some(input.clone());
-        from_f64(out, &shape, weight.dtype())
+        Ok(out)
     }
 
     fn backward(&mut self, grad_output: &Tensor) -> Result<Tensor> {
@@ -130,15 +157,11 @@ impl Module for Embedding {
         let dtype = weight.dtype();
         if self.weight.requires_grad {
             let rows = Embedding::rows(&ids, size)?;
-            let g = grad_output.to_f64_vec()?;
-            let mut grad = vec![0.0; size * dim];
-            for (row, g_row) in rows.iter().zip(g.chunks(dim.max(1))) {
-                for (acc, v) in grad[row * dim..(row + 1) * dim].iter_mut().zip(g_row) {
-                    *acc += v;
-                }
-            }
-            self.weight
-                .accumulate_grad(from_f64(grad, &[size, dim], dtype)?)?;
+            let grad = with_float!("Embedding::backward", dtype, F => {
+                let g = load::<F>(grad_output)?;
+                store(scatter_add_rows(&g, &rows, size, dim), &[size, dim], dtype)?
+            });
+            self.weight.accumulate_grad(grad)?;
         }
         Ok(Tensor::zeros(ids.shape(), dtype)?)
     }

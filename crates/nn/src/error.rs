@@ -98,6 +98,36 @@ pub enum Error {
         /// Why it is rejected.
         reason: &'static str,
     },
+    /// A checkpoint lacks a tensor the module has.
+    #[error("{op}: tensor `{name}` is missing from the checkpoint")]
+    MissingTensor {
+        /// The loader.
+        op: &'static str,
+        /// The parameter's dotted name.
+        name: String,
+    },
+    /// A checkpoint has a tensor the module does not.
+    #[error("{op}: tensor `{name}` in the checkpoint matches no parameter")]
+    UnexpectedTensor {
+        /// The loader.
+        op: &'static str,
+        /// The tensor's name in the checkpoint.
+        name: String,
+    },
+    /// A checkpoint tensor's shape differs from the parameter's (a config mismatch).
+    #[error(
+        "{op}: tensor `{name}` has shape {actual:?} in the checkpoint, the model expects {expected:?}"
+    )]
+    CheckpointShape {
+        /// The loader.
+        op: &'static str,
+        /// The parameter's dotted name.
+        name: String,
+        /// The parameter's shape.
+        expected: Vec<usize>,
+        /// The checkpoint tensor's shape.
+        actual: Vec<usize>,
+    },
     /// A size does not fit the integer type a kernel needs.
     #[error("{op}: size {size} does not fit the kernel's index type")]
     SizeOverflow {

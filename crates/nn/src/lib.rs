@@ -24,30 +24,40 @@
 //! ```
 
 mod activation;
+mod attention;
+pub mod checkpoint;
 mod dropout;
 mod elementwise;
 mod embedding;
 mod error;
+mod gpt;
+mod kernels;
 pub mod linalg;
 mod linear;
 mod loss;
 mod module;
+mod module_list;
 mod norm;
 pub mod optim;
 mod param;
 mod sequential;
 pub mod special;
+mod transformer;
 
 pub use activation::{Gelu, GeluApproximation, Relu, Silu};
+pub use attention::{CausalSelfAttention, CausalSelfAttentionConfig};
 pub use dropout::Dropout;
 pub use embedding::{Embedding, EmbeddingConfig};
 pub use error::{Error, Result};
+pub use gpt::{Gpt, GptConfig};
 pub use linear::{Linear, LinearConfig};
 pub use loss::{DEFAULT_IGNORE_INDEX, LossOutput, cross_entropy, mse_loss};
 pub use module::{
     ChildVisitorMut, Identity, Module, ParamVisitor, ParamVisitorMut, join_name, parameter_names,
     qualify_parameter_names, replace_module, zero_grad,
 };
+pub use module_list::ModuleList;
 pub use norm::{LayerNorm, LayerNormConfig, RmsNorm, RmsNormConfig};
 pub use param::Parameter;
 pub use sequential::Sequential;
+pub use transformer::{Block, BlockConfig, Mlp};

@@ -1,7 +1,17 @@
-//! Matrix multiplication through the `matrixmultiply` GEMM kernels.
+//! Matrix multiplication through the `matrixmultiply` GEMM kernels, row blocks spread over
+//! rayon's threads.
+//!
+//! `matrixmultiply` was measured against the `gemm` crate at 1024³ f32 on this project's
+//! machine (docs/nn.md has the numbers) and was as fast or faster at 1 and 2 threads, with no
+//! extra dependency. Its own threading is fixed per process by an environment variable, so
+//! instead the rows of the output are split into one block per rayon thread, each block a
+//! single-threaded GEMM: the caller's rayon pool (`ThreadPool::install`) decides the thread
+//! count per call, as `torch.set_num_threads` does.
 
 use hypershard_tensor::{DType, Tensor};
+use rayon::prelude::*;
 
+use crate::kernels::Float;
 use crate::{Error, Result};
 
 /// Which operands of [`matmul_with`] are used transposed.
@@ -13,16 +23,46 @@ pub struct MatmulOptions {
     pub transpose_b: bool,
 }
 
-/// The sizes and element strides of one GEMM `C[m, n] = A[m, k] · B[k, n]`.
+/// The sizes and element strides of one GEMM `C[m, n] = A[m, k] · B[k, n]` over row-major
+/// buffers (a transposed operand is the same buffer with its strides swapped).
 #[derive(Debug, Clone, Copy)]
-struct GemmShape {
-    m: usize,
-    k: usize,
-    n: usize,
-    a_row_stride: isize,
-    a_col_stride: isize,
-    b_row_stride: isize,
-    b_col_stride: isize,
+pub(crate) struct GemmShape {
+    pub(crate) m: usize,
+    pub(crate) k: usize,
+    pub(crate) n: usize,
+    pub(crate) a_row_stride: isize,
+    pub(crate) a_col_stride: isize,
+    pub(crate) b_row_stride: isize,
+    pub(crate) b_col_stride: isize,
+}
+
+impl GemmShape {
+    /// The shape of `op(A) · op(B)` where `A` is stored `[m, k]` (or `[k, m]` when
+    /// `transpose_a`) and `B` `[k, n]` (or `[n, k]` when `transpose_b`), both row-major.
+    pub(crate) fn new(m: usize, k: usize, n: usize, options: MatmulOptions) -> Result<Self> {
+        let stride = |size: usize| {
+            isize::try_from(size).map_err(|_| Error::SizeOverflow { op: "matmul", size })
+        };
+        let (a_row_stride, a_col_stride) = if options.transpose_a {
+            (1, stride(m)?)
+        } else {
+            (stride(k)?, 1)
+        };
+        let (b_row_stride, b_col_stride) = if options.transpose_b {
+            (1, stride(k)?)
+        } else {
+            (stride(n)?, 1)
+        };
+        Ok(GemmShape {
+            m,
+            k,
+            n,
+            a_row_stride,
+            a_col_stride,
+            b_row_stride,
+            b_col_stride,
+        })
+    }
 }
 
 /// `a · b` for two 2-D tensors of one float dtype; see [`matmul_with`].
@@ -79,40 +119,20 @@ pub fn matmul_with(a: &Tensor, b: &Tensor, options: MatmulOptions) -> Result<Ten
         });
     }
     // Both operands are gathered row-major; a transpose is then only a swap of strides.
-    let stride =
-        |size: usize| isize::try_from(size).map_err(|_| Error::SizeOverflow { op: OP, size });
-    let (a_row_stride, a_col_stride) = if options.transpose_a {
-        (1, stride(m)?)
-    } else {
-        (stride(k)?, 1)
-    };
-    let (b_row_stride, b_col_stride) = if options.transpose_b {
-        (1, stride(k)?)
-    } else {
-        (stride(n)?, 1)
-    };
-    let shape = GemmShape {
-        m,
-        k,
-        n,
-        a_row_stride,
-        a_col_stride,
-        b_row_stride,
-        b_col_stride,
-    };
+    let shape = GemmShape::new(m, k, n, options)?;
     match a.dtype() {
         DType::F32 => {
-            let out = gemm_f32(&a.to_vec::<f32>()?, &b.to_vec::<f32>()?, shape)?;
+            let out = gemm(&a.to_vec::<f32>()?, &b.to_vec::<f32>()?, shape)?;
             Ok(Tensor::from_vec(out, &[m, n])?)
         }
         DType::F64 => {
-            let out = gemm_f64(&a.to_vec::<f64>()?, &b.to_vec::<f64>()?, shape)?;
+            let out = gemm(&a.to_vec::<f64>()?, &b.to_vec::<f64>()?, shape)?;
             Ok(Tensor::from_vec(out, &[m, n])?)
         }
         DType::BF16 | DType::F16 => {
             let a32 = a.to_dtype(DType::F32)?.to_vec::<f32>()?;
             let b32 = b.to_dtype(DType::F32)?.to_vec::<f32>()?;
-            let out = gemm_f32(&a32, &b32, shape)?;
+            let out = gemm(&a32, &b32, shape)?;
             Ok(Tensor::from_vec(out, &[m, n])?.to_dtype(a.dtype())?)
         }
         dtype => Err(Error::UnsupportedDType { op: OP, dtype }),
@@ -136,69 +156,100 @@ fn check_lengths(a_len: usize, b_len: usize, shape: GemmShape) -> Result<()> {
     Ok(())
 }
 
-fn gemm_f32(a: &[f32], b: &[f32], shape: GemmShape) -> Result<Vec<f32>> {
+/// Below this many multiply-adds a GEMM runs on the calling thread: spreading a small
+/// product costs more in task hand-off and repeated packing of `B` than it saves.
+const PARALLEL_MIN_MULADDS: usize = 1 << 21;
+/// Each thread's block has at least this many rows (a multiple of the kernels' 8- and 16-row
+/// micro-tiles, so blocks do not end in ragged tiles).
+const MIN_BLOCK_ROWS: usize = 32;
+
+/// `C = op(A) · op(B)` for row-major buffers described by `shape`, as a new `[m, n]` buffer.
+///
+/// The lengths are checked against `shape` first, so the kernel only ever addresses elements
+/// inside the slices. With more than one rayon thread and a large enough product, the rows of
+/// `C` are split into contiguous blocks computed in parallel.
+pub(crate) fn gemm<F: Float>(a: &[F], b: &[F], shape: GemmShape) -> Result<Vec<F>> {
     check_lengths(a.len(), b.len(), shape)?;
-    let mut c = vec![0.0f32; shape.m * shape.n];
-    let c_row_stride = isize::try_from(shape.n).map_err(|_| Error::SizeOverflow {
-        op: "matmul",
-        size: shape.n,
-    })?;
-    // SAFETY: `check_lengths` proved `a.len() == m*k`, `b.len() == k*n` and `c` has `m*n`
-    // elements. The strides are those of a row-major `[m, k]` (or `[k, m]` read transposed)
-    // buffer, a row-major `[k, n]` (or `[n, k]`) buffer and a row-major `[m, n]` buffer, so
-    // every element the kernel addresses (`i*rs + j*cs` for `i < rows`, `j < cols`) lies
-    // inside its slice. `c` is exclusively borrowed and does not alias `a` or `b`. With
-    // `beta = 0` the kernel never reads `c` before writing it.
-    unsafe {
-        matrixmultiply::sgemm(
-            shape.m,
-            shape.k,
-            shape.n,
-            1.0,
-            a.as_ptr(),
-            shape.a_row_stride,
-            shape.a_col_stride,
-            b.as_ptr(),
-            shape.b_row_stride,
-            shape.b_col_stride,
-            0.0,
-            c.as_mut_ptr(),
-            c_row_stride,
-            1,
-        );
+    let GemmShape { m, k, n, .. } = shape;
+    let mut c = vec![F::ZERO; m * n];
+    if m == 0 || n == 0 || k == 0 {
+        return Ok(c);
+    }
+    let threads = rayon::current_num_threads();
+    let muladds = m.saturating_mul(k).saturating_mul(n);
+    if threads > 1 && muladds >= PARALLEL_MIN_MULADDS && m >= 2 * MIN_BLOCK_ROWS {
+        let block_rows = m.div_ceil(threads).max(MIN_BLOCK_ROWS);
+        c.par_chunks_mut(block_rows * n)
+            .enumerate()
+            .try_for_each(|(index, block)| gemm_rows(a, b, shape, index * block_rows, block))?;
+    } else {
+        gemm_rows(a, b, shape, 0, &mut c)?;
     }
     Ok(c)
 }
 
-fn gemm_f64(a: &[f64], b: &[f64], shape: GemmShape) -> Result<Vec<f64>> {
+/// Computes rows `first_row .. first_row + c_block.len() / n` of `C` into `c_block`.
+fn gemm_rows<F: Float>(
+    a: &[F],
+    b: &[F],
+    shape: GemmShape,
+    first_row: usize,
+    c_block: &mut [F],
+) -> Result<()> {
     check_lengths(a.len(), b.len(), shape)?;
-    let mut c = vec![0.0f64; shape.m * shape.n];
+    let rows = c_block.len() / shape.n.max(1);
+    if rows * shape.n != c_block.len() || first_row + rows > shape.m {
+        return Err(Error::ShapeMismatch {
+            op: "matmul",
+            lhs: vec![first_row, rows, shape.m],
+            rhs: vec![c_block.len(), shape.n],
+        });
+    }
+    let a_offset = isize::try_from(first_row)
+        .ok()
+        .and_then(|row| row.checked_mul(shape.a_row_stride))
+        .and_then(|offset| usize::try_from(offset).ok())
+        .ok_or(Error::SizeOverflow {
+            op: "matmul",
+            size: first_row,
+        })?;
     let c_row_stride = isize::try_from(shape.n).map_err(|_| Error::SizeOverflow {
         op: "matmul",
         size: shape.n,
     })?;
-    // SAFETY: as in `gemm_f32`: the lengths are checked against `m`, `k`, `n` above, the
-    // strides describe row-major buffers of exactly those sizes, `c` is exclusively borrowed
-    // and `beta = 0`.
+    if rows == 0 || shape.k == 0 {
+        c_block.fill(F::ZERO);
+        return Ok(());
+    }
+    if a_offset >= a.len() {
+        return Err(Error::SizeOverflow {
+            op: "matmul",
+            size: a_offset,
+        });
+    }
+    // SAFETY: `check_lengths` proved `a.len() == m*k`, `b.len() == k*n`, and the strides are
+    // those of row-major `[m, k]` / `[k, m]` and `[k, n]` / `[n, k]` buffers (see
+    // `GemmShape::new`), so the element `(i, p)` of `op(A)` is at `i*rs + p*cs < m*k`. Starting
+    // at `first_row * a_row_stride` (`a_offset`, in bounds because `first_row < m` as
+    // `rows ≥ 1`, `k ≥ 1` and `a_offset < a.len()` are checked above), the kernel addresses
+    // `(first_row + i)*rs + p*cs` for `i < rows`, `p < k`: elements of `A`. `B` is addressed
+    // from its start with its own strides. `c_block` holds exactly `rows * n` elements
+    // (checked above) with row stride `n`; it is exclusively borrowed and cannot alias `a`
+    // or `b`. With `beta = 0` the kernel never reads `c_block` before writing it.
     unsafe {
-        matrixmultiply::dgemm(
-            shape.m,
+        F::gemm_raw(
+            rows,
             shape.k,
             shape.n,
-            1.0,
-            a.as_ptr(),
-            shape.a_row_stride,
-            shape.a_col_stride,
+            a.as_ptr().add(a_offset),
+            [shape.a_row_stride, shape.a_col_stride],
             b.as_ptr(),
-            shape.b_row_stride,
-            shape.b_col_stride,
-            0.0,
-            c.as_mut_ptr(),
+            [shape.b_row_stride, shape.b_col_stride],
+            c_block.as_mut_ptr(),
             c_row_stride,
-            1,
         );
     }
-    Ok(c)
+    Ok(())
 }
 
 #[cfg(test)]
@@ -303,6 +354,24 @@ mod tests {
         for (g, e) in c.to_f64_vec().expect("f64").iter().zip(&expected) {
             assert!((g - e).abs() < 1e-12);
         }
+    }
+
+    #[test]
+    fn parallel_row_blocks_match_naive() {
+        // 130³ multiply-adds exceed the parallel threshold; 3 threads give uneven blocks.
+        let pool = rayon::ThreadPoolBuilder::new()
+            .num_threads(3)
+            .build()
+            .expect("pool");
+        pool.install(|| {
+            for transpose_a in [false, true] {
+                let options = MatmulOptions {
+                    transpose_a,
+                    transpose_b: !transpose_a,
+                };
+                check(130, 131, 129, options, DType::F64, 1e-12);
+            }
+        });
     }
 
     #[test]

@@ -3,7 +3,8 @@
 use hypershard_tensor::{DType, RandomInit, Tensor};
 
 use crate::elementwise::check_float;
-use crate::linalg::{MatmulOptions, matmul_with};
+use crate::kernels::{add_row, load, store, sum_rows, with_float};
+use crate::linalg::{GemmShape, MatmulOptions, gemm};
 use crate::module::{ParamVisitor, ParamVisitorMut, join_name};
 use crate::{Error, Module, Parameter, Result};
 
@@ -138,6 +139,13 @@ impl Linear {
     }
 }
 
+/// The gradients one `Linear::backward` produces.
+struct LinearGrads {
+    grad_input: Tensor,
+    grad_weight: Option<Tensor>,
+    grad_bias: Option<Tensor>,
+}
+
 impl Module for Linear {
     fn kind(&self) -> &'static str {
         "Linear"
@@ -153,19 +161,23 @@ impl Module for Linear {
             });
         }
         let x = self.as_matrix(input, self.in_features, "Linear::forward")?;
-        let options = MatmulOptions {
-            transpose_a: false,
-            transpose_b: true,
-        };
-        let mut y = matmul_with(&x, weight, options)?;
-        if let Some(bias) = &self.bias {
-            y.add_(bias.data()?)?;
-        }
+        let rows = x.shape()[0];
         let mut out_shape = input.shape().to_vec();
         if let Some(last) = out_shape.last_mut() {
             *last = self.out_features;
         }
-        y = y.reshape(&out_shape)?;
+        let options = MatmulOptions {
+            transpose_a: false,
+            transpose_b: true,
+        };
+        let shape = GemmShape::new(rows, self.in_features, self.out_features, options)?;
+        let y = with_float!("Linear::forward", weight.dtype(), F => {
+            let mut y = gemm(&load::<F>(&x)?, &load::<F>(weight)?, shape)?;
+            if let Some(bias) = &self.bias {
+                add_row(&mut y, &load::<F>(bias.data()?)?);
+            }
+            store(y, &out_shape, weight.dtype())?
+        });
         self.input = Some(input.clone());
         Ok(y)
     }
@@ -192,23 +204,46 @@ impl Module for Linear {
                 rhs: grad_output.shape().to_vec(),
             });
         }
-        // dx = gy · W, [N, out] · [out, in].
-        let grad_input =
-            matmul_with(&gy, weight, MatmulOptions::default())?.reshape(input.shape())?;
-        if self.weight.requires_grad {
-            // dW = gyᵀ · x, [out, N] · [N, in].
-            let options = MatmulOptions {
-                transpose_a: true,
-                transpose_b: false,
+        let rows = x.shape()[0];
+        let (n_in, n_out) = (self.in_features, self.out_features);
+        let dtype = weight.dtype();
+        let weight_wants_grad = self.weight.requires_grad;
+        let bias_wants_grad = self.bias.as_ref().is_some_and(|b| b.requires_grad);
+        let grads = with_float!("Linear::backward", dtype, F => {
+            let g = load::<F>(&gy)?;
+            // dx = gy · W, [N, out] · [out, in].
+            let dx_shape = GemmShape::new(rows, n_out, n_in, MatmulOptions::default())?;
+            let dx = gemm(&g, &load::<F>(weight)?, dx_shape)?;
+            let grad_input = store(dx, input.shape(), dtype)?;
+            let grad_weight = if weight_wants_grad {
+                // dW = gyᵀ · x, [out, N] · [N, in].
+                let options = MatmulOptions {
+                    transpose_a: true,
+                    transpose_b: false,
+                };
+                let dw_shape = GemmShape::new(n_out, rows, n_in, options)?;
+                Some(store(gemm(&g, &load::<F>(&x)?, dw_shape)?, &[n_out, n_in], dtype)?)
+            } else {
+                None
             };
-            let grad_weight = matmul_with(&gy, &x, options)?;
+            let grad_bias = if bias_wants_grad {
+                Some(store(sum_rows(&g, n_out), &[n_out], dtype)?)
+            } else {
+                None
+            };
+            LinearGrads {
+                grad_input,
+                grad_weight,
+                grad_bias,
+            }
+        });
+        if let Some(grad_weight) = grads.grad_weight {
             self.weight.accumulate_grad(grad_weight)?;
         }
-        if let Some(bias) = &mut self.bias
-            && bias.requires_grad
-        {
-            bias.accumulate_grad(gy.sum(0, false)?)?;
+        if let (Some(bias), Some(grad_bias)) = (&mut self.bias, grads.grad_bias) {
+            bias.accumulate_grad(grad_bias)?;
         }
+        let grad_input = grads.grad_input;
         Ok(grad_input)
     }
 

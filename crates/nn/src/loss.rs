@@ -3,6 +3,7 @@
 use hypershard_tensor::{DType, Tensor};
 
 use crate::elementwise::{check_float, from_f64};
+use crate::kernels::{Float, load, store, with_float};
 use crate::{Error, Result};
 
 /// A loss value and the gradient of the loss with respect to the prediction (or logits).
@@ -82,13 +83,12 @@ pub fn cross_entropy(logits: &Tensor, targets: &Tensor, ignore_index: i64) -> Re
             rhs: targets.shape().to_vec(),
         });
     }
-    let x = logits.to_f64_vec()?;
     let labels = targets.to_vec::<i64>()?;
-    let mut grad = vec![0.0; x.len()];
-    let mut total = 0.0;
     let mut counted = 0usize;
+    let mut classes_of = Vec::with_capacity(labels.len());
     for (position, &label) in labels.iter().enumerate() {
         if label == ignore_index {
+            classes_of.push(None);
             continue;
         }
         let class = usize::try_from(label).ok().filter(|&c| c < classes).ok_or(
@@ -99,26 +99,62 @@ pub fn cross_entropy(logits: &Tensor, targets: &Tensor, ignore_index: i64) -> Re
                 classes,
             },
         )?;
-        let row = &x[position * classes..(position + 1) * classes];
-        let max = row.iter().copied().fold(f64::NEG_INFINITY, f64::max);
-        let log_sum = row.iter().map(|v| (v - max).exp()).sum::<f64>().ln() + max;
-        total += log_sum - row[class];
         counted += 1;
-        let grad_row = &mut grad[position * classes..(position + 1) * classes];
-        for (g, v) in grad_row.iter_mut().zip(row) {
-            *g = (v - log_sum).exp();
-        }
-        grad_row[class] -= 1.0;
+        classes_of.push(Some(class));
     }
-    let loss = total / counted as f64;
-    if counted > 0 {
-        let scale = 1.0 / counted as f64;
-        grad.iter_mut().for_each(|g| *g *= scale);
-    }
-    Ok(LossOutput {
-        loss,
-        grad: from_f64(grad, logits.shape(), logits.dtype())?,
+    // torch gives NaN when every target is ignored (0/0); the gradient is then zero.
+    let scale = if counted > 0 {
+        1.0 / counted as f64
+    } else {
+        0.0
+    };
+    with_float!(OP, logits.dtype(), F => {
+        let x = load::<F>(logits)?;
+        let (total, grad) = cross_entropy_rows(&x, &classes_of, classes, F::of(scale));
+        Ok(LossOutput {
+            loss: total / counted as f64,
+            grad: store(grad, logits.shape(), logits.dtype())?,
+        })
     })
+}
+
+/// The summed loss (in f64) and `scale · (softmax − onehot)` per row; ignored rows get zero.
+///
+/// Each row is one fused pass for the maximum, one for `Σ exp(x − max)` (vectorised for f32),
+/// one for the gradient.
+fn cross_entropy_rows<F: Float>(
+    x: &[F],
+    classes_of: &[Option<usize>],
+    classes: usize,
+    scale: F,
+) -> (f64, Vec<F>) {
+    let mut grad = vec![F::ZERO; x.len()];
+    let mut total = 0.0;
+    if classes == 0 {
+        return (total, grad);
+    }
+    for ((row, grad_row), class) in x
+        .chunks_exact(classes)
+        .zip(grad.chunks_exact_mut(classes))
+        .zip(classes_of)
+    {
+        let Some(class) = *class else { continue };
+        let max = row.iter().copied().fold(row[0], F::max);
+        let mut sum = F::ZERO;
+        for (g, &v) in grad_row.iter_mut().zip(row) {
+            let e = (v - max).exp();
+            *g = e;
+            sum += e;
+        }
+        let log_sum = sum.as_f64().ln() + max.as_f64();
+        total += log_sum - row[class].as_f64();
+        let factor = scale / sum;
+        for g in grad_row.iter_mut() {
+            *g *= factor;
+        }
+        grad_row[class] -= scale;
+    }
+    (total, grad)
 }
 
 #[cfg(test)]

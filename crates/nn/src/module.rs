@@ -54,6 +54,13 @@ pub trait Module: Send {
         Ok(())
     }
 
+    /// Switches between training and evaluation behaviour (torch's `train()` / `eval()`):
+    /// only dropout changes. The default forwards the switch to every child, so containers and
+    /// wrappers that expose their inner modules as children need not override it.
+    fn set_training(&mut self, training: bool) -> Result<()> {
+        self.visit_children_mut(&mut |_, child| child.set_training(training))
+    }
+
     /// This module as `Any`, for wrappers that need to find their own kind among the children
     /// of a module (the outermost `fully_shard` unit discovers the nested units this way).
     /// Plain layers keep the default, `None`.

@@ -2,7 +2,8 @@
 
 use hypershard_tensor::{DType, Tensor};
 
-use crate::elementwise::{check_float, from_f64};
+use crate::elementwise::check_float;
+use crate::kernels::{Float, load, store, with_float};
 use crate::module::{ParamVisitor, ParamVisitorMut, join_name};
 use crate::{Error, Module, Parameter, Result};
 
@@ -52,13 +53,205 @@ pub struct RmsNorm {
     cache: Option<NormCache>,
 }
 
-/// What backward needs: the normalised input (before the affine map) and `1/√(…+eps)` per row.
+/// What backward needs: the normalised input (before the affine map) and `1/√(…+eps)` per row,
+/// both in the compute type (f32 or f64), and the input's shape and dtype.
 #[derive(Debug)]
 struct NormCache {
-    normalized: Vec<f64>,
-    inv_std: Vec<f64>,
+    normalized: Tensor,
+    inv_std: Tensor,
     shape: Vec<usize>,
     dtype: DType,
+}
+
+/// Whether a norm subtracts the mean (LayerNorm) or not (RMSNorm).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Centering {
+    Mean,
+    None,
+}
+
+/// The forward of a norm over rows of width `d`: output, normalised input, inverse std.
+struct NormForward<F> {
+    out: Vec<F>,
+    normalized: Vec<F>,
+    inv_std: Vec<F>,
+}
+
+/// One fused pass per row: statistics, normalisation and the affine map.
+fn norm_forward<F: Float>(
+    x: &[F],
+    weight: &[F],
+    bias: Option<&[F]>,
+    eps: f64,
+    centering: Centering,
+) -> NormForward<F> {
+    let d = weight.len();
+    let mut out = vec![F::ZERO; x.len()];
+    let mut normalized = vec![F::ZERO; x.len()];
+    let mut inv_std = Vec::with_capacity(x.len() / d.max(1));
+    if d == 0 {
+        return NormForward {
+            out,
+            normalized,
+            inv_std,
+        };
+    }
+    let inv_d = F::of(1.0 / d as f64);
+    let eps = F::of(eps);
+    for ((row, norm_row), out_row) in x
+        .chunks_exact(d)
+        .zip(normalized.chunks_exact_mut(d))
+        .zip(out.chunks_exact_mut(d))
+    {
+        let mean = match centering {
+            Centering::Mean => row.iter().copied().sum::<F>() * inv_d,
+            Centering::None => F::ZERO,
+        };
+        // Two passes (mean, then squared deviations) rather than E[x²] − E[x]², which
+        // cancels catastrophically in f32 for rows with a large mean.
+        let var = row.iter().map(|&v| (v - mean) * (v - mean)).sum::<F>() * inv_d;
+        let r = F::ONE / (var + eps).sqrt();
+        inv_std.push(r);
+        for (((n, o), &v), &w) in norm_row
+            .iter_mut()
+            .zip(out_row.iter_mut())
+            .zip(row)
+            .zip(weight)
+        {
+            *n = (v - mean) * r;
+            *o = *n * w;
+        }
+        if let Some(bias) = bias {
+            crate::kernels::add_assign(out_row, bias);
+        }
+    }
+    NormForward {
+        out,
+        normalized,
+        inv_std,
+    }
+}
+
+/// The gradients of a norm.
+struct NormBackward<F> {
+    grad_input: Vec<F>,
+    grad_weight: Vec<F>,
+    grad_bias: Vec<F>,
+}
+
+/// With `ĝ = g·w` and `x̂` the normalised input, per row:
+/// LayerNorm `dx = r · (ĝ − mean(ĝ) − x̂ · mean(ĝ · x̂))`, RMSNorm the same without `mean(ĝ)`;
+/// `dw = Σ g · x̂`, `db = Σ g` over rows.
+fn norm_backward<F: Float>(
+    grad: &[F],
+    normalized: &[F],
+    inv_std: &[F],
+    weight: &[F],
+    centering: Centering,
+) -> NormBackward<F> {
+    let d = weight.len();
+    let mut grad_input = vec![F::ZERO; grad.len()];
+    let mut grad_weight = vec![F::ZERO; d];
+    let mut grad_bias = vec![F::ZERO; d];
+    if d == 0 {
+        return NormBackward {
+            grad_input,
+            grad_weight,
+            grad_bias,
+        };
+    }
+    let inv_d = F::of(1.0 / d as f64);
+    for (((g_row, xhat), &r), gx_row) in grad
+        .chunks_exact(d)
+        .zip(normalized.chunks_exact(d))
+        .zip(inv_std)
+        .zip(grad_input.chunks_exact_mut(d))
+    {
+        let mut sum_g = F::ZERO;
+        let mut sum_gx = F::ZERO;
+        for i in 0..d {
+            let gh = g_row[i] * weight[i];
+            sum_g += gh;
+            sum_gx += gh * xhat[i];
+            grad_weight[i] += g_row[i] * xhat[i];
+            grad_bias[i] += g_row[i];
+        }
+        let mean_g = match centering {
+            Centering::Mean => sum_g * inv_d,
+            Centering::None => F::ZERO,
+        };
+        let mean_gx = sum_gx * inv_d;
+        for i in 0..d {
+            gx_row[i] = r * (g_row[i] * weight[i] - mean_g - xhat[i] * mean_gx);
+        }
+    }
+    NormBackward {
+        grad_input,
+        grad_weight,
+        grad_bias,
+    }
+}
+
+/// The shared forward of both norms: runs the kernel in the compute type and fills the cache.
+fn run_forward(
+    op: &'static str,
+    input: &Tensor,
+    weight: &Tensor,
+    bias: Option<&Tensor>,
+    eps: f64,
+    centering: Centering,
+) -> Result<(Tensor, NormCache)> {
+    let d = weight.numel();
+    check_input(op, input, d, weight.dtype())?;
+    with_float!(op, input.dtype(), F => {
+        let w = load::<F>(weight)?;
+        let b = bias.map(load::<F>).transpose()?;
+        let x = load::<F>(input)?;
+        let fwd = norm_forward(&x, &w, b.as_deref(), eps, centering);
+        let rows = fwd.inv_std.len();
+        let cache = NormCache {
+            normalized: Tensor::from_vec(fwd.normalized, input.shape())?,
+            inv_std: Tensor::from_vec(fwd.inv_std, &[rows])?,
+            shape: input.shape().to_vec(),
+            dtype: input.dtype(),
+        };
+        Ok((store(fwd.out, input.shape(), input.dtype())?, cache))
+    })
+}
+
+/// The shared backward of both norms; returns the input gradient and the parameter gradients
+/// (in the input's dtype).
+fn run_backward(
+    op: &'static str,
+    grad_output: &Tensor,
+    weight: &Tensor,
+    cache: &NormCache,
+    centering: Centering,
+) -> Result<NormGrads> {
+    check_grad(op, grad_output, cache)?;
+    let d = weight.numel();
+    let dtype = cache.dtype;
+    with_float!(op, dtype, F => {
+        let bwd = norm_backward(
+            &load::<F>(grad_output)?,
+            &load::<F>(&cache.normalized)?,
+            &load::<F>(&cache.inv_std)?,
+            &load::<F>(weight)?,
+            centering,
+        );
+        Ok(NormGrads {
+            grad_input: store(bwd.grad_input, &cache.shape, dtype)?,
+            grad_weight: store(bwd.grad_weight, &[d], dtype)?,
+            grad_bias: store(bwd.grad_bias, &[d], dtype)?,
+        })
+    })
+}
+
+/// The gradients of a norm as tensors.
+struct NormGrads {
+    grad_input: Tensor,
+    grad_weight: Tensor,
+    grad_bias: Tensor,
 }
 
 /// Checks that `t` has the parameters' dtype and last dim `size`.
@@ -105,81 +298,35 @@ impl Module for LayerNorm {
 
     fn forward(&mut self, input: &Tensor) -> Result<Tensor> {
         let weight = self.weight.data()?;
-        let d = weight.numel();
-        check_input("LayerNorm::forward", input, d, weight.dtype())?;
-        let w = weight.to_f64_vec()?;
-        let b = match &self.bias {
-            Some(bias) => bias.data()?.to_f64_vec()?,
-            None => vec![0.0; d],
-        };
-        let x = input.to_f64_vec()?;
-        let mut normalized = vec![0.0; x.len()];
-        let mut out = vec![0.0; x.len()];
-        let mut inv_std = Vec::new();
-        for ((row, norm_row), out_row) in x
-            .chunks(d.max(1))
-            .zip(normalized.chunks_mut(d.max(1)))
-            .zip(out.chunks_mut(d.max(1)))
-        {
-            let mean = row.iter().sum::<f64>() / d as f64;
-            let var = row.iter().map(|v| (v - mean) * (v - mean)).sum::<f64>() / d as f64;
-            let r = 1.0 / (var + self.eps).sqrt();
-            inv_std.push(r);
-            for (i, v) in row.iter().enumerate() {
-                norm_row[i] = (v - mean) * r;
-                out_row[i] = norm_row[i] * w[i] + b[i];
-            }
-        }
-        self.cache = Some(NormCache {
-            normalized,
-            inv_std,
-            shape: input.shape().to_vec(),
-            dtype: input.dtype(),
-        });
-        from_f64(out, input.shape(), input.dtype())
+        let bias = self.bias.as_ref().map(Parameter::data).transpose()?;
+        let (out, cache) = run_forward(
+            "LayerNorm::forward",
+            input,
+            weight,
+            bias,
+            self.eps,
+            Centering::Mean,
+        )?;
+        self.cache = Some(cache);
+        Ok(out)
     }
 
     fn backward(&mut self, grad_output: &Tensor) -> Result<Tensor> {
         let cache = self.cache.take().ok_or(Error::BackwardBeforeForward {
             module: "LayerNorm",
         })?;
-        let weight = self.weight.data()?;
-        let d = weight.numel();
-        check_grad("LayerNorm::backward", grad_output, &cache)?;
-        let w = weight.to_f64_vec()?;
-        let g = grad_output.to_f64_vec()?;
-        let mut grad_input = vec![0.0; g.len()];
-        let mut grad_weight = vec![0.0; d];
-        let mut grad_bias = vec![0.0; d];
-        for (((g_row, xhat), r), gx_row) in g
-            .chunks(d.max(1))
-            .zip(cache.normalized.chunks(d.max(1)))
-            .zip(&cache.inv_std)
-            .zip(grad_input.chunks_mut(d.max(1)))
-        {
-            // With ĝ = g·w: dx = r · (ĝ − mean(ĝ) − x̂ · mean(ĝ · x̂)).
-            let mut mean_g = 0.0;
-            let mut mean_gx = 0.0;
-            for i in 0..d {
-                let gh = g_row[i] * w[i];
-                mean_g += gh;
-                mean_gx += gh * xhat[i];
-                grad_weight[i] += g_row[i] * xhat[i];
-                grad_bias[i] += g_row[i];
-            }
-            mean_g /= d as f64;
-            mean_gx /= d as f64;
-            for i in 0..d {
-                gx_row[i] = r * (g_row[i] * w[i] - mean_g - xhat[i] * mean_gx);
-            }
-        }
-        let dtype = cache.dtype;
-        self.weight
-            .accumulate_grad(from_f64(grad_weight, &[d], dtype)?)?;
+        let grads = run_backward(
+            "LayerNorm::backward",
+            grad_output,
+            self.weight.data()?,
+            &cache,
+            Centering::Mean,
+        )?;
+        self.weight.accumulate_grad(grads.grad_weight)?;
         if let Some(bias) = &mut self.bias {
-            bias.accumulate_grad(from_f64(grad_bias, &[d], dtype)?)?;
+            bias.accumulate_grad(grads.grad_bias)?;
         }
-        from_f64(grad_input, &cache.shape, dtype)
+        Ok(grads.grad_input)
     }
 
     fn visit_params(&self, prefix: &str, f: &mut ParamVisitor<'_>) -> Result<()> {
@@ -245,34 +392,16 @@ impl Module for RmsNorm {
     }
 
     fn forward(&mut self, input: &Tensor) -> Result<Tensor> {
-        let weight = self.weight.data()?;
-        let d = weight.numel();
-        check_input("RmsNorm::forward", input, d, weight.dtype())?;
-        let w = weight.to_f64_vec()?;
-        let x = input.to_f64_vec()?;
-        let mut normalized = vec![0.0; x.len()];
-        let mut out = vec![0.0; x.len()];
-        let mut inv_std = Vec::new();
-        for ((row, norm_row), out_row) in x
-            .chunks(d.max(1))
-            .zip(normalized.chunks_mut(d.max(1)))
-            .zip(out.chunks_mut(d.max(1)))
-        {
-            let mean_sq = row.iter().map(|v| v * v).sum::<f64>() / d as f64;
-            let r = 1.0 / (mean_sq + self.eps).sqrt();
-            inv_std.push(r);
-            for (i, v) in row.iter().enumerate() {
-                norm_row[i] = v * r;
-                out_row[i] = norm_row[i] * w[i];
-            }
-        }
-        self.cache = Some(NormCache {
-            normalized,
-            inv_std,
-            shape: input.shape().to_vec(),
-            dtype: input.dtype(),
-        });
-        from_f64(out, input.shape(), input.dtype())
+        let (out, cache) = run_forward(
+            "RmsNorm::forward",
+            input,
+            self.weight.data()?,
+            None,
+            self.eps,
+            Centering::None,
+        )?;
+        self.cache = Some(cache);
+        Ok(out)
     }
 
     fn backward(&mut self, grad_output: &Tensor) -> Result<Tensor> {
@@ -280,33 +409,15 @@ impl Module for RmsNorm {
             .cache
             .take()
             .ok_or(Error::BackwardBeforeForward { module: "RMSNorm" })?;
-        let weight = self.weight.data()?;
-        let d = weight.numel();
-        check_grad("RmsNorm::backward", grad_output, &cache)?;
-        let w = weight.to_f64_vec()?;
-        let g = grad_output.to_f64_vec()?;
-        let mut grad_input = vec![0.0; g.len()];
-        let mut grad_weight = vec![0.0; d];
-        for (((g_row, xhat), r), gx_row) in g
-            .chunks(d.max(1))
-            .zip(cache.normalized.chunks(d.max(1)))
-            .zip(&cache.inv_std)
-            .zip(grad_input.chunks_mut(d.max(1)))
-        {
-            // With x̂ = x·r and ĝ = g·w: dx = r · (ĝ − x̂ · mean(ĝ · x̂)).
-            let mut mean_gx = 0.0;
-            for i in 0..d {
-                mean_gx += g_row[i] * w[i] * xhat[i];
-                grad_weight[i] += g_row[i] * xhat[i];
-            }
-            mean_gx /= d as f64;
-            for i in 0..d {
-                gx_row[i] = r * (g_row[i] * w[i] - xhat[i] * mean_gx);
-            }
-        }
-        self.weight
-            .accumulate_grad(from_f64(grad_weight, &[d], cache.dtype)?)?;
-        from_f64(grad_input, &cache.shape, cache.dtype)
+        let grads = run_backward(
+            "RmsNorm::backward",
+            grad_output,
+            self.weight.data()?,
+            &cache,
+            Centering::None,
+        )?;
+        self.weight.accumulate_grad(grads.grad_weight)?;
+        Ok(grads.grad_input)
     }
 
     fn visit_params(&self, prefix: &str, f: &mut ParamVisitor<'_>) -> Result<()> {

@@ -94,3 +94,31 @@ pub fn check_module(module: &mut dyn Module, input_shape: &[usize], seed: u64) {
         assert_close(&grad, &numeric, &name);
     }
 }
+
+/// Checks the parameter gradients of an f64 module against central finite differences for a
+/// fixed input that has no gradient of its own (token ids).
+pub fn check_params(module: &mut dyn Module, input: &Tensor, seed: u64) {
+    // invariant: the tests pass modules that accept `input`.
+    let out = module.forward(input).expect("forward");
+    let weights = random(out.shape(), DType::F64, seed);
+    zero_grad(module).expect("zero_grad");
+    module.backward(&weights).expect("backward");
+    let weights = weights.to_f64_vec().expect("f64");
+    let mut analytic = Vec::new();
+    module
+        .visit_params("", &mut |name, param| {
+            let grad = param
+                .grad
+                .as_ref()
+                .expect("every parameter gets a gradient");
+            analytic.push((name.to_string(), param.data()?.clone(), grad.to_f64_vec()?));
+            Ok(())
+        })
+        .expect("visit");
+    for (name, data, grad) in analytic {
+        let numeric: Vec<f64> = (0..data.numel())
+            .map(|i| central_difference(module, input, &data, i, &weights))
+            .collect();
+        assert_close(&grad, &numeric, &name);
+    }
+}

@@ -1,0 +1,442 @@
+//! nanoGPT's `GPT`: token and position embeddings, pre-LN blocks, a final LayerNorm and an
+//! lm_head tied to the token embedding.
+
+use std::collections::BTreeMap;
+use std::path::Path;
+
+use hypershard_tensor::{DType, RandomInit, Tensor};
+
+use crate::checkpoint::{load_state_dict, save_safetensors};
+use crate::elementwise::check_float;
+use crate::embedding::{Embedding, gather_rows, scatter_add_rows};
+use crate::kernels::{Float, add_assign, load, store, with_float};
+use crate::linalg::{GemmShape, MatmulOptions, gemm};
+use crate::module::{ChildVisitorMut, ParamVisitor, ParamVisitorMut, join_name};
+use crate::{
+    Block, BlockConfig, Dropout, Error, LayerNorm, LayerNormConfig, Module, ModuleList, Parameter,
+    Result, qualify_parameter_names,
+};
+
+/// The shape of a [`Gpt`] (nanoGPT's `GPTConfig`) plus the dtype and the seed.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct GptConfig {
+    /// The vocabulary size `V` (rows of `wte`, width of the logits).
+    pub vocab_size: usize,
+    /// The longest sequence `T` (rows of `wpe`).
+    pub block_size: usize,
+    /// The number of blocks.
+    pub n_layer: usize,
+    /// The number of attention heads; must divide `n_embd`.
+    pub n_head: usize,
+    /// The model width `C`.
+    pub n_embd: usize,
+    /// Whether linear layers and layer norms have biases.
+    pub bias: bool,
+    /// The dropout probability (embeddings, attention weights, residual branches).
+    pub dropout: f64,
+    /// The parameters' dtype.
+    pub dtype: DType,
+    /// The seed of the initialisation and the dropout masks.
+    pub seed: u64,
+}
+
+impl GptConfig {
+    /// nanoGPT's defaults for GPT-2 small (124M parameters), in f32 without dropout.
+    pub fn gpt2() -> Self {
+        GptConfig {
+            vocab_size: 50304,
+            block_size: 1024,
+            n_layer: 12,
+            n_head: 12,
+            n_embd: 768,
+            bias: true,
+            dropout: 0.0,
+            dtype: DType::F32,
+            seed: 0,
+        }
+    }
+}
+
+/// nanoGPT's `GPT`: `logits = ln_f(blocks(drop(wte[ids] + wpe[pos]))) · wteᵀ`.
+///
+/// Input: token ids `[B, T]` (I64, `T ≤ block_size`); output: logits `[B, T, V]` in the
+/// parameters' dtype. Parameter names and shapes are nanoGPT's (`transformer.wte.weight`
+/// `[V, C]`, `transformer.wpe.weight` `[block_size, C]`, `transformer.h.{i}.ln_1.weight`,
+/// `transformer.h.{i}.attn.c_attn.weight` `[3C, C]`, ..., `transformer.ln_f.weight`); the
+/// lm_head is the token embedding itself, so there is one `wte` parameter and its gradient
+/// gets both the embedding's and the head's contribution (nanoGPT's `lm_head.weight` is the
+/// same tensor and is not listed separately, as in its `named_parameters`).
+///
+/// The blocks are children named `transformer.h.{i}` and are only ever called through
+/// [`Module`], so `fully_shard` can wrap each block in place; `wte`, `wpe` and `ln_f` belong
+/// to the GPT itself. Every parameter is read at call time, so a wrapper may swap its storage
+/// between calls.
+pub struct Gpt {
+    config: GptConfig,
+    wte: Parameter,
+    wpe: Parameter,
+    drop: Dropout,
+    h: ModuleList,
+    ln_f: LayerNorm,
+    cache: Option<GptCache>,
+}
+
+impl std::fmt::Debug for Gpt {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Gpt")
+            .field("config", &self.config)
+            .finish_non_exhaustive()
+    }
+}
+
+/// What backward needs: the token rows and the output of `ln_f`.
+struct GptCache {
+    rows: Vec<usize>,
+    batch: usize,
+    seq: usize,
+    final_hidden: Tensor,
+}
+
+/// The standard deviation of nanoGPT's initialisation.
+const INIT_STD: f64 = 0.02;
+
+impl Gpt {
+    /// A GPT initialised as nanoGPT: every linear weight and both embeddings from
+    /// `N(0, 0.02)`, the `c_proj` weights from `N(0, 0.02/√(2·n_layer))`, biases zero, layer
+    /// norms weight one and bias zero. Each parameter draws from its own seed derived from
+    /// `config.seed` and its position in visiting order.
+    pub fn new(config: GptConfig) -> Result<Self> {
+        const OP: &str = "Gpt::new";
+        check_float(OP, config.dtype)?;
+        let positive = |field, value: usize| {
+            if value == 0 {
+                Err(Error::InvalidConfig {
+                    op: OP,
+                    field,
+                    value: 0.0,
+                    reason: "must be positive",
+                })
+            } else {
+                Ok(())
+            }
+        };
+        positive("vocab_size", config.vocab_size)?;
+        positive("block_size", config.block_size)?;
+        positive("n_embd", config.n_embd)?;
+        let c = config.n_embd;
+        let mut h = ModuleList::default();
+        for layer in 0..config.n_layer {
+            let block = Block::new(BlockConfig {
+                n_embd: c,
+                n_head: config.n_head,
+                bias: config.bias,
+                dropout: config.dropout,
+                dtype: config.dtype,
+                seed: config.seed.wrapping_add(16 * (layer as u64 + 1)),
+            })?;
+            h.push(Box::new(block));
+        }
+        let mut gpt = Gpt {
+            config,
+            wte: Parameter::new(
+                "transformer.wte.weight",
+                Tensor::zeros(&[config.vocab_size, c], config.dtype)?,
+            ),
+            wpe: Parameter::new(
+                "transformer.wpe.weight",
+                Tensor::zeros(&[config.block_size, c], config.dtype)?,
+            ),
+            drop: Dropout::new(config.dropout, config.seed)?,
+            h,
+            ln_f: LayerNorm::new(LayerNormConfig {
+                normalized_shape: c,
+                eps: 1e-5,
+                bias: config.bias,
+                dtype: config.dtype,
+            })?,
+            cache: None,
+        };
+        gpt.init_weights()?;
+        qualify_parameter_names(&mut gpt)?;
+        Ok(gpt)
+    }
+
+    /// nanoGPT's `_init_weights` followed by its scaled init of the `c_proj` weights.
+    fn init_weights(&mut self) -> Result<()> {
+        let config = self.config;
+        let proj_std = INIT_STD / (2.0 * config.n_layer.max(1) as f64).sqrt();
+        let mut index = 0u64;
+        self.visit_params_mut("", &mut |name, param| {
+            index += 1;
+            let is_norm = name.contains(".ln_") || name.starts_with("transformer.ln_f");
+            if is_norm {
+                return Ok(());
+            }
+            let data = param.data()?;
+            let (shape, dtype) = (data.shape().to_vec(), data.dtype());
+            if name.ends_with(".bias") {
+                data.zero_()?;
+                return Ok(());
+            }
+            let std = if name.ends_with("c_proj.weight") {
+                proj_std
+            } else {
+                INIT_STD
+            };
+            let seed = config.seed.wrapping_mul(0x1_0000).wrapping_add(index);
+            param.data = Some(Tensor::random(
+                &shape,
+                dtype,
+                RandomInit::normal(seed, 0.0, std),
+            )?);
+            Ok(())
+        })
+    }
+
+    /// The configuration.
+    pub fn config(&self) -> &GptConfig {
+        &self.config
+    }
+
+    /// The number of parameters, counting the tied `wte` once; with `non_embedding` the
+    /// position embedding is left out, as nanoGPT's `get_num_params`.
+    pub fn num_params(&self, non_embedding: bool) -> Result<usize> {
+        let mut total = 0;
+        self.visit_params("", &mut |_, param| {
+            total += param.data()?.numel();
+            Ok(())
+        })?;
+        if non_embedding {
+            total -= self.wpe.data()?.numel();
+        }
+        Ok(total)
+    }
+
+    /// The blocks, in order.
+    pub fn blocks_mut(&mut self) -> &mut ModuleList {
+        &mut self.h
+    }
+
+    /// The parameters as safetensors bytes with nanoGPT's names (no separate
+    /// `lm_head.weight`: it is `transformer.wte.weight`).
+    pub fn save_safetensors(&self) -> Result<Vec<u8>> {
+        save_safetensors(self)
+    }
+
+    /// Writes [`save_safetensors`](Gpt::save_safetensors)'s bytes to `path`.
+    pub fn save_safetensors_file(&self, path: &Path) -> Result<()> {
+        crate::checkpoint::save_safetensors_file(self, path)
+    }
+
+    /// Loads nanoGPT-named tensors, with [`load_state_dict`]'s checks (a config mismatch is
+    /// [`Error::CheckpointShape`] naming the tensor).
+    ///
+    /// A nanoGPT `state_dict` also holds `lm_head.weight` (the same tensor as
+    /// `transformer.wte.weight`) and, in versions without flash attention, the causal-mask
+    /// buffers `*.attn.bias`; those are skipped.
+    pub fn load_tensors(&mut self, tensors: BTreeMap<String, Tensor>) -> Result<()> {
+        let params: BTreeMap<String, Tensor> = tensors
+            .into_iter()
+            .filter(|(name, _)| {
+                name != "lm_head.weight"
+                    && !name.ends_with(".attn.bias")
+                    && !name.ends_with(".attn.masked_bias")
+            })
+            .collect();
+        load_state_dict(self, &params)
+    }
+
+    /// Loads safetensors bytes (see [`load_tensors`](Gpt::load_tensors)).
+    pub fn load_safetensors(&mut self, bytes: &[u8]) -> Result<()> {
+        self.load_tensors(hypershard_tensor::load_safetensors(bytes)?)
+    }
+
+    /// Loads a safetensors file (see [`load_tensors`](Gpt::load_tensors)).
+    pub fn load_safetensors_file(&mut self, path: &Path) -> Result<()> {
+        self.load_tensors(hypershard_tensor::load_safetensors_file(path)?)
+    }
+
+    /// The batch and sequence sizes of an id tensor, checked.
+    fn input_dims(&self, ids: &Tensor) -> Result<[usize; 2]> {
+        match ids.shape() {
+            &[batch, seq] if seq <= self.config.block_size => Ok([batch, seq]),
+            other => Err(Error::BadShape {
+                op: "Gpt::forward",
+                expected: format!("token ids [B, T] with T ≤ {}", self.config.block_size),
+                actual: other.to_vec(),
+            }),
+        }
+    }
+}
+
+/// `wte[ids] + wpe[t]` for every position, `[B·T, C]`.
+fn embed<F: Float>(wte: &[F], wpe: &[F], rows: &[usize], seq: usize, c: usize) -> Vec<F> {
+    let mut x = gather_rows(wte, rows, c);
+    if c == 0 || seq == 0 {
+        return x;
+    }
+    for (position, x_row) in x.chunks_exact_mut(c).enumerate() {
+        let t = position % seq;
+        add_assign(x_row, &wpe[t * c..(t + 1) * c]);
+    }
+    x
+}
+
+/// `dwpe[t] = Σ_b g[b, t]` for a `[block_size, C]` position table.
+fn position_grad<F: Float>(g: &[F], seq: usize, block_size: usize, c: usize) -> Vec<F> {
+    let mut grad = vec![F::ZERO; block_size * c];
+    if c == 0 || seq == 0 {
+        return grad;
+    }
+    for (position, g_row) in g.chunks_exact(c).enumerate() {
+        let t = position % seq;
+        add_assign(&mut grad[t * c..(t + 1) * c], g_row);
+    }
+    grad
+}
+
+impl Module for Gpt {
+    fn kind(&self) -> &'static str {
+        "GPT"
+    }
+
+    fn forward(&mut self, input: &Tensor) -> Result<Tensor> {
+        const OP: &str = "Gpt::forward";
+        let [batch, seq] = self.input_dims(input)?;
+        let c = self.config.n_embd;
+        let v = self.config.vocab_size;
+        let wte = self.wte.data()?;
+        let dtype = wte.dtype();
+        let rows = Embedding::rows(input, v)?;
+        let x = with_float!(OP, dtype, F => {
+            let x = embed(&load::<F>(wte)?, &load::<F>(self.wpe.data()?)?, &rows, seq, c);
+            store(x, &[batch, seq, c], dtype)?
+        });
+        let mut x = self.drop.forward(&x)?;
+        for block in self.h.iter_mut() {
+            x = block.forward(&x)?;
+        }
+        let final_hidden = self.ln_f.forward(&x)?;
+        // The lm_head reads the token embedding afresh: a wrapper may have swapped it.
+        let wte = self.wte.data()?;
+        let shape = GemmShape::new(
+            batch * seq,
+            c,
+            v,
+            MatmulOptions {
+                transpose_a: false,
+                transpose_b: true,
+            },
+        )?;
+        let logits = with_float!(OP, wte.dtype(), F => {
+            let logits = gemm(&load::<F>(&final_hidden)?, &load::<F>(wte)?, shape)?;
+            store(logits, &[batch, seq, v], wte.dtype())?
+        });
+        self.cache = Some(GptCache {
+            rows,
+            batch,
+            seq,
+            final_hidden,
+        });
+        Ok(logits)
+    }
+
+    fn backward(&mut self, grad_output: &Tensor) -> Result<Tensor> {
+        const OP: &str = "Gpt::backward";
+        let cache = self
+            .cache
+            .take()
+            .ok_or(Error::BackwardBeforeForward { module: "GPT" })?;
+        let (batch, seq) = (cache.batch, cache.seq);
+        let (c, v) = (self.config.n_embd, self.config.vocab_size);
+        let expected = [batch, seq, v];
+        if grad_output.shape() != expected {
+            return Err(Error::ShapeMismatch {
+                op: OP,
+                lhs: expected.to_vec(),
+                rhs: grad_output.shape().to_vec(),
+            });
+        }
+        let wte = self.wte.data()?;
+        let dtype = wte.dtype();
+        if grad_output.dtype() != dtype {
+            return Err(Error::DTypeMismatch {
+                op: OP,
+                lhs: dtype,
+                rhs: grad_output.dtype(),
+            });
+        }
+        let tokens = batch * seq;
+        // The lm_head: dwte_head = gᵀ · h, [V, N]·[N, C]; dh = g · wte, [N, V]·[V, C].
+        let (head_grad, grad_hidden) = with_float!(OP, dtype, F => {
+            let g = load::<F>(grad_output)?;
+            let dw_shape = GemmShape::new(
+                v,
+                tokens,
+                c,
+                MatmulOptions {
+                    transpose_a: true,
+                    transpose_b: false,
+                },
+            )?;
+            let head = gemm(&g, &load::<F>(&cache.final_hidden)?, dw_shape)?;
+            let dh_shape = GemmShape::new(tokens, v, c, MatmulOptions::default())?;
+            let dh = gemm(&g, &load::<F>(wte)?, dh_shape)?;
+            (
+                Tensor::from_vec(head, &[v, c])?,
+                store(dh, &[batch, seq, c], dtype)?,
+            )
+        });
+        let mut g = self.ln_f.backward(&grad_hidden)?;
+        for block in self.h.iter_mut().rev() {
+            g = block.backward(&g)?;
+        }
+        let g = self.drop.backward(&g)?;
+        let block_size = self.config.block_size;
+        let (wte_grad, wpe_grad) = with_float!(OP, dtype, F => {
+            let gv = load::<F>(&g)?;
+            let mut wte_grad = scatter_add_rows(&gv, &cache.rows, v, c);
+            add_assign(&mut wte_grad, &load::<F>(&head_grad)?);
+            let wpe_grad = position_grad(&gv, seq, block_size, c);
+            (
+                store(wte_grad, &[v, c], dtype)?,
+                store(wpe_grad, &[block_size, c], dtype)?,
+            )
+        });
+        self.wte.accumulate_grad(wte_grad)?;
+        self.wpe.accumulate_grad(wpe_grad)?;
+        // Token ids have no gradient; a zero placeholder keeps the Module contract (as
+        // Embedding does).
+        Ok(Tensor::zeros(&[batch, seq], dtype)?)
+    }
+
+    fn visit_params(&self, prefix: &str, f: &mut ParamVisitor<'_>) -> Result<()> {
+        f(&join_name(prefix, "transformer.wte.weight"), &self.wte)?;
+        f(&join_name(prefix, "transformer.wpe.weight"), &self.wpe)?;
+        self.h
+            .visit_params(&join_name(prefix, "transformer.h"), f)?;
+        self.ln_f
+            .visit_params(&join_name(prefix, "transformer.ln_f"), f)
+    }
+
+    fn visit_params_mut(&mut self, prefix: &str, f: &mut ParamVisitorMut<'_>) -> Result<()> {
+        f(&join_name(prefix, "transformer.wte.weight"), &mut self.wte)?;
+        f(&join_name(prefix, "transformer.wpe.weight"), &mut self.wpe)?;
+        self.h
+            .visit_params_mut(&join_name(prefix, "transformer.h"), f)?;
+        self.ln_f
+            .visit_params_mut(&join_name(prefix, "transformer.ln_f"), f)
+    }
+
+    fn visit_children_mut(&mut self, f: &mut ChildVisitorMut<'_>) -> Result<()> {
+        self.h.visit_children_mut("transformer.h", f)
+    }
+
+    fn set_training(&mut self, training: bool) -> Result<()> {
+        self.drop.training = training;
+        for block in self.h.iter_mut() {
+            block.set_training(training)?;
+        }
+        Ok(())
+    }
+}

@@ -1,0 +1,339 @@
+//! The compute layer under the modules: a float trait over f32 and f64, conversion of
+//! tensors into compute buffers and back, and fused loops written so the compiler vectorises
+//! them.
+//!
+//! Every layer computes in one of two types: f64 when its tensors are f64 (the finite
+//! difference tests need that precision) and f32 for f32, bf16 and f16 tensors. Half-precision
+//! tensors are widened to f32 when loaded and rounded back once when the result is stored, so
+//! a bf16 layer accumulates in f32 as torch's CPU kernels do.
+
+pub(crate) mod math;
+
+use std::iter::Sum;
+use std::ops::{Add, AddAssign, Div, Mul, MulAssign, Neg, Sub, SubAssign};
+
+use hypershard_tensor::{DType, Element, Tensor};
+
+use crate::{Error, Result};
+
+/// The arithmetic a kernel needs, implemented for `f32` and `f64`.
+pub(crate) trait Float:
+    Element
+    + Copy
+    + Send
+    + Sync
+    + PartialOrd
+    + Add<Output = Self>
+    + Sub<Output = Self>
+    + Mul<Output = Self>
+    + Div<Output = Self>
+    + Neg<Output = Self>
+    + AddAssign
+    + SubAssign
+    + MulAssign
+    + Sum
+    + 'static
+{
+    /// The tensor dtype of this type.
+    const COMPUTE_DTYPE: DType;
+    /// Zero.
+    const ZERO: Self;
+    /// One.
+    const ONE: Self;
+    /// Converts from f64, rounding to nearest.
+    fn of(value: f64) -> Self;
+    /// Widens (or keeps) to f64.
+    fn as_f64(self) -> f64;
+    /// `eˣ`: exact to the last bit for f64 (the standard library), a vectorisable polynomial
+    /// within 2 ulp for f32 (see [`math::exp_f32`]).
+    fn exp(self) -> Self;
+    /// The error function: [`crate::special::erf`] for f64, [`math::erf_f32`] for f32.
+    fn erf(self) -> Self;
+    /// The hyperbolic tangent.
+    fn tanh(self) -> Self;
+    /// The square root.
+    fn sqrt(self) -> Self;
+    /// The larger of two values (NaN-ignoring, as `f32::max`).
+    fn max(self, other: Self) -> Self;
+
+    /// `C = A · B` through matrixmultiply's `sgemm` / `dgemm` with `alpha = 1`, `beta = 0`;
+    /// `[row, col]` element strides for `A` and `B`, row stride for `C` (column stride 1).
+    ///
+    /// # Safety
+    /// For `i < m`, `p < k`, `j < n`: `a + i*a[0] + p*a[1]` and `b + p*b[0] + j*b[1]` must be
+    /// readable elements, `c + i*c_row_stride + j` writable ones, and the `C` range must not
+    /// overlap `A` or `B`.
+    #[allow(clippy::too_many_arguments)]
+    unsafe fn gemm_raw(
+        m: usize,
+        k: usize,
+        n: usize,
+        a: *const Self,
+        a_strides: [isize; 2],
+        b: *const Self,
+        b_strides: [isize; 2],
+        c: *mut Self,
+        c_row_stride: isize,
+    );
+}
+
+impl Float for f32 {
+    const COMPUTE_DTYPE: DType = DType::F32;
+    const ZERO: Self = 0.0;
+    const ONE: Self = 1.0;
+    fn of(value: f64) -> Self {
+        value as f32
+    }
+    fn as_f64(self) -> f64 {
+        f64::from(self)
+    }
+    fn exp(self) -> Self {
+        math::exp_f32(self)
+    }
+    fn erf(self) -> Self {
+        math::erf_f32(self)
+    }
+    fn tanh(self) -> Self {
+        math::tanh_f32(self)
+    }
+    fn sqrt(self) -> Self {
+        f32::sqrt(self)
+    }
+    fn max(self, other: Self) -> Self {
+        f32::max(self, other)
+    }
+    unsafe fn gemm_raw(
+        m: usize,
+        k: usize,
+        n: usize,
+        a: *const Self,
+        a_strides: [isize; 2],
+        b: *const Self,
+        b_strides: [isize; 2],
+        c: *mut Self,
+        c_row_stride: isize,
+    ) {
+        // SAFETY: the caller guarantees every addressed element of `a`, `b` and `c` is valid
+        // and that `c` does not overlap the inputs; `beta = 0` means `c` is only written.
+        unsafe {
+            matrixmultiply::sgemm(
+                m,
+                k,
+                n,
+                1.0,
+                a,
+                a_strides[0],
+                a_strides[1],
+                b,
+                b_strides[0],
+                b_strides[1],
+                0.0,
+                c,
+                c_row_stride,
+                1,
+            );
+        }
+    }
+}
+
+impl Float for f64 {
+    const COMPUTE_DTYPE: DType = DType::F64;
+    const ZERO: Self = 0.0;
+    const ONE: Self = 1.0;
+    fn of(value: f64) -> Self {
+        value
+    }
+    fn as_f64(self) -> f64 {
+        self
+    }
+    fn exp(self) -> Self {
+        f64::exp(self)
+    }
+    fn erf(self) -> Self {
+        crate::special::erf(self)
+    }
+    fn tanh(self) -> Self {
+        f64::tanh(self)
+    }
+    fn sqrt(self) -> Self {
+        f64::sqrt(self)
+    }
+    fn max(self, other: Self) -> Self {
+        f64::max(self, other)
+    }
+    unsafe fn gemm_raw(
+        m: usize,
+        k: usize,
+        n: usize,
+        a: *const Self,
+        a_strides: [isize; 2],
+        b: *const Self,
+        b_strides: [isize; 2],
+        c: *mut Self,
+        c_row_stride: isize,
+    ) {
+        // SAFETY: the caller guarantees every addressed element of `a`, `b` and `c` is valid
+        // and that `c` does not overlap the inputs; `beta = 0` means `c` is only written.
+        unsafe {
+            matrixmultiply::dgemm(
+                m,
+                k,
+                n,
+                1.0,
+                a,
+                a_strides[0],
+                a_strides[1],
+                b,
+                b_strides[0],
+                b_strides[1],
+                0.0,
+                c,
+                c_row_stride,
+                1,
+            );
+        }
+    }
+}
+
+/// The compute type of a tensor dtype: f64 for f64, f32 for f32/bf16/f16.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Compute {
+    /// Compute in f32.
+    F32,
+    /// Compute in f64.
+    F64,
+}
+
+/// The compute type for `dtype`, or [`Error::UnsupportedDType`] for non-float dtypes.
+pub(crate) fn compute_type(op: &'static str, dtype: DType) -> Result<Compute> {
+    match dtype {
+        DType::F64 => Ok(Compute::F64),
+        DType::F32 | DType::BF16 | DType::F16 => Ok(Compute::F32),
+        dtype => Err(Error::UnsupportedDType { op, dtype }),
+    }
+}
+
+/// Runs `$body` with `$F` bound to the compute type of `$dtype` (a local type alias).
+macro_rules! with_float {
+    ($op:expr, $dtype:expr, $F:ident => $body:expr) => {
+        match $crate::kernels::compute_type($op, $dtype)? {
+            $crate::kernels::Compute::F64 => {
+                type $F = f64;
+                $body
+            }
+            $crate::kernels::Compute::F32 => {
+                type $F = f32;
+                $body
+            }
+        }
+    };
+}
+pub(crate) use with_float;
+
+/// The elements of `t` (any float dtype, any layout) in the compute type `F`, row-major.
+pub(crate) fn load<F: Float>(t: &Tensor) -> Result<Vec<F>> {
+    if t.dtype() == F::COMPUTE_DTYPE {
+        Ok(t.to_vec::<F>()?)
+    } else {
+        Ok(t.to_dtype(F::COMPUTE_DTYPE)?.to_vec::<F>()?)
+    }
+}
+
+/// A tensor of `dtype` and `shape` from compute values, rounding once when `dtype` is
+/// narrower than `F`.
+pub(crate) fn store<F: Float>(values: Vec<F>, shape: &[usize], dtype: DType) -> Result<Tensor> {
+    let t = Tensor::from_vec(values, shape)?;
+    if dtype == F::COMPUTE_DTYPE {
+        Ok(t)
+    } else {
+        Ok(t.to_dtype(dtype)?)
+    }
+}
+
+/// `dst[i] += src[i]`, a loop the compiler vectorises.
+pub(crate) fn add_assign<F: Float>(dst: &mut [F], src: &[F]) {
+    for (d, s) in dst.iter_mut().zip(src) {
+        *d += *s;
+    }
+}
+
+/// Adds `row` to every row of the row-major matrix `matrix` (a bias add).
+pub(crate) fn add_row<F: Float>(matrix: &mut [F], row: &[F]) {
+    if row.is_empty() {
+        return;
+    }
+    for chunk in matrix.chunks_exact_mut(row.len()) {
+        add_assign(chunk, row);
+    }
+}
+
+/// The sum of the rows of a row-major `[rows, width]` matrix (a bias gradient).
+pub(crate) fn sum_rows<F: Float>(matrix: &[F], width: usize) -> Vec<F> {
+    let mut out = vec![F::ZERO; width];
+    if width == 0 {
+        return out;
+    }
+    for chunk in matrix.chunks_exact(width) {
+        add_assign(&mut out, chunk);
+    }
+    out
+}
+
+/// `a + b` for two tensors of one shape and dtype, computed in the compute type (the residual
+/// connections of a transformer block).
+pub(crate) fn add_tensors(op: &'static str, a: &Tensor, b: &Tensor) -> Result<Tensor> {
+    if a.shape() != b.shape() {
+        return Err(Error::ShapeMismatch {
+            op,
+            lhs: a.shape().to_vec(),
+            rhs: b.shape().to_vec(),
+        });
+    }
+    if a.dtype() != b.dtype() {
+        return Err(Error::DTypeMismatch {
+            op,
+            lhs: a.dtype(),
+            rhs: b.dtype(),
+        });
+    }
+    with_float!(op, a.dtype(), F => {
+        let mut out = load::<F>(a)?;
+        add_assign(&mut out, &load::<F>(b)?);
+        store(out, a.shape(), a.dtype())
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn bf16_tensor(values: Vec<f32>) -> Tensor {
+        let n = values.len();
+        // invariant: a 1-D f32 tensor converts to bf16.
+        Tensor::from_vec(values, &[n])
+            .and_then(|t| t.to_dtype(DType::BF16))
+            .expect("tensor")
+    }
+
+    #[test]
+    fn half_tensors_compute_in_f32_and_round_back() {
+        let a = bf16_tensor(vec![1.5, -2.0]);
+        let b = bf16_tensor(vec![0.25, 4.0]);
+        let sum = add_tensors("test", &a, &b).expect("add");
+        assert_eq!(sum.dtype(), DType::BF16);
+        assert_eq!(sum.to_f64_vec().expect("f64"), vec![1.75, 2.0]);
+        assert_eq!(load::<f32>(&a).expect("load"), vec![1.5, -2.0]);
+        assert!(matches!(
+            compute_type("test", DType::I64),
+            Err(Error::UnsupportedDType { .. })
+        ));
+    }
+
+    #[test]
+    fn row_helpers_match_definitions() {
+        let mut m = vec![1.0f64, 2.0, 3.0, 4.0, 5.0, 6.0];
+        add_row(&mut m, &[10.0, 20.0, 30.0]);
+        assert_eq!(m, vec![11.0, 22.0, 33.0, 14.0, 25.0, 36.0]);
+        assert_eq!(sum_rows(&m, 3), vec![25.0, 47.0, 69.0]);
+    }
+}
