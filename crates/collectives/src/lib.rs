@@ -15,6 +15,7 @@
 //!
 //! See `docs/collectives.md` for the semantics of each op.
 
+mod blocks;
 mod buffer;
 mod communicator;
 mod config;

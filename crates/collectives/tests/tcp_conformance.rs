@@ -6,7 +6,9 @@ use std::sync::{Arc, Barrier};
 use std::time::{Duration, Instant};
 
 use hypershard_collectives::conformance::{self, SuiteParams};
-use hypershard_collectives::tcp::{AllReduceAlgorithm, TcpCommunicator, TcpConfig};
+use hypershard_collectives::tcp::{
+    AllReduceAlgorithm, BroadcastAlgorithm, TcpCommunicator, TcpConfig,
+};
 use hypershard_collectives::{
     Buffer, CommConfig, Communicator, DType, Error, MemoryStore, ReduceOp, Store,
 };
@@ -15,19 +17,32 @@ use hypershard_testkit::run_ranks;
 /// Small enough that the suite's larger cases cross many segment boundaries.
 const SEGMENT_BYTES: usize = 256;
 
+/// The algorithms one conformance run forces.
+#[derive(Clone, Copy, Debug)]
+struct Algorithms {
+    all_reduce: AllReduceAlgorithm,
+    broadcast: BroadcastAlgorithm,
+}
+
+const AUTO: Algorithms = Algorithms {
+    all_reduce: AllReduceAlgorithm::Auto,
+    broadcast: BroadcastAlgorithm::Auto,
+};
+
 fn tcp_world(size: usize, timeout: Duration) -> Vec<Arc<dyn Communicator>> {
-    tcp_world_with(size, timeout, AllReduceAlgorithm::Auto)
+    tcp_world_with(size, timeout, AUTO)
 }
 
 fn tcp_world_with(
     size: usize,
     timeout: Duration,
-    all_reduce: AllReduceAlgorithm,
+    algorithms: Algorithms,
 ) -> Vec<Arc<dyn Communicator>> {
     let store: Arc<dyn Store> = Arc::new(MemoryStore::new());
     let tcp = TcpConfig::default()
         .with_segment_bytes(SEGMENT_BYTES)
-        .with_all_reduce(all_reduce)
+        .with_all_reduce(algorithms.all_reduce)
+        .with_broadcast(algorithms.broadcast)
         .with_rendezvous_timeout(Duration::from_secs(20));
     let config = CommConfig::default().with_timeout(timeout);
     run_ranks(size, move |rank| {
@@ -40,11 +55,30 @@ fn tcp_world_with(
 #[test]
 fn full_suite_on_one_to_four_ranks() {
     // Auto sends the suite's all-reduces (all below the small-message threshold) to recursive
-    // doubling; the forced ring run covers the ring all-reduce with many segments.
+    // doubling and its broadcasts to the tree; the forced runs cover the ring and
+    // halving-doubling all-reduces and the chain broadcast, with many segments per step.
+    let forced = |all_reduce, broadcast| Algorithms {
+        all_reduce,
+        broadcast,
+    };
     let runs = [1, 2, 3, 4]
-        .map(|size| (size, AllReduceAlgorithm::Auto))
+        .map(|size| (size, AUTO))
         .into_iter()
-        .chain([2, 3, 4].map(|size| (size, AllReduceAlgorithm::Ring)));
+        .chain([2, 3, 4].map(|size| {
+            (
+                size,
+                forced(AllReduceAlgorithm::Ring, BroadcastAlgorithm::Chain),
+            )
+        }))
+        .chain([1, 2, 3, 4].map(|size| {
+            (
+                size,
+                forced(
+                    AllReduceAlgorithm::HalvingDoubling,
+                    BroadcastAlgorithm::Tree,
+                ),
+            )
+        }));
     for (size, algorithm) in runs {
         let comms = tcp_world_with(size, Duration::from_secs(30), algorithm);
         let reports = run_ranks(size, move |rank| {

@@ -1,8 +1,13 @@
-//! Broadcast as a chain from the root: rank `root + i` receives each segment from
-//! `root + i - 1` and forwards it to `root + i + 1` before taking the next, so segments stream
-//! down the chain instead of the root sending the whole buffer `size - 1` times.
+//! Broadcast: phase 0, then the binomial [`tree`](super::tree) for small messages or the
+//! pipelined chain for large ones (see [`BroadcastAlgorithm`]).
+//!
+//! The chain (this file): rank `root + i` receives each segment from `root + i - 1` and
+//! forwards it to `root + i + 1` before taking the next, so segments stream down the chain
+//! instead of the root sending the whole buffer `size - 1` times; once the pipe is full every
+//! link carries data at once, which makes it the bandwidth-optimal choice for large buffers.
 
 use super::communicator::Inner;
+use super::config::BroadcastAlgorithm;
 use super::link::Link;
 use crate::buffer::Buffer;
 use crate::engine::JobContext;
@@ -29,6 +34,15 @@ pub(crate) fn broadcast(
     desc.len = Some(host.len());
     desc.root = Some(root);
     link.open(desc, faults)?;
+    let tree = match inner.broadcast {
+        BroadcastAlgorithm::Tree => true,
+        BroadcastAlgorithm::Chain => false,
+        BroadcastAlgorithm::Auto => host.byte_len() <= inner.tree_broadcast_bytes,
+    };
+    if tree {
+        super::tree::broadcast(&link, dtype, host.as_bytes_mut(), root)?;
+        return Ok(Buffer::Host(host));
+    }
     // This rank's place in the chain, counted from the root.
     let position = (rank + size - root) % size;
     let next = (position + 1 < size).then(|| link.right(1));

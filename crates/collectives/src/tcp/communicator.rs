@@ -10,7 +10,7 @@
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 
-use super::config::{AllReduceAlgorithm, TcpConfig};
+use super::config::{AllReduceAlgorithm, BroadcastAlgorithm, TcpConfig};
 use super::mesh::Mesh;
 use super::transport::Transport;
 use super::{alltoall, barrier, broadcast, p2p, ring, rooted, split};
@@ -43,6 +43,9 @@ pub(crate) struct Inner {
     pub(crate) segment_bytes: usize,
     pub(crate) all_reduce: AllReduceAlgorithm,
     pub(crate) small_all_reduce_bytes: usize,
+    pub(crate) halving_doubling_bytes: usize,
+    pub(crate) broadcast: BroadcastAlgorithm,
+    pub(crate) tree_broadcast_bytes: usize,
     pub(crate) name: String,
     next_collective: AtomicU64,
     /// How many splits this rank has made, for deriving the children's group ids.
@@ -96,6 +99,9 @@ impl TcpCommunicator {
             segment_bytes: tcp.segment_bytes,
             all_reduce: tcp.all_reduce,
             small_all_reduce_bytes: tcp.small_all_reduce_bytes,
+            halving_doubling_bytes: tcp.halving_doubling_bytes,
+            broadcast: tcp.broadcast,
+            tree_broadcast_bytes: tcp.tree_broadcast_bytes,
             name: "world".to_string(),
             next_collective: AtomicU64::new(0),
             splits: AtomicU64::new(0),
@@ -119,6 +125,9 @@ impl TcpCommunicator {
             segment_bytes: parent.segment_bytes,
             all_reduce: parent.all_reduce,
             small_all_reduce_bytes: parent.small_all_reduce_bytes,
+            halving_doubling_bytes: parent.halving_doubling_bytes,
+            broadcast: parent.broadcast,
+            tree_broadcast_bytes: parent.tree_broadcast_bytes,
             name,
             next_collective: AtomicU64::new(0),
             splits: AtomicU64::new(0),

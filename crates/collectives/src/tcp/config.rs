@@ -3,9 +3,17 @@
 use std::net::{IpAddr, Ipv4Addr};
 use std::time::Duration;
 
-/// The default [`TcpConfig::small_all_reduce_bytes`]: a guess sized so that the ring's
-/// `2 (size - 1)` latency-bound steps dominate below it on loopback; not yet measured.
+/// The default [`TcpConfig::small_all_reduce_bytes`] (see docs/collectives.md, "Measured
+/// defaults").
 pub const DEFAULT_SMALL_ALL_REDUCE_BYTES: usize = 64 * 1024;
+
+/// The default [`TcpConfig::halving_doubling_bytes`] (see docs/collectives.md, "Measured
+/// defaults").
+pub const DEFAULT_HALVING_DOUBLING_BYTES: usize = 1 << 20;
+
+/// The default [`TcpConfig::tree_broadcast_bytes`] (see docs/collectives.md, "Measured
+/// defaults").
+pub const DEFAULT_TREE_BROADCAST_BYTES: usize = 64 * 1024;
 
 /// Which all-reduce algorithm runs.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Default)]
@@ -16,8 +24,28 @@ pub enum AllReduceAlgorithm {
     Auto,
     /// Always the ring (reduce-scatter then all-gather).
     Ring,
-    /// Always recursive doubling.
+    /// Always recursive doubling: `log2 p` rounds that swap the whole vector (fewest rounds,
+    /// most bytes; for tiny messages).
     RecursiveDoubling,
+    /// Always recursive halving-doubling: a reduce-scatter by recursive halving then an
+    /// all-gather by recursive doubling, `2 log2 p` rounds moving `2 (p-1)/p` of the vector
+    /// like the ring (Rabenseifner's algorithm; non-power-of-two sizes fold in first).
+    HalvingDoubling,
+}
+
+/// Which broadcast algorithm runs.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Default)]
+#[non_exhaustive]
+pub enum BroadcastAlgorithm {
+    /// A binomial tree up to [`TcpConfig::tree_broadcast_bytes`], the pipelined chain above.
+    #[default]
+    Auto,
+    /// Always the chain: each segment is forwarded down `root, root+1, ...` as it arrives
+    /// (`size - 1` hops of latency, but every link busy at once: bandwidth-optimal).
+    Chain,
+    /// Always a binomial tree: `ceil(log2 p)` rounds, the root sending the whole buffer
+    /// `log2 p` times (latency-optimal).
+    Tree,
 }
 
 /// The default [`TcpConfig::segment_bytes`].
@@ -45,6 +73,14 @@ pub struct TcpConfig {
     /// Under [`AllReduceAlgorithm::Auto`], all-reduces of at most this many bytes use
     /// recursive doubling.
     pub small_all_reduce_bytes: usize,
+    /// Under [`AllReduceAlgorithm::Auto`], all-reduces above `small_all_reduce_bytes` and of
+    /// at most this many bytes use recursive halving-doubling; larger ones use the ring.
+    pub halving_doubling_bytes: usize,
+    /// Which broadcast algorithm runs. Every rank must choose alike (not checked).
+    pub broadcast: BroadcastAlgorithm,
+    /// Under [`BroadcastAlgorithm::Auto`], broadcasts of at most this many bytes use the
+    /// binomial tree.
+    pub tree_broadcast_bytes: usize,
 }
 
 impl Default for TcpConfig {
@@ -56,6 +92,9 @@ impl Default for TcpConfig {
             segment_bytes: DEFAULT_SEGMENT_BYTES,
             all_reduce: AllReduceAlgorithm::Auto,
             small_all_reduce_bytes: DEFAULT_SMALL_ALL_REDUCE_BYTES,
+            halving_doubling_bytes: DEFAULT_HALVING_DOUBLING_BYTES,
+            broadcast: BroadcastAlgorithm::Auto,
+            tree_broadcast_bytes: DEFAULT_TREE_BROADCAST_BYTES,
         }
     }
 }
@@ -82,6 +121,12 @@ impl TcpConfig {
     /// The same config with another all-reduce algorithm.
     pub fn with_all_reduce(mut self, algorithm: AllReduceAlgorithm) -> Self {
         self.all_reduce = algorithm;
+        self
+    }
+
+    /// The same config with another broadcast algorithm.
+    pub fn with_broadcast(mut self, algorithm: BroadcastAlgorithm) -> Self {
+        self.broadcast = algorithm;
         self
     }
 }

@@ -16,6 +16,17 @@ use crate::local::ops::Faults;
 use crate::local::validate::{peer_view, validate};
 use crate::op::OpKind;
 
+/// What one [`Link::exchange`] step sends, and where it receives from.
+pub(crate) struct Exchange<'b> {
+    /// The group rank the outgoing bytes go to.
+    pub(crate) to: usize,
+    /// The group rank the incoming bytes come from.
+    pub(crate) from: usize,
+    pub(crate) dtype: DType,
+    pub(crate) tag: u32,
+    pub(crate) outgoing: &'b [u8],
+}
+
 /// One op's view of its group: who it is, which seq it runs under, and its deadline.
 pub(crate) struct Link<'a> {
     pub(crate) inner: &'a Inner,
@@ -202,42 +213,110 @@ impl<'a> Link<'a> {
     ) -> Result<()> {
         let mut filled = 0;
         while filled < dst.len() {
-            let frame = self.recv_frame(peer, FrameKind::Data, tag)?;
-            if frame.header.dtype != dtype {
-                return Err(Error::DTypeMismatch {
-                    op: self.op,
-                    role: crate::op::BufferRole::Peer { rank: peer },
-                    expected: dtype,
-                    got: frame.header.dtype,
-                });
-            }
-            let len = frame.payload.len();
-            let missing = dst.len() - filled;
-            if len == 0 || len > missing || len % dtype.size_bytes() != 0 {
-                return Err(Error::Protocol {
-                    peer: Some(peer),
-                    violation: ProtocolViolation::PayloadLengthMismatch {
-                        declared: missing as u64,
-                        actual: len as u64,
-                    },
-                });
-            }
-            apply(&mut dst[filled..filled + len], &frame.payload)?;
-            filled += len;
+            filled += self.recv_segment(peer, dtype, tag, &mut dst[filled..], &mut apply)?;
         }
         Ok(())
+    }
+
+    /// Receives one data frame from `peer` into the front of `missing` (see
+    /// [`Link::recv_data`]) and returns how many bytes it filled.
+    fn recv_segment(
+        &self,
+        peer: usize,
+        dtype: DType,
+        tag: u32,
+        missing: &mut [u8],
+        apply: &mut impl FnMut(&mut [u8], &[u8]) -> Result<()>,
+    ) -> Result<usize> {
+        let frame = self.recv_frame(peer, FrameKind::Data, tag)?;
+        if frame.header.dtype != dtype {
+            return Err(Error::DTypeMismatch {
+                op: self.op,
+                role: crate::op::BufferRole::Peer { rank: peer },
+                expected: dtype,
+                got: frame.header.dtype,
+            });
+        }
+        let len = frame.payload.len();
+        if len == 0 || len > missing.len() || len % dtype.size_bytes() != 0 {
+            return Err(Error::Protocol {
+                peer: Some(peer),
+                violation: ProtocolViolation::PayloadLengthMismatch {
+                    declared: missing.len() as u64,
+                    actual: len as u64,
+                },
+            });
+        }
+        apply(&mut missing[..len], &frame.payload)?;
+        self.inner.transport.recycle(frame.payload);
+        Ok(len)
+    }
+
+    /// One step of a pairwise algorithm: sends `outgoing` to `to` while receiving
+    /// `incoming.len()` bytes from `from` (as [`Link::recv_data`]), alternating one segment
+    /// out and one in, so the reduction or copy of segment `i` overlaps the kernel moving
+    /// segment `i + 1` instead of waiting for the whole block to be sent first. Sends never
+    /// wait for the receiver, so two ranks exchanging with each other cannot deadlock.
+    pub(crate) fn exchange(
+        &self,
+        step: Exchange<'_>,
+        incoming: &mut [u8],
+        mut apply: impl FnMut(&mut [u8], &[u8]) -> Result<()>,
+    ) -> Result<()> {
+        let mut segments = step.outgoing.chunks(self.segment_bytes(step.dtype));
+        let mut filled = 0;
+        loop {
+            let sent = match segments.next() {
+                Some(segment) => {
+                    self.send_frame(step.to, FrameKind::Data, step.dtype, step.tag, segment)?;
+                    true
+                }
+                None => false,
+            };
+            let received = filled < incoming.len();
+            if received {
+                filled += self.recv_segment(
+                    step.from,
+                    step.dtype,
+                    step.tag,
+                    &mut incoming[filled..],
+                    &mut apply,
+                )?;
+            }
+            if !sent && !received {
+                return Ok(());
+            }
+        }
     }
 
     /// Phase 0: sends this rank's descriptor (with its local fault, in the peers' view) to
     /// every peer, receives theirs, and runs the same checks as `local` on every rank, so an
     /// argument error anywhere fails the op everywhere before data moves. Returns every
     /// rank's descriptor, by group rank.
-    pub(crate) fn open(&self, mut desc: Desc, faults: Faults) -> Result<Vec<Desc>> {
+    pub(crate) fn open(&self, desc: Desc, faults: Faults) -> Result<Vec<Desc>> {
+        self.open_eager(desc, faults, || Ok(()))
+    }
+
+    /// [`Link::open`], but once this rank's descriptors are out and it has no fault of its
+    /// own, `eager` runs before the peers' descriptors are read: the latency path of small
+    /// all-reduces sends its first data frames there, overlapping phase 0 with the first
+    /// round instead of paying one more round trip. Those frames are filed under this op's
+    /// seq, so a peer that fails validation never reads them (they stay in its mailbox: at
+    /// most one small message per failed op).
+    pub(crate) fn open_eager(
+        &self,
+        mut desc: Desc,
+        faults: Faults,
+        eager: impl FnOnce() -> Result<()>,
+    ) -> Result<Vec<Desc>> {
         let me = self.rank();
         desc.fault = faults.first.as_ref().map(|e| peer_view(e, self.op, me));
         let wire = descriptor::encode(&desc);
         for peer in (0..self.size()).filter(|&p| p != me) {
             self.send_frame(peer, FrameKind::Descriptor, DType::U8, 0, &wire)?;
+        }
+        if faults.first.is_none() {
+            eager()?;
         }
         let mut posts = Vec::with_capacity(self.size());
         for peer in 0..self.size() {

@@ -22,6 +22,7 @@ mod config;
 mod descriptor;
 mod doubling;
 mod frame;
+mod halving;
 mod handshake;
 mod launch;
 mod link;
@@ -31,11 +32,13 @@ mod ring;
 mod rooted;
 mod split;
 mod transport;
+mod tree;
 mod world;
 
 pub use communicator::{BACKEND, TcpCommunicator};
 pub use config::{
-    AllReduceAlgorithm, DEFAULT_SEGMENT_BYTES, DEFAULT_SMALL_ALL_REDUCE_BYTES, TcpConfig,
+    AllReduceAlgorithm, BroadcastAlgorithm, DEFAULT_HALVING_DOUBLING_BYTES, DEFAULT_SEGMENT_BYTES,
+    DEFAULT_SMALL_ALL_REDUCE_BYTES, DEFAULT_TREE_BROADCAST_BYTES, TcpConfig,
 };
 pub use frame::{FRAME_HEADER_BYTES, FRAME_MAGIC, FrameHeader, FrameKind};
 pub use handshake::{MESH_MAGIC, MESH_PROTOCOL_VERSION};

@@ -9,25 +9,16 @@ use std::ops::Range;
 
 use super::communicator::Inner;
 use super::config::AllReduceAlgorithm;
-use super::link::Link;
+use super::link::{Exchange, Link};
+use crate::blocks::{byte_blocks, copy_segment, even_block, send_and_recv_views};
 use crate::buffer::{Buffer, HostBuffer};
 use crate::dtype::DType;
 use crate::engine::JobContext;
 use crate::error::{Error, Result};
 use crate::local::group::Desc;
-use crate::local::ops::{Faults, block};
-use crate::op::{BufferPair, BufferRole, OpKind, ReduceOp, block_offsets};
+use crate::local::ops::Faults;
+use crate::op::{BufferPair, BufferRole, OpKind, ReduceOp};
 use crate::reduce::ReducePlan;
-
-/// Byte ranges of the blocks of a ring, by the rank that owns each block at the end.
-fn byte_blocks(counts: &[usize], dtype: DType) -> Vec<Range<usize>> {
-    let size = dtype.size_bytes();
-    block_offsets(counts)
-        .iter()
-        .zip(counts)
-        .map(|(start, len)| start * size..(start + len) * size)
-        .collect()
-}
 
 fn tag(step: usize) -> u32 {
     // Steps are below the group size, which is far below u32::MAX for any real mesh.
@@ -46,12 +37,17 @@ fn ring_reduce_scatter(
     let dtype = plan.dtype();
     let (right, left) = (link.right(1), link.left(1));
     for step in 0..n.saturating_sub(1) {
-        let send = &blocks[link.left(step + 1)];
-        link.send_data(right, dtype, tag(step), &work[send.clone()])?;
+        let send = blocks[link.left(step + 1)].clone();
         let recv = blocks[link.left(step + 2)].clone();
-        link.recv_data(left, dtype, tag(step), &mut work[recv], |acc, incoming| {
-            plan.combine(acc, incoming)
-        })?;
+        let (outgoing, incoming) = send_and_recv_views(work, send, recv);
+        let step = Exchange {
+            to: right,
+            from: left,
+            dtype,
+            tag: tag(step),
+            outgoing,
+        };
+        link.exchange(step, incoming, |acc, segment| plan.combine(acc, segment))?;
     }
     Ok(())
 }
@@ -68,19 +64,17 @@ fn ring_all_gather(
     let n = link.size();
     let (right, left) = (link.right(1), link.left(1));
     for step in 0..n.saturating_sub(1) {
-        let send = &blocks[link.left(step)];
-        link.send_data(right, dtype, tag(tag_base + step), &work[send.clone()])?;
+        let send = blocks[link.left(step)].clone();
         let recv = blocks[link.left(step + 1)].clone();
-        link.recv_data(
-            left,
+        let (outgoing, incoming) = send_and_recv_views(work, send, recv);
+        let step = Exchange {
+            to: right,
+            from: left,
             dtype,
-            tag(tag_base + step),
-            &mut work[recv],
-            |dst, src| {
-                dst.copy_from_slice(src);
-                Ok(())
-            },
-        )?;
+            tag: tag(tag_base + step),
+            outgoing,
+        };
+        link.exchange(step, incoming, copy_segment)?;
     }
     Ok(())
 }
@@ -102,27 +96,48 @@ pub(crate) fn all_reduce(
     desc.dtype = Some(dtype);
     desc.len = Some(n);
     desc.reduce = Some(op);
+    let bytes = host.byte_len();
+    let algorithm = match inner.all_reduce {
+        AllReduceAlgorithm::Auto if bytes <= inner.small_all_reduce_bytes => {
+            AllReduceAlgorithm::RecursiveDoubling
+        }
+        AllReduceAlgorithm::Auto if bytes <= inner.halving_doubling_bytes => {
+            AllReduceAlgorithm::HalvingDoubling
+        }
+        AllReduceAlgorithm::Auto => AllReduceAlgorithm::Ring,
+        chosen => chosen,
+    };
+    if algorithm == AllReduceAlgorithm::RecursiveDoubling {
+        // The latency path: the first round's data leaves together with the descriptors.
+        let mut eager_sent = false;
+        link.open_eager(desc, faults, || {
+            // invariant: without a local fault the plan exists (a failed plan is a fault).
+            let plan = plan.as_ref().ok_or(Error::UnsupportedOp { op, dtype })?;
+            plan.prepare(host.as_bytes_mut())?;
+            eager_sent = super::doubling::first_send(&link, dtype, host.as_bytes())?;
+            Ok(())
+        })?;
+        // invariant: a failed plan is a posted fault, and open returned it above.
+        let plan = plan.ok_or(Error::UnsupportedOp { op, dtype })?;
+        super::doubling::all_reduce(&link, &plan, host.as_bytes_mut(), eager_sent)?;
+        return Ok(Buffer::Host(host));
+    }
     link.open(desc, faults)?;
     // invariant: a failed plan is a posted fault, and open returned it above.
     let plan = plan.ok_or(Error::UnsupportedOp { op, dtype })?;
+    let work = host.as_bytes_mut();
+    plan.prepare(work)?;
+    if algorithm == AllReduceAlgorithm::HalvingDoubling {
+        super::halving::all_reduce(&link, &plan, work)?;
+        return Ok(Buffer::Host(host));
+    }
     let counts: Vec<usize> = (0..size)
         .map(|r| {
-            let (start, end) = block(n, size, r);
+            let (start, end) = even_block(n, size, r);
             end - start
         })
         .collect();
     let blocks = byte_blocks(&counts, dtype);
-    let work = host.as_bytes_mut();
-    plan.prepare(work)?;
-    let doubling = match inner.all_reduce {
-        AllReduceAlgorithm::Ring => false,
-        AllReduceAlgorithm::RecursiveDoubling => true,
-        AllReduceAlgorithm::Auto => work.len() <= inner.small_all_reduce_bytes,
-    };
-    if doubling {
-        super::doubling::all_reduce(&link, &plan, work)?;
-        return Ok(Buffer::Host(host));
-    }
     ring_reduce_scatter(&link, &plan, work, &blocks)?;
     plan.finish(&mut work[blocks[link.rank()].clone()])?;
     ring_all_gather(&link, dtype, work, &blocks, size)?;

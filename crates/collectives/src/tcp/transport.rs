@@ -94,10 +94,16 @@ struct State {
     aborted: bool,
 }
 
+/// How many spent payload buffers the transport keeps for reuse.
+const POOLED_PAYLOADS: usize = 32;
+
 #[derive(Debug, Default)]
 struct Shared {
     state: Mutex<State>,
     arrived: Condvar,
+    /// Spent payload buffers, reused by the reader threads so that a stream of large
+    /// segments does not allocate (and fault in) fresh memory for every frame.
+    pool: Mutex<Vec<Vec<u8>>>,
 }
 
 impl Shared {
@@ -116,6 +122,31 @@ impl Shared {
             .or_default()
             .push_back(frame);
         self.arrived.notify_all();
+    }
+
+    /// A buffer of exactly `len` bytes, reused from the pool when one is there. Its contents
+    /// are about to be overwritten by `read_exact`, so stale bytes do not matter.
+    fn payload_buffer(&self, len: usize) -> Vec<u8> {
+        let reused = self
+            .pool
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+            .pop();
+        let mut buffer = reused.unwrap_or_default();
+        // Growing writes zeros only past the old length; pooled buffers usually already have
+        // the segment size, so this is free in the steady state.
+        buffer.resize(len, 0);
+        buffer
+    }
+
+    fn recycle(&self, buffer: Vec<u8>) {
+        let mut pool = self
+            .pool
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner);
+        if pool.len() < POOLED_PAYLOADS && buffer.capacity() > 0 {
+            pool.push(buffer);
+        }
     }
 
     fn mark_lost(&self, peer: usize, cause: LossCause) {
@@ -265,9 +296,9 @@ impl Transport {
         let mut stream = writer
             .lock()
             .unwrap_or_else(std::sync::PoisonError::into_inner);
-        let written = stream
-            .write_all(&header.encode())
-            .and_then(|()| stream.write_all(payload));
+        // Header and payload leave in one vectored write, so a small frame is one segment on
+        // the wire (with TCP_NODELAY a separate header write would be its own packet).
+        let written = write_all_vectored(&mut *stream, &[&header.encode(), payload]);
         if written.is_err() {
             // A failed write leaves the stream mid-frame, so the connection is unusable.
             let _ = stream.shutdown(Shutdown::Both);
@@ -325,6 +356,12 @@ impl Transport {
         }
     }
 
+    /// Hands a received frame's payload back for reuse by the reader threads. Optional:
+    /// a payload that is simply dropped is freed as usual.
+    pub fn recycle(&self, payload: Vec<u8>) {
+        self.shared.recycle(payload);
+    }
+
     /// Whether `peer`'s connection is gone.
     pub fn is_lost(&self, peer: usize) -> bool {
         self.shared.lock().lost.contains_key(&peer)
@@ -361,6 +398,25 @@ impl Drop for Transport {
     }
 }
 
+/// Writes every byte of `parts`, in order, with as few `writev` calls as the kernel allows.
+fn write_all_vectored(stream: &mut impl Write, parts: &[&[u8]]) -> io::Result<()> {
+    let mut slices: Vec<io::IoSlice<'_>> = parts
+        .iter()
+        .filter(|part| !part.is_empty())
+        .map(|part| io::IoSlice::new(part))
+        .collect();
+    let mut remaining: &mut [io::IoSlice<'_>] = &mut slices;
+    while !remaining.is_empty() {
+        match stream.write_vectored(remaining) {
+            Ok(0) => return Err(io::Error::from(io::ErrorKind::WriteZero)),
+            Ok(written) => io::IoSlice::advance_slices(&mut remaining, written),
+            Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
+            Err(e) => return Err(e),
+        }
+    }
+    Ok(())
+}
+
 /// The body of a reader thread: files frames from `peer` until the connection ends.
 fn read_frames(mut stream: TcpStream, peer: usize, max_payload: u64, shared: &Shared) {
     loop {
@@ -385,7 +441,7 @@ fn read_frames(mut stream: TcpStream, peer: usize, max_payload: u64, shared: &Sh
         // invariant: decode checked payload_bytes <= max_payload, which the caller chose as an
         // allocatable size, so it fits in usize on every supported target.
         let len = usize::try_from(header.payload_bytes).unwrap_or(usize::MAX);
-        let mut payload = vec![0u8; len];
+        let mut payload = shared.payload_buffer(len);
         if stream.read_exact(&mut payload).is_err() {
             // A frame cut short is never delivered: waiters see the peer as lost instead.
             shared.mark_lost(peer, LossCause::Closed);
@@ -474,6 +530,57 @@ mod tests {
             .recv(&budget(5_000), 0, MailboxKey::of(&header(9, 1, 0)))
             .unwrap();
         assert_eq!(to_self.payload, vec![1, 2, 3]);
+    }
+
+    #[test]
+    fn recycled_payloads_are_reused_and_carry_only_the_new_bytes() {
+        let ranks = transports(2, 1 << 20);
+        let long: Vec<u8> = (0..5000).map(|i| (i % 251) as u8).collect();
+        ranks[0]
+            .send(OpKind::AllGather, 1, header(0, 0, 5000), &long)
+            .unwrap();
+        let first = ranks[1]
+            .recv(&budget(5_000), 0, MailboxKey::of(&header(0, 0, 0)))
+            .unwrap();
+        assert_eq!(first.payload, long);
+        ranks[1].recycle(first.payload);
+        // A shorter frame lands in the recycled (longer) buffer: it must hold exactly the new
+        // bytes, and a longer one after it must be whole too.
+        ranks[0]
+            .send(OpKind::AllGather, 1, header(1, 0, 3), &[7, 8, 9])
+            .unwrap();
+        let second = ranks[1]
+            .recv(&budget(5_000), 0, MailboxKey::of(&header(1, 0, 0)))
+            .unwrap();
+        assert_eq!(second.payload, vec![7, 8, 9]);
+        ranks[1].recycle(second.payload);
+        let longer: Vec<u8> = (0..9000).map(|i| (i % 13) as u8).collect();
+        ranks[0]
+            .send(OpKind::AllGather, 1, header(2, 0, 9000), &longer)
+            .unwrap();
+        let third = ranks[1]
+            .recv(&budget(5_000), 0, MailboxKey::of(&header(2, 0, 0)))
+            .unwrap();
+        assert_eq!(third.payload, longer);
+    }
+
+    #[test]
+    fn vectored_writes_survive_partial_writes() {
+        /// Accepts at most three bytes per call, like a congested socket.
+        struct Trickle(Vec<u8>);
+        impl Write for Trickle {
+            fn write(&mut self, buf: &[u8]) -> io::Result<usize> {
+                let n = buf.len().min(3);
+                self.0.extend_from_slice(&buf[..n]);
+                Ok(n)
+            }
+            fn flush(&mut self) -> io::Result<()> {
+                Ok(())
+            }
+        }
+        let mut sink = Trickle(Vec::new());
+        write_all_vectored(&mut sink, &[&[1, 2, 3, 4, 5], &[], &[6, 7]]).unwrap();
+        assert_eq!(sink.0, vec![1, 2, 3, 4, 5, 6, 7]);
     }
 
     #[test]
