@@ -1,0 +1,284 @@
+//! Building a unit: validating the config, choosing each parameter's role and layout,
+//! cutting the local shards and planning the buckets.
+
+use std::collections::BTreeSet;
+use std::sync::Arc;
+
+use hypershard_collectives::Communicator;
+use hypershard_nn::{Module, join_name};
+
+use crate::bridge::comm_dtype;
+use crate::bucket::{BucketItem, BucketPlan, plan_buckets};
+use crate::config::{FullyShardConfig, ReshardAfterForward};
+use crate::error::{FsdpError, Result};
+use crate::group::{GroupParts, PostForward};
+use crate::layout::ShardLayout;
+use crate::module::FsdpModule;
+use crate::param::{FsdpParam, ParamRole, ShardedState};
+
+/// Names of every parameter that lives under a nested unit of `module`.
+fn nested_unit_names(
+    module: &mut dyn Module,
+    prefix: &str,
+    out: &mut BTreeSet<String>,
+) -> hypershard_nn::Result<()> {
+    module.visit_children_mut(&mut |name, child| {
+        let path = join_name(prefix, name);
+        let is_unit = child.as_any_mut().is_some_and(|any| any.is::<FsdpModule>());
+        if is_unit {
+            child.visit_params(&path, &mut |full, _| {
+                out.insert(full.to_string());
+                Ok(())
+            })
+        } else {
+            nested_unit_names(child.as_mut(), &path, out)
+        }
+    })
+}
+
+/// The post-forward policy and group after checking `reshard_after_forward` against the
+/// shard group. Collective (it may split the shard group), so it runs after every check that
+/// could fail on one rank only.
+fn post_forward_policy(
+    config: &FullyShardConfig,
+) -> Result<(PostForward, Option<Arc<dyn Communicator>>, Option<usize>)> {
+    let shard_world = config.mesh.shard_world();
+    match config.reshard_after_forward {
+        ReshardAfterForward::Reshard => Ok((PostForward::Reshard, None, None)),
+        ReshardAfterForward::Keep => Ok((PostForward::Keep, None, None)),
+        ReshardAfterForward::ToGroupOf(size) => {
+            if size == 0 || shard_world % size != 0 {
+                return Err(FsdpError::ReshardSize {
+                    value: size,
+                    shard_world,
+                });
+            }
+            if size == shard_world {
+                Ok((PostForward::Reshard, None, None))
+            } else if size == 1 {
+                Ok((PostForward::Keep, None, None))
+            } else {
+                Ok((PostForward::ToGroup, None, Some(size)))
+            }
+        }
+    }
+}
+
+/// Checks the config and module and computes every parameter of the new unit; then writes
+/// the shards into the module. Nothing in the module changes unless everything succeeded.
+pub(crate) fn build_group(
+    module: &mut dyn Module,
+    config: &FullyShardConfig,
+    id: usize,
+) -> Result<GroupParts> {
+    if module
+        .as_any_mut()
+        .is_some_and(|any| any.is::<FsdpModule>())
+    {
+        return Err(FsdpError::AlreadySharded);
+    }
+    if let Some(both) = config
+        .ignored_params
+        .intersection(&config.replicate_params)
+        .next()
+    {
+        return Err(FsdpError::IgnoredAndReplicated {
+            param: both.clone(),
+        });
+    }
+    let mut all_names = BTreeSet::new();
+    module.visit_params("", &mut |name, _| {
+        all_names.insert(name.to_string());
+        Ok(())
+    })?;
+    for (list, names) in [
+        ("ignored_params", &config.ignored_params),
+        ("replicate_params", &config.replicate_params),
+    ] {
+        if let Some(unknown) = names.iter().find(|n| !all_names.contains(*n)) {
+            return Err(FsdpError::UnknownParam {
+                list,
+                param: unknown.clone(),
+            });
+        }
+    }
+    let mut nested = BTreeSet::new();
+    nested_unit_names(module, "", &mut nested)?;
+    let (post_forward, _, post_size) = post_forward_policy(config)?;
+
+    let mesh = config.mesh.clone();
+    let shard_world = mesh.shard_world();
+    let shard_rank = mesh.shard_rank();
+    let mp = config.mp_policy;
+    let mut params: Vec<FsdpParam> = Vec::new();
+    let mut failure: Option<FsdpError> = None;
+    module.visit_params("", &mut |name, param| {
+        if failure.is_some() || nested.contains(name) || config.ignored_params.contains(name) {
+            return Ok(());
+        }
+        let data = param.data()?;
+        let orig_dtype = data.dtype();
+        if comm_dtype(orig_dtype).is_none() {
+            failure = Some(FsdpError::UnsupportedDType {
+                param: name.to_string(),
+                dtype: orig_dtype,
+            });
+            return Ok(());
+        }
+        let shape = data.shape().to_vec();
+        let replicated = config.replicate_params.contains(name) || shape.is_empty();
+        let dim = match &config.shard_placement_fn {
+            Some(choose) if !replicated => choose(name, param).unwrap_or(0),
+            _ => 0,
+        };
+        if !replicated && dim >= shape.len() {
+            failure = Some(FsdpError::ShardDimOutOfRange {
+                param: name.to_string(),
+                shape: shape.clone(),
+                dim,
+            });
+            return Ok(());
+        }
+        let (role, layout_shape, world) = if replicated {
+            // A 0-d parameter is kept whole; its layout treats it as one element.
+            let layout_shape = if shape.is_empty() {
+                vec![1]
+            } else {
+                shape.clone()
+            };
+            (ParamRole::Replicated, layout_shape, 1)
+        } else {
+            (ParamRole::Sharded, shape.clone(), shard_world)
+        };
+        let layout = ShardLayout {
+            shape: layout_shape.clone(),
+            dim,
+            world,
+        };
+        let sharded = if replicated {
+            data.deep_copy()?
+        } else {
+            let span = match layout.span(shard_rank) {
+                Ok(span) => span,
+                Err(error) => {
+                    failure = Some(error);
+                    return Ok(());
+                }
+            };
+            // A deep copy, so the shard owns its storage and the full tensor can be freed.
+            data.narrow(dim, span.offset, span.len)?.deep_copy()?
+        };
+        let post_layout = match (role, post_size) {
+            (ParamRole::Sharded, Some(size)) => Some(ShardLayout {
+                shape: layout_shape,
+                dim,
+                world: size,
+            }),
+            _ => None,
+        };
+        let param_dtype = mp.param_dtype.unwrap_or(orig_dtype);
+        let reduce_dtype = mp.reduce_dtype.or(mp.param_dtype).unwrap_or(orig_dtype);
+        for dtype in [param_dtype, reduce_dtype] {
+            if comm_dtype(dtype).is_none() {
+                failure = Some(FsdpError::UnsupportedDType {
+                    param: name.to_string(),
+                    dtype,
+                });
+                return Ok(());
+            }
+        }
+        params.push(FsdpParam {
+            name: name.to_string(),
+            role,
+            layout,
+            post_layout,
+            orig_dtype,
+            param_dtype,
+            reduce_dtype,
+            requires_grad: param.requires_grad,
+            sharded,
+            sharded_grad: None,
+            unsharded: None,
+            post_forward: None,
+            unsharded_grad_accum: None,
+            main_grad: None,
+            installed: false,
+            state: ShardedState::Sharded,
+        });
+        Ok(())
+    })?;
+    if let Some(error) = failure {
+        return Err(error);
+    }
+
+    let fusion = config.comm_fusion;
+    let plan = |select: &dyn Fn(&FsdpParam) -> Option<BucketItem>| -> Vec<BucketPlan> {
+        let items: Vec<BucketItem> = params.iter().filter_map(select).collect();
+        plan_buckets(&items, fusion.enabled, fusion.bucket_bytes)
+    };
+    let index_of = |p: &FsdpParam| params.iter().position(|q| q.name == p.name).unwrap_or(0);
+    let gather_plan = plan(&|p| {
+        (p.role == ParamRole::Sharded).then(|| BucketItem {
+            index: index_of(p),
+            dtype: p.param_dtype,
+            slot_numel: p.layout.slot_numel().unwrap_or(0),
+        })
+    });
+    let post_forward_plan = plan(&|p| {
+        p.post_layout.as_ref().map(|layout| BucketItem {
+            index: index_of(p),
+            dtype: p.param_dtype,
+            slot_numel: layout.slot_numel().unwrap_or(0),
+        })
+    });
+    let reduce_plan = plan(&|p| {
+        (p.role == ParamRole::Sharded && p.requires_grad).then(|| BucketItem {
+            index: index_of(p),
+            dtype: p.reduce_dtype,
+            slot_numel: p.layout.slot_numel().unwrap_or(0),
+        })
+    });
+    let replicate_plan = plan(&|p| {
+        (p.role == ParamRole::Replicated && p.requires_grad).then(|| BucketItem {
+            index: index_of(p),
+            dtype: p.reduce_dtype,
+            slot_numel: p.layout.slot_numel().unwrap_or(0),
+        })
+    });
+
+    // Every check passed on every rank alike; the split below is collective.
+    let post_forward_comm = match post_size {
+        Some(size) => Some(mesh.post_forward_group(size)?),
+        None => None,
+    };
+
+    // Hand the shards to the module; the full tensors are dropped with the old data.
+    let names: std::collections::HashMap<&str, usize> = params
+        .iter()
+        .enumerate()
+        .map(|(i, p)| (p.name.as_str(), i))
+        .collect();
+    module.visit_params_mut("", &mut |name, slot| {
+        if let Some(&index) = names.get(name) {
+            slot.data = Some(params[index].sharded.clone());
+            slot.grad = None;
+        }
+        Ok(())
+    })?;
+
+    Ok(GroupParts {
+        id,
+        unit: format!("{}#{id}", module.kind()),
+        params,
+        mesh,
+        post_forward_comm,
+        post_forward,
+        mp,
+        fusion,
+        reduce_op: config.reduce_op,
+        gather_plan,
+        post_forward_plan,
+        reduce_plan,
+        replicate_plan,
+    })
+}

@@ -1,0 +1,159 @@
+//! The one error type of this crate.
+
+use hypershard_tensor::DType;
+
+use crate::param::ShardedState;
+
+/// Everything that can go wrong while sharding, unsharding or reducing.
+///
+/// Variants name the unit, parameter, shapes, dtypes or sizes involved so a caller can react
+/// without parsing a message.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum FsdpError {
+    /// A module operation failed inside a unit.
+    #[error(transparent)]
+    Nn(#[from] hypershard_nn::Error),
+    /// A tensor operation failed.
+    #[error(transparent)]
+    Tensor(#[from] hypershard_tensor::Error),
+    /// A collective failed.
+    #[error(transparent)]
+    Comm(#[from] hypershard_collectives::Error),
+    /// Mesh math failed.
+    #[error(transparent)]
+    Mesh(#[from] hypershard_mesh::MeshError),
+    /// `fully_shard` needs a 1-d (FSDP) or 2-d (HSDP) data-parallel mesh.
+    #[error("fully_shard needs a 1-d or 2-d mesh, got {ndim} dims")]
+    MeshDims {
+        /// The number of dims of the mesh given.
+        ndim: usize,
+    },
+    /// The mesh and the communicator disagree on the number of ranks, or the rank is absent.
+    #[error(
+        "mesh of {mesh_ranks} ranks does not match communicator of size {comm_size} (rank {rank})"
+    )]
+    WorldSizeMismatch {
+        /// The number of ranks in the mesh.
+        mesh_ranks: usize,
+        /// The size of the communicator.
+        comm_size: usize,
+        /// This rank.
+        rank: usize,
+    },
+    /// `shard_placement_fn` asked for a dim the parameter does not have.
+    #[error("parameter `{param}` of shape {shape:?}: shard dim {dim} is out of range")]
+    ShardDimOutOfRange {
+        /// The parameter.
+        param: String,
+        /// Its shape.
+        shape: Vec<usize>,
+        /// The requested dim.
+        dim: usize,
+    },
+    /// A parameter was named both in `ignored_params` and in `replicate_params`.
+    #[error("parameter `{param}` is both ignored and replicated")]
+    IgnoredAndReplicated {
+        /// The parameter.
+        param: String,
+    },
+    /// A name in `ignored_params` or `replicate_params` matches no parameter of the module.
+    #[error("{list} names `{param}`, which is not a parameter of the module")]
+    UnknownParam {
+        /// Which list (`"ignored_params"` or `"replicate_params"`).
+        list: &'static str,
+        /// The name.
+        param: String,
+    },
+    /// The module is already a `fully_shard` unit.
+    #[error("module is already wrapped by fully_shard")]
+    AlreadySharded,
+    /// `reshard_after_forward = int(k)` needs `k` to divide the shard group size.
+    #[error("reshard_after_forward = {value} does not divide the shard group size {shard_world}")]
+    ReshardSize {
+        /// The requested post-forward group size.
+        value: usize,
+        /// The shard group size.
+        shard_world: usize,
+    },
+    /// A parameter dtype that collectives cannot carry (bool).
+    #[error("parameter `{param}`: dtype {dtype} cannot be sharded")]
+    UnsupportedDType {
+        /// The parameter.
+        param: String,
+        /// Its dtype.
+        dtype: DType,
+    },
+    /// A parameter was found in a state an operation does not accept.
+    #[error(
+        "unit `{unit}`, parameter `{param}`: {op} expects state {expected:?}, found {actual:?}"
+    )]
+    InvalidState {
+        /// The unit (the kind of the wrapped module and its id).
+        unit: String,
+        /// The parameter.
+        param: String,
+        /// The operation.
+        op: &'static str,
+        /// The states it accepts.
+        expected: &'static [ShardedState],
+        /// The state found.
+        actual: ShardedState,
+    },
+    /// The module's parameter was replaced behind fully_shard's back (its storage changed).
+    #[error("parameter `{param}` was replaced outside fully_shard (use load_state_dict)")]
+    ParamReplaced {
+        /// The parameter.
+        param: String,
+    },
+    /// A parameter managed by the unit disappeared from the module.
+    #[error("parameter `{param}` managed by unit `{unit}` is missing from the module")]
+    ParamMissing {
+        /// The unit.
+        unit: String,
+        /// The parameter.
+        param: String,
+    },
+    /// A state dict entry has the wrong shape.
+    #[error(
+        "state dict entry `{name}`: expected shape {expected:?} (or local {local:?}), got {actual:?}"
+    )]
+    StateDictShape {
+        /// The entry.
+        name: String,
+        /// The global shape.
+        expected: Vec<usize>,
+        /// The local shard shape.
+        local: Vec<usize>,
+        /// What was given.
+        actual: Vec<usize>,
+    },
+    /// A state dict lacks an entry the module needs.
+    #[error("state dict has no entry `{name}`")]
+    StateDictMissing {
+        /// The entry.
+        name: String,
+    },
+    /// A communication buffer was not in host memory.
+    #[error("{op}: tensor storage is not host memory")]
+    NotHostStorage {
+        /// The operation.
+        op: &'static str,
+    },
+    /// A buffer came back from a collective with an unexpected length.
+    #[error("{op}: buffer of {actual} elements, expected {expected}")]
+    BufferLength {
+        /// The operation.
+        op: &'static str,
+        /// The expected length.
+        expected: usize,
+        /// The length found.
+        actual: usize,
+    },
+    /// An FSDP hook failed in a nested unit; the root reports the first such error.
+    #[error("a nested fully_shard hook failed and its error was already taken")]
+    NestedHookFailed,
+}
+
+/// The result type of this crate.
+pub type Result<T> = std::result::Result<T, FsdpError>;

@@ -1,0 +1,747 @@
+//! `ParamGroup`: the parameters of one unit and the fused collectives that move them.
+//!
+//! Unshard = copy-in (each shard cast to `param_dtype` into its slot of one flat buffer per
+//! bucket) → one all-gather per bucket → copy-out (every rank's slot into the unsharded
+//! parameter). Post-backward = copy-in (each unsharded gradient cast to `reduce_dtype`, cut
+//! into one padded slot per rank) → one reduce-scatter per bucket → (HSDP) one all-reduce per
+//! bucket over the replicate group → accumulate into the sharded gradient.
+
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex, Weak};
+
+use hypershard_collectives::{Buffer, BufferPair, Communicator, ReduceOp, Work};
+use hypershard_nn::Module;
+use hypershard_tensor::{DType, Tensor};
+
+use crate::bridge::comm_dtype;
+use crate::bucket::BucketPlan;
+use crate::config::{CommFusionPolicy, GradReduceOp, MixedPrecisionPolicy};
+use crate::error::{FsdpError, Result};
+use crate::mesh::DataParallelMesh;
+use crate::param::{FsdpParam, ParamRole, ShardedState, TrainingState};
+
+/// `reshard_after_forward` after normalisation against the shard group size.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum PostForward {
+    Reshard,
+    Keep,
+    ToGroup,
+}
+
+/// The per-unit switches FSDP2 exposes as `set_*` methods.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub(crate) struct Controls {
+    pub requires_gradient_sync: bool,
+    pub requires_all_reduce: bool,
+    pub reshard_after_backward: bool,
+    pub is_last_backward: bool,
+    pub gradient_scaling_factor: Option<f64>,
+}
+
+impl Default for Controls {
+    fn default() -> Self {
+        Controls {
+            requires_gradient_sync: true,
+            requires_all_reduce: true,
+            reshard_after_backward: true,
+            is_last_backward: true,
+            gradient_scaling_factor: None,
+        }
+    }
+}
+
+/// All-gathers in flight for one unit.
+#[derive(Debug)]
+struct PendingGather {
+    post_forward: bool,
+    works: Vec<Work<BufferPair>>,
+}
+
+/// Gradient reductions in flight for one unit, finished by a later hook.
+#[derive(Debug)]
+pub(crate) struct PendingReduce {
+    reduce_scatters: Vec<Work<BufferPair>>,
+    replicate_all_reduces: Vec<Work<Buffer>>,
+    /// The tensor each reduced gradient is added into, by parameter index.
+    targets: HashMap<usize, Tensor>,
+}
+
+/// The parameters of one unit and everything needed to move them.
+pub(crate) struct ParamGroup {
+    pub id: usize,
+    pub unit: String,
+    pub params: Vec<FsdpParam>,
+    /// Parameter index by name relative to the wrapped module.
+    pub by_name: HashMap<String, usize>,
+    pub mesh: Arc<DataParallelMesh>,
+    pub post_forward_comm: Option<Arc<dyn Communicator>>,
+    pub post_forward: PostForward,
+    pub mp: MixedPrecisionPolicy,
+    pub fusion: CommFusionPolicy,
+    pub reduce_op: GradReduceOp,
+    pub gather_plan: Vec<BucketPlan>,
+    pub post_forward_plan: Vec<BucketPlan>,
+    pub reduce_plan: Vec<BucketPlan>,
+    pub replicate_plan: Vec<BucketPlan>,
+    pub controls: Controls,
+    pub training: TrainingState,
+    pending_gather: Option<PendingGather>,
+    /// Reduce-scatter outputs summed while the replicate all-reduce is deferred.
+    partial_outputs: Vec<Option<Buffer>>,
+    pub forward_prefetch: Option<Vec<Weak<Mutex<ParamGroup>>>>,
+    pub backward_prefetch: Option<Vec<Weak<Mutex<ParamGroup>>>>,
+}
+
+/// How a group is built (the fields `fully_shard` computed).
+pub(crate) struct GroupParts {
+    pub id: usize,
+    pub unit: String,
+    pub params: Vec<FsdpParam>,
+    pub mesh: Arc<DataParallelMesh>,
+    pub post_forward_comm: Option<Arc<dyn Communicator>>,
+    pub post_forward: PostForward,
+    pub mp: MixedPrecisionPolicy,
+    pub fusion: CommFusionPolicy,
+    pub reduce_op: GradReduceOp,
+    pub gather_plan: Vec<BucketPlan>,
+    pub post_forward_plan: Vec<BucketPlan>,
+    pub reduce_plan: Vec<BucketPlan>,
+    pub replicate_plan: Vec<BucketPlan>,
+}
+
+fn buffer_dtype(dtype: DType, name: &str) -> Result<hypershard_collectives::DType> {
+    comm_dtype(dtype).ok_or_else(|| FsdpError::UnsupportedDType {
+        param: name.to_string(),
+        dtype,
+    })
+}
+
+fn host_bytes_mut<'a>(buffer: &'a mut Buffer, op: &'static str) -> Result<&'a mut [u8]> {
+    buffer
+        .as_host_mut()
+        .map(|h| h.as_bytes_mut())
+        .map_err(|_| FsdpError::NotHostStorage { op })
+}
+
+fn host_bytes<'a>(buffer: &'a Buffer, op: &'static str) -> Result<&'a [u8]> {
+    buffer
+        .as_host()
+        .map(|h| h.as_bytes())
+        .map_err(|_| FsdpError::NotHostStorage { op })
+}
+
+fn check_len(buffer: &Buffer, expected: usize, op: &'static str) -> Result<()> {
+    if buffer.len() != expected {
+        return Err(FsdpError::BufferLength {
+            op,
+            expected,
+            actual: buffer.len(),
+        });
+    }
+    Ok(())
+}
+
+impl ParamGroup {
+    pub fn new(parts: GroupParts) -> Self {
+        let by_name = parts
+            .params
+            .iter()
+            .enumerate()
+            .map(|(i, p)| (p.name.clone(), i))
+            .collect();
+        let partial_outputs = parts.reduce_plan.iter().map(|_| None).collect();
+        ParamGroup {
+            id: parts.id,
+            unit: parts.unit,
+            params: parts.params,
+            by_name,
+            mesh: parts.mesh,
+            post_forward_comm: parts.post_forward_comm,
+            post_forward: parts.post_forward,
+            mp: parts.mp,
+            fusion: parts.fusion,
+            reduce_op: parts.reduce_op,
+            gather_plan: parts.gather_plan,
+            post_forward_plan: parts.post_forward_plan,
+            reduce_plan: parts.reduce_plan,
+            replicate_plan: parts.replicate_plan,
+            controls: Controls::default(),
+            training: TrainingState::Idle,
+            pending_gather: None,
+            partial_outputs,
+            forward_prefetch: None,
+            backward_prefetch: None,
+        }
+    }
+
+    /// Whether every sharded parameter is unsharded (or there are none).
+    fn is_unsharded(&self) -> bool {
+        self.params
+            .iter()
+            .all(|p| p.state == ShardedState::Unsharded)
+    }
+
+    /// Issues this unit's all-gathers without waiting (a no-op when they are in flight or the
+    /// parameters are already unsharded).
+    pub fn issue_unshard(&mut self) -> Result<()> {
+        if self.pending_gather.is_some() || self.is_unsharded() {
+            return Ok(());
+        }
+        let post_forward = self
+            .params
+            .iter()
+            .any(|p| p.state == ShardedState::ShardedPostForward);
+        let (plan, comm) = if post_forward {
+            let comm = self
+                .post_forward_comm
+                .clone()
+                .ok_or_else(|| FsdpError::InvalidState {
+                    unit: self.unit.clone(),
+                    param: String::new(),
+                    op: "unshard",
+                    expected: &[ShardedState::Sharded],
+                    actual: ShardedState::ShardedPostForward,
+                })?;
+            (&self.post_forward_plan, comm)
+        } else {
+            (&self.gather_plan, self.mesh.shard().clone())
+        };
+        let _span = tracing::debug_span!("fsdp.unshard", unit = %self.unit, post_forward).entered();
+        let world = comm.size();
+        let mut works = Vec::with_capacity(plan.len());
+        for bucket in plan {
+            let dtype = buffer_dtype(bucket.dtype, &self.unit)?;
+            let mut input = Buffer::zeros(dtype, bucket.per_rank);
+            let bytes = host_bytes_mut(&mut input, "unshard copy-in")?;
+            let size = bucket.dtype.size_of();
+            for (&member, &offset) in bucket.members.iter().zip(&bucket.offsets) {
+                let param = &self.params[member];
+                let start = offset * size;
+                if post_forward {
+                    let layout = param.post_layout.as_ref().unwrap_or(&param.layout);
+                    let slot_len = layout.slot_numel()? * size;
+                    let saved =
+                        param
+                            .post_forward
+                            .as_ref()
+                            .ok_or_else(|| FsdpError::InvalidState {
+                                unit: self.unit.clone(),
+                                param: param.name.clone(),
+                                op: "unshard",
+                                expected: &[ShardedState::ShardedPostForward],
+                                actual: param.state,
+                            })?;
+                    bytes[start..start + slot_len].copy_from_slice(&saved[..slot_len]);
+                } else {
+                    param.assert_state(&self.unit, "unshard", &[ShardedState::Sharded])?;
+                    let slot_len = param.layout.slot_numel()? * size;
+                    param.layout.pack(
+                        &param.sharded,
+                        bucket.dtype,
+                        &mut bytes[start..start + slot_len],
+                    )?;
+                }
+            }
+            let output = Buffer::zeros(dtype, bucket.per_rank * world);
+            works.push(comm.all_gather_async(input, output));
+        }
+        self.pending_gather = Some(PendingGather {
+            post_forward,
+            works,
+        });
+        Ok(())
+    }
+
+    /// Waits for (or issues and waits for) the all-gathers and builds the unsharded
+    /// parameters. Replicated parameters are unsharded locally.
+    pub fn wait_unshard(&mut self) -> Result<()> {
+        for param in &mut self.params {
+            if param.role == ParamRole::Replicated && param.state != ShardedState::Unsharded {
+                let full = if param.param_dtype == param.orig_dtype {
+                    param.sharded.clone()
+                } else {
+                    param.sharded.to_dtype(param.param_dtype)?
+                };
+                param.unsharded = Some(full);
+                param.state = ShardedState::Unsharded;
+            }
+        }
+        if self.is_unsharded() && self.pending_gather.is_none() {
+            return Ok(());
+        }
+        self.issue_unshard()?;
+        let Some(pending) = self.pending_gather.take() else {
+            return Ok(());
+        };
+        let _span = tracing::debug_span!("fsdp.unshard_wait", unit = %self.unit).entered();
+        let plan = if pending.post_forward {
+            self.post_forward_plan.clone()
+        } else {
+            self.gather_plan.clone()
+        };
+        for (bucket, work) in plan.iter().zip(pending.works) {
+            let pair = work.wait()?;
+            let output = pair.output;
+            let size = bucket.dtype.size_of();
+            let numels: Vec<usize> = bucket
+                .members
+                .iter()
+                .map(|&m| self.params[m].layout.shape.iter().product())
+                .collect();
+            // With zero_copy the bucket's parameters are views into one flat storage, freed
+            // together on reshard; otherwise each parameter owns its storage.
+            let flat = if self.fusion.zero_copy {
+                Some(Tensor::zeros(
+                    &[numels.iter().sum::<usize>()],
+                    bucket.dtype,
+                )?)
+            } else {
+                None
+            };
+            let bytes = host_bytes(&output, "unshard copy-out")?;
+            let mut flat_offset = 0;
+            for ((&member, &offset), &numel) in
+                bucket.members.iter().zip(&bucket.offsets).zip(&numels)
+            {
+                let param = &mut self.params[member];
+                let layout = if pending.post_forward {
+                    param
+                        .post_layout
+                        .clone()
+                        .unwrap_or_else(|| param.layout.clone())
+                } else {
+                    param.layout.clone()
+                };
+                let world = layout.world;
+                check_len(&output, bucket.per_rank * world, "unshard copy-out")?;
+                let full = match &flat {
+                    Some(flat) => flat.narrow(0, flat_offset, numel)?.view(&layout.shape)?,
+                    None => Tensor::zeros(&layout.shape, bucket.dtype)?,
+                };
+                flat_offset += numel;
+                let slot_len = layout.slot_numel()? * size;
+                for rank in 0..world {
+                    let start = (rank * bucket.per_rank + offset) * size;
+                    layout.unpack_into_full(&bytes[start..start + slot_len], rank, &full)?;
+                }
+                param.unsharded = Some(full);
+                param.post_forward = None;
+                param.state = ShardedState::Unsharded;
+            }
+        }
+        Ok(())
+    }
+
+    /// Makes the module hold the unsharded parameters (stashing the sharded gradients).
+    pub fn install(&mut self, module: &mut dyn Module) -> Result<()> {
+        let unit = self.unit.clone();
+        let mut seen = vec![false; self.params.len()];
+        let by_name = &self.by_name;
+        let params = &mut self.params;
+        let mut failure: Option<FsdpError> = None;
+        module.visit_params_mut("", &mut |name, slot| {
+            let Some(&index) = by_name.get(name) else {
+                return Ok(());
+            };
+            seen[index] = true;
+            let param = &mut params[index];
+            if param.installed || failure.is_some() {
+                return Ok(());
+            }
+            let Some(unsharded) = param.unsharded.clone() else {
+                failure = Some(FsdpError::InvalidState {
+                    unit: unit.clone(),
+                    param: param.name.clone(),
+                    op: "install",
+                    expected: &[ShardedState::Unsharded],
+                    actual: param.state,
+                });
+                return Ok(());
+            };
+            let same = slot.data.as_ref().is_some_and(|d| {
+                d.shares_storage(&param.sharded) && d.shape() == param.sharded.shape()
+            });
+            if !same {
+                failure = Some(FsdpError::ParamReplaced {
+                    param: param.name.clone(),
+                });
+                return Ok(());
+            }
+            param.sharded_grad = slot.grad.take();
+            slot.data = Some(unsharded);
+            param.installed = true;
+            Ok(())
+        })?;
+        if let Some(error) = failure {
+            return Err(error);
+        }
+        self.check_seen(&seen)
+    }
+
+    fn check_seen(&self, seen: &[bool]) -> Result<()> {
+        match seen.iter().position(|s| !s) {
+            Some(missing) => Err(FsdpError::ParamMissing {
+                unit: self.unit.clone(),
+                param: self.params[missing].name.clone(),
+            }),
+            None => Ok(()),
+        }
+    }
+
+    /// Makes the module hold the shards again and frees the unsharded parameters; with
+    /// `to_post_forward`, keeps the larger post-forward shard for backward first.
+    pub fn reshard(&mut self, module: &mut dyn Module, to_post_forward: bool) -> Result<()> {
+        let to_post_forward = to_post_forward && self.post_forward == PostForward::ToGroup;
+        if to_post_forward {
+            let group_rank =
+                self.mesh.shard_rank() % self.post_forward_comm.as_ref().map_or(1, |c| c.size());
+            for param in &mut self.params {
+                if param.role != ParamRole::Sharded || param.state != ShardedState::Unsharded {
+                    continue;
+                }
+                let (Some(layout), Some(full)) = (&param.post_layout, &param.unsharded) else {
+                    continue;
+                };
+                let mut slot = vec![0u8; layout.slot_numel()? * param.param_dtype.size_of()];
+                layout.pack_from_full(full, group_rank, param.param_dtype, &mut slot)?;
+                param.post_forward = Some(slot);
+            }
+        }
+        let unit = self.unit.clone();
+        let by_name = &self.by_name;
+        let params = &mut self.params;
+        let mut seen = vec![false; params.len()];
+        let mut failure: Option<FsdpError> = None;
+        module.visit_params_mut("", &mut |name, slot| {
+            let Some(&index) = by_name.get(name) else {
+                return Ok(());
+            };
+            seen[index] = true;
+            let param = &mut params[index];
+            if !param.installed {
+                return Ok(());
+            }
+            // A gradient still on the unsharded parameter (a manual reshard between
+            // micro-steps) is kept for the next synchronised backward.
+            if let Some(grad) = slot.grad.take() {
+                match param.unsharded_grad_accum.take() {
+                    Some(acc) => {
+                        acc.add_(&grad)?;
+                        param.unsharded_grad_accum = Some(acc);
+                    }
+                    None => param.unsharded_grad_accum = Some(grad),
+                }
+            }
+            slot.data = Some(param.sharded.clone());
+            slot.grad = param.sharded_grad.take();
+            param.installed = false;
+            Ok(())
+        })?;
+        if let Some(error) = failure.take() {
+            return Err(error);
+        }
+        let _ = &unit;
+        self.check_seen(&seen)?;
+        for param in &mut self.params {
+            if param.state != ShardedState::Unsharded {
+                continue;
+            }
+            param.unsharded = None;
+            param.state = if to_post_forward && param.post_forward.is_some() {
+                ShardedState::ShardedPostForward
+            } else {
+                ShardedState::Sharded
+            };
+        }
+        Ok(())
+    }
+
+    /// Waits for and discards an all-gather nobody consumed (a prefetch for a unit whose
+    /// hook never ran), so the communicator stays in step and memory is freed.
+    pub fn discard_pending_gather(&mut self) -> Result<()> {
+        if let Some(pending) = self.pending_gather.take() {
+            for work in pending.works {
+                work.wait()?;
+            }
+        }
+        // A post-forward shard whose backward never ran would go stale once the optimizer
+        // steps, so it is dropped; the module already holds the regular shard.
+        for param in &mut self.params {
+            if param.state == ShardedState::ShardedPostForward {
+                param.post_forward = None;
+                param.state = ShardedState::Sharded;
+            }
+        }
+        Ok(())
+    }
+
+    fn reduce_scatter_op(&self) -> ReduceOp {
+        match (self.controls.gradient_scaling_factor, self.reduce_op) {
+            (Some(factor), _) => ReduceOp::PreMulSum(factor),
+            (None, GradReduceOp::Avg) => ReduceOp::Avg,
+            (None, GradReduceOp::Sum) => ReduceOp::Sum,
+        }
+    }
+
+    fn replicate_all_reduce_op(&self) -> ReduceOp {
+        match (self.controls.gradient_scaling_factor, self.reduce_op) {
+            (Some(_), _) | (None, GradReduceOp::Sum) => ReduceOp::Sum,
+            (None, GradReduceOp::Avg) => ReduceOp::Avg,
+        }
+    }
+
+    /// After the wrapped module's backward: collects the unsharded gradients and either keeps
+    /// them (no gradient sync) or issues the reduce-scatters (and the replicate-parameter
+    /// all-reduce), returning them in flight; then reshards when asked.
+    pub fn post_backward(&mut self, module: &mut dyn Module) -> Result<Option<PendingReduce>> {
+        let _span = tracing::debug_span!("fsdp.post_backward", unit = %self.unit).entered();
+        let sync = self.controls.requires_gradient_sync;
+        let reshard = self.controls.reshard_after_backward;
+        // Take every unsharded gradient off the module, adding what earlier unsynchronised
+        // micro-steps left.
+        let mut grads: Vec<Option<Tensor>> = vec![None; self.params.len()];
+        {
+            let by_name = &self.by_name;
+            let params = &mut self.params;
+            module.visit_params_mut("", &mut |name, slot| {
+                let Some(&index) = by_name.get(name) else {
+                    return Ok(());
+                };
+                let param = &mut params[index];
+                if !param.installed || !param.requires_grad {
+                    return Ok(());
+                }
+                let mut grad = slot.grad.take();
+                if let Some(acc) = param.unsharded_grad_accum.take() {
+                    grad = Some(match grad {
+                        Some(g) => {
+                            acc.add_(&g)?;
+                            acc
+                        }
+                        None => acc,
+                    });
+                }
+                if !sync && !reshard {
+                    // Stay unsharded: the module keeps accumulating into the same tensor.
+                    slot.grad = grad;
+                } else {
+                    grads[index] = grad;
+                }
+                Ok(())
+            })?;
+        }
+        let pending = if sync {
+            Some(self.issue_reductions(&grads)?)
+        } else {
+            for (param, grad) in self.params.iter_mut().zip(grads) {
+                if grad.is_some() {
+                    param.unsharded_grad_accum = grad;
+                }
+            }
+            None
+        };
+        if reshard {
+            self.reshard(module, false)?;
+        }
+        Ok(pending)
+    }
+
+    /// The tensor the reduced gradient of parameter `index` is added into.
+    fn grad_target(&mut self, index: usize) -> Result<Tensor> {
+        let param = &mut self.params[index];
+        let shape = param.sharded.shape().to_vec();
+        if self.mp.fp32_main_grad {
+            let target = match &param.main_grad {
+                Some(t) => t.clone(),
+                None => Tensor::zeros(&shape, DType::F32)?,
+            };
+            param.main_grad = Some(target.clone());
+            return Ok(target);
+        }
+        let target = match &param.sharded_grad {
+            Some(t) => t.clone(),
+            None => Tensor::zeros(&shape, param.orig_dtype)?,
+        };
+        param.sharded_grad = Some(target.clone());
+        Ok(target)
+    }
+
+    fn issue_reductions(&mut self, grads: &[Option<Tensor>]) -> Result<PendingReduce> {
+        let mut targets = HashMap::new();
+        let shard_comm = self.mesh.shard().clone();
+        let shard_world = shard_comm.size();
+        let mut reduce_scatters = Vec::with_capacity(self.reduce_plan.len());
+        let op = self.reduce_scatter_op();
+        for bucket_index in 0..self.reduce_plan.len() {
+            let bucket = self.reduce_plan[bucket_index].clone();
+            let dtype = buffer_dtype(bucket.dtype, &self.unit)?;
+            let size = bucket.dtype.size_of();
+            let mut input = Buffer::zeros(dtype, bucket.per_rank * shard_world);
+            {
+                let bytes = host_bytes_mut(&mut input, "reduce-scatter copy-in")?;
+                for (&member, &offset) in bucket.members.iter().zip(&bucket.offsets) {
+                    let param = &self.params[member];
+                    let Some(grad) = &grads[member] else {
+                        continue;
+                    };
+                    let slot_len = param.layout.slot_numel()? * size;
+                    for rank in 0..shard_world {
+                        let start = (rank * bucket.per_rank + offset) * size;
+                        param.layout.pack_from_full(
+                            grad,
+                            rank,
+                            bucket.dtype,
+                            &mut bytes[start..start + slot_len],
+                        )?;
+                    }
+                }
+            }
+            for &member in &bucket.members {
+                let target = self.grad_target(member)?;
+                targets.insert(member, target);
+            }
+            let output = Buffer::zeros(dtype, bucket.per_rank);
+            reduce_scatters.push(shard_comm.reduce_scatter_async(input, output, op));
+        }
+        let mut replicate_all_reduces = Vec::with_capacity(self.replicate_plan.len());
+        let all_reduce_op = match (self.controls.gradient_scaling_factor, self.reduce_op) {
+            (Some(factor), _) => ReduceOp::PreMulSum(factor),
+            (None, GradReduceOp::Avg) => ReduceOp::Avg,
+            (None, GradReduceOp::Sum) => ReduceOp::Sum,
+        };
+        for bucket_index in 0..self.replicate_plan.len() {
+            let bucket = self.replicate_plan[bucket_index].clone();
+            let dtype = buffer_dtype(bucket.dtype, &self.unit)?;
+            let size = bucket.dtype.size_of();
+            let mut buffer = Buffer::zeros(dtype, bucket.per_rank);
+            {
+                let bytes = host_bytes_mut(&mut buffer, "all-reduce copy-in")?;
+                for (&member, &offset) in bucket.members.iter().zip(&bucket.offsets) {
+                    let param = &self.params[member];
+                    let Some(grad) = &grads[member] else {
+                        continue;
+                    };
+                    let slot_len = param.layout.slot_numel()? * size;
+                    let start = offset * size;
+                    param
+                        .layout
+                        .pack(grad, bucket.dtype, &mut bytes[start..start + slot_len])?;
+                }
+            }
+            for &member in &bucket.members {
+                let target = self.grad_target(member)?;
+                targets.insert(member, target);
+            }
+            replicate_all_reduces.push(self.mesh.world().all_reduce_async(buffer, all_reduce_op));
+        }
+        Ok(PendingReduce {
+            reduce_scatters,
+            replicate_all_reduces,
+            targets,
+        })
+    }
+
+    /// Waits for a unit's reductions, runs the HSDP all-reduce (or defers it) and adds the
+    /// reduced shards into the gradients.
+    pub fn finish_reduce(&mut self, pending: PendingReduce) -> Result<()> {
+        let _span = tracing::debug_span!("fsdp.reduce_wait", unit = %self.unit).entered();
+        let shard_rank = self.mesh.shard_rank();
+        let PendingReduce {
+            reduce_scatters,
+            replicate_all_reduces,
+            targets,
+        } = pending;
+        let mut outputs = Vec::with_capacity(reduce_scatters.len());
+        for work in reduce_scatters {
+            outputs.push(work.wait()?.output);
+        }
+        let replicate = self.mesh.replicate().cloned();
+        let all_reduce_op = self.replicate_all_reduce_op();
+        for (bucket_index, mut output) in outputs.into_iter().enumerate() {
+            let bucket = self.reduce_plan[bucket_index].clone();
+            check_len(&output, bucket.per_rank, "reduce-scatter copy-out")?;
+            if let Some(replicate) = &replicate {
+                if let Some(partial) = self.partial_outputs[bucket_index].take() {
+                    add_buffers(&mut output, &partial, bucket.dtype)?;
+                }
+                if !self.controls.requires_all_reduce {
+                    self.partial_outputs[bucket_index] = Some(output);
+                    continue;
+                }
+                let _span = tracing::debug_span!("fsdp.all_reduce", unit = %self.unit).entered();
+                output = replicate.all_reduce_async(output, all_reduce_op).wait()?;
+            }
+            let bytes = host_bytes(&output, "reduce-scatter copy-out")?;
+            let size = bucket.dtype.size_of();
+            for (&member, &offset) in bucket.members.iter().zip(&bucket.offsets) {
+                let param = &self.params[member];
+                let slot_len = param.layout.slot_numel()? * size;
+                let start = offset * size;
+                let shard = param.layout.unpack(
+                    &bytes[start..start + slot_len],
+                    shard_rank,
+                    bucket.dtype,
+                )?;
+                if let Some(target) = targets.get(&member) {
+                    add_cast(target, &shard)?;
+                }
+            }
+        }
+        for (bucket_index, work) in replicate_all_reduces.into_iter().enumerate() {
+            let buffer = work.wait()?;
+            let bucket = &self.replicate_plan[bucket_index];
+            check_len(&buffer, bucket.per_rank, "all-reduce copy-out")?;
+            let bytes = host_bytes(&buffer, "all-reduce copy-out")?;
+            let size = bucket.dtype.size_of();
+            for (&member, &offset) in bucket.members.iter().zip(&bucket.offsets) {
+                let param = &self.params[member];
+                let slot_len = param.layout.slot_numel()? * size;
+                let start = offset * size;
+                let full = param
+                    .layout
+                    .unpack(&bytes[start..start + slot_len], 0, bucket.dtype)?;
+                if let Some(target) = targets.get(&member) {
+                    add_cast(target, &full)?;
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// Drops every gradient the unit holds outside the module (unsynchronised accumulation,
+    /// deferred all-reduce partials, stashed shards, main grads).
+    pub fn clear_grads(&mut self) {
+        for param in &mut self.params {
+            param.unsharded_grad_accum = None;
+            param.sharded_grad = None;
+            param.main_grad = None;
+        }
+        for partial in &mut self.partial_outputs {
+            *partial = None;
+        }
+    }
+}
+
+/// `target += source`, casting `source` to `target`'s dtype.
+fn add_cast(target: &Tensor, source: &Tensor) -> Result<()> {
+    if source.dtype() == target.dtype() {
+        target.add_(source)?;
+    } else {
+        target.add_(&source.to_dtype(target.dtype())?)?;
+    }
+    Ok(())
+}
+
+/// `acc += other` elementwise for two host buffers of one dtype.
+fn add_buffers(acc: &mut Buffer, other: &Buffer, dtype: DType) -> Result<()> {
+    check_len(other, acc.len(), "partial reduce-scatter sum")?;
+    let shape = [acc.len()];
+    let a = Tensor::from_bytes(host_bytes(acc, "partial sum")?, &shape, dtype)?;
+    let b = Tensor::from_bytes(host_bytes(other, "partial sum")?, &shape, dtype)?;
+    a.add_(&b)?;
+    crate::bridge::with_bytes(&a, |bytes| -> Result<()> {
+        host_bytes_mut(acc, "partial sum")?.copy_from_slice(bytes);
+        Ok(())
+    })??;
+    Ok(())
+}

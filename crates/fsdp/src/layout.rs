@@ -1,0 +1,155 @@
+//! Shard layout of one parameter over one group: `torch.chunk` along the shard dim, padded.
+//!
+//! Every rank's piece is padded to the chunk size along the shard dim, so every rank
+//! contributes a slot of the same number of elements to a collective; the padding is zeros
+//! and never reaches a parameter or a gradient.
+
+use hypershard_mesh::{ShardSpan, shard_span};
+use hypershard_tensor::{DType, Tensor};
+
+use crate::bridge::{with_bytes, write_bytes};
+use crate::error::Result;
+
+/// How one parameter is cut over one group of `world` ranks.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(crate) struct ShardLayout {
+    /// The unsharded shape.
+    pub shape: Vec<usize>,
+    /// The dim sharded along.
+    pub dim: usize,
+    /// The number of shards.
+    pub world: usize,
+}
+
+impl ShardLayout {
+    /// The span shard `index` holds along the shard dim.
+    pub fn span(&self, index: usize) -> Result<ShardSpan> {
+        Ok(shard_span(self.shape[self.dim], self.world, index)?)
+    }
+
+    /// The product of every dim but the shard dim.
+    fn others(&self) -> usize {
+        self.shape
+            .iter()
+            .enumerate()
+            .filter(|(d, _)| *d != self.dim)
+            .map(|(_, n)| n)
+            .product()
+    }
+
+    /// Elements in one padded slot (the same for every shard).
+    pub fn slot_numel(&self) -> Result<usize> {
+        Ok(self.span(0)?.padded_len * self.others())
+    }
+
+    /// The shape of shard `index` (unpadded).
+    pub fn shard_shape(&self, index: usize) -> Result<Vec<usize>> {
+        let mut shape = self.shape.clone();
+        shape[self.dim] = self.span(index)?.len;
+        Ok(shape)
+    }
+
+    /// The padded shape every slot has.
+    fn padded_shape(&self) -> Result<Vec<usize>> {
+        let mut shape = self.shape.clone();
+        shape[self.dim] = self.span(0)?.padded_len;
+        Ok(shape)
+    }
+
+    /// Writes `shard` (shard `index`'s values, any dtype) cast to `dtype` into `slot`, the
+    /// zeroed bytes of one padded slot.
+    pub fn pack(&self, shard: &Tensor, dtype: DType, slot: &mut [u8]) -> Result<()> {
+        let cast;
+        let shard = if shard.dtype() == dtype {
+            shard
+        } else {
+            cast = shard.to_dtype(dtype)?;
+            &cast
+        };
+        if self.dim == 0 {
+            // Dim-0 padding sits at the end of the slot, so the shard's bytes go first.
+            with_bytes(shard, |bytes| slot[..bytes.len()].copy_from_slice(bytes))?;
+        } else {
+            let padded = Tensor::zeros(&self.padded_shape()?, dtype)?;
+            let len = shard.shape()[self.dim];
+            padded.narrow(self.dim, 0, len)?.copy_from(shard)?;
+            with_bytes(&padded, |bytes| slot[..bytes.len()].copy_from_slice(bytes))?;
+        }
+        Ok(())
+    }
+
+    /// Writes shard `index` of the unsharded `full` into `slot`.
+    pub fn pack_from_full(
+        &self,
+        full: &Tensor,
+        index: usize,
+        dtype: DType,
+        slot: &mut [u8],
+    ) -> Result<()> {
+        let span = self.span(index)?;
+        let shard = full.narrow(self.dim, span.offset, span.len)?;
+        self.pack(&shard, dtype, slot)
+    }
+
+    /// Shard `index` read back from its padded slot (in `dtype`, the slot's dtype).
+    pub fn unpack(&self, slot: &[u8], index: usize, dtype: DType) -> Result<Tensor> {
+        let shape = self.shard_shape(index)?;
+        if self.dim == 0 {
+            let numel: usize = shape.iter().product();
+            Ok(Tensor::from_bytes(
+                &slot[..numel * dtype.size_of()],
+                &shape,
+                dtype,
+            )?)
+        } else {
+            let numel = self.slot_numel()?;
+            let padded = Tensor::from_bytes(
+                &slot[..numel * dtype.size_of()],
+                &self.padded_shape()?,
+                dtype,
+            )?;
+            Ok(padded.narrow(self.dim, 0, shape[self.dim])?.contiguous()?)
+        }
+    }
+
+    /// Writes shard `index` from its padded slot into its place in the contiguous `full`
+    /// (whose dtype is the slot's).
+    pub fn unpack_into_full(&self, slot: &[u8], index: usize, full: &Tensor) -> Result<()> {
+        let span = self.span(index)?;
+        if self.dim == 0 {
+            let others = self.others();
+            let bytes = span.len * others * full.dtype().size_of();
+            write_bytes(full, span.offset * others, &slot[..bytes])
+        } else {
+            let shard = self.unpack(slot, index, full.dtype())?;
+            full.narrow(self.dim, span.offset, span.len)?
+                .copy_from(&shard)?;
+            Ok(())
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use proptest::prelude::*;
+
+    proptest! {
+        #[test]
+        fn shards_tile_the_tensor(rows in 0usize..7, cols in 1usize..5, world in 1usize..5, dim in 0usize..2) {
+            let layout = ShardLayout { shape: vec![rows, cols], dim, world };
+            let n = rows * cols;
+            let full = Tensor::from_vec((0..n).map(|v| v as f32).collect(), &[rows, cols]).unwrap();
+            let slot_bytes = layout.slot_numel().unwrap() * 4;
+            let rebuilt = Tensor::zeros(&[rows, cols], DType::F32).unwrap();
+            for r in 0..world {
+                let mut slot = vec![0u8; slot_bytes];
+                layout.pack_from_full(&full, r, DType::F32, &mut slot).unwrap();
+                let shard = layout.unpack(&slot, r, DType::F32).unwrap();
+                prop_assert_eq!(shard.shape(), &layout.shard_shape(r).unwrap()[..]);
+                layout.unpack_into_full(&slot, r, &rebuilt).unwrap();
+            }
+            prop_assert_eq!(rebuilt.to_vec::<f32>().unwrap(), full.to_vec::<f32>().unwrap());
+        }
+    }
+}

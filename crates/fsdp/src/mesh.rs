@@ -1,0 +1,179 @@
+//! The data-parallel mesh: a [`DeviceMesh`] of 1 or 2 dims plus one communicator per role.
+
+use std::collections::BTreeMap;
+use std::sync::{Arc, Mutex, PoisonError};
+
+use hypershard_collectives::Communicator;
+use hypershard_mesh::DeviceMesh;
+
+use crate::error::{FsdpError, Result};
+
+/// A 1-d (FSDP: shard over dim 0) or 2-d (HSDP: replicate over dim 0, shard over dim 1) mesh
+/// with the communicators `fully_shard` needs.
+///
+/// Building one is collective (it splits the world communicator), so every rank builds it once
+/// and shares it among all units through an `Arc`.
+pub struct DataParallelMesh {
+    mesh: DeviceMesh,
+    rank: usize,
+    world: Arc<dyn Communicator>,
+    shard: Arc<dyn Communicator>,
+    replicate: Option<Arc<dyn Communicator>>,
+    /// Sub-groups of the shard group for `reshard_after_forward = int`, made on first use.
+    post_forward: Mutex<BTreeMap<usize, Arc<dyn Communicator>>>,
+}
+
+impl DataParallelMesh {
+    /// Splits `world` (whose rank `r` is mesh rank `r`) into the shard and replicate groups of
+    /// `mesh`. Collective over `world`.
+    pub fn new(mesh: DeviceMesh, world: Arc<dyn Communicator>) -> Result<Arc<Self>> {
+        let rank = world.rank();
+        if mesh.num_ranks() != world.size() || !mesh.contains(rank) {
+            return Err(FsdpError::WorldSizeMismatch {
+                mesh_ranks: mesh.num_ranks(),
+                comm_size: world.size(),
+                rank,
+            });
+        }
+        let (shard, replicate) = match mesh.ndim() {
+            1 => (world.clone(), None),
+            2 => {
+                let shard = split_along(&mesh, &world, rank, 1)?;
+                let replicate = split_along(&mesh, &world, rank, 0)?;
+                (shard, Some(replicate))
+            }
+            ndim => return Err(FsdpError::MeshDims { ndim }),
+        };
+        Ok(Arc::new(DataParallelMesh {
+            mesh,
+            rank,
+            world,
+            shard,
+            replicate,
+            post_forward: Mutex::new(BTreeMap::new()),
+        }))
+    }
+
+    /// A 1-d mesh over every rank of `world` (plain FSDP).
+    pub fn fsdp(world: Arc<dyn Communicator>) -> Result<Arc<Self>> {
+        let mesh = DeviceMesh::new(&[world.size()], &["dp_shard"])?;
+        Self::new(mesh, world)
+    }
+
+    /// A `replicas × world/replicas` mesh (HSDP).
+    pub fn hsdp(world: Arc<dyn Communicator>, replicas: usize) -> Result<Arc<Self>> {
+        let shards = if replicas == 0 {
+            0
+        } else {
+            world.size() / replicas
+        };
+        let mesh = DeviceMesh::new(&[replicas, shards], &["dp_replicate", "dp_shard"])?;
+        Self::new(mesh, world)
+    }
+
+    /// The mesh.
+    pub fn mesh(&self) -> &DeviceMesh {
+        &self.mesh
+    }
+
+    /// This rank in the world communicator.
+    pub fn rank(&self) -> usize {
+        self.rank
+    }
+
+    /// The communicator over every data-parallel rank.
+    pub fn world(&self) -> &Arc<dyn Communicator> {
+        &self.world
+    }
+
+    /// The communicator parameters are sharded over.
+    pub fn shard(&self) -> &Arc<dyn Communicator> {
+        &self.shard
+    }
+
+    /// The communicator gradients are all-reduced over after the reduce-scatter (HSDP only).
+    pub fn replicate(&self) -> Option<&Arc<dyn Communicator>> {
+        self.replicate.as_ref()
+    }
+
+    /// The number of ranks a parameter is sharded over.
+    pub fn shard_world(&self) -> usize {
+        self.shard.size()
+    }
+
+    /// This rank's index in the shard group.
+    pub fn shard_rank(&self) -> usize {
+        self.shard.rank()
+    }
+
+    /// The group of `size` consecutive shard ranks this rank belongs to, for resharding to a
+    /// smaller group after forward. Collective over the shard group on first use of a size.
+    pub fn post_forward_group(&self, size: usize) -> Result<Arc<dyn Communicator>> {
+        let shard_world = self.shard_world();
+        if size == 0 || shard_world % size != 0 {
+            return Err(FsdpError::ReshardSize {
+                value: size,
+                shard_world,
+            });
+        }
+        let mut groups = self
+            .post_forward
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner);
+        if let Some(group) = groups.get(&size) {
+            return Ok(group.clone());
+        }
+        let shard_rank = self.shard_rank();
+        let color = u32::try_from(shard_rank / size).map_err(|_| FsdpError::ReshardSize {
+            value: size,
+            shard_world,
+        })?;
+        let group = self
+            .shard
+            .split(Some(color), (shard_rank % size) as i64)?
+            .ok_or(FsdpError::ReshardSize {
+                value: size,
+                shard_world,
+            })?;
+        groups.insert(size, group.clone());
+        Ok(group)
+    }
+}
+
+/// The communicator of `rank`'s group along mesh dim `dim`.
+fn split_along(
+    mesh: &DeviceMesh,
+    world: &Arc<dyn Communicator>,
+    rank: usize,
+    dim: usize,
+) -> Result<Arc<dyn Communicator>> {
+    let key = mesh.split_key(rank, dim)?;
+    let color = u32::try_from(key.color).map_err(|_| FsdpError::WorldSizeMismatch {
+        mesh_ranks: mesh.num_ranks(),
+        comm_size: world.size(),
+        rank,
+    })?;
+    // A rank in the mesh always gets a group (color is Some), so None means the backend broke
+    // its contract; report it as a world mismatch rather than panicking.
+    world
+        .split(Some(color), key.key as i64)?
+        .ok_or(FsdpError::WorldSizeMismatch {
+            mesh_ranks: mesh.num_ranks(),
+            comm_size: world.size(),
+            rank,
+        })
+}
+
+impl std::fmt::Debug for DataParallelMesh {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("DataParallelMesh")
+            .field("shape", &self.mesh.shape())
+            .field("rank", &self.rank)
+            .field("shard_world", &self.shard.size())
+            .field(
+                "replicate_world",
+                &self.replicate.as_ref().map(|c| c.size()),
+            )
+            .finish()
+    }
+}

@@ -1,0 +1,568 @@
+//! `fully_shard` and `FsdpModule`, the wrapper whose forward and backward run the hooks.
+
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex};
+
+use hypershard_nn::{ChildVisitorMut, Identity, Module, ParamVisitor, ParamVisitorMut};
+use hypershard_tensor::{DType, Tensor};
+
+use crate::build::build_group;
+use crate::config::{FullyShardConfig, MixedPrecisionPolicy};
+use crate::error::{FsdpError, Result};
+use crate::group::{ParamGroup, PostForward};
+use crate::param::{FsdpParamInfo, ParamRole, ShardedState, TrainingState};
+use crate::schedule::{Schedule, ScheduledUnit, lock};
+
+/// Unit ids: unique in the process, so the schedule can tell units apart.
+static NEXT_UNIT_ID: AtomicUsize = AtomicUsize::new(0);
+
+/// A module wrapped by [`fully_shard`]: it holds only its local shards between uses and runs
+/// FSDP's hooks around the wrapped module's `forward` and `backward`.
+///
+/// It implements [`Module`] transparently: parameter names, children and shapes seen through
+/// it are those of the wrapped module (shards while resharded). Its inherent
+/// [`forward`](FsdpModule::forward) and [`backward`](FsdpModule::backward) return the typed
+/// [`FsdpError`]; through the `Module` trait, a failure in a unit's own hook is recorded and
+/// the root's inherent method returns it.
+pub struct FsdpModule {
+    inner: Box<dyn Module>,
+    group: Arc<Mutex<ParamGroup>>,
+    id: usize,
+    schedule: Option<Arc<Schedule>>,
+    is_root: bool,
+    mp: MixedPrecisionPolicy,
+    /// The dtypes of the last forward's input and of the wrapped module's output, so backward
+    /// can cast the gradients back.
+    last_dtypes: Option<ForwardDtypes>,
+}
+
+#[derive(Debug, Clone, Copy)]
+struct ForwardDtypes {
+    input: DType,
+    inner_output: DType,
+}
+
+/// A module `fully_shard` refused, handed back with the reason.
+pub struct Rejected {
+    /// Why.
+    pub error: FsdpError,
+    /// The module, unchanged.
+    pub module: Box<dyn Module>,
+}
+
+impl std::fmt::Debug for Rejected {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Rejected")
+            .field("error", &self.error)
+            .field("module", &self.module.kind())
+            .finish()
+    }
+}
+
+impl std::fmt::Display for Rejected {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(
+            f,
+            "fully_shard refused {}: {}",
+            self.module.kind(),
+            self.error
+        )
+    }
+}
+
+impl std::error::Error for Rejected {
+    fn source(&self) -> Option<&(dyn std::error::Error + 'static)> {
+        Some(&self.error)
+    }
+}
+
+impl From<Rejected> for FsdpError {
+    fn from(rejected: Rejected) -> Self {
+        rejected.error
+    }
+}
+
+/// A reference to a unit that stays valid after the unit moved into its parent: for the
+/// explicit prefetch lists and for inspecting state.
+#[derive(Clone)]
+pub struct UnitHandle {
+    id: usize,
+    group: Arc<Mutex<ParamGroup>>,
+}
+
+impl UnitHandle {
+    /// The unit's id.
+    pub fn id(&self) -> usize {
+        self.id
+    }
+
+    /// The unit's managed parameters and their states.
+    pub fn params(&self) -> Vec<FsdpParamInfo> {
+        param_infos(&lock(&self.group))
+    }
+
+    /// The unit's training state.
+    pub fn training_state(&self) -> TrainingState {
+        lock(&self.group).training
+    }
+}
+
+impl std::fmt::Debug for UnitHandle {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("UnitHandle").field("id", &self.id).finish()
+    }
+}
+
+fn param_infos(group: &ParamGroup) -> Vec<FsdpParamInfo> {
+    group
+        .params
+        .iter()
+        .map(|p| FsdpParamInfo {
+            name: p.name.clone(),
+            global_shape: if p.role == ParamRole::Replicated {
+                p.sharded.shape().to_vec()
+            } else {
+                p.layout.shape.clone()
+            },
+            local_shape: p.sharded.shape().to_vec(),
+            shard_dim: p.layout.dim,
+            replicated: p.role == ParamRole::Replicated,
+            state: p.state,
+        })
+        .collect()
+}
+
+/// Wraps `module` as one FSDP unit over `config.mesh`: its parameters (except those already
+/// in nested units and the ignored ones) are cut into local shards now, and gathered around
+/// each forward and backward. Every rank calls it alike (it may split communicators).
+///
+/// On refusal the module comes back unchanged inside [`Rejected`].
+pub fn fully_shard(
+    mut module: Box<dyn Module>,
+    config: FullyShardConfig,
+) -> std::result::Result<FsdpModule, Rejected> {
+    let id = NEXT_UNIT_ID.fetch_add(1, Ordering::Relaxed);
+    match build_group(module.as_mut(), &config, id) {
+        Ok(parts) => Ok(FsdpModule {
+            inner: module,
+            group: Arc::new(Mutex::new(ParamGroup::new(parts))),
+            id,
+            schedule: None,
+            is_root: false,
+            mp: config.mp_policy,
+            last_dtypes: None,
+        }),
+        Err(error) => Err(Rejected { error, module }),
+    }
+}
+
+/// Wraps, in place, every direct child of `parent` for which `select(name, child)` is true,
+/// returning their handles in order. A refused child stays in place unchanged and the error
+/// is returned.
+pub fn fully_shard_children(
+    parent: &mut dyn Module,
+    config: &FullyShardConfig,
+    select: &mut dyn FnMut(&str, &dyn Module) -> bool,
+) -> Result<Vec<UnitHandle>> {
+    let mut handles = Vec::new();
+    let mut failure: Option<FsdpError> = None;
+    parent.visit_children_mut(&mut |name, slot| {
+        if failure.is_some() || !select(name, slot.as_ref()) {
+            return Ok(());
+        }
+        let child = std::mem::replace(slot, Box::new(Identity));
+        match fully_shard(child, config.clone()) {
+            Ok(unit) => {
+                handles.push(unit.handle());
+                *slot = Box::new(unit);
+            }
+            Err(rejected) => {
+                *slot = rejected.module;
+                failure = Some(rejected.error);
+            }
+        }
+        Ok(())
+    })?;
+    match failure {
+        Some(error) => Err(error),
+        None => Ok(handles),
+    }
+}
+
+/// Whether `module` has any parameter (a handy `select` for [`fully_shard_children`]).
+pub fn has_params(module: &dyn Module) -> bool {
+    let mut any = false;
+    // A visitor that only sets a flag cannot fail.
+    let _ = module.visit_params("", &mut |_, _| {
+        any = true;
+        Ok(())
+    });
+    any
+}
+
+/// Calls `f` on every unit strictly below `module`.
+fn walk_units(
+    module: &mut dyn Module,
+    f: &mut dyn FnMut(&mut FsdpModule),
+) -> hypershard_nn::Result<()> {
+    module.visit_children_mut(&mut |_, child| {
+        if let Some(unit) = child
+            .as_any_mut()
+            .and_then(|any| any.downcast_mut::<FsdpModule>())
+        {
+            f(unit);
+        }
+        walk_units(child.as_mut(), f)
+    })
+}
+
+fn cast_if(tensor: &Tensor, dtype: Option<DType>) -> Result<Tensor> {
+    match dtype {
+        Some(dtype) if tensor.dtype() != dtype && tensor.dtype().is_float() => {
+            Ok(tensor.to_dtype(dtype)?)
+        }
+        _ => Ok(tensor.clone()),
+    }
+}
+
+impl FsdpModule {
+    /// A handle to this unit.
+    pub fn handle(&self) -> UnitHandle {
+        UnitHandle {
+            id: self.id,
+            group: self.group.clone(),
+        }
+    }
+
+    /// The wrapped module.
+    pub fn inner(&self) -> &dyn Module {
+        self.inner.as_ref()
+    }
+
+    /// The wrapped module, mutably (calling its forward directly bypasses the hooks: its
+    /// parameters are then the local shards).
+    pub fn inner_mut(&mut self) -> &mut dyn Module {
+        self.inner.as_mut()
+    }
+
+    /// Whether this unit became the root at its first forward.
+    pub fn is_root(&self) -> bool {
+        self.is_root
+    }
+
+    /// This unit's managed parameters.
+    pub fn params(&self) -> Vec<FsdpParamInfo> {
+        param_infos(&lock(&self.group))
+    }
+
+    /// This unit's training state.
+    pub fn training_state(&self) -> TrainingState {
+        lock(&self.group).training
+    }
+
+    /// The fp32 main gradient of this unit's parameter `name` (with `fp32_main_grad`).
+    pub fn main_grad(&self, name: &str) -> Option<Tensor> {
+        let group = lock(&self.group);
+        let index = *group.by_name.get(name)?;
+        group.params[index].main_grad.clone()
+    }
+
+    /// Handles of this unit and every unit below it, root first, pre-order.
+    pub fn units(&mut self) -> Vec<UnitHandle> {
+        let mut handles = vec![self.handle()];
+        // The visitor only collects handles and cannot fail.
+        let _ = walk_units(self.inner.as_mut(), &mut |unit| handles.push(unit.handle()));
+        handles
+    }
+
+    fn for_each_group(&mut self, f: &mut dyn FnMut(&mut ParamGroup)) {
+        f(&mut lock(&self.group));
+        // The visitor cannot fail.
+        let _ = walk_units(self.inner.as_mut(), &mut |unit| f(&mut lock(&unit.group)));
+    }
+
+    /// With `false`, backward accumulates unsharded gradients locally and communicates
+    /// nothing (gradient accumulation); the next synchronised backward reduces the sum.
+    /// Applies to this unit and every unit below it.
+    pub fn set_requires_gradient_sync(&mut self, requires: bool) {
+        self.for_each_group(&mut |g| g.controls.requires_gradient_sync = requires);
+    }
+
+    /// HSDP: with `false`, gradients are reduce-scattered but the replicate all-reduce is
+    /// deferred; reduce-scatter outputs are summed until an all-reducing backward.
+    pub fn set_requires_all_reduce(&mut self, requires: bool) {
+        self.for_each_group(&mut |g| g.controls.requires_all_reduce = requires);
+    }
+
+    /// With `false`, the root does not drain pending reductions at the end of its backward
+    /// (they finish at the next backward hook or the next forward).
+    pub fn set_is_last_backward(&mut self, last: bool) {
+        self.for_each_group(&mut |g| g.controls.is_last_backward = last);
+    }
+
+    /// With `false`, units keep their unsharded parameters after backward (so the next
+    /// forward needs no all-gather); call [`reshard`](Self::reshard) before stepping.
+    pub fn set_reshard_after_backward(&mut self, reshard: bool) {
+        self.for_each_group(&mut |g| g.controls.reshard_after_backward = reshard);
+    }
+
+    /// Reduce gradients as `factor · Σ_ranks grad` instead of the mean (or sum).
+    pub fn set_gradient_scaling_factor(&mut self, factor: f64) {
+        self.for_each_group(&mut |g| g.controls.gradient_scaling_factor = Some(factor));
+    }
+
+    /// The units whose all-gathers this unit issues before its own forward computes
+    /// (replacing the implicit next-unit prefetch; an empty list turns prefetch off).
+    pub fn set_modules_to_forward_prefetch(&mut self, units: &[UnitHandle]) {
+        lock(&self.group).forward_prefetch =
+            Some(units.iter().map(|u| Arc::downgrade(&u.group)).collect());
+    }
+
+    /// The units whose all-gathers this unit issues before its own backward computes.
+    pub fn set_modules_to_backward_prefetch(&mut self, units: &[UnitHandle]) {
+        lock(&self.group).backward_prefetch =
+            Some(units.iter().map(|u| Arc::downgrade(&u.group)).collect());
+    }
+
+    /// Issues this unit's all-gather without waiting; the next forward (or
+    /// [`unshard`](Self::unshard)) waits for it.
+    pub fn unshard_async(&mut self) -> Result<()> {
+        lock(&self.group).issue_unshard()
+    }
+
+    /// All-gathers this unit's parameters and makes the module hold them.
+    pub fn unshard(&mut self) -> Result<()> {
+        let mut group = lock(&self.group);
+        group.wait_unshard()?;
+        group.install(self.inner.as_mut())
+    }
+
+    /// Frees this unit's unsharded parameters; the module holds the shards again.
+    pub fn reshard(&mut self) -> Result<()> {
+        lock(&self.group).reshard(self.inner.as_mut(), false)
+    }
+
+    /// Drops every gradient: the module's (`Parameter::grad`) and those the units keep
+    /// (unsynchronised accumulation, deferred all-reduce partials, main grads).
+    pub fn zero_grad(&mut self) -> Result<()> {
+        hypershard_nn::zero_grad(self)?;
+        self.for_each_group(&mut |g| g.clear_grads());
+        Ok(())
+    }
+
+    /// Makes this unit the root unless a root already linked it, linking every unit below.
+    fn lazy_init(&mut self) -> Arc<Schedule> {
+        if let Some(schedule) = &self.schedule {
+            return schedule.clone();
+        }
+        let schedule = Arc::new(Schedule::default());
+        schedule.register(ScheduledUnit {
+            id: self.id,
+            group: self.group.clone(),
+        });
+        // The visitor only links units and cannot fail.
+        let _ = walk_units(self.inner.as_mut(), &mut |unit| {
+            unit.schedule = Some(schedule.clone());
+            unit.is_root = false;
+            schedule.register(ScheduledUnit {
+                id: unit.id,
+                group: unit.group.clone(),
+            });
+        });
+        self.schedule = Some(schedule.clone());
+        self.is_root = true;
+        schedule
+    }
+
+    /// Runs the hooks around the wrapped forward.
+    pub fn forward(&mut self, input: &Tensor) -> Result<Tensor> {
+        let schedule = self.lazy_init();
+        let result = self.forward_hooks(&schedule, input);
+        self.root_result(&schedule, result)
+    }
+
+    /// Runs the hooks around the wrapped backward.
+    pub fn backward(&mut self, grad_output: &Tensor) -> Result<Tensor> {
+        let Some(schedule) = self.schedule.clone() else {
+            return Err(FsdpError::Nn(hypershard_nn::Error::BackwardBeforeForward {
+                module: "FsdpModule",
+            }));
+        };
+        let result = self.backward_hooks(&schedule, grad_output);
+        self.root_result(&schedule, result)
+    }
+
+    /// At the root, an nn error that stands for a failed nested hook becomes that hook's
+    /// typed error.
+    fn root_result<T>(&self, schedule: &Schedule, result: Result<T>) -> Result<T> {
+        match result {
+            Err(FsdpError::Nn(error)) if self.is_root => match schedule.take_error() {
+                Some(hook_error) => Err(hook_error),
+                None => Err(FsdpError::Nn(error)),
+            },
+            other => other,
+        }
+    }
+
+    fn prefetch(&self, targets: Vec<ScheduledUnit>) -> Result<()> {
+        for target in targets {
+            if target.id == self.id {
+                continue;
+            }
+            lock(&target.group).issue_unshard()?;
+        }
+        Ok(())
+    }
+
+    fn explicit_targets(list: &[std::sync::Weak<Mutex<ParamGroup>>]) -> Vec<ScheduledUnit> {
+        list.iter()
+            .filter_map(|weak| weak.upgrade())
+            .map(|group| {
+                let id = lock(&group).id;
+                ScheduledUnit { id, group }
+            })
+            .collect()
+    }
+
+    fn forward_hooks(&mut self, schedule: &Schedule, input: &Tensor) -> Result<Tensor> {
+        if self.is_root {
+            schedule.begin_forward()?;
+        }
+        let explicit = {
+            let mut group = lock(&self.group);
+            group.training = TrainingState::Forward;
+            group.wait_unshard()?;
+            group.install(self.inner.as_mut())?;
+            group.forward_prefetch.clone()
+        };
+        schedule.record_pre_forward(self.id);
+        let targets = match explicit {
+            Some(list) => Self::explicit_targets(&list),
+            None => schedule.next_in_forward(self.id).into_iter().collect(),
+        };
+        self.prefetch(targets)?;
+        let input_dtype = input.dtype();
+        let x = if self.mp.cast_forward_inputs {
+            cast_if(input, self.mp.param_dtype)?
+        } else {
+            input.clone()
+        };
+        let output = self.inner.forward(&x)?;
+        {
+            let mut group = lock(&self.group);
+            // The root keeps its parameters: backward starts with it (FSDP2's heuristic).
+            if !self.is_root {
+                match group.post_forward {
+                    PostForward::Reshard => group.reshard(self.inner.as_mut(), false)?,
+                    PostForward::ToGroup => group.reshard(self.inner.as_mut(), true)?,
+                    PostForward::Keep => {}
+                }
+            }
+            group.training = TrainingState::Idle;
+        }
+        schedule.record_post_forward(self.id);
+        self.last_dtypes = Some(ForwardDtypes {
+            input: input_dtype,
+            inner_output: output.dtype(),
+        });
+        cast_if(&output, self.mp.output_dtype)
+    }
+
+    fn backward_hooks(&mut self, schedule: &Schedule, grad_output: &Tensor) -> Result<Tensor> {
+        let explicit = {
+            let mut group = lock(&self.group);
+            group.training = TrainingState::PreBackward;
+            group.wait_unshard()?;
+            group.install(self.inner.as_mut())?;
+            group.backward_prefetch.clone()
+        };
+        let targets = match explicit {
+            Some(list) => Self::explicit_targets(&list),
+            None => schedule.next_in_backward(self.id).into_iter().collect(),
+        };
+        self.prefetch(targets)?;
+        let dtypes = self.last_dtypes;
+        let grad = match dtypes {
+            Some(d) => cast_if(grad_output, Some(d.inner_output))?,
+            None => grad_output.clone(),
+        };
+        let grad_input = self.inner.backward(&grad)?;
+        // The previous unit's reduce-scatter ran while this unit computed; finish it now.
+        schedule.finish_pending()?;
+        let (pending, last) = {
+            let mut group = lock(&self.group);
+            group.training = TrainingState::PostBackward;
+            let pending = group.post_backward(self.inner.as_mut())?;
+            group.training = TrainingState::Idle;
+            (pending, group.controls.is_last_backward)
+        };
+        if let Some(pending) = pending {
+            schedule.push_pending(self.group.clone(), pending);
+        }
+        if self.is_root && last {
+            schedule.drain()?;
+        }
+        match dtypes {
+            Some(d) => cast_if(&grad_input, Some(d.input)),
+            None => Ok(grad_input),
+        }
+    }
+
+    /// Converts a hook error for the `Module` trait: nn errors pass through, others are kept
+    /// for the root and stood in for by an nn error naming this unit.
+    fn to_nn_error(&self, error: FsdpError) -> hypershard_nn::Error {
+        match error {
+            FsdpError::Nn(error) => error,
+            other => {
+                if let Some(schedule) = &self.schedule {
+                    schedule.set_error(other);
+                }
+                hypershard_nn::Error::InvalidConfig {
+                    op: "fully_shard hook",
+                    field: "unit",
+                    value: self.id as f64,
+                    reason: "an FSDP hook failed; the root FsdpModule's forward/backward returns the typed FsdpError",
+                }
+            }
+        }
+    }
+
+    /// Whether every managed parameter of this unit is in `state`.
+    pub fn is_in_state(&self, state: ShardedState) -> bool {
+        lock(&self.group).params.iter().all(|p| p.state == state)
+    }
+}
+
+impl Module for FsdpModule {
+    fn kind(&self) -> &'static str {
+        "FsdpModule"
+    }
+
+    fn forward(&mut self, input: &Tensor) -> hypershard_nn::Result<Tensor> {
+        FsdpModule::forward(self, input).map_err(|e| self.to_nn_error(e))
+    }
+
+    fn backward(&mut self, grad_output: &Tensor) -> hypershard_nn::Result<Tensor> {
+        FsdpModule::backward(self, grad_output).map_err(|e| self.to_nn_error(e))
+    }
+
+    fn visit_params(&self, prefix: &str, f: &mut ParamVisitor<'_>) -> hypershard_nn::Result<()> {
+        self.inner.visit_params(prefix, f)
+    }
+
+    fn visit_params_mut(
+        &mut self,
+        prefix: &str,
+        f: &mut ParamVisitorMut<'_>,
+    ) -> hypershard_nn::Result<()> {
+        self.inner.visit_params_mut(prefix, f)
+    }
+
+    fn visit_children_mut(&mut self, f: &mut ChildVisitorMut<'_>) -> hypershard_nn::Result<()> {
+        self.inner.visit_children_mut(f)
+    }
+
+    fn as_any_mut(&mut self) -> Option<&mut dyn std::any::Any> {
+        Some(self)
+    }
+}

@@ -1,0 +1,111 @@
+//! `FsdpParam`: one parameter's shard, its unsharded form while in use, and its state.
+
+use hypershard_tensor::{DType, Tensor};
+
+use crate::error::{FsdpError, Result};
+use crate::layout::ShardLayout;
+
+/// Where a parameter's values live right now (FSDP2's `ShardedState`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum ShardedState {
+    /// Only the local shard exists; the module sees the shard.
+    Sharded,
+    /// After forward with `reshard_after_forward = int`: a larger shard over a smaller group
+    /// is kept for backward; the module sees the shard.
+    ShardedPostForward,
+    /// The whole parameter exists (in `param_dtype`); the module sees it during forward and
+    /// backward.
+    Unsharded,
+}
+
+/// Which hook a unit is in (FSDP2's `TrainingState`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum TrainingState {
+    /// Between hooks.
+    Idle,
+    /// Inside the unit's forward.
+    Forward,
+    /// Inside the unit's backward, before the wrapped module's backward returned.
+    PreBackward,
+    /// Reducing gradients after the wrapped module's backward.
+    PostBackward,
+}
+
+/// How a parameter is distributed.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum ParamRole {
+    /// Sharded over the shard group (FSDP / HSDP).
+    Sharded,
+    /// Whole on every rank, gradients all-reduced (DDP-style `replicate_params`).
+    Replicated,
+}
+
+/// One managed parameter.
+#[derive(Debug)]
+pub(crate) struct FsdpParam {
+    /// The name relative to the wrapped module.
+    pub name: String,
+    pub role: ParamRole,
+    /// The layout over the shard group (a one-shard layout for replicated parameters).
+    pub layout: ShardLayout,
+    /// The layout over the post-forward group, with `reshard_after_forward = int`.
+    pub post_layout: Option<ShardLayout>,
+    pub orig_dtype: DType,
+    pub param_dtype: DType,
+    pub reduce_dtype: DType,
+    pub requires_grad: bool,
+    /// The local shard, in the original dtype; what the module holds while sharded.
+    pub sharded: Tensor,
+    /// The sharded gradient while the module shows the unsharded parameter.
+    pub sharded_grad: Option<Tensor>,
+    /// The unsharded parameter while `Unsharded`.
+    pub unsharded: Option<Tensor>,
+    /// The padded post-forward slot bytes while `ShardedPostForward`.
+    pub post_forward: Option<Vec<u8>>,
+    /// Unsharded gradients accumulated without synchronisation, while resharded.
+    pub unsharded_grad_accum: Option<Tensor>,
+    /// The fp32 main gradient, with `fp32_main_grad`.
+    pub main_grad: Option<Tensor>,
+    /// Whether the module currently holds the unsharded tensor.
+    pub installed: bool,
+    pub state: ShardedState,
+}
+
+impl FsdpParam {
+    /// Fails unless the parameter is in one of `expected`.
+    pub fn assert_state(
+        &self,
+        unit: &str,
+        op: &'static str,
+        expected: &'static [ShardedState],
+    ) -> Result<()> {
+        if expected.contains(&self.state) {
+            Ok(())
+        } else {
+            Err(FsdpError::InvalidState {
+                unit: unit.to_string(),
+                param: self.name.clone(),
+                op,
+                expected,
+                actual: self.state,
+            })
+        }
+    }
+}
+
+/// What a caller can see of a managed parameter.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct FsdpParamInfo {
+    /// The name relative to the wrapped module.
+    pub name: String,
+    /// The unsharded shape.
+    pub global_shape: Vec<usize>,
+    /// The local shard's shape.
+    pub local_shape: Vec<usize>,
+    /// The dim sharded along (0 for replicated parameters).
+    pub shard_dim: usize,
+    /// Whether the parameter is kept whole and all-reduced (`replicate_params`).
+    pub replicated: bool,
+    /// The current state.
+    pub state: ShardedState,
+}

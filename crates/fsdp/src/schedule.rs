@@ -1,0 +1,157 @@
+//! The schedule one root shares with every unit below it: the order units ran in, the
+//! reductions in flight, and the first error a nested hook hit.
+
+use std::collections::VecDeque;
+use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
+
+use crate::error::{FsdpError, Result};
+use crate::group::{ParamGroup, PendingReduce};
+
+/// A unit as the schedule knows it.
+#[derive(Clone)]
+pub(crate) struct ScheduledUnit {
+    pub id: usize,
+    pub group: Arc<Mutex<ParamGroup>>,
+}
+
+#[derive(Default)]
+struct ScheduleState {
+    /// Every unit, root first, then the nested ones in pre-order.
+    units: Vec<ScheduledUnit>,
+    /// The order of pre-forward hooks in the last completed forward (for forward prefetch).
+    last_forward_order: Vec<usize>,
+    /// The order of pre-forward hooks in the current forward.
+    forward_order: Vec<usize>,
+    /// The order of post-forward hooks in the current forward; reversed, it is the order of
+    /// backward hooks (for backward prefetch).
+    post_forward_order: Vec<usize>,
+    /// Reductions issued and not yet finished, oldest first.
+    pending: VecDeque<(Arc<Mutex<ParamGroup>>, PendingReduce)>,
+    /// The first error a nested unit's hook hit (returned by the root).
+    error: Option<FsdpError>,
+}
+
+/// Shared by a root and every unit it discovered.
+#[derive(Default)]
+pub(crate) struct Schedule {
+    state: Mutex<ScheduleState>,
+}
+
+/// Locks a group; a poisoned lock only means a panic elsewhere, and the group's data is still
+/// consistent at every unlock, so the poison is ignored.
+pub(crate) fn lock(group: &Mutex<ParamGroup>) -> MutexGuard<'_, ParamGroup> {
+    group.lock().unwrap_or_else(PoisonError::into_inner)
+}
+
+impl Schedule {
+    fn state(&self) -> MutexGuard<'_, ScheduleState> {
+        self.state.lock().unwrap_or_else(PoisonError::into_inner)
+    }
+
+    pub fn register(&self, unit: ScheduledUnit) {
+        let mut state = self.state();
+        if !state.units.iter().any(|u| u.id == unit.id) {
+            state.units.push(unit);
+        }
+    }
+
+    pub fn units(&self) -> Vec<ScheduledUnit> {
+        self.state().units.clone()
+    }
+
+    fn unit(&self, id: usize) -> Option<ScheduledUnit> {
+        self.state().units.iter().find(|u| u.id == id).cloned()
+    }
+
+    /// At the root's pre-forward: finish leftovers of an earlier backward and start a fresh
+    /// order record.
+    pub fn begin_forward(&self) -> Result<()> {
+        self.drain()?;
+        let mut state = self.state();
+        if !state.forward_order.is_empty() {
+            state.last_forward_order = std::mem::take(&mut state.forward_order);
+        }
+        state.post_forward_order.clear();
+        Ok(())
+    }
+
+    pub fn record_pre_forward(&self, id: usize) {
+        self.state().forward_order.push(id);
+    }
+
+    pub fn record_post_forward(&self, id: usize) {
+        self.state().post_forward_order.push(id);
+    }
+
+    /// The unit expected to run its forward after `id`: from the last forward's order when
+    /// one completed, else from registration (pre-order) order.
+    pub fn next_in_forward(&self, id: usize) -> Option<ScheduledUnit> {
+        let next = {
+            let state = self.state();
+            let order: Vec<usize> = if state.last_forward_order.is_empty() {
+                state.units.iter().map(|u| u.id).collect()
+            } else {
+                state.last_forward_order.clone()
+            };
+            order
+                .iter()
+                .position(|&u| u == id)
+                .and_then(|i| order.get(i + 1).copied())
+        };
+        next.and_then(|n| self.unit(n))
+    }
+
+    /// The unit expected to run its backward after `id`: the one before it in post-forward
+    /// order.
+    pub fn next_in_backward(&self, id: usize) -> Option<ScheduledUnit> {
+        let next = {
+            let state = self.state();
+            let order = &state.post_forward_order;
+            order
+                .iter()
+                .position(|&u| u == id)
+                .and_then(|i| i.checked_sub(1))
+                .map(|i| order[i])
+        };
+        next.and_then(|n| self.unit(n))
+    }
+
+    pub fn push_pending(&self, group: Arc<Mutex<ParamGroup>>, pending: PendingReduce) {
+        self.state().pending.push_back((group, pending));
+    }
+
+    /// Finishes every reduction in flight, oldest first.
+    pub fn finish_pending(&self) -> Result<()> {
+        loop {
+            // Take one entry and drop the schedule lock before locking the group, so the
+            // lock order is always schedule → nothing, group → nothing.
+            let next = self.state().pending.pop_front();
+            let Some((group, pending)) = next else {
+                return Ok(());
+            };
+            lock(&group).finish_reduce(pending)?;
+        }
+    }
+
+    /// Finishes all reductions and discards unconsumed prefetches (root, after the last
+    /// backward, and before a new forward).
+    pub fn drain(&self) -> Result<()> {
+        let _span = tracing::debug_span!("fsdp.drain").entered();
+        self.finish_pending()?;
+        for unit in self.units() {
+            lock(&unit.group).discard_pending_gather()?;
+        }
+        Ok(())
+    }
+
+    pub fn set_error(&self, error: FsdpError) {
+        let mut state = self.state();
+        if state.error.is_none() {
+            state.error = Some(error);
+        }
+    }
+
+    pub fn take_error(&self) -> Option<FsdpError> {
+        self.state().error.take()
+    }
+}
