@@ -128,6 +128,15 @@ pub enum Error {
         /// The checkpoint tensor's shape.
         actual: Vec<usize>,
     },
+    /// A thread pool for [`with_num_threads`](crate::with_num_threads) could not be built.
+    #[error("could not build a pool of {threads} threads: {source}")]
+    ThreadPool {
+        /// The requested number of threads.
+        threads: usize,
+        /// Why rayon refused.
+        #[source]
+        source: rayon::ThreadPoolBuildError,
+    },
     /// A size does not fit the integer type a kernel needs.
     #[error("{op}: size {size} does not fit the kernel's index type")]
     SizeOverflow {

@@ -42,6 +42,7 @@ pub mod optim;
 mod param;
 mod sequential;
 pub mod special;
+mod threads;
 mod transformer;
 
 pub use activation::{Gelu, GeluApproximation, Relu, Silu};
@@ -60,4 +61,5 @@ pub use module_list::ModuleList;
 pub use norm::{LayerNorm, LayerNormConfig, RmsNorm, RmsNormConfig};
 pub use param::Parameter;
 pub use sequential::Sequential;
+pub use threads::with_num_threads;
 pub use transformer::{Block, BlockConfig, Mlp};

@@ -81,24 +81,31 @@ impl Float for f32 {
     const COMPUTE_DTYPE: DType = DType::F32;
     const ZERO: Self = 0.0;
     const ONE: Self = 1.0;
+    #[inline]
     fn of(value: f64) -> Self {
         value as f32
     }
+    #[inline]
     fn as_f64(self) -> f64 {
         f64::from(self)
     }
+    #[inline]
     fn exp(self) -> Self {
         math::exp_f32(self)
     }
+    #[inline]
     fn erf(self) -> Self {
         math::erf_f32(self)
     }
+    #[inline]
     fn tanh(self) -> Self {
         math::tanh_f32(self)
     }
+    #[inline]
     fn sqrt(self) -> Self {
         f32::sqrt(self)
     }
+    #[inline]
     fn max(self, other: Self) -> Self {
         f32::max(self, other)
     }
@@ -140,24 +147,31 @@ impl Float for f64 {
     const COMPUTE_DTYPE: DType = DType::F64;
     const ZERO: Self = 0.0;
     const ONE: Self = 1.0;
+    #[inline]
     fn of(value: f64) -> Self {
         value
     }
+    #[inline]
     fn as_f64(self) -> f64 {
         self
     }
+    #[inline]
     fn exp(self) -> Self {
         f64::exp(self)
     }
+    #[inline]
     fn erf(self) -> Self {
         crate::special::erf(self)
     }
+    #[inline]
     fn tanh(self) -> Self {
         f64::tanh(self)
     }
+    #[inline]
     fn sqrt(self) -> Self {
         f64::sqrt(self)
     }
+    #[inline]
     fn max(self, other: Self) -> Self {
         f64::max(self, other)
     }

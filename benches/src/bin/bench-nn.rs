@@ -1,0 +1,323 @@
+//! `cargo xtask bench nn`: f32 GEMM 1024³ GFLOP/s and a nanoGPT forward+backward step, at 1
+//! and 2 threads, side by side with PyTorch on the same machine in the same sitting.
+//!
+//! ```text
+//! bench-nn [--threads 1,2] [--reps 7] [--gemm-n 1024] [--batch 8] [--seq 128] [--layers 4]
+//!          [--heads 4] [--embd 256] [--vocab 512] [--no-torch] [--json [PATH]]
+//! ```
+//!
+//! A GPT step is forward, cross-entropy, backward and `zero_grad` (no optimizer), f32, no
+//! dropout. The PyTorch side is `benches/python/bench_nn.py`, run with the venv at
+//! `$TORCH_VENV` (default `~/.cache/hypershard-bench/torch-venv`, made by
+//! `bash shared/bench/pytorch/run_all.sh setup`) right after the Rust side, so both see the
+//! same machine load; without the venv (or with `--no-torch`) only the Rust side is reported.
+//! Times are medians over `--reps` timed repetitions after 2 untimed ones.
+
+use std::path::PathBuf;
+use std::process::{Command, ExitCode};
+use std::time::{Duration, Instant};
+
+use hypershard_benches::{TimingStats, write_json};
+use hypershard_nn::linalg::matmul;
+use hypershard_nn::{
+    DEFAULT_IGNORE_INDEX, Gpt, GptConfig, Module, cross_entropy, with_num_threads, zero_grad,
+};
+use hypershard_tensor::{DType, RandomInit, Tensor};
+
+#[derive(Debug, Clone)]
+struct Args {
+    threads: Vec<usize>,
+    reps: usize,
+    gemm_n: usize,
+    batch: usize,
+    seq: usize,
+    layers: usize,
+    heads: usize,
+    embd: usize,
+    vocab: usize,
+    torch: bool,
+    json: Option<Option<PathBuf>>,
+}
+
+fn parse_args() -> Result<Args, String> {
+    let mut args = Args {
+        threads: vec![1, 2],
+        reps: 7,
+        gemm_n: 1024,
+        batch: 8,
+        seq: 128,
+        layers: 4,
+        heads: 4,
+        embd: 256,
+        vocab: 512,
+        torch: true,
+        json: None,
+    };
+    let mut it = std::env::args().skip(1).peekable();
+    while let Some(flag) = it.next() {
+        let mut value = || it.next().ok_or(format!("{flag} needs a value"));
+        let number = |s: String| s.parse::<usize>().map_err(|e| format!("{s}: {e}"));
+        match flag.as_str() {
+            "--threads" => {
+                args.threads = value()?
+                    .split(',')
+                    .map(|s| number(s.to_string()))
+                    .collect::<Result<_, _>>()?
+            }
+            "--reps" => args.reps = number(value()?)?,
+            "--gemm-n" => args.gemm_n = number(value()?)?,
+            "--batch" => args.batch = number(value()?)?,
+            "--seq" => args.seq = number(value()?)?,
+            "--layers" => args.layers = number(value()?)?,
+            "--heads" => args.heads = number(value()?)?,
+            "--embd" => args.embd = number(value()?)?,
+            "--vocab" => args.vocab = number(value()?)?,
+            "--no-torch" => args.torch = false,
+            "--json" => {
+                let path = match it.peek() {
+                    Some(next) if !next.starts_with("--") => it.next().map(PathBuf::from),
+                    _ => None,
+                };
+                args.json = Some(path);
+            }
+            other => return Err(format!("unknown flag {other}")),
+        }
+    }
+    if args.reps == 0 || args.threads.is_empty() {
+        return Err("--reps and --threads must be non-empty".to_string());
+    }
+    Ok(args)
+}
+
+/// Median statistics of `f` over `reps` runs after 2 warm-up runs.
+fn time_it(reps: usize, mut f: impl FnMut() -> Result<(), String>) -> Result<TimingStats, String> {
+    for _ in 0..2 {
+        f()?;
+    }
+    let mut samples: Vec<Duration> = Vec::with_capacity(reps);
+    for _ in 0..reps {
+        let t0 = Instant::now();
+        f()?;
+        samples.push(t0.elapsed());
+    }
+    TimingStats::from_samples(&samples).ok_or_else(|| "no samples".to_string())
+}
+
+#[derive(Debug, Clone, serde::Serialize)]
+struct Row {
+    threads: usize,
+    gemm: TimingStats,
+    gemm_gflops: f64,
+    gpt_step: TimingStats,
+}
+
+#[derive(Debug, Clone, serde::Serialize)]
+struct TorchRow {
+    threads: usize,
+    gemm_median_s: f64,
+    gemm_gflops: f64,
+    gpt_step_median_s: f64,
+}
+
+#[derive(Debug, serde::Serialize)]
+struct Report {
+    gemm_n: usize,
+    gpt: String,
+    gpt_params: usize,
+    rust: Vec<Row>,
+    torch_version: Option<String>,
+    torch: Vec<TorchRow>,
+}
+
+fn run_rust(args: &Args, threads: usize) -> Result<Row, String> {
+    let err = |e: hypershard_nn::Error| e.to_string();
+    let n = args.gemm_n;
+    let a = Tensor::random(&[n, n], DType::F32, RandomInit::uniform(1, -1.0, 1.0))
+        .map_err(|e| e.to_string())?;
+    let b = Tensor::random(&[n, n], DType::F32, RandomInit::uniform(2, -1.0, 1.0))
+        .map_err(|e| e.to_string())?;
+    let mut model = Gpt::new(gpt_config(args)).map_err(err)?;
+    let ids = |seed| {
+        let values: Vec<i64> = (0..args.batch * args.seq)
+            .map(|i| {
+                (hypershard_tensor::random::random_bits(seed, i as u64) % args.vocab as u64) as i64
+            })
+            .collect();
+        Tensor::from_vec(values, &[args.batch, args.seq]).map_err(|e| e.to_string())
+    };
+    let (inputs, targets) = (ids(3)?, ids(4)?);
+    with_num_threads(threads, || {
+        let gemm = time_it(args.reps, || matmul(&a, &b).map(drop).map_err(err))?;
+        let gpt_step = time_it(args.reps, || {
+            let logits = model.forward(&inputs).map_err(err)?;
+            let loss = cross_entropy(&logits, &targets, DEFAULT_IGNORE_INDEX).map_err(err)?;
+            model.backward(&loss.grad).map_err(err)?;
+            zero_grad(&mut model).map_err(err)
+        })?;
+        Ok(Row {
+            threads,
+            gemm,
+            gemm_gflops: 2.0 * (n as f64).powi(3) / gemm.median_s / 1e9,
+            gpt_step,
+        })
+    })
+    .map_err(err)?
+}
+
+fn gpt_config(args: &Args) -> GptConfig {
+    GptConfig {
+        vocab_size: args.vocab,
+        block_size: args.seq,
+        n_layer: args.layers,
+        n_head: args.heads,
+        n_embd: args.embd,
+        bias: true,
+        dropout: 0.0,
+        dtype: DType::F32,
+        seed: 0,
+    }
+}
+
+/// Runs the PyTorch script and parses its JSON line; `None` (with a note) when no venv.
+fn run_torch(args: &Args) -> Result<Option<(String, Vec<TorchRow>)>, String> {
+    let venv = std::env::var_os("TORCH_VENV")
+        .map(PathBuf::from)
+        .or_else(|| {
+            std::env::var_os("HOME")
+                .map(|h| PathBuf::from(h).join(".cache/hypershard-bench/torch-venv"))
+        });
+    let python = venv.map(|v| v.join("bin/python")).filter(|p| p.exists());
+    let Some(python) = python else {
+        eprintln!("bench-nn: no torch venv (set TORCH_VENV); reporting the Rust side only");
+        return Ok(None);
+    };
+    let script = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("python/bench_nn.py");
+    let threads: Vec<String> = args.threads.iter().map(usize::to_string).collect();
+    let output = Command::new(python)
+        .arg(script)
+        .arg("--threads")
+        .args(&threads)
+        .args(["--reps", &args.reps.to_string()])
+        .args(["--gemm-n", &args.gemm_n.to_string()])
+        .args(["--batch", &args.batch.to_string()])
+        .args(["--seq", &args.seq.to_string()])
+        .args(["--layers", &args.layers.to_string()])
+        .args(["--heads", &args.heads.to_string()])
+        .args(["--embd", &args.embd.to_string()])
+        .args(["--vocab", &args.vocab.to_string()])
+        .env(
+            "OMP_NUM_THREADS",
+            args.threads.iter().max().unwrap_or(&1).to_string(),
+        )
+        .output()
+        .map_err(|e| format!("running the torch script: {e}"))?;
+    if !output.status.success() {
+        return Err(format!(
+            "torch script failed: {}",
+            String::from_utf8_lossy(&output.stderr)
+        ));
+    }
+    let stdout = String::from_utf8_lossy(&output.stdout);
+    let line = stdout
+        .lines()
+        .last()
+        .ok_or("torch script printed nothing")?;
+    let value: serde_json::Value = serde_json::from_str(line).map_err(|e| e.to_string())?;
+    let version = value["torch"].as_str().unwrap_or("?").to_string();
+    let rows = value["rows"]
+        .as_array()
+        .ok_or("torch JSON has no rows")?
+        .iter()
+        .map(|r| {
+            let f =
+                |v: &serde_json::Value| v.as_f64().ok_or("torch JSON: not a number".to_string());
+            Ok(TorchRow {
+                threads: r["threads"].as_u64().ok_or("torch JSON: threads")? as usize,
+                gemm_median_s: f(&r["gemm"]["median_s"])?,
+                gemm_gflops: f(&r["gemm"]["gflops"])?,
+                gpt_step_median_s: f(&r["gpt_step"]["median_s"])?,
+            })
+        })
+        .collect::<Result<Vec<_>, String>>()?;
+    Ok(Some((version, rows)))
+}
+
+fn run() -> Result<(), String> {
+    let args = parse_args()?;
+    let config = gpt_config(&args);
+    let params = Gpt::new(config)
+        .and_then(|m| m.num_params(false))
+        .map_err(|e| e.to_string())?;
+    let gpt = format!(
+        "B={} T={} n_layer={} n_head={} n_embd={} vocab={}",
+        args.batch, args.seq, args.layers, args.heads, args.embd, args.vocab
+    );
+    let mut rust = Vec::new();
+    for &threads in &args.threads {
+        rust.push(run_rust(&args, threads)?);
+    }
+    let (torch_version, torch) = if args.torch {
+        match run_torch(&args)? {
+            Some((v, rows)) => (Some(v), rows),
+            None => (None, Vec::new()),
+        }
+    } else {
+        (None, Vec::new())
+    };
+    println!(
+        "GPT {gpt} ({params} parameters), f32; GEMM {0}x{0}x{0} f32",
+        args.gemm_n
+    );
+    println!(
+        "| threads | GEMM hypershard GFLOP/s | GEMM torch GFLOP/s | ratio | GPT step hypershard ms | GPT step torch ms | ratio |"
+    );
+    println!("|---|---|---|---|---|---|---|");
+    for row in &rust {
+        let peer = torch.iter().find(|t| t.threads == row.threads);
+        let (tg, gr, ts, sr) = match peer {
+            Some(t) => (
+                format!("{:.1}", t.gemm_gflops),
+                format!("{:.2}×", row.gemm_gflops / t.gemm_gflops),
+                format!("{:.1}", t.gpt_step_median_s * 1e3),
+                format!("{:.2}×", row.gpt_step.median_s / t.gpt_step_median_s),
+            ),
+            None => ("–".into(), "–".into(), "–".into(), "–".into()),
+        };
+        println!(
+            "| {} | {:.1} | {tg} | {gr} | {:.1} | {ts} | {sr} |",
+            row.threads,
+            row.gemm_gflops,
+            row.gpt_step.median_s * 1e3
+        );
+    }
+    let report = Report {
+        gemm_n: args.gemm_n,
+        gpt,
+        gpt_params: params,
+        rust,
+        torch_version,
+        torch,
+    };
+    match &args.json {
+        Some(Some(path)) => {
+            let text = serde_json::to_string_pretty(&report).map_err(|e| e.to_string())?;
+            std::fs::write(path, text + "\n").map_err(|e| e.to_string())?;
+            eprintln!("wrote {}", path.display());
+        }
+        _ => {
+            let path = write_json("nn", &report).map_err(|e| e.to_string())?;
+            eprintln!("wrote {}", path.display());
+        }
+    }
+    Ok(())
+}
+
+fn main() -> ExitCode {
+    match run() {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(e) => {
+            eprintln!("bench-nn: {e}");
+            ExitCode::FAILURE
+        }
+    }
+}
