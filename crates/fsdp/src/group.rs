@@ -86,6 +86,8 @@ pub(crate) struct ParamGroup {
     pub controls: Controls,
     pub training: TrainingState,
     pending_gather: Option<PendingGather>,
+    /// Whether this unit's reductions were issued and not yet finished.
+    pub reduce_in_flight: bool,
     /// Reduce-scatter outputs summed while the replicate all-reduce is deferred.
     partial_outputs: Vec<Option<Buffer>>,
     pub forward_prefetch: Option<Vec<Weak<Mutex<ParamGroup>>>>,
@@ -168,6 +170,7 @@ impl ParamGroup {
             controls: Controls::default(),
             training: TrainingState::Idle,
             pending_gather: None,
+            reduce_in_flight: false,
             partial_outputs,
             forward_prefetch: None,
             backward_prefetch: None,
@@ -179,6 +182,11 @@ impl ParamGroup {
         self.params
             .iter()
             .all(|p| p.state == ShardedState::Unsharded)
+    }
+
+    /// Whether an all-gather is in flight.
+    pub fn gather_in_flight(&self) -> bool {
+        self.pending_gather.is_some()
     }
 
     /// Issues this unit's all-gathers without waiting (a no-op when they are in flight or the
@@ -531,6 +539,7 @@ impl ParamGroup {
             })?;
         }
         let pending = if sync {
+            self.reduce_in_flight = true;
             Some(self.issue_reductions(&grads)?)
         } else {
             for (param, grad) in self.params.iter_mut().zip(grads) {
@@ -645,6 +654,7 @@ impl ParamGroup {
     /// reduced shards into the gradients.
     pub fn finish_reduce(&mut self, pending: PendingReduce) -> Result<()> {
         let _span = tracing::debug_span!("fsdp.reduce_wait", unit = %self.unit).entered();
+        self.reduce_in_flight = false;
         let shard_rank = self.mesh.shard_rank();
         let PendingReduce {
             reduce_scatters,

@@ -105,6 +105,26 @@ impl UnitHandle {
     pub fn training_state(&self) -> TrainingState {
         lock(&self.group).training
     }
+
+    /// Whether the unit's all-gather was issued (a prefetch) and not yet consumed.
+    pub fn gather_in_flight(&self) -> bool {
+        lock(&self.group).gather_in_flight()
+    }
+
+    /// Whether the unit's gradient reductions were issued and not yet finished.
+    pub fn reduction_in_flight(&self) -> bool {
+        lock(&self.group).reduce_in_flight
+    }
+
+    /// Whether every managed parameter is unsharded (false for a unit without parameters).
+    pub fn is_unsharded(&self) -> bool {
+        let group = lock(&self.group);
+        !group.params.is_empty()
+            && group
+                .params
+                .iter()
+                .all(|p| p.state == ShardedState::Unsharded)
+    }
 }
 
 impl std::fmt::Debug for UnitHandle {
@@ -530,6 +550,17 @@ impl FsdpModule {
     /// Whether every managed parameter of this unit is in `state`.
     pub fn is_in_state(&self, state: ShardedState) -> bool {
         lock(&self.group).params.iter().all(|p| p.state == state)
+    }
+}
+
+impl std::fmt::Debug for FsdpModule {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("FsdpModule")
+            .field("id", &self.id)
+            .field("inner", &self.inner.kind())
+            .field("is_root", &self.is_root)
+            .field("params", &self.params().len())
+            .finish()
     }
 }
 

@@ -1,0 +1,187 @@
+//! Invalid configs and misuse give typed errors, and a refused module comes back unchanged.
+
+mod common;
+
+use std::collections::BTreeSet;
+use std::sync::Arc;
+
+use common::*;
+use hypershard_fsdp::{
+    DataParallelMesh, FsdpError, FullyShardConfig, ReshardAfterForward, fully_shard,
+};
+use hypershard_mesh::DeviceMesh;
+use hypershard_nn::{Linear, LinearConfig, Module};
+use hypershard_tensor::{DType, Tensor};
+
+fn one_rank_mesh() -> Arc<DataParallelMesh> {
+    let comm = hypershard_collectives::local::spawn_world(1)
+        .expect("world")
+        .remove(0);
+    DataParallelMesh::fsdp(comm).expect("mesh")
+}
+
+fn linear() -> Box<dyn Module> {
+    Box::new(
+        Linear::new(LinearConfig {
+            in_features: 3,
+            out_features: 2,
+            bias: true,
+            dtype: DType::F32,
+            seed: 1,
+        })
+        .expect("layer"),
+    )
+}
+
+fn names(list: &[&str]) -> BTreeSet<String> {
+    list.iter().map(|s| s.to_string()).collect()
+}
+
+#[test]
+fn a_three_dim_mesh_and_mismatched_worlds_are_refused() {
+    let comm = hypershard_collectives::local::spawn_world(1)
+        .expect("world")
+        .remove(0);
+    let mesh = DeviceMesh::new(&[1, 1, 1], &[]).expect("mesh");
+    assert!(matches!(
+        DataParallelMesh::new(mesh, comm.clone()),
+        Err(FsdpError::MeshDims { ndim: 3 })
+    ));
+    let mesh = DeviceMesh::new(&[2], &[]).expect("mesh");
+    assert!(matches!(
+        DataParallelMesh::new(mesh, comm),
+        Err(FsdpError::WorldSizeMismatch {
+            mesh_ranks: 2,
+            comm_size: 1,
+            rank: 0
+        })
+    ));
+}
+
+#[test]
+fn bad_configs_are_refused_and_the_module_comes_back_intact() {
+    let mesh = one_rank_mesh();
+    let before = params_of(linear().as_ref());
+
+    let mut config = FullyShardConfig::new(mesh.clone());
+    config.shard_placement_fn = Some(Arc::new(|_, _| Some(2)));
+    let rejected = fully_shard(linear(), config).expect_err("dim 2 of a 2-d weight");
+    assert!(matches!(
+        &rejected.error,
+        FsdpError::ShardDimOutOfRange { param, dim: 2, .. } if param == "weight"
+    ));
+    assert_eq!(params_of(rejected.module.as_ref()), before);
+
+    let mut config = FullyShardConfig::new(mesh.clone());
+    config.ignored_params = names(&["bias"]);
+    config.replicate_params = names(&["bias"]);
+    let rejected = fully_shard(linear(), config).expect_err("both lists");
+    assert!(
+        matches!(&rejected.error, FsdpError::IgnoredAndReplicated { param } if param == "bias")
+    );
+
+    let mut config = FullyShardConfig::new(mesh.clone());
+    config.ignored_params = names(&["nope"]);
+    let rejected = fully_shard(linear(), config).expect_err("unknown name");
+    assert!(matches!(
+        &rejected.error,
+        FsdpError::UnknownParam { list: "ignored_params", param } if param == "nope"
+    ));
+
+    let unit = fully_shard(linear(), FullyShardConfig::new(mesh.clone())).expect("first wrap");
+    let rejected =
+        fully_shard(Box::new(unit), FullyShardConfig::new(mesh.clone())).expect_err("twice");
+    assert!(matches!(rejected.error, FsdpError::AlreadySharded));
+    assert_eq!(rejected.module.kind(), "FsdpModule");
+}
+
+#[test]
+fn a_post_forward_group_that_does_not_divide_the_shard_group_is_refused() {
+    let comms = hypershard_collectives::local::spawn_world(4).expect("world");
+    hypershard_testkit::run_ranks(4, move |rank| {
+        let mesh = DataParallelMesh::fsdp(comms[rank].clone())?;
+        let mut config = FullyShardConfig::new(mesh);
+        config.reshard_after_forward = ReshardAfterForward::ToGroupOf(3);
+        match fully_shard(linear(), config) {
+            Err(rejected) => match rejected.error {
+                FsdpError::ReshardSize {
+                    value: 3,
+                    shard_world: 4,
+                } => Ok(()),
+                other => Err(other),
+            },
+            Ok(_) => Err(FsdpError::AlreadySharded),
+        }
+    })
+    .expect("every rank refuses");
+}
+
+#[test]
+fn misuse_gives_typed_errors() {
+    let mesh = one_rank_mesh();
+    let config = FullyShardConfig::new(mesh);
+    let mut unit =
+        fully_shard(Box::new(mlp(&[3, 2, 2], DType::F32)), config.clone()).expect("wrap");
+    // Backward before any forward.
+    assert!(matches!(
+        unit.backward(&Tensor::ones(&[1, 2], DType::F32).expect("t")),
+        Err(FsdpError::Nn(
+            hypershard_nn::Error::BackwardBeforeForward { .. }
+        ))
+    ));
+    // A parameter replaced behind fully_shard's back is detected at the next unshard.
+    unit.visit_params_mut("", &mut |name, p| {
+        if name == "0.bias" {
+            p.data = Some(Tensor::zeros(&[2], DType::F32)?);
+        }
+        Ok(())
+    })
+    .expect("visit");
+    let x = Tensor::ones(&[1, 3], DType::F32).expect("t");
+    assert!(matches!(
+        unit.forward(&x),
+        Err(FsdpError::ParamReplaced { param }) if param == "0.bias"
+    ));
+}
+
+#[test]
+fn a_nested_hook_error_reaches_the_root_typed() {
+    let comms = hypershard_collectives::local::spawn_world(2).expect("world");
+    hypershard_testkit::run_ranks(2, move |rank| {
+        let mesh = DataParallelMesh::fsdp(comms[rank].clone())?;
+        let config = FullyShardConfig::new(mesh);
+        let mut root = shard_model(mlp(&[3, 4, 2], DType::F32), &config)?;
+        // Replace the second unit's weight shard with a tensor of another storage.
+        root.visit_params_mut("", &mut |name, p| {
+            if name == "2.weight" {
+                let shard = p.data()?.deep_copy()?;
+                p.data = Some(shard);
+            }
+            Ok(())
+        })?;
+        let x = Tensor::ones(&[2, 3], DType::F32)?;
+        match root.forward(&x) {
+            Err(FsdpError::ParamReplaced { param }) if param == "weight" => Ok(()),
+            Err(other) => Err(other),
+            Ok(_) => Err(FsdpError::AlreadySharded),
+        }
+    })
+    .expect("the root reports the nested unit's typed error");
+}
+
+#[test]
+fn calling_the_wrapped_module_directly_sees_shards_and_fails_typed() {
+    let comms = hypershard_collectives::local::spawn_world(2).expect("world");
+    hypershard_testkit::run_ranks(2, move |rank| {
+        let mesh = DataParallelMesh::fsdp(comms[rank].clone())?;
+        let mut unit = fully_shard(linear(), FullyShardConfig::new(mesh))?;
+        let x = Tensor::ones(&[2, 3], DType::F32)?;
+        // The weight is a [1, 3] shard: the bias [1] no longer matches the output [2, 2]...
+        // whatever the layer reports, it is a typed nn error, not a panic.
+        match unit.inner_mut().forward(&x) {
+            Err(_) => Ok(()),
+            Ok(_) => Err(FsdpError::AlreadySharded),
+        }
+    })
+    .expect("typed error");
+}
