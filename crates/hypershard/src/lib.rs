@@ -2,9 +2,17 @@
 //!
 //! This is the facade crate. It re-exports the layers below it so that a user who wants full
 //! FSDP depends on this crate alone; a user who wants only distributed tensors depends on
-//! `hypershard-dtensor`.
-//!
-//! The `hypershard` command line (`train`, `launch`) arrives with the main-job issue.
+//! `hypershard-dtensor`. It also holds what the `hypershard` command line is made of:
+//! [`launch`] (a torchrun-compatible launcher), [`data`] (corpora, tokenizers, batch order),
+//! [`checkpoint`] (distributed, resharding, crash-safe checkpoints).
 
+pub mod checkpoint;
+pub mod data;
+mod error;
+pub mod launch;
+
+pub use error::{Error, ExitKind, FileAction, Result};
+
+pub use hypershard_collectives as collectives;
 pub use hypershard_mesh as mesh;
 pub use hypershard_tensor as tensor;

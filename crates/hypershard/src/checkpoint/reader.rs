@@ -1,0 +1,241 @@
+//! Loading: open a checkpoint directory and read any block of any tensor, assembled from
+//! whichever saved blocks overlap it, so a checkpoint saved on one layout loads on another.
+
+use std::collections::BTreeMap;
+use std::path::{Path, PathBuf};
+use std::sync::{Arc, Mutex};
+
+use hypershard_tensor::Tensor;
+use serde_json::Value;
+
+use super::block::{Block, copy_overlap};
+use super::metadata::{CheckpointMetadata, FORMAT, METADATA_FILE, TensorEntry, VERSION};
+use super::safetensors_file::SafetensorsIndex;
+use super::writer::{CheckpointDir, entry_dtype};
+use crate::error::{Error, FileAction, Result};
+
+/// A committed checkpoint, opened for reading.
+#[derive(Debug)]
+pub struct Checkpoint {
+    dir: PathBuf,
+    metadata: CheckpointMetadata,
+    files: Mutex<BTreeMap<String, Arc<SafetensorsIndex>>>,
+}
+
+/// Finds the checkpoint that `path` names: a checkpoint directory itself (it holds
+/// `metadata.json`), a checkpoint root (its `latest`, or else its newest complete
+/// `step-N`), or a training output directory (its `checkpoints/` root).
+pub fn resolve(path: &Path) -> Result<PathBuf> {
+    if path.join(METADATA_FILE).is_file() {
+        return Ok(path.to_path_buf());
+    }
+    for root in [path.to_path_buf(), path.join("checkpoints")] {
+        let dir = CheckpointDir::new(&root);
+        if let Some(latest) = dir.latest()?
+            && latest.join(METADATA_FILE).is_file()
+        {
+            return Ok(latest);
+        }
+        if let Some(newest) = newest_complete(&root)? {
+            return Ok(newest);
+        }
+    }
+    Err(Error::NoCheckpoint {
+        path: path.to_path_buf(),
+    })
+}
+
+/// The highest `step-N` directory under `root` that holds `metadata.json`.
+fn newest_complete(root: &Path) -> Result<Option<PathBuf>> {
+    let entries = match std::fs::read_dir(root) {
+        Ok(entries) => entries,
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(None),
+        Err(e) => return Err(Error::io(FileAction::List, root, e)),
+    };
+    let mut best: Option<(u64, PathBuf)> = None;
+    for entry in entries {
+        let entry = entry.map_err(|e| Error::io(FileAction::List, root, e))?;
+        let name = entry.file_name();
+        let Some(step) = name
+            .to_str()
+            .and_then(|n| n.strip_prefix("step-"))
+            .and_then(|n| n.parse::<u64>().ok())
+        else {
+            continue;
+        };
+        if entry.path().join(METADATA_FILE).is_file()
+            && best.as_ref().is_none_or(|(s, _)| step > *s)
+        {
+            best = Some((step, entry.path()));
+        }
+    }
+    Ok(best.map(|(_, path)| path))
+}
+
+impl Checkpoint {
+    /// Opens the checkpoint `path` names (see [`resolve`]) and validates its metadata.
+    pub fn open(path: &Path) -> Result<Checkpoint> {
+        let dir = resolve(path)?;
+        let meta_path = dir.join(METADATA_FILE);
+        let bytes =
+            std::fs::read(&meta_path).map_err(|e| Error::io(FileAction::Read, &meta_path, e))?;
+        let metadata: CheckpointMetadata =
+            serde_json::from_slice(&bytes).map_err(|source| Error::Json {
+                path: meta_path.clone(),
+                source,
+            })?;
+        if metadata.format != FORMAT || metadata.version != VERSION {
+            return Err(Error::CheckpointFormat {
+                path: dir,
+                format: metadata.format,
+                version: metadata.version,
+            });
+        }
+        for (name, entry) in &metadata.tensors {
+            entry_dtype(name, entry)?;
+            let blocks: Vec<Block> = entry.blocks.iter().map(|b| b.block.clone()).collect();
+            super::block::check_exact_cover(name, &entry.shape, &blocks)?;
+        }
+        Ok(Checkpoint {
+            dir,
+            metadata,
+            files: Mutex::new(BTreeMap::new()),
+        })
+    }
+
+    /// The checkpoint directory.
+    pub fn dir(&self) -> &Path {
+        &self.dir
+    }
+
+    /// The parsed `metadata.json`.
+    pub fn metadata(&self) -> &CheckpointMetadata {
+        &self.metadata
+    }
+
+    /// The step it was taken after.
+    pub fn step(&self) -> u64 {
+        self.metadata.step
+    }
+
+    /// A tensor's entry.
+    pub fn entry(&self, name: &str) -> Result<&TensorEntry> {
+        self.metadata
+            .tensors
+            .get(name)
+            .ok_or_else(|| Error::MissingTensor {
+                name: name.to_string(),
+            })
+    }
+
+    /// Checks the checkpoint was saved for `requested` (the same JSON model configuration):
+    /// the first differing field becomes [`Error::ConfigMismatch`].
+    pub fn check_model_config(&self, requested: &Value) -> Result<()> {
+        match first_difference("", &self.metadata.model_config, requested) {
+            None => Ok(()),
+            Some((field, saved, requested)) => Err(Error::ConfigMismatch {
+                path: self.dir.clone(),
+                field,
+                saved,
+                requested,
+            }),
+        }
+    }
+
+    fn file(&self, name: &str) -> Result<Arc<SafetensorsIndex>> {
+        // A poisoned lock only means another reader panicked mid-insert; the map is still valid.
+        let mut files = self.files.lock().unwrap_or_else(|p| p.into_inner());
+        if let Some(index) = files.get(name) {
+            return Ok(Arc::clone(index));
+        }
+        let index = Arc::new(SafetensorsIndex::open(&self.dir.join(name))?);
+        files.insert(name.to_string(), Arc::clone(&index));
+        Ok(index)
+    }
+
+    /// Reads the block `want` of tensor `name` from every saved block that overlaps it.
+    pub fn read_block(&self, name: &str, want: &Block) -> Result<Tensor> {
+        let entry = self.entry(name)?;
+        want.check_inside(name, &entry.shape)?;
+        let dtype = entry_dtype(name, entry)?;
+        let element = dtype.size_of();
+        let mut out = vec![0u8; want.volume() * element];
+        let mut copied = 0usize;
+        for saved in &entry.blocks {
+            if want.volume() == 0 || saved.block.intersect(want).is_none() {
+                continue;
+            }
+            let (stored, bytes) = self.file(&saved.file)?.read(&saved.key)?;
+            if stored.dtype != dtype || stored.shape != saved.block.shape {
+                return Err(Error::InconsistentTensor {
+                    name: name.to_string(),
+                    reason: format!(
+                        "{} holds {} {:?} under {}, metadata says {} {:?}",
+                        saved.file,
+                        stored.dtype.name(),
+                        stored.shape,
+                        saved.key,
+                        entry.dtype,
+                        saved.block.shape
+                    ),
+                });
+            }
+            copied += copy_overlap(&saved.block, &bytes, want, &mut out, element);
+        }
+        if copied != want.volume() {
+            return Err(Error::BlockCoverage {
+                name: name.to_string(),
+                covered: copied,
+                numel: want.volume(),
+            });
+        }
+        Tensor::from_bytes(&out, &want.shape, dtype).map_err(|source| Error::Tensor {
+            name: name.to_string(),
+            source,
+        })
+    }
+
+    /// Reads a whole tensor.
+    pub fn read_tensor(&self, name: &str) -> Result<Tensor> {
+        let shape = self.entry(name)?.shape.clone();
+        self.read_block(name, &Block::whole(&shape))
+    }
+}
+
+/// The first field (a dotted path) where two JSON values differ, with both values as text.
+fn first_difference(
+    path: &str,
+    saved: &Value,
+    requested: &Value,
+) -> Option<(String, String, String)> {
+    match (saved, requested) {
+        (Value::Object(a), Value::Object(b)) => {
+            let keys: std::collections::BTreeSet<&String> = a.keys().chain(b.keys()).collect();
+            keys.into_iter().find_map(|key| {
+                let field = if path.is_empty() {
+                    key.clone()
+                } else {
+                    format!("{path}.{key}")
+                };
+                match (a.get(key), b.get(key)) {
+                    (Some(x), Some(y)) => first_difference(&field, x, y),
+                    (x, y) => Some((field, show(x), show(y))),
+                }
+            })
+        }
+        _ if saved == requested => None,
+        _ => Some((
+            if path.is_empty() {
+                "model".to_string()
+            } else {
+                path.to_string()
+            },
+            saved.to_string(),
+            requested.to_string(),
+        )),
+    }
+}
+
+fn show(value: Option<&Value>) -> String {
+    value.map_or_else(|| "absent".to_string(), Value::to_string)
+}

@@ -1,0 +1,373 @@
+//! `hypershard launch`: a torchrun-compatible process launcher.
+//!
+//! It starts `nproc_per_node` copies of a command on this node with the variables torchrun
+//! sets (`RANK`, `WORLD_SIZE`, `LOCAL_RANK`, `LOCAL_WORLD_SIZE`, `MASTER_ADDR`, `MASTER_PORT`),
+//! so any program that calls `hypershard_collectives::tcp::init_from_env()` runs under it
+//! unchanged. It prefixes every output line with `[rank N] `, forwards SIGINT/SIGTERM to the
+//! ranks, and when one rank fails it stops the others and reports the failed rank and how it
+//! ended.
+//!
+//! The rendezvous store is hosted by global rank 0 (that is what `init_from_env` does); the
+//! launcher picks the port (a free one by default) and checks that a given port is free on
+//! node 0 before any rank starts.
+
+mod output;
+mod port;
+mod signal;
+
+use std::ffi::OsString;
+use std::os::unix::process::{CommandExt, ExitStatusExt};
+use std::process::{Child, Command, ExitStatus, Stdio};
+use std::sync::mpsc;
+use std::time::{Duration, Instant};
+
+pub use output::Sink;
+pub use port::{check_port_free, free_port};
+pub use signal::{SIGINT, SIGKILL, SIGTERM, SignalLatch, signal_group};
+
+use crate::error::{Error, ExitKind, Result};
+
+/// How often the launcher polls its ranks and the signal latch.
+const POLL_INTERVAL: Duration = Duration::from_millis(20);
+
+/// How long the launcher waits for the last output lines after every rank has exited.
+const OUTPUT_DRAIN: Duration = Duration::from_secs(2);
+
+/// What to launch and where it sits in the job.
+#[derive(Clone, Debug)]
+pub struct LaunchConfig {
+    /// Processes on this node (`--nproc-per-node`).
+    pub nproc_per_node: usize,
+    /// Nodes in the job (`--nnodes`).
+    pub nnodes: usize,
+    /// This node's index (`--node-rank`).
+    pub node_rank: usize,
+    /// The host of global rank 0 (`--master-addr`).
+    pub master_addr: String,
+    /// The rendezvous port (`--master-port`); `None` picks a free one (single node only).
+    pub master_port: Option<u16>,
+    /// The program to run.
+    pub program: OsString,
+    /// Its arguments.
+    pub args: Vec<OsString>,
+    /// Extra variables for every rank.
+    pub extra_env: Vec<(OsString, OsString)>,
+    /// How long stopped ranks get between SIGTERM and SIGKILL.
+    pub stop_timeout: Duration,
+    /// Local rank 0 writes straight to the launcher's terminal, unprefixed, so that a progress
+    /// bar it draws works (`hypershard train` sets this); the other ranks stay prefixed.
+    pub rank0_owns_terminal: bool,
+}
+
+impl LaunchConfig {
+    /// A single-node launch of `program args` on `nproc_per_node` ranks, free port, 127.0.0.1.
+    pub fn local(nproc_per_node: usize, program: OsString, args: Vec<OsString>) -> LaunchConfig {
+        LaunchConfig {
+            nproc_per_node,
+            nnodes: 1,
+            node_rank: 0,
+            master_addr: "127.0.0.1".to_string(),
+            master_port: None,
+            program,
+            args,
+            extra_env: Vec::new(),
+            stop_timeout: Duration::from_secs(5),
+            rank0_owns_terminal: false,
+        }
+    }
+
+    /// Ranks in the whole job.
+    pub fn world_size(&self) -> usize {
+        self.nproc_per_node.saturating_mul(self.nnodes)
+    }
+
+    fn validate(&self) -> Result<()> {
+        if self.nproc_per_node == 0 {
+            return Err(Error::InvalidLaunchOption {
+                option: "--nproc-per-node",
+                reason: "must be at least 1".to_string(),
+            });
+        }
+        if self.nnodes == 0 {
+            return Err(Error::InvalidLaunchOption {
+                option: "--nnodes",
+                reason: "must be at least 1".to_string(),
+            });
+        }
+        if self.node_rank >= self.nnodes {
+            return Err(Error::InvalidLaunchOption {
+                option: "--node-rank",
+                reason: format!("{} is not below --nnodes {}", self.node_rank, self.nnodes),
+            });
+        }
+        if self.nnodes > 1 && self.master_port.is_none() {
+            return Err(Error::InvalidLaunchOption {
+                option: "--master-port",
+                reason: "is required with --nnodes > 1 (every node must use the same port)"
+                    .to_string(),
+            });
+        }
+        if self.master_port == Some(0) {
+            return Err(Error::InvalidLaunchOption {
+                option: "--master-port",
+                reason: "must be between 1 and 65535".to_string(),
+            });
+        }
+        Ok(())
+    }
+}
+
+/// How a launch that ran every rank to completion went.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct LaunchReport {
+    /// The rendezvous port used.
+    pub master_port: u16,
+    /// Ranks in the job.
+    pub world_size: usize,
+}
+
+/// One running rank process.
+struct RankProcess {
+    rank: usize,
+    child: Child,
+    exited: Option<ExitStatus>,
+}
+
+/// Why the launcher is stopping the ranks early.
+#[derive(Clone, Copy, Debug)]
+enum StopReason {
+    RankFailed { rank: usize, status: ExitKind },
+    Interrupted { signal: i32 },
+}
+
+fn exit_kind(status: ExitStatus) -> ExitKind {
+    match (status.code(), status.signal()) {
+        (Some(code), _) => ExitKind::Code(code),
+        (None, Some(signal)) => ExitKind::Signal(signal),
+        // invariant: on Unix a finished process has either a code or a signal.
+        (None, None) => ExitKind::Code(-1),
+    }
+}
+
+/// Runs the job's ranks on this node until all have exited. Returns `Ok` when every rank
+/// exited with status 0, [`Error::RankFailed`] naming the first rank that did not (after
+/// stopping the others: SIGTERM, then SIGKILL after `stop_timeout`), and
+/// [`Error::Interrupted`] when SIGINT/SIGTERM arrived (forwarded to every rank).
+pub fn launch(config: &LaunchConfig) -> Result<LaunchReport> {
+    config.validate()?;
+    let master_port = match config.master_port {
+        Some(port) => {
+            if config.node_rank == 0 {
+                check_port_free(&config.master_addr, port)?;
+            }
+            port
+        }
+        None => free_port(&config.master_addr)?,
+    };
+    let latch = SignalLatch::install()?;
+    let world_size = config.world_size();
+    let (done_sender, done_receiver) = mpsc::channel();
+    let mut streams = 0usize;
+    let mut ranks: Vec<RankProcess> = Vec::with_capacity(config.nproc_per_node);
+    for local_rank in 0..config.nproc_per_node {
+        let rank = config.node_rank * config.nproc_per_node + local_rank;
+        let owns_terminal = config.rank0_owns_terminal && local_rank == 0;
+        let mut command = Command::new(&config.program);
+        command
+            .args(&config.args)
+            .env("RANK", rank.to_string())
+            .env("WORLD_SIZE", world_size.to_string())
+            .env("LOCAL_RANK", local_rank.to_string())
+            .env("LOCAL_WORLD_SIZE", config.nproc_per_node.to_string())
+            .env("GROUP_RANK", config.node_rank.to_string())
+            .env("MASTER_ADDR", &config.master_addr)
+            .env("MASTER_PORT", master_port.to_string())
+            .envs(config.extra_env.iter().map(|(k, v)| (k, v)))
+            .stdin(if owns_terminal {
+                Stdio::inherit()
+            } else {
+                Stdio::null()
+            })
+            .process_group(0);
+        if !owns_terminal {
+            command.stdout(Stdio::piped()).stderr(Stdio::piped());
+        }
+        let mut child = match command.spawn() {
+            Ok(child) => child,
+            Err(source) => {
+                stop_all(&mut ranks, config.stop_timeout);
+                return Err(Error::Spawn {
+                    rank,
+                    program: config.program.to_string_lossy().into_owned(),
+                    source,
+                });
+            }
+        };
+        let pipes = [
+            child
+                .stdout
+                .take()
+                .map(|s| (Box::new(s) as Box<dyn std::io::Read + Send>, Sink::Stdout)),
+            child
+                .stderr
+                .take()
+                .map(|s| (Box::new(s) as Box<dyn std::io::Read + Send>, Sink::Stderr)),
+        ];
+        for (reader, sink) in pipes.into_iter().flatten() {
+            if output::forward_lines(rank, reader, sink, done_sender.clone()).is_ok() {
+                streams += 1;
+            }
+        }
+        ranks.push(RankProcess {
+            rank,
+            child,
+            exited: None,
+        });
+    }
+    drop(done_sender);
+    tracing::info!(
+        world_size,
+        master_port,
+        node_rank = config.node_rank,
+        "launched ranks"
+    );
+
+    let outcome = supervise(&mut ranks, &latch, config.stop_timeout);
+    // The ranks have exited; give their last lines a moment to come through before the
+    // launcher prints its own verdict.
+    let drain_deadline = Instant::now() + OUTPUT_DRAIN;
+    for _ in 0..streams {
+        let left = drain_deadline.saturating_duration_since(Instant::now());
+        if done_receiver.recv_timeout(left).is_err() {
+            break;
+        }
+    }
+    match outcome? {
+        None => Ok(LaunchReport {
+            master_port,
+            world_size,
+        }),
+        Some(StopReason::RankFailed { rank, status }) => Err(Error::RankFailed { rank, status }),
+        Some(StopReason::Interrupted { signal }) => Err(Error::Interrupted { signal }),
+    }
+}
+
+/// Polls the ranks until all have exited, stopping the rest on the first failure or signal.
+fn supervise(
+    ranks: &mut [RankProcess],
+    latch: &SignalLatch,
+    stop_timeout: Duration,
+) -> Result<Option<StopReason>> {
+    let mut reason: Option<StopReason> = None;
+    let mut kill_at: Option<Instant> = None;
+    loop {
+        if let Some(signal) = latch.take() {
+            for process in ranks.iter().filter(|p| p.exited.is_none()) {
+                signal_group(process.child.id(), signal);
+            }
+            if reason.is_none() {
+                reason = Some(StopReason::Interrupted { signal });
+            }
+            kill_at.get_or_insert(Instant::now() + stop_timeout);
+        }
+        for index in 0..ranks.len() {
+            if ranks[index].exited.is_some() {
+                continue;
+            }
+            let rank = ranks[index].rank;
+            let status = ranks[index]
+                .child
+                .try_wait()
+                .map_err(|source| Error::Wait { rank, source })?;
+            let Some(status) = status else { continue };
+            ranks[index].exited = Some(status);
+            if !status.success() && reason.is_none() {
+                let kind = exit_kind(status);
+                tracing::info!(rank, status = %kind, "rank failed; stopping the others");
+                reason = Some(StopReason::RankFailed { rank, status: kind });
+                for process in ranks.iter().filter(|p| p.exited.is_none()) {
+                    signal_group(process.child.id(), SIGTERM);
+                }
+                kill_at = Some(Instant::now() + stop_timeout);
+            }
+        }
+        if ranks.iter().all(|p| p.exited.is_some()) {
+            return Ok(reason);
+        }
+        if let Some(deadline) = kill_at
+            && Instant::now() >= deadline
+        {
+            for process in ranks.iter().filter(|p| p.exited.is_none()) {
+                signal_group(process.child.id(), SIGKILL);
+            }
+        }
+        std::thread::sleep(POLL_INTERVAL);
+    }
+}
+
+/// Stops every started rank (used when a later rank cannot even be spawned).
+fn stop_all(ranks: &mut [RankProcess], stop_timeout: Duration) {
+    for process in ranks.iter() {
+        signal_group(process.child.id(), SIGTERM);
+    }
+    let deadline = Instant::now() + stop_timeout;
+    for process in ranks.iter_mut() {
+        loop {
+            match process.child.try_wait() {
+                Ok(Some(_)) | Err(_) => break,
+                Ok(None) if Instant::now() >= deadline => {
+                    signal_group(process.child.id(), SIGKILL);
+                    let _ = process.child.wait();
+                    break;
+                }
+                Ok(None) => std::thread::sleep(POLL_INTERVAL),
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn invalid_options_are_named() {
+        let base = LaunchConfig::local(2, "true".into(), Vec::new());
+        let mut bad = base.clone();
+        bad.nproc_per_node = 0;
+        assert!(matches!(
+            bad.validate(),
+            Err(Error::InvalidLaunchOption {
+                option: "--nproc-per-node",
+                ..
+            })
+        ));
+        let mut bad = base.clone();
+        bad.nnodes = 2;
+        bad.node_rank = 2;
+        assert!(matches!(
+            bad.validate(),
+            Err(Error::InvalidLaunchOption {
+                option: "--node-rank",
+                ..
+            })
+        ));
+        let mut bad = base.clone();
+        bad.nnodes = 2;
+        assert!(matches!(
+            bad.validate(),
+            Err(Error::InvalidLaunchOption {
+                option: "--master-port",
+                ..
+            })
+        ));
+        assert_eq!(base.world_size(), 2);
+        base.validate().unwrap();
+    }
+
+    #[test]
+    fn exit_kinds_distinguish_codes_and_signals() {
+        assert_eq!(exit_kind(ExitStatus::from_raw(3 << 8)), ExitKind::Code(3));
+        assert_eq!(exit_kind(ExitStatus::from_raw(15)), ExitKind::Signal(15));
+    }
+}
