@@ -228,3 +228,72 @@ fn cross_rank_disagreements_fail_every_rank_and_leave_the_comm_usable() {
         assert_eq!(outcome, (true, true, true, vec![3.0; 3]), "rank {rank}");
     }
 }
+
+#[test]
+fn stray_clients_on_a_ranks_port_are_refused_and_the_world_still_works() {
+    use std::io::{Read, Write};
+    use std::net::{SocketAddr, TcpStream};
+
+    use hypershard_collectives::tcp::{MESH_MAGIC, MESH_PROTOCOL_VERSION};
+
+    const SIZE: usize = 3;
+    let store: Arc<dyn Store> = Arc::new(MemoryStore::new());
+    let tcp = TcpConfig::default()
+        .with_segment_bytes(SEGMENT_BYTES)
+        .with_job_token(42)
+        .with_rendezvous_timeout(Duration::from_secs(20));
+    let config = CommConfig::default().with_timeout(Duration::from_secs(20));
+    let join = |rank: usize| {
+        let (store, tcp, config) = (store.clone(), tcp.clone(), config.clone());
+        std::thread::spawn(move || {
+            TcpCommunicator::connect(store.as_ref(), rank, SIZE, &tcp, config)
+        })
+    };
+    // Rank 0 starts alone, so the strays reach its listener before the real ranks do.
+    let rank0 = join(0);
+    let published = store.get("tcp/addr/0", Duration::from_secs(10)).unwrap();
+    let addr: SocketAddr = std::str::from_utf8(&published).unwrap().parse().unwrap();
+    let mut garbage = TcpStream::connect(addr).unwrap();
+    garbage.write_all(&[0xab; 64]).unwrap();
+    // A well-formed hello with another job's token is refused with code 2 (token).
+    let mut foreign = TcpStream::connect(addr).unwrap();
+    let mut hello = Vec::new();
+    hello.extend_from_slice(&MESH_MAGIC.to_le_bytes());
+    hello.extend_from_slice(&MESH_PROTOCOL_VERSION.to_le_bytes());
+    for word in [7u64, 1, SIZE as u64] {
+        hello.extend_from_slice(&word.to_le_bytes());
+    }
+    foreign.write_all(&hello).unwrap();
+    foreign
+        .set_read_timeout(Some(Duration::from_secs(10)))
+        .unwrap();
+    let mut refusal = [0u8; 1];
+    foreign.read_exact(&mut refusal).unwrap();
+    assert_eq!(refusal[0], 2, "token refusal code");
+    // The garbage gets no answer at all: the rank closes the connection.
+    garbage
+        .set_read_timeout(Some(Duration::from_secs(10)))
+        .unwrap();
+    let mut answer = [0u8; 8];
+    assert!(matches!(garbage.read(&mut answer), Ok(0) | Err(_)));
+    // The real ranks still form the world, and it computes.
+    let others = [join(1), join(2)];
+    let mut comms = vec![rank0.join().unwrap().unwrap()];
+    comms.extend(others.map(|h| h.join().unwrap().unwrap()));
+    let comms: Vec<Arc<dyn Communicator>> = comms
+        .into_iter()
+        .map(|c| Arc::new(c) as Arc<dyn Communicator>)
+        .collect();
+    let sums = run_ranks(SIZE, move |rank| {
+        let values: Vec<f64> = (0..100).map(|i| (rank * 100 + i) as f64).collect();
+        comms[rank]
+            .all_reduce(Buffer::from_vec(values), ReduceOp::Sum)?
+            .into_vec::<f64>()
+    })
+    .unwrap();
+    // Σ_r (100 r + i) over 3 ranks = 300 + 3 i.
+    let expected: Vec<f64> = (0..100).map(|i| (300 + 3 * i) as f64).collect();
+    assert!(sums.iter().all(|sum| *sum == expected));
+    // The listener closes with the rendezvous: a late stray cannot even connect.
+    assert!(TcpStream::connect(addr).is_err());
+}

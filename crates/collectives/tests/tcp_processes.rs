@@ -1,28 +1,67 @@
 //! Real processes: this binary spawns itself once per rank (torchrun-style environment read by
-//! `tcp::init_from_env`, rank 0 hosting the store), checks an all-reduce across the processes, then kills rank 2 with
-//! SIGKILL while ranks 0 and 1 wait in an all-reduce it never joins: both must fail with
-//! `PeerLost` or `Timeout` well within their deadline, and no process may hang.
+//! `tcp::init_from_env`, rank 0 hosting the store).
+//!
+//! 1. The conformance suite over real processes at world sizes 2, 3 and 4, while a stray
+//!    client sends garbage to the store's port and another connects and stays silent: the
+//!    job must not notice.
+//! 2. A world of 3 checks an all-reduce, then rank 2 is killed with SIGKILL while ranks 0 and 1
+//!    wait in an all-reduce it never joins: both must fail with `PeerLost` or `Timeout` well
+//!    within their deadline, and no process may hang.
 
-use std::io::{BufRead, BufReader};
-use std::net::TcpListener;
-use std::process::{Command, ExitCode, Stdio};
+use std::io::{BufRead, BufReader, Write};
+use std::net::{TcpListener, TcpStream};
+use std::process::{Child, Command, ExitCode, Stdio};
 use std::time::{Duration, Instant};
 
+use hypershard_collectives::conformance::{self, SuiteParams};
 use hypershard_collectives::tcp::{TcpConfig, init_from_env};
 use hypershard_collectives::{Buffer, Communicator, DType, Error, ReduceOp};
 
-const WORLD: usize = 3;
+const KILL_WORLD: usize = 3;
 const VICTIM: usize = 2;
+/// Set in every rank process; its value names what the rank does.
 const CHILD_VAR: &str = "HYPERSHARD_TCP_PROCESS_CHILD";
+const CONFORMANCE: &str = "conformance";
+const KILL: &str = "kill";
 /// Long enough that only a detected peer loss (not the deadline) ends the last op quickly.
 const OP_TIMEOUT: Duration = Duration::from_secs(20);
+/// Small enough that the suite's larger cases cross many segment boundaries.
+const SEGMENT_BYTES: usize = 256;
 
-fn child() -> ExitCode {
-    let tcp = TcpConfig::default()
-        .with_segment_bytes(256)
-        .with_rendezvous_timeout(Duration::from_secs(20));
+fn tcp_config() -> TcpConfig {
+    TcpConfig::default()
+        .with_segment_bytes(SEGMENT_BYTES)
+        .with_rendezvous_timeout(Duration::from_secs(20))
+}
+
+/// A rank of the conformance job: the whole suite, then a barrier so no rank leaves while
+/// another still needs it.
+fn conformance_child() -> ExitCode {
     // The op timeout comes from HYPERSHARD_TIMEOUT, set by the parent.
-    let world = init_from_env(&tcp).expect("tcp world");
+    let world = init_from_env(&tcp_config()).expect("tcp world");
+    let comm = world.comm.as_ref();
+    match conformance::run_all(comm, &SuiteParams::new(SEGMENT_BYTES)) {
+        Ok(report) if report.cases > 1000 => {}
+        Ok(report) => {
+            eprintln!("rank {}: only {} cases", comm.rank(), report.cases);
+            return ExitCode::from(5);
+        }
+        Err(failure) => {
+            eprintln!("rank {}: {failure}", comm.rank());
+            return ExitCode::from(6);
+        }
+    }
+    match comm.barrier() {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(e) => {
+            eprintln!("rank {}: final barrier: {e}", comm.rank());
+            ExitCode::from(7)
+        }
+    }
+}
+
+fn kill_child() -> ExitCode {
+    let world = init_from_env(&tcp_config()).expect("tcp world");
     let comm = world.comm.as_ref();
     // rank r contributes r + i; the sum over 3 ranks is 3 + 3i.
     let values: Vec<f32> = (0..1000).map(|i| (comm.rank() + i) as f32).collect();
@@ -58,24 +97,22 @@ fn child() -> ExitCode {
     }
 }
 
-fn main() -> ExitCode {
-    if std::env::var_os(CHILD_VAR).is_some() {
-        return child();
-    }
+/// Spawns `world` rank processes doing `mode`; returns them and the store's port.
+fn launch(world: usize, mode: &str) -> (Vec<Child>, u16) {
     // A free port for the store: bind port 0, read it, release it for rank 0 to take.
     let port = TcpListener::bind("127.0.0.1:0")
         .and_then(|l| l.local_addr())
         .expect("free port")
         .port();
     let exe = std::env::current_exe().expect("own path");
-    let mut children: Vec<_> = (0..WORLD)
+    let children = (0..world)
         .map(|rank| {
             Command::new(&exe)
-                .env(CHILD_VAR, "1")
+                .env(CHILD_VAR, mode)
                 .env("RANK", rank.to_string())
-                .env("WORLD_SIZE", WORLD.to_string())
+                .env("WORLD_SIZE", world.to_string())
                 .env("LOCAL_RANK", rank.to_string())
-                .env("LOCAL_WORLD_SIZE", WORLD.to_string())
+                .env("LOCAL_WORLD_SIZE", world.to_string())
                 .env("MASTER_ADDR", "127.0.0.1")
                 .env("MASTER_PORT", port.to_string())
                 .env("HYPERSHARD_TIMEOUT", OP_TIMEOUT.as_secs().to_string())
@@ -84,37 +121,98 @@ fn main() -> ExitCode {
                 .expect("spawn rank")
         })
         .collect();
+    (children, port)
+}
+
+/// Waits for every child until `deadline` (then kills what is left); returns whether every
+/// rank other than `skip` exited successfully.
+fn reap(children: &mut [Child], skip: Option<usize>, deadline: Instant) -> bool {
+    let mut ok = true;
+    for (rank, child) in children.iter_mut().enumerate() {
+        let status = loop {
+            match child.try_wait() {
+                Ok(Some(status)) => break Some(status),
+                Ok(None) if Instant::now() < deadline => {
+                    std::thread::sleep(Duration::from_millis(20));
+                }
+                _ => {
+                    let _ = child.kill();
+                    let _ = child.wait();
+                    break None;
+                }
+            }
+        };
+        if Some(rank) != skip && !status.is_some_and(|s| s.success()) {
+            eprintln!("rank {rank}: {status:?}");
+            ok = false;
+        }
+    }
+    ok
+}
+
+/// Connects to the store port once rank 0 listens, bounded by `deadline`.
+fn connect_when_listening(port: u16, deadline: Instant) -> Option<TcpStream> {
+    while Instant::now() < deadline {
+        if let Ok(stream) = TcpStream::connect(("127.0.0.1", port)) {
+            return Some(stream);
+        }
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    None
+}
+
+/// The conformance suite at one world size, with two stray clients on the store's port.
+fn conformance_job(world: usize) -> bool {
+    let start = Instant::now();
+    let deadline = start + Duration::from_secs(60);
+    let (mut children, port) = launch(world, CONFORMANCE);
+    let garbage = connect_when_listening(port, deadline).map(|mut stream| {
+        // Not the store's hello: the server drops this connection with a warning.
+        let _ = stream.write_all(&[0x5a; 64]);
+        stream
+    });
+    // Connects and says nothing; it must not hold anything up.
+    let silent = connect_when_listening(port, deadline);
+    let ok = reap(&mut children, None, deadline);
+    drop((garbage, silent));
+    eprintln!(
+        "tcp_processes: conformance at world {world}: {} in {:?}",
+        if ok { "ok" } else { "FAILED" },
+        start.elapsed()
+    );
+    ok
+}
+
+fn kill_job() -> bool {
+    let (mut children, _) = launch(KILL_WORLD, KILL);
     let start = Instant::now();
     let victim_out = children[VICTIM].stdout.take().expect("piped stdout");
     let mut line = String::new();
     let ready = BufReader::new(victim_out).read_line(&mut line).is_ok() && line.trim() == "ready";
     let _ = children[VICTIM].kill();
-    let mut ok = ready;
-    for (rank, child) in children.iter_mut().enumerate() {
-        // Bounded wait: poll until the overall deadline, then kill what is left.
-        let status = loop {
-            match child.try_wait() {
-                Ok(Some(status)) => break Some(status),
-                Ok(None) if start.elapsed() < Duration::from_secs(40) => {
-                    std::thread::sleep(Duration::from_millis(20));
-                }
-                _ => {
-                    let _ = child.kill();
-                    break None;
-                }
-            }
-        };
-        if rank != VICTIM && !status.is_some_and(|s| s.success()) {
-            eprintln!("rank {rank}: {status:?}");
-            ok = false;
-        }
-    }
+    let ok = reap(&mut children, Some(VICTIM), start + Duration::from_secs(40));
     let elapsed = start.elapsed();
-    if ok && elapsed < Duration::from_secs(15) {
-        println!("tcp_processes: ok in {elapsed:?}");
+    let fast = elapsed < Duration::from_secs(15);
+    eprintln!("tcp_processes: kill test: ready {ready}, ok {ok}, {elapsed:?}");
+    ready && ok && fast
+}
+
+fn main() -> ExitCode {
+    match std::env::var(CHILD_VAR).as_deref() {
+        Ok(CONFORMANCE) => return conformance_child(),
+        Ok(KILL) => return kill_child(),
+        _ => {}
+    }
+    let mut ok = true;
+    for world in [2, 3, 4] {
+        ok &= conformance_job(world);
+    }
+    ok &= kill_job();
+    if ok {
+        println!("tcp_processes: ok");
         ExitCode::SUCCESS
     } else {
-        eprintln!("tcp_processes: failed (ready: {ready}, elapsed {elapsed:?})");
+        eprintln!("tcp_processes: failed");
         ExitCode::FAILURE
     }
 }

@@ -7,14 +7,15 @@
 //! [`Transport`]. Split groups reuse the world's sockets: their frames carry their own group
 //! id, derived deterministically from the parent's id, the split count and the color.
 
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
 use std::sync::atomic::{AtomicU64, Ordering};
 
 use super::config::{AllReduceAlgorithm, BroadcastAlgorithm, TcpConfig};
 use super::mesh::Mesh;
 use super::transport::Transport;
 use super::{alltoall, barrier, broadcast, p2p, ring, rooted, split};
-use crate::buffer::Buffer;
+use crate::buffer::{Buffer, HostBuffer};
+use crate::dtype::DType;
 use crate::communicator::Communicator;
 use crate::config::CommConfig;
 use crate::engine::{JobContext, JobSpec, ProgressEngine};
@@ -50,9 +51,27 @@ pub(crate) struct Inner {
     next_collective: AtomicU64,
     /// How many splits this rank has made, for deriving the children's group ids.
     pub(crate) splits: AtomicU64,
+    /// Working memory reused by every op of this group (ops run one at a time on the
+    /// progress thread, so the lock is never contended). Fresh large allocations fault in
+    /// every page, which on small VMs costs more than moving the data over loopback, so a
+    /// reduce-scatter keeps its working copy here instead of allocating one per call.
+    scratch: Mutex<HostBuffer>,
 }
 
 impl Inner {
+    /// Runs `job` on `len` bytes of this group's scratch memory (64-byte aligned, contents
+    /// unspecified), growing it first if it is smaller.
+    pub(crate) fn with_scratch<T>(&self, len: usize, job: impl FnOnce(&mut [u8]) -> T) -> T {
+        let mut scratch = self
+            .scratch
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner);
+        if scratch.byte_len() < len {
+            *scratch = HostBuffer::zeros(DType::U8, len);
+        }
+        job(&mut scratch.as_bytes_mut()[..len])
+    }
+
     pub(crate) fn next_seq(&self) -> u64 {
         self.next_collective.fetch_add(1, Ordering::Relaxed)
     }
@@ -105,6 +124,7 @@ impl TcpCommunicator {
             name: "world".to_string(),
             next_collective: AtomicU64::new(0),
             splits: AtomicU64::new(0),
+            scratch: Mutex::new(HostBuffer::zeros(DType::U8, 0)),
         })
     }
 
@@ -131,6 +151,7 @@ impl TcpCommunicator {
             name,
             next_collective: AtomicU64::new(0),
             splits: AtomicU64::new(0),
+            scratch: Mutex::new(HostBuffer::zeros(DType::U8, 0)),
         })
     }
 

@@ -181,8 +181,18 @@ fn connect_to(
     Ok(stream)
 }
 
-/// Accepts one connection from every rank above `rank`. Connections with a bad hello are
-/// refused (with a warning) and do not count; the rendezvous goes on until the deadline.
+/// What a hello reader thread reports.
+struct HelloOutcome {
+    stream: TcpStream,
+    from: SocketAddr,
+    hello: std::result::Result<Hello, HelloFailure>,
+}
+
+/// Accepts one connection from every rank above `rank`. Each accepted connection's hello is
+/// read on its own short-lived thread (bounded by [`HELLO_TIMEOUT`]), so a stray client that
+/// connects and then sends nothing, or too little, cannot stall the rendezvous of the real
+/// ranks. Connections with a bad hello are refused (with a warning) and do not count; the
+/// rendezvous goes on until the deadline.
 fn accept_higher(
     listener: &TcpListener,
     peers: &mut [Option<TcpStream>],
@@ -194,6 +204,7 @@ fn accept_higher(
     listener
         .set_nonblocking(true)
         .map_err(io_error(IoAction::SocketOption, None))?;
+    let (hellos, outcomes) = std::sync::mpsc::channel::<HelloOutcome>();
     while peers[rank + 1..].iter().any(Option::is_none) {
         if Instant::now() >= deadline {
             return Err(Error::RendezvousTimeout {
@@ -204,12 +215,34 @@ fn accept_higher(
                 after: config.rendezvous_timeout,
             });
         }
-        let (mut stream, from) = match listener.accept() {
-            Ok(accepted) => accepted,
-            Err(e) if e.kind() == io::ErrorKind::WouldBlock => {
-                thread::sleep(Duration::from_millis(5));
-                continue;
+        match listener.accept() {
+            Ok((stream, from)) => {
+                let setup = stream
+                    .set_nonblocking(false)
+                    .and_then(|()| stream.set_read_timeout(Some(HELLO_TIMEOUT)));
+                if let Err(e) = setup {
+                    tracing::warn!(rank, %from, error = %e, "tcp mesh: cannot configure an accepted socket");
+                    continue;
+                }
+                let hellos = hellos.clone();
+                let (token, world) = (config.job_token, world_size as u64);
+                let spawned = thread::Builder::new()
+                    .name(format!("hypershard-tcp-hello-{rank}"))
+                    .spawn(move || {
+                        let mut stream = stream;
+                        let hello = read_hello(&mut stream, token, world);
+                        // The rendezvous may be over already; then nobody wants the outcome.
+                        let _ = hellos.send(HelloOutcome {
+                            stream,
+                            from,
+                            hello,
+                        });
+                    });
+                if let Err(e) = spawned {
+                    tracing::warn!(rank, %from, error = %e, "tcp mesh: cannot start a hello reader");
+                }
             }
+            Err(e) if e.kind() == io::ErrorKind::WouldBlock => {}
             Err(e) if e.kind() == io::ErrorKind::Interrupted => continue,
             Err(e) => {
                 return Err(Error::Io {
@@ -218,40 +251,47 @@ fn accept_higher(
                     source: e,
                 });
             }
-        };
-        let setup = stream
-            .set_nonblocking(false)
-            .and_then(|()| stream.set_read_timeout(Some(HELLO_TIMEOUT)));
-        if let Err(e) = setup {
-            tracing::warn!(rank, %from, error = %e, "tcp mesh: cannot configure an accepted socket");
-            continue;
         }
-        match read_hello(&mut stream, config.job_token, world_size as u64) {
-            Ok(hello) => {
-                // invariant: read_hello checked hello.rank < world_size, which is a usize.
-                let peer = hello.rank as usize;
-                if peer <= rank || peers[peer].is_some() {
-                    tracing::warn!(rank, %from, claimed = peer, "tcp mesh: refusing a duplicate or lower rank");
-                    let _ = stream.write_all(&[REFUSED_RANK]);
-                    continue;
-                }
-                let mut reply = [0u8; 9];
-                reply[0] = ACCEPTED;
-                reply[1..].copy_from_slice(&(rank as u64).to_le_bytes());
-                stream
-                    .write_all(&reply)
-                    .map_err(io_error(IoAction::Write, Some(peer)))?;
-                stream
-                    .set_read_timeout(None)
-                    .map_err(io_error(IoAction::SocketOption, Some(peer)))?;
-                peers[peer] = Some(stream);
+        match outcomes.recv_timeout(Duration::from_millis(5)) {
+            Ok(outcome) => admit(outcome, peers, rank)?,
+            Err(_) => continue,
+        }
+    }
+    Ok(())
+}
+
+/// Files a connection whose hello was read into `peers`, or refuses it (with a warning).
+fn admit(outcome: HelloOutcome, peers: &mut [Option<TcpStream>], rank: usize) -> Result<()> {
+    let HelloOutcome {
+        mut stream,
+        from,
+        hello,
+    } = outcome;
+    match hello {
+        Ok(hello) => {
+            // invariant: read_hello checked hello.rank < world_size, which is a usize.
+            let peer = hello.rank as usize;
+            if peer <= rank || peers[peer].is_some() {
+                tracing::warn!(rank, %from, claimed = peer, "tcp mesh: refusing a duplicate or lower rank");
+                let _ = stream.write_all(&[REFUSED_RANK]);
+                return Ok(());
             }
-            Err(HelloFailure::Violation(violation)) => {
-                tracing::warn!(rank, %from, %violation, "tcp mesh: refused a connection");
-            }
-            Err(HelloFailure::Io(e)) => {
-                tracing::warn!(rank, %from, error = %e, "tcp mesh: a connection failed during its hello");
-            }
+            let mut reply = [0u8; 9];
+            reply[0] = ACCEPTED;
+            reply[1..].copy_from_slice(&(rank as u64).to_le_bytes());
+            stream
+                .write_all(&reply)
+                .map_err(io_error(IoAction::Write, Some(peer)))?;
+            stream
+                .set_read_timeout(None)
+                .map_err(io_error(IoAction::SocketOption, Some(peer)))?;
+            peers[peer] = Some(stream);
+        }
+        Err(HelloFailure::Violation(violation)) => {
+            tracing::warn!(rank, %from, %violation, "tcp mesh: refused a connection");
+        }
+        Err(HelloFailure::Io(e)) => {
+            tracing::warn!(rank, %from, error = %e, "tcp mesh: a connection failed during its hello");
         }
     }
     Ok(())
@@ -261,6 +301,7 @@ fn accept_higher(
 mod tests {
     use super::*;
     use crate::store::MemoryStore;
+    use crate::tcp::MESH_MAGIC;
     use crate::tcp::handshake::HELLO_BYTES;
     use std::sync::Arc;
 
@@ -343,6 +384,34 @@ mod tests {
         let rank0 = rank0.join().unwrap().unwrap();
         assert!(rank0.peer(1).is_some());
         assert!(rank1.peer(0).is_some());
+    }
+
+    #[test]
+    fn a_silent_stray_connection_does_not_stall_the_rendezvous() {
+        let store = Arc::new(MemoryStore::new());
+        let config = TcpConfig::default().with_rendezvous_timeout(Duration::from_secs(10));
+        let rank0 = {
+            let store = store.clone();
+            let config = config.clone();
+            thread::spawn(move || Mesh::establish(&*store, 0, 2, &config))
+        };
+        let published = store.get(&address_key(0), Duration::from_secs(10)).unwrap();
+        let addr: SocketAddr = std::str::from_utf8(&published).unwrap().parse().unwrap();
+        // Three bytes of a hello, then silence: its reader waits for the rest until
+        // HELLO_TIMEOUT, but the real rank 1 must get through long before that.
+        let mut silent = TcpStream::connect(addr).unwrap();
+        silent.write_all(&MESH_MAGIC.to_le_bytes()[..3]).unwrap();
+        thread::sleep(Duration::from_millis(50));
+        let started = Instant::now();
+        let rank1 = Mesh::establish(&*store, 1, 2, &config).unwrap();
+        let rank0 = rank0.join().unwrap().unwrap();
+        assert!(
+            started.elapsed() < HELLO_TIMEOUT / 2,
+            "{:?}",
+            started.elapsed()
+        );
+        assert!(rank0.peer(1).is_some() && rank1.peer(0).is_some());
+        drop(silent);
     }
 
     #[test]

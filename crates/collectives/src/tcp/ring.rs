@@ -11,7 +11,7 @@ use super::communicator::Inner;
 use super::config::AllReduceAlgorithm;
 use super::link::{Exchange, Link};
 use crate::blocks::{byte_blocks, copy_segment, even_block, send_and_recv_views};
-use crate::buffer::{Buffer, HostBuffer};
+use crate::buffer::Buffer;
 use crate::dtype::DType;
 use crate::engine::JobContext;
 use crate::error::{Error, Result};
@@ -236,13 +236,15 @@ pub(crate) fn reduce_scatter(
     // invariant: a failed plan is a posted fault, and open returned it above.
     let plan = plan.ok_or(Error::UnsupportedOp { op, dtype })?;
     let blocks = byte_blocks(&counts, dtype);
-    let mut work = HostBuffer::from_bytes(dtype, input.as_bytes())?;
-    let work_bytes = work.as_bytes_mut();
-    plan.prepare(work_bytes)?;
-    ring_reduce_scatter(&link, &plan, work_bytes, &blocks)?;
-    let own = &mut work_bytes[blocks[rank].clone()];
-    plan.finish(own)?;
-    output.as_bytes_mut().copy_from_slice(own);
+    inner.with_scratch(input.byte_len(), |work| -> Result<()> {
+        work.copy_from_slice(input.as_bytes());
+        plan.prepare(work)?;
+        ring_reduce_scatter(&link, &plan, work, &blocks)?;
+        let own = &mut work[blocks[rank].clone()];
+        plan.finish(own)?;
+        output.as_bytes_mut().copy_from_slice(own);
+        Ok(())
+    })?;
     Ok(BufferPair {
         input: Buffer::Host(input),
         output: Buffer::Host(output),

@@ -94,8 +94,9 @@ struct State {
     aborted: bool,
 }
 
-/// How many spent payload buffers the transport keeps for reuse.
-const POOLED_PAYLOADS: usize = 32;
+/// How many spent payload buffers the transport keeps for reuse: enough for 64 segments in
+/// flight (64 MiB at the default segment size), the most a large ring step queues up.
+const POOLED_PAYLOADS: usize = 64;
 
 #[derive(Debug, Default)]
 struct Shared {
