@@ -4,8 +4,8 @@
 //! storage into a communication buffer (one copy, the copy-in) and unpacks the result straight
 //! into tensor storage (one copy, the copy-out).
 
-use hypershard_collectives::DType as CommDType;
-use hypershard_tensor::{DType, Storage, Tensor};
+use hypershard_collectives::{Buffer, DType as CommDType};
+use hypershard_tensor::{DType, ForeignBytes, HostBuffer, Storage, Tensor};
 
 use crate::error::{FsdpError, Result};
 
@@ -21,6 +21,33 @@ pub(crate) fn comm_dtype(dtype: DType) -> Option<CommDType> {
         DType::U8 => Some(CommDType::U8),
         _ => None,
     }
+}
+
+/// A collective's output buffer adopted as tensor storage.
+struct CommBytes(hypershard_collectives::HostBuffer);
+
+impl ForeignBytes for CommBytes {
+    fn bytes(&self) -> &[u8] {
+        self.0.as_bytes()
+    }
+
+    fn bytes_mut(&mut self) -> &mut [u8] {
+        self.0.as_bytes_mut()
+    }
+}
+
+/// A flat tensor of `dtype` over the bytes of `buffer`, without copying when the buffer is
+/// aligned for tensor kernels (collectives allocate 64-byte aligned, so it always is).
+pub(crate) fn tensor_from_buffer(buffer: Buffer, dtype: DType) -> Result<Tensor> {
+    let host = buffer.into_host().map_err(|_| FsdpError::NotHostStorage {
+        op: "tensor_from_buffer",
+    })?;
+    let numel = host.len();
+    let storage = match HostBuffer::from_foreign(Box::new(CommBytes(host))) {
+        Ok(storage) => storage,
+        Err(foreign) => HostBuffer::from_bytes(foreign.bytes()),
+    };
+    Ok(Tensor::from_host_buffer(storage, &[numel], dtype)?)
 }
 
 /// Calls `f` with the bytes of `tensor` in row-major order (a contiguous copy is made first
@@ -102,6 +129,21 @@ mod tests {
         let bytes = with_bytes(&m, |b| b.to_vec())?;
         let t = Tensor::from_bytes(&bytes, &[2, 2], DType::F32)?;
         assert_eq!(t.to_vec::<f32>()?, vec![1.0, 3.0, 2.0, 4.0]);
+        Ok(())
+    }
+
+    #[test]
+    fn a_comm_buffer_becomes_a_tensor_without_copying() -> Result<()> {
+        let buffer = Buffer::from_vec(vec![1.0f32, 2.0, 3.0]);
+        let address = buffer
+            .as_host()
+            .map_err(FsdpError::from)?
+            .as_bytes()
+            .as_ptr() as usize;
+        let t = tensor_from_buffer(buffer, DType::F32)?;
+        assert_eq!(t.to_vec::<f32>()?, vec![1.0, 2.0, 3.0]);
+        let adopted = with_bytes(&t, |b| b.as_ptr() as usize)?;
+        assert_eq!(adopted, address);
         Ok(())
     }
 }

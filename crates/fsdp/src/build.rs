@@ -2,9 +2,7 @@
 //! cutting the local shards and planning the buckets.
 
 use std::collections::BTreeSet;
-use std::sync::Arc;
 
-use hypershard_collectives::Communicator;
 use hypershard_nn::{Module, join_name};
 
 use crate::bridge::comm_dtype;
@@ -15,6 +13,18 @@ use crate::group::{GroupParts, PostForward};
 use crate::layout::ShardLayout;
 use crate::module::FsdpModule;
 use crate::param::{FsdpParam, ParamRole, ShardedState};
+
+/// Whether `param` (a dotted name relative to the wrapped module) is named by `list`: equal to
+/// an entry, or ending in `.entry` (so `bias` names every bias, and one config can be reused
+/// for children and their parent).
+fn named_by(list: &BTreeSet<String>, param: &str) -> bool {
+    list.iter().any(|entry| {
+        param == entry
+            || param
+                .strip_suffix(entry.as_str())
+                .is_some_and(|head| head.ends_with('.'))
+    })
+}
 
 /// Names of every parameter that lives under a nested unit of `module`.
 fn nested_unit_names(
@@ -36,29 +46,26 @@ fn nested_unit_names(
     })
 }
 
-/// The post-forward policy and group after checking `reshard_after_forward` against the
-/// shard group. Collective (it may split the shard group), so it runs after every check that
-/// could fail on one rank only.
-fn post_forward_policy(
-    config: &FullyShardConfig,
-) -> Result<(PostForward, Option<Arc<dyn Communicator>>, Option<usize>)> {
+/// The post-forward policy and, for a smaller group, its size, after checking
+/// `reshard_after_forward` against the shard group.
+fn post_forward_policy(config: &FullyShardConfig) -> Result<(PostForward, Option<usize>)> {
     let shard_world = config.mesh.shard_world();
     match config.reshard_after_forward {
-        ReshardAfterForward::Reshard => Ok((PostForward::Reshard, None, None)),
-        ReshardAfterForward::Keep => Ok((PostForward::Keep, None, None)),
+        ReshardAfterForward::Reshard => Ok((PostForward::Reshard, None)),
+        ReshardAfterForward::Keep => Ok((PostForward::Keep, None)),
         ReshardAfterForward::ToGroupOf(size) => {
-            if size == 0 || shard_world % size != 0 {
+            if size == 0 || !shard_world.is_multiple_of(size) {
                 return Err(FsdpError::ReshardSize {
                     value: size,
                     shard_world,
                 });
             }
             if size == shard_world {
-                Ok((PostForward::Reshard, None, None))
+                Ok((PostForward::Reshard, None))
             } else if size == 1 {
-                Ok((PostForward::Keep, None, None))
+                Ok((PostForward::Keep, None))
             } else {
-                Ok((PostForward::ToGroup, None, Some(size)))
+                Ok((PostForward::ToGroup, Some(size)))
             }
         }
     }
@@ -95,7 +102,11 @@ pub(crate) fn build_group(
         ("ignored_params", &config.ignored_params),
         ("replicate_params", &config.replicate_params),
     ] {
-        if let Some(unknown) = names.iter().find(|n| !all_names.contains(*n)) {
+        let unknown = names.iter().find(|entry| {
+            let single = BTreeSet::from([(*entry).clone()]);
+            !all_names.iter().any(|name| named_by(&single, name))
+        });
+        if let Some(unknown) = unknown {
             return Err(FsdpError::UnknownParam {
                 list,
                 param: unknown.clone(),
@@ -104,7 +115,7 @@ pub(crate) fn build_group(
     }
     let mut nested = BTreeSet::new();
     nested_unit_names(module, "", &mut nested)?;
-    let (post_forward, _, post_size) = post_forward_policy(config)?;
+    let (post_forward, post_size) = post_forward_policy(config)?;
 
     let mesh = config.mesh.clone();
     let shard_world = mesh.shard_world();
@@ -113,7 +124,18 @@ pub(crate) fn build_group(
     let mut params: Vec<FsdpParam> = Vec::new();
     let mut failure: Option<FsdpError> = None;
     module.visit_params("", &mut |name, param| {
-        if failure.is_some() || nested.contains(name) || config.ignored_params.contains(name) {
+        if failure.is_some() || nested.contains(name) {
+            return Ok(());
+        }
+        let ignored = named_by(&config.ignored_params, name);
+        let replicate = named_by(&config.replicate_params, name);
+        if ignored && replicate {
+            failure = Some(FsdpError::IgnoredAndReplicated {
+                param: name.to_string(),
+            });
+            return Ok(());
+        }
+        if ignored {
             return Ok(());
         }
         let data = param.data()?;
@@ -126,7 +148,7 @@ pub(crate) fn build_group(
             return Ok(());
         }
         let shape = data.shape().to_vec();
-        let replicated = config.replicate_params.contains(name) || shape.is_empty();
+        let replicated = replicate || shape.is_empty();
         let dim = match &config.shard_placement_fn {
             Some(choose) if !replicated => choose(name, param).unwrap_or(0),
             _ => 0,

@@ -99,9 +99,11 @@ pub struct FullyShardConfig {
     pub offload_policy: Option<CpuOffloadPolicy>,
     /// Communication fusion.
     pub comm_fusion: CommFusionPolicy,
-    /// Parameters (names relative to the wrapped module) fully_shard leaves alone.
+    /// Parameters fully_shard leaves alone. An entry names the parameter with that dotted name
+    /// relative to the wrapped module, or every parameter whose name ends in `.entry`.
     pub ignored_params: BTreeSet<String>,
-    /// Parameters kept whole on every rank, with gradients all-reduced (DDP-style).
+    /// Parameters kept whole on every rank, with gradients all-reduced (DDP-style); named as
+    /// in `ignored_params`.
     pub replicate_params: BTreeSet<String>,
     /// How gradients are combined.
     pub reduce_op: GradReduceOp,

@@ -13,7 +13,7 @@ use hypershard_collectives::{Buffer, BufferPair, Communicator, ReduceOp, Work};
 use hypershard_nn::Module;
 use hypershard_tensor::{DType, Tensor};
 
-use crate::bridge::comm_dtype;
+use crate::bridge::{comm_dtype, tensor_from_buffer};
 use crate::bucket::BucketPlan;
 use crate::config::{CommFusionPolicy, GradReduceOp, MixedPrecisionPolicy};
 use crate::error::{FsdpError, Result};
@@ -298,7 +298,7 @@ impl ParamGroup {
                 .collect();
             // With zero_copy the bucket's parameters are views into one flat storage, freed
             // together on reshard; otherwise each parameter owns its storage.
-            let flat = if self.fusion.zero_copy {
+            let flat = if self.fusion.zero_copy && bucket.members.len() > 1 {
                 Some(Tensor::zeros(
                     &[numels.iter().sum::<usize>()],
                     bucket.dtype,
@@ -306,6 +306,28 @@ impl ParamGroup {
             } else {
                 None
             };
+            // A bucket of one dim-0 parameter holds exactly the padded parameter in rank
+            // order, so with zero_copy the parameter is a view straight into the output.
+            if self.fusion.zero_copy && bucket.members.len() == 1 {
+                let member = bucket.members[0];
+                let layout = if pending.post_forward {
+                    self.params[member]
+                        .post_layout
+                        .clone()
+                        .unwrap_or_else(|| self.params[member].layout.clone())
+                } else {
+                    self.params[member].layout.clone()
+                };
+                if layout.dim == 0 && bucket.offsets[0] == 0 {
+                    check_len(&output, bucket.per_rank * layout.world, "unshard copy-out")?;
+                    let flat = tensor_from_buffer(output, bucket.dtype)?;
+                    let param = &mut self.params[member];
+                    param.unsharded = Some(flat.narrow(0, 0, numels[0])?.view(&layout.shape)?);
+                    param.post_forward = None;
+                    param.state = ShardedState::Unsharded;
+                    continue;
+                }
+            }
             let bytes = host_bytes(&output, "unshard copy-out")?;
             let mut flat_offset = 0;
             for ((&member, &offset), &numel) in

@@ -62,11 +62,7 @@ impl DataParallelMesh {
 
     /// A `replicas × world/replicas` mesh (HSDP).
     pub fn hsdp(world: Arc<dyn Communicator>, replicas: usize) -> Result<Arc<Self>> {
-        let shards = if replicas == 0 {
-            0
-        } else {
-            world.size() / replicas
-        };
+        let shards = world.size().checked_div(replicas).unwrap_or(0);
         let mesh = DeviceMesh::new(&[replicas, shards], &["dp_replicate", "dp_shard"])?;
         Self::new(mesh, world)
     }
@@ -110,7 +106,7 @@ impl DataParallelMesh {
     /// smaller group after forward. Collective over the shard group on first use of a size.
     pub fn post_forward_group(&self, size: usize) -> Result<Arc<dyn Communicator>> {
         let shard_world = self.shard_world();
-        if size == 0 || shard_world % size != 0 {
+        if size == 0 || !shard_world.is_multiple_of(size) {
             return Err(FsdpError::ReshardSize {
                 value: size,
                 shard_world,
