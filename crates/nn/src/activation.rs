@@ -4,7 +4,7 @@ use std::f64::consts::{FRAC_1_SQRT_2, PI};
 
 use hypershard_tensor::Tensor;
 
-use crate::kernels::{Float, load, store, with_float};
+use crate::kernels::{Float, build, with_float, with_values, with_values2};
 use crate::module::{ParamVisitor, ParamVisitorMut};
 use crate::{Error, Module, Result};
 
@@ -78,18 +78,20 @@ trait Pointwise {
     /// `f'(x)`.
     fn derivative<F: Float>(&self, x: F) -> F;
 
-    /// `f` over a slice. A formula chosen by a runtime field (GELU's approximation) is chosen
-    /// once here, outside the loop, so the loop body is branch-free and vectorises.
-    fn values<F: Float>(&self, xs: &[F]) -> Vec<F> {
-        xs.iter().map(|&x| self.value(x)).collect()
+    /// `out = f(xs)` over slices of one length. A formula chosen by a runtime field (GELU's
+    /// approximation) is chosen once here, outside the loop, so the loop body is branch-free
+    /// and vectorises.
+    fn values<F: Float>(&self, xs: &[F], out: &mut [F]) {
+        for (o, &x) in out.iter_mut().zip(xs) {
+            *o = self.value(x);
+        }
     }
 
-    /// `g · f'(x)` over two slices (see [`values`](Pointwise::values)).
-    fn grads<F: Float>(&self, xs: &[F], gs: &[F]) -> Vec<F> {
-        xs.iter()
-            .zip(gs)
-            .map(|(&x, &g)| g * self.derivative(x))
-            .collect()
+    /// `out = gs · f'(xs)` over slices of one length (see [`values`](Pointwise::values)).
+    fn grads<F: Float>(&self, xs: &[F], gs: &[F], out: &mut [F]) {
+        for ((o, &x), &g) in out.iter_mut().zip(xs).zip(gs) {
+            *o = g * self.derivative(x);
+        }
     }
 }
 
@@ -138,18 +140,21 @@ impl Pointwise for Relu {
 }
 
 impl Pointwise for Gelu {
-    fn values<F: Float>(&self, xs: &[F]) -> Vec<F> {
+    fn values<F: Float>(&self, xs: &[F], out: &mut [F]) {
+        let pairs = out.iter_mut().zip(xs);
         match self.approximation {
-            GeluApproximation::None => xs.iter().map(|&x| gelu_exact(x)).collect(),
-            GeluApproximation::Tanh => xs.iter().map(|&x| gelu_tanh(x)).collect(),
+            GeluApproximation::None => pairs.for_each(|(o, &x)| *o = gelu_exact(x)),
+            GeluApproximation::Tanh => pairs.for_each(|(o, &x)| *o = gelu_tanh(x)),
         }
     }
 
-    fn grads<F: Float>(&self, xs: &[F], gs: &[F]) -> Vec<F> {
-        let zip = xs.iter().zip(gs);
+    fn grads<F: Float>(&self, xs: &[F], gs: &[F], out: &mut [F]) {
+        let triples = out.iter_mut().zip(xs).zip(gs);
         match self.approximation {
-            GeluApproximation::None => zip.map(|(&x, &g)| g * gelu_exact_grad(x)).collect(),
-            GeluApproximation::Tanh => zip.map(|(&x, &g)| g * gelu_tanh_grad(x)).collect(),
+            GeluApproximation::None => {
+                triples.for_each(|((o, &x), &g)| *o = g * gelu_exact_grad(x))
+            }
+            GeluApproximation::Tanh => triples.for_each(|((o, &x), &g)| *o = g * gelu_tanh_grad(x)),
         }
     }
 
@@ -180,8 +185,9 @@ impl Pointwise for Silu {
 /// `f(x)` for every element of `input`, in the compute type of its dtype.
 fn apply<P: Pointwise>(op: &'static str, f: &P, input: &Tensor) -> Result<Tensor> {
     with_float!(op, input.dtype(), F => {
-        let xs = load::<F>(input)?;
-        store(f.values(&xs), input.shape(), input.dtype())
+        build::<F>(input.shape(), input.dtype(), |out| {
+            with_values::<F, _>(input, |xs| f.values(xs, out))
+        })
     })
 }
 
@@ -207,9 +213,9 @@ fn apply_grad<P: Pointwise>(
         });
     }
     with_float!(op, input.dtype(), F => {
-        let xs = load::<F>(input)?;
-        let gs = load::<F>(grad)?;
-        store(f.grads(&xs, &gs), input.shape(), input.dtype())
+        build::<F>(input.shape(), input.dtype(), |out| {
+            with_values2::<F, _>(input, grad, |xs, gs| f.grads(xs, gs, out))
+        })
     })
 }
 

@@ -9,7 +9,7 @@ use hypershard_tensor::{DType, RandomInit, Tensor};
 use crate::checkpoint::{load_state_dict, save_safetensors};
 use crate::elementwise::check_float;
 use crate::embedding::{Embedding, gather_rows, scatter_add_rows};
-use crate::kernels::{Float, add_assign, load, store, with_float};
+use crate::kernels::{Float, add_assign, load, store, with_float, with_values, with_values2};
 use crate::linalg::{GemmShape, MatmulOptions, gemm};
 use crate::module::{ChildVisitorMut, ParamVisitor, ParamVisitorMut, join_name};
 use crate::{
@@ -329,7 +329,8 @@ impl Module for Gpt {
             },
         )?;
         let logits = with_float!(OP, wte.dtype(), F => {
-            let logits = gemm(&load::<F>(&final_hidden)?, &load::<F>(wte)?, shape)?;
+            let logits =
+                with_values2::<F, _>(&final_hidden, wte, |h, w| gemm(h, w, shape))??;
             store(logits, &[batch, seq, v], wte.dtype())?
         });
         self.cache = Some(GptCache {
@@ -379,9 +380,9 @@ impl Module for Gpt {
                     transpose_b: false,
                 },
             )?;
-            let head = gemm(&g, &load::<F>(&cache.final_hidden)?, dw_shape)?;
+            let head = with_values::<F, _>(&cache.final_hidden, |h| gemm(&g, h, dw_shape))??;
             let dh_shape = GemmShape::new(tokens, v, c, MatmulOptions::default())?;
-            let dh = gemm(&g, &load::<F>(wte)?, dh_shape)?;
+            let dh = with_values::<F, _>(wte, |w| gemm(&g, w, dh_shape))??;
             (
                 Tensor::from_vec(head, &[v, c])?,
                 store(dh, &[batch, seq, c], dtype)?,

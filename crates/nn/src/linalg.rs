@@ -169,11 +169,26 @@ const MIN_BLOCK_ROWS: usize = 32;
 /// inside the slices. With more than one rayon thread and a large enough product, the rows of
 /// `C` are split into contiguous blocks computed in parallel.
 pub(crate) fn gemm<F: Float>(a: &[F], b: &[F], shape: GemmShape) -> Result<Vec<F>> {
+    let mut c = vec![F::ZERO; shape.m.saturating_mul(shape.n)];
+    gemm_into(a, b, shape, &mut c)?;
+    Ok(c)
+}
+
+/// [`gemm`] writing into `c`, which must hold exactly `m · n` elements (overwritten, not
+/// accumulated into).
+pub(crate) fn gemm_into<F: Float>(a: &[F], b: &[F], shape: GemmShape, c: &mut [F]) -> Result<()> {
     check_lengths(a.len(), b.len(), shape)?;
     let GemmShape { m, k, n, .. } = shape;
-    let mut c = vec![F::ZERO; m * n];
+    if c.len() != m * n {
+        return Err(Error::ShapeMismatch {
+            op: "matmul",
+            lhs: vec![m, n],
+            rhs: vec![c.len()],
+        });
+    }
     if m == 0 || n == 0 || k == 0 {
-        return Ok(c);
+        c.fill(F::ZERO);
+        return Ok(());
     }
     let threads = rayon::current_num_threads();
     let muladds = m.saturating_mul(k).saturating_mul(n);
@@ -181,11 +196,10 @@ pub(crate) fn gemm<F: Float>(a: &[F], b: &[F], shape: GemmShape) -> Result<Vec<F
         let block_rows = m.div_ceil(threads).max(MIN_BLOCK_ROWS);
         c.par_chunks_mut(block_rows * n)
             .enumerate()
-            .try_for_each(|(index, block)| gemm_rows(a, b, shape, index * block_rows, block))?;
+            .try_for_each(|(index, block)| gemm_rows(a, b, shape, index * block_rows, block))
     } else {
-        gemm_rows(a, b, shape, 0, &mut c)?;
+        gemm_rows(a, b, shape, 0, c)
     }
-    Ok(c)
 }
 
 /// Computes rows `first_row .. first_row + c_block.len() / n` of `C` into `c_block`.

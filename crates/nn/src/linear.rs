@@ -3,8 +3,10 @@
 use hypershard_tensor::{DType, RandomInit, Tensor};
 
 use crate::elementwise::check_float;
-use crate::kernels::{add_row, load, store, sum_rows, with_float};
-use crate::linalg::{GemmShape, MatmulOptions, gemm};
+use crate::kernels::{
+    add_row, build, load, store, sum_rows, with_float, with_values, with_values2,
+};
+use crate::linalg::{GemmShape, MatmulOptions, gemm_into};
 use crate::module::{ParamVisitor, ParamVisitorMut, join_name};
 use crate::{Error, Module, Parameter, Result};
 
@@ -171,12 +173,16 @@ impl Module for Linear {
             transpose_b: true,
         };
         let shape = GemmShape::new(rows, self.in_features, self.out_features, options)?;
+        let bias = self.bias.as_ref().map(Parameter::data).transpose()?;
         let y = with_float!("Linear::forward", weight.dtype(), F => {
-            let mut y = gemm(&load::<F>(&x)?, &load::<F>(weight)?, shape)?;
-            if let Some(bias) = &self.bias {
-                add_row(&mut y, &load::<F>(bias.data()?)?);
-            }
-            store(y, &out_shape, weight.dtype())?
+            let bias = bias.map(load::<F>).transpose()?;
+            build::<F>(&out_shape, weight.dtype(), |y| {
+                with_values2::<F, _>(&x, weight, |xs, ws| gemm_into(xs, ws, shape, y))??;
+                if let Some(bias) = &bias {
+                    add_row(y, bias);
+                }
+                Ok(())
+            })?
         });
         self.input = Some(input.clone());
         Ok(y)
@@ -213,8 +219,9 @@ impl Module for Linear {
             let g = load::<F>(&gy)?;
             // dx = gy · W, [N, out] · [out, in].
             let dx_shape = GemmShape::new(rows, n_out, n_in, MatmulOptions::default())?;
-            let dx = gemm(&g, &load::<F>(weight)?, dx_shape)?;
-            let grad_input = store(dx, input.shape(), dtype)?;
+            let grad_input = build::<F>(input.shape(), dtype, |dx| {
+                with_values::<F, _>(weight, |ws| gemm_into(&g, ws, dx_shape, dx))?
+            })?;
             let grad_weight = if weight_wants_grad {
                 // dW = gyᵀ · x, [out, N] · [N, in].
                 let options = MatmulOptions {
@@ -222,7 +229,9 @@ impl Module for Linear {
                     transpose_b: false,
                 };
                 let dw_shape = GemmShape::new(n_out, rows, n_in, options)?;
-                Some(store(gemm(&g, &load::<F>(&x)?, dw_shape)?, &[n_out, n_in], dtype)?)
+                Some(build::<F>(&[n_out, n_in], dtype, |dw| {
+                    with_values::<F, _>(&x, |xs| gemm_into(&g, xs, dw_shape, dw))?
+                })?)
             } else {
                 None
             };

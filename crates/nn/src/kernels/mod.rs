@@ -253,10 +253,60 @@ pub(crate) fn load<F: Float>(t: &Tensor) -> Result<Vec<F>> {
     }
 }
 
+/// Runs `f` on the elements of `t` in the compute type `F`: borrowed in place (no copy, no
+/// allocation) when `t` is contiguous and already of `F`'s dtype, converted into a temporary
+/// buffer otherwise. The storage's read lock is held while `f` runs, so `f` must not write to
+/// `t`'s storage.
+pub(crate) fn with_values<F: Float, R>(t: &Tensor, f: impl FnOnce(&[F]) -> R) -> Result<R> {
+    if t.dtype() == F::COMPUTE_DTYPE && t.is_contiguous() {
+        Ok(t.with_data::<F, R>(f)?)
+    } else {
+        let values = load::<F>(t)?;
+        Ok(f(&values))
+    }
+}
+
+/// [`with_values`] for two tensors at once. When both share one storage the second is copied
+/// instead of borrowed, so the lock is never taken twice by one thread (a queued writer
+/// between two reads of one lock could otherwise deadlock).
+pub(crate) fn with_values2<F: Float, R>(
+    a: &Tensor,
+    b: &Tensor,
+    f: impl FnOnce(&[F], &[F]) -> R,
+) -> Result<R> {
+    if a.shares_storage(b) {
+        let b_values = load::<F>(b)?;
+        with_values(a, |a_values| f(a_values, &b_values))
+    } else {
+        with_values(a, |a_values| {
+            with_values(b, |b_values| f(a_values, b_values))
+        })?
+    }
+}
+
 /// A tensor of `dtype` and `shape` from compute values, rounding once when `dtype` is
 /// narrower than `F`.
 pub(crate) fn store<F: Float>(values: Vec<F>, shape: &[usize], dtype: DType) -> Result<Tensor> {
     let t = Tensor::from_vec(values, shape)?;
+    if dtype == F::COMPUTE_DTYPE {
+        Ok(t)
+    } else {
+        Ok(t.to_dtype(dtype)?)
+    }
+}
+
+/// A new tensor of `dtype` and `shape` whose values `fill` writes in the compute type `F`.
+///
+/// When `dtype` is `F`'s own, `fill` writes straight into the new tensor's storage, saving the
+/// allocation and copy of building a `Vec` first; otherwise the values are rounded to `dtype`
+/// once afterwards.
+pub(crate) fn build<F: Float>(
+    shape: &[usize],
+    dtype: DType,
+    fill: impl FnOnce(&mut [F]) -> Result<()>,
+) -> Result<Tensor> {
+    let t = Tensor::zeros(shape, F::COMPUTE_DTYPE)?;
+    t.with_data_mut::<F, _>(fill)??;
     if dtype == F::COMPUTE_DTYPE {
         Ok(t)
     } else {
@@ -310,11 +360,13 @@ pub(crate) fn add_tensors(op: &'static str, a: &Tensor, b: &Tensor) -> Result<Te
             rhs: b.dtype(),
         });
     }
-    with_float!(op, a.dtype(), F => {
-        let mut out = load::<F>(a)?;
-        add_assign(&mut out, &load::<F>(b)?);
-        store(out, a.shape(), a.dtype())
-    })
+    with_float!(op, a.dtype(), F => build::<F>(a.shape(), a.dtype(), |out| {
+        with_values2::<F, _>(a, b, |xs, ys| {
+            for ((o, &x), &y) in out.iter_mut().zip(xs).zip(ys) {
+                *o = x + y;
+            }
+        })
+    }))
 }
 
 #[cfg(test)]
@@ -341,6 +393,22 @@ mod tests {
             compute_type("test", DType::I64),
             Err(Error::UnsupportedDType { .. })
         ));
+    }
+
+    #[test]
+    fn borrowed_and_converted_values_agree() {
+        let base = Tensor::from_vec(vec![1.0f32, 2.0, 3.0, 4.0, 5.0, 6.0], &[2, 3]).expect("t");
+        let strided = base.transpose(0, 1).expect("view");
+        let sum = |xs: &[f32]| xs.iter().sum::<f32>();
+        assert_eq!(with_values::<f32, _>(&base, sum).expect("borrow"), 21.0);
+        let firsts = with_values::<f32, _>(&strided, |xs| xs[..2].to_vec()).expect("copy");
+        assert_eq!(firsts, vec![1.0, 4.0]);
+        // Two views of one storage: the second is copied, so the read lock is taken once.
+        let row = base.narrow(0, 1, 1).expect("view");
+        let pair = with_values2::<f32, _>(&base, &row, |a, b| (a.len(), b.to_vec())).expect("2");
+        assert_eq!(pair, (6, vec![4.0, 5.0, 6.0]));
+        let f64s = with_values::<f64, _>(&base, |xs| xs[5]).expect("convert");
+        assert_eq!(f64s, 6.0);
     }
 
     #[test]
