@@ -220,6 +220,24 @@ pub fn has_params(module: &dyn Module) -> bool {
     any
 }
 
+/// Calls `f` with the dotted path of every unit strictly below `module` (relative to it).
+fn walk_units_with_path(
+    module: &mut dyn Module,
+    prefix: &str,
+    f: &mut dyn FnMut(&str, &mut FsdpModule),
+) -> hypershard_nn::Result<()> {
+    module.visit_children_mut(&mut |name, child| {
+        let path = hypershard_nn::join_name(prefix, name);
+        if let Some(unit) = child
+            .as_any_mut()
+            .and_then(|any| any.downcast_mut::<FsdpModule>())
+        {
+            f(&path, unit);
+        }
+        walk_units_with_path(child.as_mut(), &path, f)
+    })
+}
+
 /// Calls `f` on every unit strictly below `module`.
 fn walk_units(
     module: &mut dyn Module,
@@ -368,6 +386,73 @@ impl FsdpModule {
         hypershard_nn::zero_grad(self)?;
         self.for_each_group(&mut |g| g.clear_grads());
         Ok(())
+    }
+
+    /// Scales every gradient of this unit's tree so that their global L2 norm is at most
+    /// `max_norm`, and returns the norm before clipping (torch's `clip_grad_norm_` with
+    /// `foreach` semantics: `coef = max_norm / (norm + 1e-6)`, applied when below 1).
+    ///
+    /// Squares of sharded gradients are summed locally and all-reduced over each mesh's shard
+    /// group only (one all-reduce per distinct mesh, usually one): shards of one replica
+    /// partition a parameter, and the replicas of HSDP hold equal shards, so nothing is
+    /// counted twice. Replicated, ignored and unmanaged parameters hold whole gradients that
+    /// are equal on every rank after reduction and are counted once, locally. Collective over
+    /// the shard groups.
+    pub fn clip_grad_norm(&mut self, max_norm: f64) -> Result<f64> {
+        // Full name of every sharded parameter → index of its mesh in `meshes`.
+        let mut meshes: Vec<Arc<crate::mesh::DataParallelMesh>> = Vec::new();
+        let mut sharded: std::collections::HashMap<String, usize> =
+            std::collections::HashMap::new();
+        let mut record = |path: &str, group: &ParamGroup| {
+            let index = match meshes.iter().position(|m| Arc::ptr_eq(m, &group.mesh)) {
+                Some(index) => index,
+                None => {
+                    meshes.push(group.mesh.clone());
+                    meshes.len() - 1
+                }
+            };
+            for param in group.params.iter().filter(|p| p.role == ParamRole::Sharded) {
+                sharded.insert(hypershard_nn::join_name(path, &param.name), index);
+            }
+        };
+        record("", &lock(&self.group));
+        walk_units_with_path(self.inner.as_mut(), "", &mut |path, unit| {
+            record(path, &lock(&unit.group));
+        })?;
+        let mut sums = vec![0.0f64; meshes.len()];
+        let mut local = 0.0f64;
+        self.inner.visit_params("", &mut |name, param| {
+            if let Some(grad) = &param.grad {
+                let sq: f64 = grad.to_f64_vec()?.iter().map(|g| g * g).sum();
+                match sharded.get(name) {
+                    Some(&index) => sums[index] += sq,
+                    None => local += sq,
+                }
+            }
+            Ok(())
+        })?;
+        let mut total = local;
+        for (mesh, sum) in meshes.iter().zip(sums) {
+            let reduced = mesh
+                .shard()
+                .all_reduce(
+                    hypershard_collectives::Buffer::from_vec(vec![sum]),
+                    hypershard_collectives::ReduceOp::Sum,
+                )?
+                .into_vec::<f64>()?;
+            total += reduced.first().copied().unwrap_or(0.0);
+        }
+        let norm = total.sqrt();
+        let coef = max_norm / (norm + 1e-6);
+        if coef < 1.0 {
+            self.inner.visit_params_mut("", &mut |_, param| {
+                if let Some(grad) = &param.grad {
+                    grad.scale_(coef)?;
+                }
+                Ok(())
+            })?;
+        }
+        Ok(norm)
     }
 
     /// Makes this unit the root unless a root already linked it, linking every unit below.
