@@ -527,8 +527,25 @@ fn run_local_world(options: &Options, world: usize) -> BenchResult<Vec<Row>> {
     Ok(rows)
 }
 
-/// gloo's rows from a `bench_gloo.py --csv` file, keyed by (op, world, bytes).
-fn read_gloo(path: &PathBuf) -> BenchResult<BTreeMap<(String, usize, usize), (f64, f64)>> {
+/// Which measurement a row is: op, world size and message size.
+#[derive(Clone, Debug, PartialEq, Eq, PartialOrd, Ord)]
+struct Cell {
+    op: String,
+    world: usize,
+    bytes: usize,
+}
+
+/// What the comparison needs of one gloo row.
+#[derive(Clone, Copy, Debug)]
+struct GlooCell {
+    median_us: f64,
+    busbw_gbps: f64,
+}
+
+type GlooTable = BTreeMap<Cell, GlooCell>;
+
+/// gloo's rows from a `bench_gloo.py --csv` file.
+fn read_gloo(path: &PathBuf) -> BenchResult<GlooTable> {
     let text = std::fs::read_to_string(path).map_err(|e| format!("{}: {e}", path.display()))?;
     let mut lines = text.lines();
     let header: Vec<&str> = lines.next().unwrap_or_default().split(',').collect();
@@ -557,12 +574,23 @@ fn read_gloo(path: &PathBuf) -> BenchResult<BTreeMap<(String, usize, usize), (f6
         ) else {
             continue;
         };
-        rows.insert((cell(op).to_string(), w, b), (m, bw));
+        let key = Cell {
+            op: cell(op).to_string(),
+            world: w,
+            bytes: b,
+        };
+        rows.insert(
+            key,
+            GlooCell {
+                median_us: m,
+                busbw_gbps: bw,
+            },
+        );
     }
     Ok(rows)
 }
 
-fn print_table(rows: &[Row], gloo: Option<&BTreeMap<(String, usize, usize), (f64, f64)>>) {
+fn print_table(rows: &[Row], gloo: Option<&GlooTable>) {
     if gloo.is_some() {
         println!(
             "| world | op | size | median us | busbw GB/s | gloo median us | gloo busbw GB/s | busbw ratio | latency ratio |"
@@ -575,8 +603,16 @@ fn print_table(rows: &[Row], gloo: Option<&BTreeMap<(String, usize, usize), (f64
     for row in rows {
         match gloo {
             Some(gloo) => {
-                let peer = gloo.get(&(row.op.clone(), row.world, row.bytes));
-                let (peer_median, peer_busbw) = peer.copied().unwrap_or((f64::NAN, f64::NAN));
+                let key = Cell {
+                    op: row.op.clone(),
+                    world: row.world,
+                    bytes: row.bytes,
+                };
+                let peer = gloo.get(&key).copied().unwrap_or(GlooCell {
+                    median_us: f64::NAN,
+                    busbw_gbps: f64::NAN,
+                });
+                let (peer_median, peer_busbw) = (peer.median_us, peer.busbw_gbps);
                 println!(
                     "| {} | {} | {} | {} | {:.3} | {} | {:.3} | {:.2}× | {:.2}× |",
                     row.world,

@@ -53,12 +53,15 @@ pub(crate) fn broadcast(
         return Ok(Buffer::Host(host));
     }
     let previous = link.left(1);
-    link.recv_data(previous, dtype, 0, host.as_bytes_mut(), |dst, src| {
-        dst.copy_from_slice(src);
-        if let Some(next) = next {
-            link.send_frame(next, super::frame::FrameKind::Data, dtype, 0, src)?;
-        }
-        Ok(())
-    })?;
+    link.recv_copy(
+        previous,
+        dtype,
+        0,
+        host.as_bytes_mut(),
+        |arrived| match next {
+            Some(next) => link.send_data(next, dtype, 0, arrived),
+            None => Ok(()),
+        },
+    )?;
     Ok(Buffer::Host(host))
 }

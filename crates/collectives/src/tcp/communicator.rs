@@ -7,17 +7,17 @@
 //! [`Transport`]. Split groups reuse the world's sockets: their frames carry their own group
 //! id, derived deterministically from the parent's id, the split count and the color.
 
-use std::sync::{Arc, Mutex};
 use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
 
 use super::config::{AllReduceAlgorithm, BroadcastAlgorithm, TcpConfig};
 use super::mesh::Mesh;
 use super::transport::Transport;
 use super::{alltoall, barrier, broadcast, p2p, ring, rooted, split};
 use crate::buffer::{Buffer, HostBuffer};
-use crate::dtype::DType;
 use crate::communicator::Communicator;
 use crate::config::CommConfig;
+use crate::dtype::DType;
 use crate::engine::{JobContext, JobSpec, ProgressEngine};
 use crate::error::Result;
 use crate::op::{AllToAllCounts, BufferPair, OpKind, ReduceOp};

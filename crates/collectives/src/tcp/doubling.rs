@@ -8,7 +8,6 @@
 //! partials (`combine` is commutative for every reduce op), so by induction all agree.
 
 use super::link::Link;
-use crate::blocks::copy_segment;
 use crate::dtype::DType;
 use crate::error::Result;
 use crate::reduce::ReducePlan;
@@ -57,7 +56,7 @@ pub(crate) fn all_reduce(
         if !first_sent {
             link.send_data(rank - p, dtype, 0, work)?;
         }
-        link.recv_data(rank - p, dtype, fold_out_tag, work, copy_segment)?;
+        link.recv_copy(rank - p, dtype, fold_out_tag, work, |_| Ok(()))?;
         return Ok(());
     }
     if rank + p < size {

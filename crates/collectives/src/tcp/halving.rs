@@ -21,7 +21,7 @@ use std::ops::Range;
 
 use super::doubling::power_of_two_below;
 use super::link::{Exchange, Link};
-use crate::blocks::{copy_segment, even_block, send_and_recv_views};
+use crate::blocks::{even_block, send_and_recv_views};
 use crate::error::Result;
 use crate::reduce::ReducePlan;
 
@@ -36,7 +36,7 @@ pub(crate) fn all_reduce(link: &Link<'_>, plan: &ReducePlan, work: &mut [u8]) ->
     let fold_out_tag = 2 * rounds + 1;
     if rank >= p {
         link.send_data(rank - p, dtype, 0, work)?;
-        link.recv_data(rank - p, dtype, fold_out_tag, work, copy_segment)?;
+        link.recv_copy(rank - p, dtype, fold_out_tag, work, |_| Ok(()))?;
         return Ok(());
     }
     if rank + p < size {
@@ -90,7 +90,7 @@ pub(crate) fn all_reduce(link: &Link<'_>, plan: &ReducePlan, work: &mut [u8]) ->
             tag,
             outgoing,
         };
-        link.exchange(step, incoming, copy_segment)?;
+        link.exchange_copy(step, incoming)?;
         (lo, hi) = (lo.min(theirs.0), hi.max(theirs.1));
         distance *= 2;
         tag += 1;

@@ -7,6 +7,7 @@ use std::sync::Arc;
 use super::communicator::Inner;
 use super::descriptor;
 use super::frame::{FrameHeader, FrameKind};
+use super::posted::{PostedOutcome, PostedRecv};
 use super::transport::{MailboxKey, WaitBudget};
 use crate::dtype::DType;
 use crate::engine::JobContext;
@@ -216,6 +217,67 @@ impl<'a> Link<'a> {
             filled += self.recv_segment(peer, dtype, tag, &mut dst[filled..], &mut apply)?;
         }
         Ok(())
+    }
+
+    /// Receives `dst.len()` bytes from `peer` as [`Link::recv_data`] with a plain copy would,
+    /// but lends `dst` to the reader thread ([`PostedRecv`]) so the payloads land in it
+    /// directly; `progress` sees every newly filled range in order (a broadcast forwards it).
+    pub(crate) fn recv_copy(
+        &self,
+        peer: usize,
+        dtype: DType,
+        tag: u32,
+        dst: &mut [u8],
+        mut progress: impl FnMut(&[u8]) -> Result<()>,
+    ) -> Result<()> {
+        if dst.is_empty() {
+            return Ok(());
+        }
+        let world = self.world(peer)?;
+        let key = self.key(FrameKind::Data, tag);
+        let posted = PostedRecv::post(&self.inner.transport, world, key, dtype, dst);
+        let outcome = posted
+            .wait(&self.budget, &mut progress)
+            .map_err(|e| self.group_view(e))?;
+        self.finish_fallback(peer, dtype, tag, dst, outcome, progress)
+    }
+
+    /// After a [`PostedOutcome::Fallback`], receives the rest through the mailbox, which
+    /// reports the frame that did not fit as the typed error [`Link::recv_data`] gives.
+    fn finish_fallback(
+        &self,
+        peer: usize,
+        dtype: DType,
+        tag: u32,
+        dst: &mut [u8],
+        outcome: PostedOutcome,
+        mut progress: impl FnMut(&[u8]) -> Result<()>,
+    ) -> Result<()> {
+        match outcome {
+            PostedOutcome::Complete => Ok(()),
+            PostedOutcome::Fallback { filled } => {
+                self.recv_data(peer, dtype, tag, &mut dst[filled..], |to, from| {
+                    to.copy_from_slice(from);
+                    progress(from)
+                })
+            }
+        }
+    }
+
+    /// One copying step of a pairwise algorithm (an all-gather step): posts `incoming` for
+    /// direct delivery ([`PostedRecv`]), sends `outgoing` while the reader thread fills it,
+    /// then waits for the rest.
+    pub(crate) fn exchange_copy(&self, step: Exchange<'_>, incoming: &mut [u8]) -> Result<()> {
+        let world = self.world(step.from)?;
+        let key = self.key(FrameKind::Data, step.tag);
+        let posted = PostedRecv::post(&self.inner.transport, world, key, step.dtype, incoming);
+        self.send_data(step.to, step.dtype, step.tag, step.outgoing)?;
+        let outcome = posted
+            .wait(&self.budget, |_| Ok(()))
+            .map_err(|e| self.group_view(e))?;
+        self.finish_fallback(step.from, step.dtype, step.tag, incoming, outcome, |_| {
+            Ok(())
+        })
     }
 
     /// Receives one data frame from `peer` into the front of `missing` (see

@@ -28,6 +28,7 @@ mod launch;
 mod link;
 mod mesh;
 mod p2p;
+mod posted;
 mod ring;
 mod rooted;
 mod split;

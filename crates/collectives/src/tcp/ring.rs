@@ -10,7 +10,7 @@ use std::ops::Range;
 use super::communicator::Inner;
 use super::config::AllReduceAlgorithm;
 use super::link::{Exchange, Link};
-use crate::blocks::{byte_blocks, copy_segment, even_block, send_and_recv_views};
+use crate::blocks::{byte_blocks, even_block, send_and_recv_views};
 use crate::buffer::Buffer;
 use crate::dtype::DType;
 use crate::engine::JobContext;
@@ -74,7 +74,7 @@ fn ring_all_gather(
             tag: tag(tag_base + step),
             outgoing,
         };
-        link.exchange(step, incoming, copy_segment)?;
+        link.exchange_copy(step, incoming)?;
     }
     Ok(())
 }

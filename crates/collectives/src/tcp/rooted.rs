@@ -4,17 +4,13 @@
 
 use super::communicator::Inner;
 use super::link::Link;
+use crate::blocks::copy_segment;
 use crate::buffer::{Buffer, HostBuffer};
 use crate::engine::JobContext;
 use crate::error::{Error, Result};
 use crate::local::group::Desc;
 use crate::local::ops::{Faults, copy_into, elements};
 use crate::op::{BufferPair, BufferRole, OpKind, ReduceOp};
-
-fn copy(dst: &mut [u8], src: &[u8]) -> Result<()> {
-    dst.copy_from_slice(src);
-    Ok(())
-}
 
 pub(crate) fn gather(
     inner: &Inner,
@@ -47,7 +43,13 @@ pub(crate) fn gather(
         copy_into(kind, &mut output, rank * n, input.as_bytes())?;
         for peer in (0..size).filter(|&p| p != root) {
             let range = peer * bytes..(peer + 1) * bytes;
-            link.recv_data(peer, dtype, 0, &mut output.as_bytes_mut()[range], copy)?;
+            link.recv_data(
+                peer,
+                dtype,
+                0,
+                &mut output.as_bytes_mut()[range],
+                copy_segment,
+            )?;
         }
     }
     Ok(BufferPair {
@@ -88,7 +90,7 @@ pub(crate) fn scatter(
         let own = elements(kind, input.as_bytes(), dtype, rank * n, n)?;
         copy_into(kind, &mut output, 0, own)?;
     } else {
-        link.recv_data(root, dtype, 0, output.as_bytes_mut(), copy)?;
+        link.recv_data(root, dtype, 0, output.as_bytes_mut(), copy_segment)?;
     }
     Ok(BufferPair {
         input: Buffer::Host(input),
@@ -132,7 +134,7 @@ pub(crate) fn reduce(
         own.clone()
     } else {
         let mut first = HostBuffer::zeros(dtype, n);
-        link.recv_data(0, dtype, 0, first.as_bytes_mut(), copy)?;
+        link.recv_data(0, dtype, 0, first.as_bytes_mut(), copy_segment)?;
         first
     };
     for peer in 1..size {
@@ -140,7 +142,7 @@ pub(crate) fn reduce(
             plan.combine(acc.as_bytes_mut(), own.as_bytes())?;
         } else {
             let mut incoming = HostBuffer::zeros(dtype, n);
-            link.recv_data(peer, dtype, 0, incoming.as_bytes_mut(), copy)?;
+            link.recv_data(peer, dtype, 0, incoming.as_bytes_mut(), copy_segment)?;
             plan.combine(acc.as_bytes_mut(), incoming.as_bytes())?;
         }
     }

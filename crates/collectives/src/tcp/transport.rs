@@ -88,10 +88,34 @@ enum LossCause {
 }
 
 #[derive(Debug, Default)]
-struct State {
-    mailbox: HashMap<(usize, MailboxKey), VecDeque<Frame>>,
+pub(super) struct State {
+    pub(super) mailbox: HashMap<(usize, MailboxKey), VecDeque<Frame>>,
+    /// Destinations lent to the reader threads by [`PostedRecv`](super::posted::PostedRecv):
+    /// frames for these keys are read straight into the waiter's buffer.
+    pub(super) posted: HashMap<(usize, MailboxKey), Posted>,
     lost: HashMap<usize, LossCause>,
     aborted: bool,
+}
+
+/// The start of a buffer lent by a waiter to a reader thread.
+#[derive(Debug, Clone, Copy)]
+pub(super) struct Destination(pub(super) *mut u8);
+
+// SAFETY: the pointer is only dereferenced by the reader thread for a range that the posting
+// waiter guarantees stays valid and unaliased while it is posted (see `PostedRecv`); moving
+// the address between threads is harmless in itself.
+unsafe impl Send for Destination {}
+
+/// A posted destination: `len` bytes at `base`, the first `filled` already written.
+#[derive(Debug)]
+pub(super) struct Posted {
+    pub(super) base: Destination,
+    pub(super) len: usize,
+    pub(super) filled: usize,
+    pub(super) dtype: crate::dtype::DType,
+    /// Set while a reader thread writes into `base[filled..]` outside the lock; the waiter
+    /// never gives its buffer back while this is set.
+    pub(super) writing: bool,
 }
 
 /// How many spent payload buffers the transport keeps for reuse: enough for 64 segments in
@@ -99,16 +123,16 @@ struct State {
 const POOLED_PAYLOADS: usize = 64;
 
 #[derive(Debug, Default)]
-struct Shared {
+pub(super) struct Shared {
     state: Mutex<State>,
-    arrived: Condvar,
+    pub(super) arrived: Condvar,
     /// Spent payload buffers, reused by the reader threads so that a stream of large
     /// segments does not allocate (and fault in) fresh memory for every frame.
     pool: Mutex<Vec<Vec<u8>>>,
 }
 
 impl Shared {
-    fn lock(&self) -> MutexGuard<'_, State> {
+    pub(super) fn lock(&self) -> MutexGuard<'_, State> {
         // A poisoned lock only means a thread panicked while holding it; the maps stay
         // consistent (every update is a single insert), so the state is still usable.
         self.state
@@ -140,7 +164,7 @@ impl Shared {
         buffer
     }
 
-    fn recycle(&self, buffer: Vec<u8>) {
+    pub(super) fn recycle(&self, buffer: Vec<u8>) {
         let mut pool = self
             .pool
             .lock()
@@ -163,7 +187,7 @@ pub struct Transport {
     rank: usize,
     max_payload: u64,
     writers: Vec<Option<Mutex<TcpStream>>>,
-    shared: Arc<Shared>,
+    pub(super) shared: Arc<Shared>,
     readers: Vec<JoinHandle<()>>,
 }
 
@@ -325,35 +349,29 @@ impl Transport {
                 }
                 return Ok(frame);
             }
-            if state.aborted {
-                return Err(Error::Aborted { op: budget.op });
-            }
-            if let Some(cause) = state.lost.get(&peer) {
-                return Err(match cause {
-                    LossCause::Closed => Error::PeerLost {
-                        op: budget.op,
-                        peer,
-                    },
-                    LossCause::Protocol(violation) => Error::Protocol {
-                        peer: Some(peer),
-                        violation: violation.clone(),
-                    },
-                });
+            if let Some(error) = wait_error(&state, budget, peer) {
+                return Err(error);
             }
             let left = budget.deadline.saturating_duration_since(Instant::now());
-            if left.is_zero() {
-                return Err(Error::Timeout {
-                    op: budget.op,
-                    after: budget.timeout,
-                    peer: Some(peer),
-                });
-            }
             state = self
                 .shared
                 .arrived
                 .wait_timeout(state, left)
                 .unwrap_or_else(std::sync::PoisonError::into_inner)
                 .0;
+        }
+    }
+
+    /// Shuts the connection to `peer` down, so its reader thread stops (and the peer sees
+    /// this rank as lost). Used when a wait gives up while that reader is writing into a
+    /// posted buffer that must be handed back.
+    pub(super) fn shutdown_peer(&self, peer: usize) {
+        if let Some(Some(writer)) = self.writers.get(peer) {
+            let stream = writer
+                .lock()
+                .unwrap_or_else(std::sync::PoisonError::into_inner);
+            // An already-closed socket has nothing left to shut.
+            let _ = stream.shutdown(Shutdown::Both);
         }
     }
 
@@ -418,6 +436,101 @@ fn write_all_vectored(stream: &mut impl Write, parts: &[&[u8]]) -> io::Result<()
     Ok(())
 }
 
+/// Why a wait for `peer` must end now, if it must: the transport was aborted, the peer is
+/// lost (or broke the protocol), or the deadline passed.
+pub(super) fn wait_error(state: &State, budget: &WaitBudget, peer: usize) -> Option<Error> {
+    if state.aborted {
+        return Some(Error::Aborted { op: budget.op });
+    }
+    if let Some(cause) = state.lost.get(&peer) {
+        return Some(match cause {
+            LossCause::Closed => Error::PeerLost {
+                op: budget.op,
+                peer,
+            },
+            LossCause::Protocol(violation) => Error::Protocol {
+                peer: Some(peer),
+                violation: violation.clone(),
+            },
+        });
+    }
+    if Instant::now() >= budget.deadline {
+        return Some(Error::Timeout {
+            op: budget.op,
+            after: budget.timeout,
+            peer: Some(peer),
+        });
+    }
+    None
+}
+
+/// What [`read_into_posted`] did with a frame's payload.
+enum DirectRead {
+    /// Read into a posted destination.
+    Done,
+    /// The connection failed mid-payload.
+    Failed,
+    /// Nobody posted a destination that fits: read it into the mailbox as usual.
+    NotPosted,
+}
+
+/// Reads the payload of `header` straight into the destination a waiter posted for its key,
+/// if there is one that fits it exactly as [`Link::recv_data`](super::link::Link) would accept
+/// it (same dtype, whole elements, within what is still missing) and no earlier frame for the
+/// key is still queued in the mailbox (frames must land in order). Anything else goes to the
+/// mailbox, where the waiter finds and judges it.
+fn read_into_posted(
+    stream: &mut TcpStream,
+    peer: usize,
+    header: &FrameHeader,
+    len: usize,
+    shared: &Shared,
+) -> DirectRead {
+    let slot = (peer, MailboxKey::of(header));
+    let target = {
+        let mut state = shared.lock();
+        let queued = state.mailbox.contains_key(&slot);
+        match state.posted.get_mut(&slot) {
+            Some(post)
+                if !queued
+                    && !post.writing
+                    && post.dtype == header.dtype
+                    && len > 0
+                    && len.is_multiple_of(header.dtype.size_bytes())
+                    && len <= post.len - post.filled =>
+            {
+                post.writing = true;
+                Some((post.base, post.filled))
+            }
+            _ => None,
+        }
+    };
+    let Some((base, offset)) = target else {
+        return DirectRead::NotPosted;
+    };
+    // SAFETY: the waiter posted `len` bytes at `base` and keeps them borrowed exclusively
+    // until its post is gone and `writing` is clear (see `PostedRecv`); `offset + len` is
+    // within them (checked above under the lock), and only this thread, the one reader of
+    // `peer`, writes there while `writing` is set.
+    let dst = unsafe { std::slice::from_raw_parts_mut(base.0.add(offset), len) };
+    let read = stream.read_exact(dst);
+    {
+        let mut state = shared.lock();
+        if let Some(post) = state.posted.get_mut(&slot) {
+            post.writing = false;
+            if read.is_ok() {
+                post.filled += len;
+            }
+        }
+    }
+    shared.arrived.notify_all();
+    if read.is_ok() {
+        DirectRead::Done
+    } else {
+        DirectRead::Failed
+    }
+}
+
 /// The body of a reader thread: files frames from `peer` until the connection ends.
 fn read_frames(mut stream: TcpStream, peer: usize, max_payload: u64, shared: &Shared) {
     loop {
@@ -442,6 +555,14 @@ fn read_frames(mut stream: TcpStream, peer: usize, max_payload: u64, shared: &Sh
         // invariant: decode checked payload_bytes <= max_payload, which the caller chose as an
         // allocatable size, so it fits in usize on every supported target.
         let len = usize::try_from(header.payload_bytes).unwrap_or(usize::MAX);
+        match read_into_posted(&mut stream, peer, &header, len, shared) {
+            DirectRead::Done => continue,
+            DirectRead::Failed => {
+                shared.mark_lost(peer, LossCause::Closed);
+                return;
+            }
+            DirectRead::NotPosted => {}
+        }
         let mut payload = shared.payload_buffer(len);
         if stream.read_exact(&mut payload).is_err() {
             // A frame cut short is never delivered: waiters see the peer as lost instead.
@@ -453,7 +574,7 @@ fn read_frames(mut stream: TcpStream, peer: usize, max_payload: u64, shared: &Sh
 }
 
 #[cfg(test)]
-mod tests {
+pub(super) mod tests {
     use super::*;
     use crate::dtype::DType;
     use std::net::TcpListener;
@@ -474,7 +595,7 @@ mod tests {
         mesh
     }
 
-    fn transports(n: usize, max_payload: u64) -> Vec<Transport> {
+    pub(in crate::tcp) fn transports(n: usize, max_payload: u64) -> Vec<Transport> {
         stream_mesh(n)
             .into_iter()
             .enumerate()
@@ -482,7 +603,7 @@ mod tests {
             .collect()
     }
 
-    fn header(seq: u64, tag: u32, payload_bytes: u64) -> FrameHeader {
+    pub(in crate::tcp) fn header(seq: u64, tag: u32, payload_bytes: u64) -> FrameHeader {
         FrameHeader {
             kind: FrameKind::Data,
             dtype: DType::U8,
@@ -494,7 +615,7 @@ mod tests {
         }
     }
 
-    fn budget(ms: u64) -> WaitBudget {
+    pub(in crate::tcp) fn budget(ms: u64) -> WaitBudget {
         WaitBudget::from_now(OpKind::AllReduce, Duration::from_millis(ms))
     }
 

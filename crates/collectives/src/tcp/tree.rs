@@ -4,7 +4,6 @@
 //! every `2^j < 2^k` with `v + 2^j < p`, largest subtree first. Segments are forwarded as
 //! they arrive, so a large message also streams down the tree.
 
-use super::frame::FrameKind;
 use super::link::Link;
 use crate::dtype::DType;
 use crate::error::Result;
@@ -45,10 +44,9 @@ pub(crate) fn broadcast(link: &Link<'_>, dtype: DType, data: &mut [u8], root: us
         }
         return Ok(());
     };
-    link.recv_data(parent, dtype, 0, data, |dst, src| {
-        dst.copy_from_slice(src);
+    link.recv_copy(parent, dtype, 0, data, |arrived| {
         for &child in &children {
-            link.send_frame(child, FrameKind::Data, dtype, 0, src)?;
+            link.send_data(child, dtype, 0, arrived)?;
         }
         Ok(())
     })

@@ -1,0 +1,323 @@
+//! [`PostedRecv`]: a receive whose destination is lent to the peer's reader thread, so data
+//! frames are read from the socket straight into the caller's buffer instead of into a
+//! mailbox buffer and then copied. On a loaded machine every copy of a large message is
+//! CPU time taken from the transfer itself, so the copying steps (all-gather, the second half
+//! of all-reduce, broadcast) use this path.
+//!
+//! Protocol with the reader thread (see `read_into_posted` in `transport.rs`): a post
+//! `(peer, key) -> Posted{base, len, filled, dtype, writing}` lives in the transport state.
+//! The reader, under the lock, claims the next `len` bytes of a fitting frame by setting
+//! `writing`, reads them outside the lock, then (under the lock) clears `writing` and adds
+//! to `filled`. The waiter never touches bytes at or past `filled`, and never lets go of its
+//! buffer (returns or drops) until it has removed the post while `writing` is clear.
+
+use std::marker::PhantomData;
+use std::time::{Duration, Instant};
+
+use super::transport::{Destination, MailboxKey, Posted, Transport, WaitBudget, wait_error};
+use crate::dtype::DType;
+use crate::error::{Error, Result};
+
+/// How a posted receive ended.
+#[derive(Debug, PartialEq, Eq)]
+pub(crate) enum PostedOutcome {
+    /// Every byte arrived.
+    Complete,
+    /// A frame that does not fit the post (another dtype, a length that is not whole elements
+    /// or too long) is queued for the key: the first `filled` bytes arrived, and the caller
+    /// must receive the rest through the mailbox, which judges that frame.
+    Fallback { filled: usize },
+}
+
+/// A destination lent to the reader thread of one peer for one mailbox key.
+pub(crate) struct PostedRecv<'a> {
+    transport: &'a Transport,
+    slot: (usize, MailboxKey),
+    base: *mut u8,
+    len: usize,
+    /// How many leading bytes the caller has been shown (or that were copied in at post time).
+    seen: usize,
+    /// Whether the post is still in the transport's state.
+    active: bool,
+    _buffer: PhantomData<&'a mut [u8]>,
+}
+
+impl<'a> PostedRecv<'a> {
+    /// Lends `dst` for the data frames `peer` sends under `key`. Frames already queued for
+    /// the key are copied in first (in order, as long as they fit); the rest land directly.
+    pub(crate) fn post(
+        transport: &'a Transport,
+        peer: usize,
+        key: MailboxKey,
+        dtype: DType,
+        dst: &'a mut [u8],
+    ) -> PostedRecv<'a> {
+        let slot = (peer, key);
+        let mut state = transport.shared.lock();
+        let mut filled = 0;
+        let mut spent = Vec::new();
+        if let Some(queue) = state.mailbox.get_mut(&slot) {
+            while let Some(frame) = queue.front() {
+                let len = frame.payload.len();
+                let fits = frame.header.dtype == dtype
+                    && len > 0
+                    && len.is_multiple_of(dtype.size_bytes())
+                    && len <= dst.len() - filled;
+                if !fits {
+                    break;
+                }
+                dst[filled..filled + len].copy_from_slice(&frame.payload);
+                filled += len;
+                if let Some(frame) = queue.pop_front() {
+                    spent.push(frame.payload);
+                }
+            }
+            if queue.is_empty() {
+                state.mailbox.remove(&slot);
+            }
+        }
+        let base = dst.as_mut_ptr();
+        let len = dst.len();
+        state.posted.insert(
+            slot,
+            Posted {
+                base: Destination(base),
+                len,
+                filled,
+                dtype,
+                writing: false,
+            },
+        );
+        drop(state);
+        for payload in spent {
+            transport.shared.recycle(payload);
+        }
+        PostedRecv {
+            transport,
+            slot,
+            base,
+            len,
+            seen: 0,
+            active: true,
+            _buffer: PhantomData,
+        }
+    }
+
+    /// Waits until the whole destination is filled, handing every newly filled range to
+    /// `progress` in order as it arrives (a broadcast forwards it), or until a frame that
+    /// does not fit shows up ([`PostedOutcome::Fallback`]), or until the budget's deadline,
+    /// a lost peer or an abort ends the wait with the same errors as [`Transport::recv`].
+    pub(crate) fn wait(
+        mut self,
+        budget: &WaitBudget,
+        mut progress: impl FnMut(&[u8]) -> Result<()>,
+    ) -> Result<PostedOutcome> {
+        let shared = &self.transport.shared;
+        let mut state = shared.lock();
+        loop {
+            let Some(post) = state.posted.get(&self.slot) else {
+                // invariant: only this handle removes its post, and it is still active.
+                return Err(Error::Aborted { op: budget.op });
+            };
+            let (filled, writing) = (post.filled, post.writing);
+            if filled > self.seen {
+                drop(state);
+                // SAFETY: bytes `seen..filled` of the lent buffer are written (by the post
+                // itself or by the reader, whose writes happened before it raised `filled`
+                // under the lock just taken), and nobody writes below `filled` again.
+                let fresh = unsafe {
+                    std::slice::from_raw_parts(self.base.add(self.seen), filled - self.seen)
+                };
+                progress(fresh)?;
+                self.seen = filled;
+                state = shared.lock();
+                continue;
+            }
+            if filled == self.len && !writing {
+                state.posted.remove(&self.slot);
+                self.active = false;
+                return Ok(PostedOutcome::Complete);
+            }
+            if !writing && state.mailbox.contains_key(&self.slot) {
+                state.posted.remove(&self.slot);
+                self.active = false;
+                return Ok(PostedOutcome::Fallback { filled });
+            }
+            if let Some(error) = wait_error(&state, budget, self.slot.0) {
+                if !writing {
+                    state.posted.remove(&self.slot);
+                    self.active = false;
+                    return Err(error);
+                }
+                // The reader is inside a frame and still owns part of the buffer: cut the
+                // connection so that its read ends now, then collect the error.
+                drop(state);
+                self.transport.shutdown_peer(self.slot.0);
+                state = shared.lock();
+            }
+            let left = budget
+                .deadline
+                .saturating_duration_since(Instant::now())
+                .clamp(Duration::from_millis(1), Duration::from_millis(50));
+            state = shared
+                .arrived
+                .wait_timeout(state, left)
+                .unwrap_or_else(std::sync::PoisonError::into_inner)
+                .0;
+        }
+    }
+}
+
+impl Drop for PostedRecv<'_> {
+    /// Takes the post back if [`PostedRecv::wait`] did not (it failed in `progress`, or was
+    /// never called): waits for a reader that is inside a frame, first cutting that
+    /// connection so the wait is short. The op has failed by then, and its group is out of
+    /// step anyway.
+    fn drop(&mut self) {
+        if !self.active {
+            return;
+        }
+        let shared = &self.transport.shared;
+        let mut state = shared.lock();
+        let mut cut = false;
+        loop {
+            match state.posted.get(&self.slot) {
+                Some(post) if post.writing => {
+                    if !cut {
+                        drop(state);
+                        self.transport.shutdown_peer(self.slot.0);
+                        cut = true;
+                        state = shared.lock();
+                        continue;
+                    }
+                    state = shared
+                        .arrived
+                        .wait_timeout(state, Duration::from_millis(50))
+                        .unwrap_or_else(std::sync::PoisonError::into_inner)
+                        .0;
+                }
+                _ => {
+                    state.posted.remove(&self.slot);
+                    return;
+                }
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::op::OpKind;
+    use crate::tcp::frame::FrameHeader;
+    use crate::tcp::transport::tests::{budget, header, transports};
+    use std::collections::VecDeque;
+
+    fn data(seq: u64, len: usize, seed: u8) -> (FrameHeader, Vec<u8>) {
+        let payload: Vec<u8> = (0..len).map(|i| (i as u8).wrapping_mul(7) ^ seed).collect();
+        (header(seq, 0, len as u64), payload)
+    }
+
+    fn send(transport: &Transport, to: usize, frame: &(FrameHeader, Vec<u8>)) {
+        transport
+            .send(OpKind::AllGather, to, frame.0, &frame.1)
+            .unwrap();
+    }
+
+    #[test]
+    fn queued_frames_are_copied_in_and_later_ones_land_directly_in_order() {
+        let ranks = transports(2, 1 << 16);
+        let frames: Vec<_> = (0..4).map(|i| data(3, 1000, i)).collect();
+        // Two frames arrive before the post (they queue in the mailbox), two after it.
+        send(&ranks[0], 1, &frames[0]);
+        send(&ranks[0], 1, &frames[1]);
+        let key = MailboxKey::of(&frames[0].0);
+        // Wait until both are filed, so the post finds them queued.
+        let mut tries = 0;
+        let queued = |transport: &Transport| {
+            transport
+                .shared
+                .lock()
+                .mailbox
+                .get(&(0, key))
+                .map_or(0, VecDeque::len)
+        };
+        while queued(&ranks[1]) < 2 {
+            tries += 1;
+            assert!(tries < 1000, "frames never arrived");
+            std::thread::sleep(Duration::from_millis(5));
+        }
+        let mut dst = vec![0u8; 4000];
+        let posted = PostedRecv::post(&ranks[1], 0, key, DType::U8, &mut dst);
+        send(&ranks[0], 1, &frames[2]);
+        send(&ranks[0], 1, &frames[3]);
+        let mut seen = Vec::new();
+        let outcome = posted
+            .wait(&budget(5_000), |fresh| {
+                seen.extend_from_slice(fresh);
+                Ok(())
+            })
+            .unwrap();
+        assert_eq!(outcome, PostedOutcome::Complete);
+        let expected: Vec<u8> = frames.iter().flat_map(|f| f.1.clone()).collect();
+        assert_eq!(dst, expected);
+        assert_eq!(seen, expected);
+        assert!(ranks[1].shared.lock().posted.is_empty());
+    }
+
+    #[test]
+    fn a_frame_that_does_not_fit_falls_back_to_the_mailbox() {
+        let ranks = transports(2, 1 << 16);
+        let first = data(0, 8, 1);
+        send(&ranks[0], 1, &first);
+        // Longer than what is still missing: the reader must not write it into the post.
+        let oversized = data(0, 16, 2);
+        send(&ranks[0], 1, &oversized);
+        let key = MailboxKey::of(&first.0);
+        let mut dst = vec![0u8; 12];
+        let posted = PostedRecv::post(&ranks[1], 0, key, DType::U8, &mut dst);
+        let outcome = posted.wait(&budget(5_000), |_| Ok(())).unwrap();
+        assert_eq!(outcome, PostedOutcome::Fallback { filled: 8 });
+        assert_eq!(dst[..8], first.1[..]);
+        assert_eq!(dst[8..], [0, 0, 0, 0]);
+        let queued = ranks[1].recv(&budget(5_000), 0, key).unwrap();
+        assert_eq!(queued.payload, oversized.1);
+    }
+
+    #[test]
+    fn a_post_that_never_fills_times_out_and_hands_the_buffer_back() {
+        let ranks = transports(2, 1 << 16);
+        let key = MailboxKey::of(&header(9, 0, 0));
+        let mut dst = vec![0u8; 64];
+        let started = Instant::now();
+        let posted = PostedRecv::post(&ranks[1], 0, key, DType::U8, &mut dst);
+        let error = posted.wait(&budget(100), |_| Ok(())).unwrap_err();
+        assert!(
+            matches!(error, Error::Timeout { peer: Some(0), .. }),
+            "{error:?}"
+        );
+        assert!(started.elapsed() < Duration::from_secs(3));
+        assert!(ranks[1].shared.lock().posted.is_empty());
+        // A frame sent now is no longer written into the buffer: it queues in the mailbox.
+        send(&ranks[0], 1, &(header(9, 0, 4), vec![1, 2, 3, 4]));
+        let late = ranks[1].recv(&budget(5_000), 0, key).unwrap();
+        assert_eq!(late.payload, vec![1, 2, 3, 4]);
+        dst[0] = 5;
+        assert_eq!(dst[..2], [5, 0]);
+    }
+
+    #[test]
+    fn dropping_a_post_withdraws_it() {
+        let ranks = transports(2, 1 << 16);
+        let key = MailboxKey::of(&header(1, 0, 0));
+        let mut dst = vec![0u8; 16];
+        drop(PostedRecv::post(&ranks[1], 0, key, DType::U8, &mut dst));
+        assert!(ranks[1].shared.lock().posted.is_empty());
+        send(&ranks[0], 1, &(header(1, 0, 2), vec![8, 9]));
+        assert_eq!(
+            ranks[1].recv(&budget(5_000), 0, key).unwrap().payload,
+            vec![8, 9]
+        );
+        assert_eq!(dst, vec![0u8; 16]);
+    }
+}
