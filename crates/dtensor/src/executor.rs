@@ -1,0 +1,347 @@
+//! The redistribute executor: runs a [`Plan`]'s steps on one rank's local tensor.
+//!
+//! This is the only module of the crate that issues collectives for a redistribute. Every
+//! collective works on a "dim-major" copy of the local tensor: the tensor dim being gathered,
+//! scattered or exchanged is moved to the front, so each rank's padded chunk is one
+//! contiguous block of the flat buffer. Padding a chunk to the chunk size is then just zeros
+//! at the end of the block, and since only trailing shards are short, the real data of all
+//! gathered blocks is a prefix of the output: unpadding is a `narrow`, not a copy.
+
+use std::sync::Arc;
+
+use hypershard_collectives::{Buffer, BufferPair, Communicator, Work};
+use hypershard_mesh::{Placement, ReduceOp, chunk_size, shard_span};
+use hypershard_tensor::{DType, Tensor};
+
+use crate::bridge::{
+    buffer_to_tensor, staging_into_buffer, staging_tensor, tensor_to_buffer, wire_dtype, wire_op,
+};
+use crate::dtensor::DTensor;
+use crate::error::Result;
+use crate::planner::{Plan, Step, StepKind};
+use crate::process_mesh::ProcessMesh;
+
+/// A collective in flight and how to turn its output back into the local tensor.
+enum InFlight {
+    /// An all-reduce: the buffer comes back in place.
+    Reduce {
+        work: Work<Buffer>,
+        shape: Vec<usize>,
+        dtype: DType,
+    },
+    /// A two-buffer collective: the output is reshaped, unpadded and permuted back.
+    Pair {
+        work: Work<BufferPair>,
+        unpack: Unpack,
+    },
+}
+
+/// How an output buffer becomes the new local tensor.
+struct Unpack {
+    /// The shape of the whole (padded, dim-major) output.
+    buffer_shape: Vec<usize>,
+    /// `(dim, len)`: keep the first `len` entries of `dim` (drop the padding).
+    keep: Vec<(usize, usize)>,
+    /// The permutation back from dim-major order, if one was applied.
+    permute_back: Option<Vec<usize>>,
+    dtype: DType,
+}
+
+impl InFlight {
+    fn complete(self) -> Result<Tensor> {
+        match self {
+            InFlight::Reduce { work, shape, dtype } => {
+                buffer_to_tensor(work.wait()?, &shape, dtype)
+            }
+            InFlight::Pair { work, unpack } => {
+                let output = work.wait()?.output;
+                let mut tensor = buffer_to_tensor(output, &unpack.buffer_shape, unpack.dtype)?;
+                for (dim, len) in unpack.keep {
+                    tensor = tensor.narrow(dim, 0, len)?;
+                }
+                if let Some(perm) = unpack.permute_back {
+                    tensor = tensor.permute(&perm)?;
+                }
+                Ok(tensor.contiguous()?)
+            }
+        }
+    }
+}
+
+/// What issuing one step gave.
+enum Issued {
+    /// A local step: the new local tensor.
+    Done(Tensor),
+    /// A collective step: the new local tensor once it completes.
+    InFlight(InFlight),
+}
+
+/// A redistribute in progress: returned by
+/// [`DTensor::redistribute_async`](crate::DTensor::redistribute_async).
+///
+/// When it is returned, every local step before the plan's first collective has run and that
+/// collective is issued (it proceeds on the communicator's progress thread while the caller
+/// computes). [`wait`](RedistributeWork::wait) completes it and runs the remaining steps;
+/// a plan with several collectives issues the later ones inside `wait`, in plan order, so
+/// every rank issues the same collectives in the same order.
+#[must_use = "a redistribute does nothing useful until it is waited on"]
+pub struct RedistributeWork {
+    mesh: ProcessMesh,
+    global_shape: Vec<usize>,
+    plan: Arc<Plan>,
+    next: usize,
+    placements: Vec<Placement>,
+    local: Option<Tensor>,
+    in_flight: Option<InFlight>,
+}
+
+impl RedistributeWork {
+    /// Starts executing `plan` on `source`.
+    pub(crate) fn start(source: &DTensor, plan: Arc<Plan>) -> Result<RedistributeWork> {
+        tracing::trace!(steps = ?plan.steps, cost = plan.cost, "redistribute plan");
+        let mut work = RedistributeWork {
+            mesh: source.process_mesh().clone(),
+            global_shape: source.shape().to_vec(),
+            plan,
+            next: 0,
+            placements: source.placements().to_vec(),
+            local: Some(source.to_local().clone()),
+            in_flight: None,
+        };
+        work.advance()?;
+        Ok(work)
+    }
+
+    /// The plan being executed.
+    pub fn plan(&self) -> &Plan {
+        &self.plan
+    }
+
+    /// Runs steps until one collective is in flight or the plan is done.
+    fn advance(&mut self) -> Result<()> {
+        while self.in_flight.is_none() && self.next < self.plan.steps.len() {
+            let step = self.plan.steps[self.next];
+            // invariant: `local` is Some whenever no collective is in flight.
+            let local = self
+                .local
+                .take()
+                .expect("local tensor present between steps");
+            let issued = self.issue(&step, local)?;
+            self.placements[step.mesh_dim] = step.to;
+            self.next += 1;
+            match issued {
+                Issued::Done(tensor) => self.local = Some(tensor),
+                Issued::InFlight(in_flight) => self.in_flight = Some(in_flight),
+            }
+        }
+        Ok(())
+    }
+
+    /// Waits for the collectives and returns the redistributed tensor.
+    pub fn wait(mut self) -> Result<DTensor> {
+        loop {
+            if let Some(in_flight) = self.in_flight.take() {
+                self.local = Some(in_flight.complete()?);
+            }
+            if self.next == self.plan.steps.len() {
+                break;
+            }
+            self.advance()?;
+        }
+        // invariant: the loop exits only with no collective in flight, so `local` is Some.
+        let local = self.local.take().expect("local tensor present at the end");
+        Ok(DTensor::from_parts(
+            local,
+            self.mesh,
+            self.placements,
+            self.global_shape,
+        ))
+    }
+
+    /// The extent of `tensor_dim` that mesh dim `mesh_dim` splits on this rank: the global
+    /// extent narrowed by every earlier mesh dim that shards the same tensor dim.
+    fn parent_extent(&self, mesh_dim: usize, tensor_dim: usize) -> Result<usize> {
+        let mut extent = self.global_shape[tensor_dim];
+        let shape = self.mesh.shape();
+        let coordinate = self.mesh.coordinate();
+        for j in 0..mesh_dim {
+            if self.placements[j] == Placement::Shard(tensor_dim) {
+                extent = shard_span(extent, shape[j], coordinate[j])?.len;
+            }
+        }
+        Ok(extent)
+    }
+
+    fn issue(&self, step: &Step, local: Tensor) -> Result<Issued> {
+        let comm = self.mesh.dim_comm(step.mesh_dim)?.clone();
+        let n = comm.size();
+        let k = self.mesh.coordinate()[step.mesh_dim];
+        let dtype = local.dtype();
+        match step.kind {
+            StepKind::AllGather { tensor_dim } => {
+                let extent = self.parent_extent(step.mesh_dim, tensor_dim)?;
+                let chunk = chunk_size(extent, n)?;
+                let (major, permute_back) = to_front(&local, &[tensor_dim])?;
+                let rest: Vec<usize> = major.shape()[1..].to_vec();
+                let block = chunk * rest.iter().product::<usize>();
+                let input = pack_padded(&major, chunk)?;
+                let output = Buffer::zeros(wire_dtype(dtype), n * block);
+                let mut buffer_shape = vec![n * chunk];
+                buffer_shape.extend_from_slice(&rest);
+                Ok(Issued::InFlight(InFlight::Pair {
+                    work: comm.all_gather_async(input, output),
+                    unpack: Unpack {
+                        buffer_shape,
+                        keep: vec![(0, extent)],
+                        permute_back,
+                        dtype,
+                    },
+                }))
+            }
+            StepKind::AllReduce { op } => {
+                let input = tensor_to_buffer(&local)?;
+                Ok(Issued::InFlight(InFlight::Reduce {
+                    work: comm.all_reduce_async(input, wire_op(op)),
+                    shape: local.shape().to_vec(),
+                    dtype,
+                }))
+            }
+            StepKind::ReduceScatter { op, tensor_dim } => {
+                let extent = local.shape()[tensor_dim];
+                let chunk = chunk_size(extent, n)?;
+                let mine = shard_span(extent, n, k)?.len;
+                let (major, permute_back) = to_front(&local, &[tensor_dim])?;
+                let rest: Vec<usize> = major.shape()[1..].to_vec();
+                let block = chunk * rest.iter().product::<usize>();
+                let input = pack_padded(&major, n * chunk)?;
+                let output = Buffer::zeros(wire_dtype(dtype), block);
+                let mut buffer_shape = vec![chunk];
+                buffer_shape.extend_from_slice(&rest);
+                Ok(Issued::InFlight(InFlight::Pair {
+                    work: comm.reduce_scatter_async(input, output, wire_op(op)),
+                    unpack: Unpack {
+                        buffer_shape,
+                        keep: vec![(0, mine)],
+                        permute_back,
+                        dtype,
+                    },
+                }))
+            }
+            StepKind::AllToAll { from_dim, to_dim } => {
+                self.issue_all_to_all(&comm, step.mesh_dim, local, from_dim, to_dim)
+            }
+            StepKind::LocalChunk { tensor_dim } => {
+                let span = shard_span(local.shape()[tensor_dim], n, k)?;
+                // A copy, so the shard owns its memory instead of pinning the full tensor.
+                let chunk = local
+                    .narrow(tensor_dim, span.offset, span.len)?
+                    .deep_copy()?;
+                Ok(Issued::Done(chunk))
+            }
+            StepKind::LocalPartition { op } => Ok(Issued::Done(partition(&local, op, k)?)),
+            StepKind::LocalShardToPartial { tensor_dim } => {
+                let extent = self.parent_extent(step.mesh_dim, tensor_dim)?;
+                let span = shard_span(extent, n, k)?;
+                let mut shape = local.shape().to_vec();
+                shape[tensor_dim] = extent;
+                let full = Tensor::zeros(&shape, dtype)?;
+                full.narrow(tensor_dim, span.offset, span.len)?
+                    .copy_from(&local)?;
+                Ok(Issued::Done(full))
+            }
+        }
+    }
+
+    /// `S(from_dim) → S(to_dim)`: block `m` of the input is this rank's `from_dim` shard cut
+    /// to peer `m`'s `to_dim` chunk, both padded to their chunk sizes.
+    fn issue_all_to_all(
+        &self,
+        comm: &Arc<dyn Communicator>,
+        mesh_dim: usize,
+        local: Tensor,
+        from_dim: usize,
+        to_dim: usize,
+    ) -> Result<Issued> {
+        let n = comm.size();
+        let k = self.mesh.coordinate()[mesh_dim];
+        let dtype = local.dtype();
+        let from_extent = self.parent_extent(mesh_dim, from_dim)?;
+        let to_extent = local.shape()[to_dim];
+        let from_chunk = chunk_size(from_extent, n)?;
+        let to_chunk = chunk_size(to_extent, n)?;
+        let (major, permute_back) = to_front(&local, &[from_dim, to_dim])?;
+        let held = major.shape()[0];
+        let rest: Vec<usize> = major.shape()[2..].to_vec();
+        let mut staging_shape = vec![n, from_chunk, to_chunk];
+        staging_shape.extend_from_slice(&rest);
+        let staging = staging_tensor(&staging_shape, dtype)?;
+        for peer in 0..n {
+            let span = shard_span(to_extent, n, peer)?;
+            if span.len == 0 || held == 0 {
+                continue;
+            }
+            staging
+                .narrow(0, peer, 1)?
+                .narrow(1, 0, held)?
+                .narrow(2, 0, span.len)?
+                .copy_from(&major.narrow(1, span.offset, span.len)?)?;
+        }
+        let output = Buffer::zeros(wire_dtype(dtype), staging.numel());
+        let input = staging_into_buffer(staging)?;
+        let mine = shard_span(to_extent, n, k)?.len;
+        let mut buffer_shape = vec![n * from_chunk, to_chunk];
+        buffer_shape.extend_from_slice(&rest);
+        Ok(Issued::InFlight(InFlight::Pair {
+            work: comm.all_to_all_async(input, output),
+            unpack: Unpack {
+                buffer_shape,
+                keep: vec![(0, from_extent), (1, mine)],
+                permute_back,
+                dtype,
+            },
+        }))
+    }
+}
+
+/// A collective buffer holding the dim-major tensor `major` padded with zeros to `rows` rows
+/// (its leading dim), written in one pass (strided reads are gathered on the way).
+pub(crate) fn pack_padded(major: &Tensor, rows: usize) -> Result<Buffer> {
+    let mut shape = major.shape().to_vec();
+    let held = shape.first().copied().unwrap_or(1);
+    if let Some(first) = shape.first_mut() {
+        *first = rows;
+    }
+    let staging = staging_tensor(&shape, major.dtype())?;
+    if major.numel() > 0 {
+        staging.narrow(0, 0, held)?.copy_from(major)?;
+    }
+    staging_into_buffer(staging)
+}
+
+/// `R → P(op)` at coordinate `k` of the mesh dim (see [`StepKind::LocalPartition`]).
+pub(crate) fn partition(local: &Tensor, op: ReduceOp, k: usize) -> Result<Tensor> {
+    let keep = k == 0;
+    Ok(match op {
+        ReduceOp::Avg | ReduceOp::Max | ReduceOp::Min => local.clone(),
+        ReduceOp::Sum if keep => local.clone(),
+        ReduceOp::Product if keep => local.clone(),
+        ReduceOp::PreMulSum(factor) if keep => local.scale(1.0 / factor)?,
+        ReduceOp::Product => Tensor::ones(local.shape(), local.dtype())?,
+        ReduceOp::Sum | ReduceOp::PreMulSum(_) => Tensor::zeros(local.shape(), local.dtype())?,
+    })
+}
+
+/// A view of `tensor` with `dims` moved to the front (in that order, the rest keeping theirs),
+/// and the permutation that moves them back (`None` when nothing moved).
+pub(crate) fn to_front(tensor: &Tensor, dims: &[usize]) -> Result<(Tensor, Option<Vec<usize>>)> {
+    let mut perm: Vec<usize> = dims.to_vec();
+    perm.extend((0..tensor.ndim()).filter(|d| !dims.contains(d)));
+    if perm.iter().enumerate().all(|(i, &d)| i == d) {
+        return Ok((tensor.clone(), None));
+    }
+    let mut back = vec![0; perm.len()];
+    for (i, &d) in perm.iter().enumerate() {
+        back[d] = i;
+    }
+    Ok((tensor.permute(&perm)?, Some(back)))
+}

@@ -1,0 +1,261 @@
+//! Every single-mesh-dim transition of the table in docs/redistribute.md, on uneven and empty
+//! shards, with the exact collectives each one issues.
+
+use std::collections::BTreeMap;
+
+use hypershard_dtensor::collectives::OpKind;
+use hypershard_dtensor::{DTensor, Error, Placement, ReduceOp};
+
+use hypershard_dtensor::tensor::Tensor;
+
+use crate::common::{Snapshot, expected_local, expected_spans, full_tensor, on_mesh};
+
+const R: Placement = Placement::Replicate;
+const S0: Placement = Placement::Shard(0);
+const S1: Placement = Placement::Shard(1);
+const PSUM: Placement = Placement::Partial(ReduceOp::Sum);
+const PAVG: Placement = Placement::Partial(ReduceOp::Avg);
+const PMAX: Placement = Placement::Partial(ReduceOp::Max);
+const PMIN: Placement = Placement::Partial(ReduceOp::Min);
+
+/// (src, dst, the one collective expected, if any).
+const TABLE: &[(Placement, Placement, Option<OpKind>)] = &[
+    (S0, R, Some(OpKind::AllGather)),
+    (S1, R, Some(OpKind::AllGather)),
+    (PSUM, R, Some(OpKind::AllReduce)),
+    (PAVG, R, Some(OpKind::AllReduce)),
+    (PMAX, R, Some(OpKind::AllReduce)),
+    (PMIN, R, Some(OpKind::AllReduce)),
+    (PSUM, S0, Some(OpKind::ReduceScatter)),
+    (PAVG, S1, Some(OpKind::ReduceScatter)),
+    (PMAX, S0, Some(OpKind::ReduceScatter)),
+    (R, S0, None),
+    (R, S1, None),
+    (S0, S1, Some(OpKind::AllToAll)),
+    (S1, S0, Some(OpKind::AllToAll)),
+    (R, PSUM, None),
+    (R, PAVG, None),
+    (R, PMAX, None),
+    (S0, PSUM, None),
+    (S1, PSUM, None),
+    (S0, PMAX, Some(OpKind::AllGather)),
+];
+
+/// Runs the whole table on a 1-d mesh of `world` ranks for `shape`; checks the local blocks
+/// of non-partial results against the first-principles blocks, the full tensors, and the
+/// collectives issued.
+fn run_table(world: usize, shape: &'static [usize]) {
+    let out = on_mesh(&[world], &["x"], move |ctx| {
+        let full = full_tensor(shape);
+        let coordinate = ctx.mesh.coordinate().to_vec();
+        let mut rows = Vec::new();
+        for &(src, dst, _) in TABLE {
+            let local = expected_local(&full, &[world], &[src], &coordinate);
+            let x = DTensor::from_local(local, &ctx.mesh, &[src], Some(shape))?;
+            ctx.reset();
+            let y = x.redistribute(&[dst])?;
+            let counts = ctx.counts();
+            let y_full = y.full_tensor()?;
+            rows.push((Snapshot::of(y.to_local()), counts, Snapshot::of(&y_full)));
+        }
+        Ok((coordinate, rows))
+    });
+    let full = full_tensor(shape);
+    for (coordinate, rows) in out {
+        for (&(src, dst, collective), (local, counts, y_full)) in TABLE.iter().zip(rows) {
+            let case =
+                format!("world {world}, shape {shape:?}, {src} -> {dst}, coord {coordinate:?}");
+            let expected_counts: BTreeMap<OpKind, u64> =
+                collective.into_iter().map(|op| (op, 1)).collect();
+            assert_eq!(counts, expected_counts, "{case}: collectives");
+            assert_eq!(y_full, Snapshot::of(&full), "{case}: full tensor");
+            if dst.partial_op().is_none() {
+                let expected = expected_local(&full, &[world], &[dst], &coordinate);
+                assert_eq!(local, Snapshot::of(&expected), "{case}: local block");
+            } else {
+                let expected = match src {
+                    // S -> P(sum) places the shard in zeros of the full extent.
+                    Placement::Shard(_) if dst == PSUM => {
+                        let zeros = Tensor::zeros(shape, crate::common::F64).unwrap();
+                        let spans = expected_spans(shape, &[world], &[src], &coordinate);
+                        let mut view = zeros.clone();
+                        for (d, &(offset, len)) in spans.iter().enumerate() {
+                            view = view.narrow(d, offset, len).unwrap();
+                        }
+                        view.copy_from(&expected_local(&full, &[world], &[src], &coordinate))
+                            .unwrap();
+                        Snapshot::of(&zeros)
+                    }
+                    // R -> P keeps the value on coordinate 0 for sum, everywhere for avg/max.
+                    _ if coordinate[0] == 0 || dst != PSUM => {
+                        Snapshot::of(&expected_local(&full, &[world], &[R], &coordinate))
+                    }
+                    _ => Snapshot {
+                        shape: shape.to_vec(),
+                        values: vec![0.0; shape.iter().product()],
+                    },
+                };
+                assert_eq!(local, expected, "{case}: partial local");
+            }
+        }
+    }
+}
+
+#[test]
+fn table_on_four_ranks_with_a_short_trailing_shard() {
+    // 10 rows on 4 ranks: 3, 3, 3, 1; 5 columns: 2, 2, 1, 0.
+    run_table(4, &[10, 5]);
+}
+
+#[test]
+fn table_on_three_ranks_with_empty_shards() {
+    // 1 row on 3 ranks: 1, 0, 0; 2 columns: 1, 1, 0.
+    run_table(3, &[1, 2]);
+}
+
+#[test]
+fn table_on_two_ranks_with_even_and_zero_extents() {
+    run_table(2, &[4, 0]);
+    run_table(2, &[0, 3]);
+}
+
+#[test]
+fn table_on_one_rank() {
+    run_table(1, &[3, 2]);
+}
+
+#[test]
+fn nested_shards_unshard_innermost_first() {
+    // 10 rows on [2, 3] with [S(0), S(0)]: 5 | 5, then 2, 2, 1 each.
+    let shape: &[usize] = &[10, 3];
+    let out = on_mesh(&[2, 3], &[], move |ctx| {
+        let full = full_tensor(shape);
+        let coordinate = ctx.mesh.coordinate().to_vec();
+        let src = [S0, S0];
+        let local = expected_local(&full, &[2, 3], &src, &coordinate);
+        let x = DTensor::from_local(local, &ctx.mesh, &src, Some(shape))?;
+        let plan = x.plan_to(&[R, R])?;
+        ctx.reset();
+        let full_back = x.full_tensor()?;
+        let counts = ctx.counts();
+        // Misaligned order: [S(0), S(0)] -> [S(0), S(1)] must not all-to-all mesh dim 0.
+        let z = x.redistribute(&[S1, S0])?;
+        let z_expected = expected_local(&full, &[2, 3], &[S1, S0], &coordinate);
+        Ok((
+            plan.collectives(),
+            counts,
+            Snapshot::of(&full_back) == Snapshot::of(&full),
+            Snapshot::of(z.to_local()) == Snapshot::of(&z_expected),
+        ))
+    });
+    for (collectives, counts, full_ok, z_ok) in out {
+        assert_eq!(
+            collectives,
+            vec![(1, OpKind::AllGather), (0, OpKind::AllGather)]
+        );
+        assert_eq!(counts, BTreeMap::from([(OpKind::AllGather, 2)]));
+        assert!(full_ok && z_ok);
+    }
+}
+
+#[test]
+fn changing_the_pending_reduction_is_an_error() {
+    let out = on_mesh(&[2], &[], |ctx| {
+        let x = DTensor::zeros(&ctx.mesh, &[3], hypershard_dtensor::DType::F32, &[PSUM])?;
+        let change = x.redistribute(&[PAVG]);
+        let mixed = DTensor::zeros(&ctx.mesh, &[3], hypershard_dtensor::DType::F32, &[R])?
+            .redistribute(&[PMAX]);
+        Ok((
+            matches!(
+                change,
+                Err(Error::PartialOpChange {
+                    mesh_dim: 0,
+                    from: PSUM,
+                    to: PAVG
+                })
+            ),
+            mixed.is_ok(),
+            ctx.counts().is_empty(),
+        ))
+    });
+    assert_eq!(out, vec![(true, true, true); 2]);
+}
+
+#[test]
+fn non_commuting_partials_on_two_dims_are_rejected() {
+    let out = on_mesh(&[2, 2], &[], |ctx| {
+        let bad = DTensor::zeros(
+            &ctx.mesh,
+            &[3],
+            hypershard_dtensor::DType::F32,
+            &[PMAX, PSUM],
+        );
+        let linear = DTensor::zeros(
+            &ctx.mesh,
+            &[3],
+            hypershard_dtensor::DType::F32,
+            &[PAVG, PSUM],
+        );
+        Ok((
+            matches!(bad, Err(Error::MixedPartialOps { .. })),
+            linear.is_ok(),
+        ))
+    });
+    assert_eq!(out, vec![(true, true); 4]);
+}
+
+#[test]
+fn premul_sum_partials_reduce_with_their_factor() {
+    let premul = Placement::Partial(ReduceOp::PreMulSum(0.5));
+    let out = on_mesh(&[3], &[], move |ctx| {
+        let full = full_tensor(&[4]);
+        let coordinate = ctx.mesh.coordinate().to_vec();
+        let local = expected_local(&full, &[3], &[premul], &coordinate);
+        let x = DTensor::from_local(local, &ctx.mesh, &[premul], Some(&[4]))?;
+        let r = x.full_tensor()?;
+        let round = DTensor::distribute_local(&full, &ctx.mesh, &[premul])?.full_tensor()?;
+        Ok((Snapshot::of(&r), Snapshot::of(&round)))
+    });
+    for (r, round) in out {
+        assert_eq!(r.values, vec![1.0, 2.0, 3.0, 4.0]);
+        assert_eq!(round.values, vec![1.0, 2.0, 3.0, 4.0]);
+    }
+}
+
+#[test]
+fn plans_are_cached_per_mesh() {
+    let out = on_mesh(&[2], &[], |ctx| {
+        let x = DTensor::ones(&ctx.mesh, &[5], hypershard_dtensor::DType::F32, &[S0])?;
+        let before = ctx.mesh.plan_cache().misses();
+        x.redistribute(&[R])?;
+        x.redistribute(&[R])?;
+        let sub = ctx.mesh.select(&[0])?;
+        DTensor::ones(&sub, &[5], hypershard_dtensor::DType::F32, &[S0])?.redistribute(&[R])?;
+        Ok((
+            ctx.mesh.plan_cache().misses() - before,
+            ctx.mesh.plan_cache().hits(),
+        ))
+    });
+    assert_eq!(out, vec![(1, 2); 2]);
+}
+
+#[test]
+fn async_redistribute_overlaps_and_matches_the_blocking_one() {
+    let out = on_mesh(&[2, 2], &[], |ctx| {
+        let full = full_tensor(&[5, 3]);
+        let x = DTensor::distribute_local(&full, &ctx.mesh, &[S0, S1])?;
+        let pending = x.redistribute_async(&[R, R])?;
+        let plan_len = pending.plan().steps.len();
+        // The first collective is already in flight; other work proceeds meanwhile.
+        let other = x.redistribute_async(&[S1, S0])?;
+        let gathered = pending.wait()?;
+        let swapped = other.wait()?;
+        let swapped_sync = x.redistribute(&[S1, S0])?;
+        Ok((
+            plan_len,
+            Snapshot::of(gathered.to_local()) == Snapshot::of(&full),
+            Snapshot::of(swapped.to_local()) == Snapshot::of(swapped_sync.to_local()),
+        ))
+    });
+    assert_eq!(out, vec![(2, true, true); 4]);
+}
