@@ -37,6 +37,7 @@ mod mesh;
 mod module;
 mod param;
 mod schedule;
+mod state_dict;
 
 pub use config::{
     CommFusionPolicy, CpuOffloadPolicy, FullyShardConfig, GradReduceOp, MixedPrecisionPolicy,

@@ -388,6 +388,24 @@ impl FsdpModule {
         Ok(())
     }
 
+    /// The shared group of this unit.
+    pub(crate) fn group_arc(&self) -> &Arc<Mutex<ParamGroup>> {
+        &self.group
+    }
+
+    /// This rank in the world communicator of the unit's mesh.
+    pub(crate) fn global_rank(&self) -> usize {
+        lock(&self.group).mesh.rank()
+    }
+
+    /// Calls `f` with the path and unit of every unit strictly below this one.
+    pub(crate) fn walk_nested_with_path(
+        &mut self,
+        f: &mut dyn FnMut(&str, &mut FsdpModule),
+    ) -> Result<()> {
+        Ok(walk_units_with_path(self.inner.as_mut(), "", f)?)
+    }
+
     /// Scales every gradient of this unit's tree so that their global L2 norm is at most
     /// `max_norm`, and returns the norm before clipping (torch's `clip_grad_norm_` with
     /// `foreach` semantics: `coef = max_norm / (norm + 1e-6)`, applied when below 1).

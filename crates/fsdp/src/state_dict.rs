@@ -1,0 +1,315 @@
+//! State dicts: the full form gathered to rank 0 one parameter at a time, and loading from a
+//! full (global-shape) or local (shard-shape) form.
+
+use std::collections::BTreeMap;
+use std::sync::{Arc, Mutex};
+
+use hypershard_collectives::Buffer;
+use hypershard_nn::Module;
+use hypershard_tensor::Tensor;
+
+use crate::bridge::{comm_dtype, tensor_from_buffer};
+use crate::error::{FsdpError, Result};
+use crate::group::ParamGroup;
+use crate::module::FsdpModule;
+use crate::param::{ParamRole, ShardedState};
+use crate::schedule::lock;
+
+/// A managed parameter found by its full name.
+pub(crate) struct ManagedParam {
+    pub group: Arc<Mutex<ParamGroup>>,
+    pub index: usize,
+}
+
+impl FsdpModule {
+    /// Every parameter managed by this unit or a unit below it, by full dotted name.
+    pub(crate) fn managed_params(&mut self) -> Result<BTreeMap<String, ManagedParam>> {
+        let mut out = BTreeMap::new();
+        let mut record = |path: &str, group: &Arc<Mutex<ParamGroup>>| {
+            let guard = lock(group);
+            for (index, param) in guard.params.iter().enumerate() {
+                out.insert(
+                    hypershard_nn::join_name(path, &param.name),
+                    ManagedParam {
+                        group: group.clone(),
+                        index,
+                    },
+                );
+            }
+        };
+        record("", self.group_arc());
+        self.walk_nested_with_path(&mut |path, unit| record(path, unit.group_arc()))?;
+        Ok(out)
+    }
+
+    /// The full state dict (PyTorch names and shapes) on global rank 0; other ranks get an
+    /// empty map. Parameters are gathered one at a time to the shard group's first rank, so no
+    /// rank ever holds more than one full parameter beyond its shards. Collective over the
+    /// shard groups of replica 0 (other replicas take no part).
+    pub fn full_state_dict(&mut self) -> Result<BTreeMap<String, Tensor>> {
+        let managed = self.managed_params()?;
+        let mut names = Vec::new();
+        let mut locals = BTreeMap::new();
+        self.visit_params("", &mut |name, param| {
+            names.push(name.to_string());
+            if !managed.contains_key(name) {
+                locals.insert(name.to_string(), param.data()?.deep_copy()?);
+            }
+            Ok(())
+        })?;
+        let mut out = BTreeMap::new();
+        for name in names {
+            let Some(entry) = managed.get(&name) else {
+                if let Some(local) = locals.remove(&name)
+                    && self.global_rank() == 0
+                {
+                    out.insert(name, local);
+                }
+                continue;
+            };
+            let group = lock(&entry.group);
+            let param = &group.params[entry.index];
+            let mesh = group.mesh.clone();
+            let on_replica_zero = mesh.replicate().is_none_or(|c| c.rank() == 0);
+            if param.role == ParamRole::Replicated {
+                if mesh.rank() == 0 {
+                    out.insert(name, param.sharded.deep_copy()?);
+                }
+                continue;
+            }
+            if !on_replica_zero {
+                continue;
+            }
+            let dtype = param.orig_dtype;
+            let comm_type = comm_dtype(dtype).ok_or_else(|| FsdpError::UnsupportedDType {
+                param: name.clone(),
+                dtype,
+            })?;
+            let layout = &param.layout;
+            let slot = layout.slot_numel()?;
+            let mut input = Buffer::zeros(comm_type, slot);
+            {
+                let bytes = input
+                    .as_host_mut()
+                    .map_err(|_| FsdpError::NotHostStorage {
+                        op: "full_state_dict",
+                    })?
+                    .as_bytes_mut();
+                layout.pack(&param.sharded, dtype, bytes)?;
+            }
+            let shard = mesh.shard();
+            let is_root = shard.rank() == 0;
+            let output = Buffer::zeros(comm_type, if is_root { slot * layout.world } else { 0 });
+            let pair = shard.gather_async(input, output, 0).wait()?;
+            if is_root {
+                let gathered = tensor_from_buffer(pair.output, dtype)?;
+                let full = Tensor::zeros(&layout.shape, dtype)?;
+                let size = dtype.size_of();
+                crate::bridge::with_bytes(&gathered, |bytes| -> Result<()> {
+                    for rank in 0..layout.world {
+                        let start = rank * slot * size;
+                        layout.unpack_into_full(&bytes[start..start + slot * size], rank, &full)?;
+                    }
+                    Ok(())
+                })??;
+                if mesh.rank() == 0 {
+                    out.insert(name, full);
+                }
+            }
+        }
+        Ok(out)
+    }
+
+    /// The local state dict: every parameter's local shard (or whole tensor, for replicated,
+    /// ignored and unmanaged ones) by full name. With the global shapes of
+    /// [`FsdpModule::params`] this is the sharded form; `load_state_dict` takes it back.
+    pub fn local_state_dict(&mut self) -> Result<BTreeMap<String, Tensor>> {
+        let managed = self.managed_params()?;
+        let mut out = BTreeMap::new();
+        self.visit_params("", &mut |name, param| {
+            let value = match managed.get(name) {
+                Some(entry) => lock(&entry.group).params[entry.index].sharded.deep_copy()?,
+                None => param.data()?.deep_copy()?,
+            };
+            out.insert(name.to_string(), value);
+            Ok(())
+        })?;
+        Ok(out)
+    }
+
+    /// Loads parameters from `state`, whose entries are full (global shape: each rank keeps
+    /// its shard) or local (this rank's shard shape) tensors, cast to the parameters' dtypes.
+    /// Every entry is checked before anything is written, so a bad state dict changes nothing:
+    /// a missing entry is [`FsdpError::StateDictMissing`], a wrong shape
+    /// [`FsdpError::StateDictShape`]. Units must be resharded (not between forward and
+    /// backward). Extra entries are ignored.
+    pub fn load_state_dict(&mut self, state: &BTreeMap<String, Tensor>) -> Result<()> {
+        let managed = self.managed_params()?;
+        // Pass 1: resolve every entry to the tensor to copy into the local storage.
+        let mut plan: Vec<(String, Tensor)> = Vec::new();
+        let mut failure: Option<FsdpError> = None;
+        self.visit_params("", &mut |name, param| {
+            if failure.is_some() {
+                return Ok(());
+            }
+            let Some(value) = state.get(name) else {
+                failure = Some(FsdpError::StateDictMissing {
+                    name: name.to_string(),
+                });
+                return Ok(());
+            };
+            let resolved = match managed.get(name) {
+                Some(entry) => {
+                    let group = lock(&entry.group);
+                    let p = &group.params[entry.index];
+                    if p.installed || p.state != ShardedState::Sharded {
+                        failure = Some(FsdpError::InvalidState {
+                            unit: group.unit.clone(),
+                            param: name.to_string(),
+                            op: "load_state_dict",
+                            expected: &[ShardedState::Sharded],
+                            actual: p.state,
+                        });
+                        return Ok(());
+                    }
+                    let local_shape = p.sharded.shape().to_vec();
+                    let global_shape = if p.role == ParamRole::Replicated {
+                        local_shape.clone()
+                    } else {
+                        p.layout.shape.clone()
+                    };
+                    if value.shape() == local_shape.as_slice() {
+                        Some(value.clone())
+                    } else if value.shape() == global_shape.as_slice() {
+                        match p.layout.span(group.mesh.shard_rank()) {
+                            Ok(span) => Some(value.narrow(p.layout.dim, span.offset, span.len)?),
+                            Err(error) => {
+                                failure = Some(error);
+                                None
+                            }
+                        }
+                    } else {
+                        failure = Some(FsdpError::StateDictShape {
+                            name: name.to_string(),
+                            expected: global_shape,
+                            local: local_shape,
+                            actual: value.shape().to_vec(),
+                        });
+                        None
+                    }
+                }
+                None => {
+                    let shape = param.data()?.shape().to_vec();
+                    if value.shape() == shape.as_slice() {
+                        Some(value.clone())
+                    } else {
+                        failure = Some(FsdpError::StateDictShape {
+                            name: name.to_string(),
+                            expected: shape.clone(),
+                            local: shape,
+                            actual: value.shape().to_vec(),
+                        });
+                        None
+                    }
+                }
+            };
+            if let Some(resolved) = resolved {
+                plan.push((name.to_string(), resolved));
+            }
+            Ok(())
+        })?;
+        if let Some(error) = failure {
+            return Err(error);
+        }
+        // Pass 2: write in place, so the module's parameters keep their storage.
+        let plan: BTreeMap<String, Tensor> = plan.into_iter().collect();
+        self.visit_params_mut("", &mut |name, param| {
+            if let Some(value) = plan.get(name) {
+                param.data()?.copy_from(value)?;
+            }
+            Ok(())
+        })?;
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::{DataParallelMesh, FullyShardConfig, fully_shard};
+    use hypershard_nn::{Linear, LinearConfig};
+    use hypershard_tensor::DType;
+
+    #[test]
+    fn full_and_local_state_dicts_round_trip_at_world_3() {
+        let comms = hypershard_collectives::local::spawn_world(3).expect("world");
+        let reference = Linear::new(LinearConfig {
+            in_features: 4,
+            out_features: 5,
+            bias: true,
+            dtype: DType::F32,
+            seed: 3,
+        })
+        .expect("layer");
+        let want_weight = reference.weight.data().expect("w").to_f64_vec().expect("v");
+        hypershard_testkit::run_ranks(3, move |rank| {
+            let mesh = DataParallelMesh::fsdp(comms[rank].clone())?;
+            let layer = Linear::new(LinearConfig {
+                in_features: 4,
+                out_features: 5,
+                bias: true,
+                dtype: DType::F32,
+                seed: 3,
+            })?;
+            let mut unit = fully_shard(Box::new(layer), FullyShardConfig::new(mesh))?;
+            let full = unit.full_state_dict()?;
+            if rank == 0 {
+                assert_eq!(full["weight"].shape(), &[5, 4]);
+                assert_eq!(full["weight"].to_f64_vec()?, want_weight);
+            } else {
+                assert!(full.is_empty());
+            }
+            // Load zeros in the full form, then the saved local form back.
+            let local = unit.local_state_dict()?;
+            let zeros: BTreeMap<String, Tensor> = [
+                ("weight".to_string(), Tensor::zeros(&[5, 4], DType::F32)?),
+                ("bias".to_string(), Tensor::zeros(&[5], DType::F32)?),
+            ]
+            .into();
+            unit.load_state_dict(&zeros)?;
+            assert!(unit.local_state_dict()?.values().all(|t| {
+                t.to_f64_vec()
+                    .map(|v| v.iter().all(|x| *x == 0.0))
+                    .unwrap_or(false)
+            }));
+            unit.load_state_dict(&local)?;
+            assert_eq!(
+                unit.local_state_dict()?["weight"].to_f64_vec()?,
+                local["weight"].to_f64_vec()?
+            );
+            // A wrong shape is refused before anything is written.
+            let mut bad = local.clone();
+            bad.insert("bias".to_string(), Tensor::zeros(&[7], DType::F32)?);
+            bad.insert("weight".to_string(), Tensor::zeros(&[5, 4], DType::F32)?);
+            assert!(matches!(
+                unit.load_state_dict(&bad),
+                Err(FsdpError::StateDictShape { name, .. }) if name == "bias"
+            ));
+            assert_eq!(
+                unit.local_state_dict()?["weight"].to_f64_vec()?,
+                local["weight"].to_f64_vec()?
+            );
+            let mut missing = local.clone();
+            missing.remove("bias");
+            assert!(matches!(
+                unit.load_state_dict(&missing),
+                Err(FsdpError::StateDictMissing { name }) if name == "bias"
+            ));
+            // The unit still trains after loading (storage identity kept).
+            let y = unit.forward(&Tensor::ones(&[2, 4], DType::F32)?)?;
+            unit.backward(&Tensor::ones(y.shape(), DType::F32)?)?;
+            Ok::<_, FsdpError>(())
+        })
+        .expect("run");
+    }
+}
