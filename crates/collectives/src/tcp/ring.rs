@@ -52,6 +52,54 @@ fn ring_reduce_scatter(
     Ok(())
 }
 
+/// Ring reduce-scatter that reads this rank's contribution straight from `input`, for reduce
+/// ops whose `prepare` does nothing (all but `PreMulSum`): no working copy of the whole input.
+/// Step `s` sends the block accumulated in step `s - 1` (step 0: the input's own block) and
+/// receives the next block into `input's block ⊕ incoming`; the last step lands in `output`
+/// (this rank's block, combined but not yet finished). `scratch` holds two blocks.
+fn reduce_scatter_from_input(
+    link: &Link<'_>,
+    plan: &ReducePlan,
+    input: &[u8],
+    output: &mut [u8],
+    blocks: &[Range<usize>],
+    scratch: &mut [u8],
+) -> Result<()> {
+    let n = link.size();
+    let dtype = plan.dtype();
+    let (right, left) = (link.right(1), link.left(1));
+    if n == 1 {
+        output.copy_from_slice(&input[blocks[0].clone()]);
+        return Ok(());
+    }
+    let (mut sending, mut receiving) = scratch.split_at_mut(scratch.len() / 2);
+    for step in 0..n - 1 {
+        let send_block = blocks[link.left(step + 1)].clone();
+        let recv_block = blocks[link.left(step + 2)].clone();
+        let outgoing: &[u8] = if step == 0 {
+            &input[send_block]
+        } else {
+            &sending[..send_block.len()]
+        };
+        let target: &mut [u8] = if step == n - 2 {
+            &mut *output
+        } else {
+            &mut receiving[..recv_block.len()]
+        };
+        target.copy_from_slice(&input[recv_block]);
+        let exchange = Exchange {
+            to: right,
+            from: left,
+            dtype,
+            tag: tag(step),
+            outgoing,
+        };
+        link.exchange(exchange, target, |acc, segment| plan.combine(acc, segment))?;
+        std::mem::swap(&mut sending, &mut receiving);
+    }
+    Ok(())
+}
+
 /// Ring all-gather in place: this rank's own block of `work` is filled; afterwards every
 /// block is.
 fn ring_all_gather(
@@ -236,6 +284,25 @@ pub(crate) fn reduce_scatter(
     // invariant: a failed plan is a posted fault, and open returned it above.
     let plan = plan.ok_or(Error::UnsupportedOp { op, dtype })?;
     let blocks = byte_blocks(&counts, dtype);
+    if !matches!(op, ReduceOp::PreMulSum(_)) {
+        let widest = blocks.iter().map(Range::len).max().unwrap_or(0);
+        inner.with_scratch(2 * widest, |scratch| {
+            reduce_scatter_from_input(
+                &link,
+                &plan,
+                input.as_bytes(),
+                output.as_bytes_mut(),
+                &blocks,
+                scratch,
+            )
+        })?;
+        plan.finish(output.as_bytes_mut())?;
+        return Ok(BufferPair {
+            input: Buffer::Host(input),
+            output: Buffer::Host(output),
+        });
+    }
+    // PreMulSum scales every contribution before it travels: work on a scaled copy.
     inner.with_scratch(input.byte_len(), |work| -> Result<()> {
         work.copy_from_slice(input.as_bytes());
         plan.prepare(work)?;
