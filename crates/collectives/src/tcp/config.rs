@@ -9,11 +9,11 @@ pub const DEFAULT_SMALL_ALL_REDUCE_BYTES: usize = 64 * 1024;
 
 /// The default [`TcpConfig::halving_doubling_bytes`] (see docs/collectives.md, "Measured
 /// defaults").
-pub const DEFAULT_HALVING_DOUBLING_BYTES: usize = 1 << 20;
+pub const DEFAULT_HALVING_DOUBLING_BYTES: usize = 4 << 20;
 
 /// The default [`TcpConfig::tree_broadcast_bytes`] (see docs/collectives.md, "Measured
 /// defaults").
-pub const DEFAULT_TREE_BROADCAST_BYTES: usize = 64 * 1024;
+pub const DEFAULT_TREE_BROADCAST_BYTES: usize = 4 << 20;
 
 /// Which all-reduce algorithm runs.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Default)]
