@@ -20,6 +20,9 @@ pub enum FsdpError {
     /// A collective failed.
     #[error(transparent)]
     Comm(#[from] hypershard_collectives::Error),
+    /// A DTensor operation failed (process mesh, state dict).
+    #[error(transparent)]
+    DTensor(#[from] hypershard_dtensor::Error),
     /// Mesh math failed.
     #[error(transparent)]
     Mesh(#[from] hypershard_mesh::MeshError),

@@ -4,6 +4,7 @@ use std::collections::BTreeMap;
 use std::sync::{Arc, Mutex, PoisonError};
 
 use hypershard_collectives::Communicator;
+use hypershard_dtensor::ProcessMesh;
 use hypershard_mesh::DeviceMesh;
 
 use crate::error::{FsdpError, Result};
@@ -12,9 +13,10 @@ use crate::error::{FsdpError, Result};
 /// with the communicators `fully_shard` needs.
 ///
 /// Building one is collective (it splits the world communicator), so every rank builds it once
-/// and shares it among all units through an `Arc`.
+/// and shares it among all units through an `Arc`. The communicators are those of a
+/// [`ProcessMesh`] (dim 0 first), so sharded state dicts are DTensors over the same mesh.
 pub struct DataParallelMesh {
-    mesh: DeviceMesh,
+    process_mesh: ProcessMesh,
     rank: usize,
     world: Arc<dyn Communicator>,
     shard: Arc<dyn Communicator>,
@@ -24,8 +26,8 @@ pub struct DataParallelMesh {
 }
 
 impl DataParallelMesh {
-    /// Splits `world` (whose rank `r` is mesh rank `r`) into the shard and replicate groups of
-    /// `mesh`. Collective over `world`.
+    /// Binds `mesh` to communicators split from `world` (whose rank `r` is mesh rank `r`):
+    /// one [`ProcessMesh`] with a communicator per mesh dim. Collective over `world`.
     pub fn new(mesh: DeviceMesh, world: Arc<dyn Communicator>) -> Result<Arc<Self>> {
         let rank = world.rank();
         if mesh.num_ranks() != world.size() || !mesh.contains(rank) {
@@ -35,23 +37,45 @@ impl DataParallelMesh {
                 rank,
             });
         }
-        let (shard, replicate) = match mesh.ndim() {
-            1 => (world.clone(), None),
-            2 => {
-                let shard = split_along(&mesh, &world, rank, 1)?;
-                let replicate = split_along(&mesh, &world, rank, 0)?;
-                (shard, Some(replicate))
-            }
-            ndim => return Err(FsdpError::MeshDims { ndim }),
+        if !(1..=2).contains(&mesh.ndim()) {
+            return Err(FsdpError::MeshDims { ndim: mesh.ndim() });
+        }
+        let process_mesh = ProcessMesh::new(mesh, world.clone())?;
+        Self::from_parts(process_mesh, world)
+    }
+
+    /// Uses an existing [`ProcessMesh`] of 1 or 2 dims (no new communicators are made).
+    pub fn from_process_mesh(process_mesh: ProcessMesh) -> Result<Arc<Self>> {
+        let world = process_mesh.root_comm().clone();
+        if !(1..=2).contains(&process_mesh.ndim()) {
+            return Err(FsdpError::MeshDims {
+                ndim: process_mesh.ndim(),
+            });
+        }
+        Self::from_parts(process_mesh, world)
+    }
+
+    fn from_parts(process_mesh: ProcessMesh, world: Arc<dyn Communicator>) -> Result<Arc<Self>> {
+        let ndim = process_mesh.ndim();
+        let shard = process_mesh.dim_comm(ndim - 1)?.clone();
+        let replicate = if ndim == 2 {
+            Some(process_mesh.dim_comm(0)?.clone())
+        } else {
+            None
         };
         Ok(Arc::new(DataParallelMesh {
-            mesh,
-            rank,
+            rank: process_mesh.rank(),
+            process_mesh,
             world,
             shard,
             replicate,
             post_forward: Mutex::new(BTreeMap::new()),
         }))
+    }
+
+    /// The process mesh (for DTensors over the data-parallel dims).
+    pub fn process_mesh(&self) -> &ProcessMesh {
+        &self.process_mesh
     }
 
     /// A 1-d mesh over every rank of `world` (plain FSDP).
@@ -69,7 +93,7 @@ impl DataParallelMesh {
 
     /// The mesh.
     pub fn mesh(&self) -> &DeviceMesh {
-        &self.mesh
+        self.process_mesh.mesh()
     }
 
     /// This rank in the world communicator.
@@ -136,34 +160,10 @@ impl DataParallelMesh {
     }
 }
 
-/// The communicator of `rank`'s group along mesh dim `dim`.
-fn split_along(
-    mesh: &DeviceMesh,
-    world: &Arc<dyn Communicator>,
-    rank: usize,
-    dim: usize,
-) -> Result<Arc<dyn Communicator>> {
-    let key = mesh.split_key(rank, dim)?;
-    let color = u32::try_from(key.color).map_err(|_| FsdpError::WorldSizeMismatch {
-        mesh_ranks: mesh.num_ranks(),
-        comm_size: world.size(),
-        rank,
-    })?;
-    // A rank in the mesh always gets a group (color is Some), so None means the backend broke
-    // its contract; report it as a world mismatch rather than panicking.
-    world
-        .split(Some(color), key.key as i64)?
-        .ok_or(FsdpError::WorldSizeMismatch {
-            mesh_ranks: mesh.num_ranks(),
-            comm_size: world.size(),
-            rank,
-        })
-}
-
 impl std::fmt::Debug for DataParallelMesh {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("DataParallelMesh")
-            .field("shape", &self.mesh.shape())
+            .field("shape", &self.mesh().shape())
             .field("rank", &self.rank)
             .field("shard_world", &self.shard.size())
             .field(

@@ -5,6 +5,7 @@ use std::collections::BTreeMap;
 use std::sync::{Arc, Mutex};
 
 use hypershard_collectives::Buffer;
+use hypershard_dtensor::{DTensor, Placement};
 use hypershard_nn::Module;
 use hypershard_tensor::Tensor;
 
@@ -118,6 +119,64 @@ impl FsdpModule {
             }
         }
         Ok(out)
+    }
+
+    /// The sharded state dict (PyTorch FSDP2's): every parameter as a [`DTensor`] over the
+    /// data-parallel process mesh, PyTorch names, global shapes. Sharded parameters are
+    /// `[Shard(d)]` (FSDP) or `[Replicate, Shard(d)]` (HSDP) with their padded-free local shard;
+    /// replicated, ignored and unmanaged parameters are `Replicate` on every dim (ignored ones
+    /// hold this rank's values, which fully_shard does not synchronise). No communication; the
+    /// local tensors share storage with the parameters, as torch's do.
+    pub fn sharded_state_dict(&mut self) -> Result<BTreeMap<String, DTensor>> {
+        let managed = self.managed_params()?;
+        let process_mesh = lock(self.group_arc()).mesh.process_mesh().clone();
+        let ndim = process_mesh.ndim();
+        let mut out = BTreeMap::new();
+        let mut failure: Option<FsdpError> = None;
+        self.visit_params("", &mut |name, param| {
+            if failure.is_some() {
+                return Ok(());
+            }
+            let (local, placements, global) = match managed.get(name) {
+                Some(entry) => {
+                    let group = lock(&entry.group);
+                    let p = &group.params[entry.index];
+                    let mut placements = vec![Placement::Replicate; ndim];
+                    if p.role == ParamRole::Sharded {
+                        placements[ndim - 1] = Placement::Shard(p.layout.dim);
+                        (p.sharded.clone(), placements, p.layout.shape.clone())
+                    } else {
+                        (p.sharded.clone(), placements, p.sharded.shape().to_vec())
+                    }
+                }
+                None => {
+                    let data = param.data()?.clone();
+                    let shape = data.shape().to_vec();
+                    (data, vec![Placement::Replicate; ndim], shape)
+                }
+            };
+            match DTensor::from_local(local, &process_mesh, &placements, Some(&global)) {
+                Ok(dtensor) => {
+                    out.insert(name.to_string(), dtensor);
+                }
+                Err(error) => failure = Some(error.into()),
+            }
+            Ok(())
+        })?;
+        match failure {
+            Some(error) => Err(error),
+            None => Ok(out),
+        }
+    }
+
+    /// Loads a sharded state dict made by [`sharded_state_dict`](Self::sharded_state_dict)
+    /// (same mesh): each DTensor's local tensor must have this rank's shard shape.
+    pub fn load_sharded_state_dict(&mut self, state: &BTreeMap<String, DTensor>) -> Result<()> {
+        let locals: BTreeMap<String, Tensor> = state
+            .iter()
+            .map(|(name, d)| (name.clone(), d.to_local().clone()))
+            .collect();
+        self.load_state_dict(&locals)
     }
 
     /// The local state dict: every parameter's local shard (or whole tensor, for replicated,
@@ -305,6 +364,31 @@ mod tests {
                 unit.load_state_dict(&missing),
                 Err(FsdpError::StateDictMissing { name }) if name == "bias"
             ));
+            // The sharded form: DTensors with the global shape, and they load back.
+            let sharded = unit.sharded_state_dict()?;
+            assert_eq!(sharded["weight"].shape(), &[5, 4]);
+            assert_eq!(sharded["weight"].placements(), &[Placement::Shard(0)]);
+            let expected_rows = [2, 2, 1][rank];
+            assert_eq!(sharded["weight"].to_local().shape(), &[expected_rows, 4]);
+            let gathered = sharded["weight"].full_tensor()?;
+            assert_eq!(gathered.to_f64_vec()?, want_weight);
+            // `sharded` shares storage with the parameters (as torch's does): keep a copy.
+            let mut saved = BTreeMap::new();
+            for (name, d) in &sharded {
+                let copy = DTensor::from_local(
+                    d.to_local().deep_copy()?,
+                    d.process_mesh(),
+                    d.placements(),
+                    Some(d.shape()),
+                )?;
+                saved.insert(name.clone(), copy);
+            }
+            unit.load_state_dict(&zeros)?;
+            unit.load_sharded_state_dict(&saved)?;
+            assert_eq!(
+                unit.local_state_dict()?["weight"].to_f64_vec()?,
+                local["weight"].to_f64_vec()?
+            );
             // The unit still trains after loading (storage identity kept).
             let y = unit.forward(&Tensor::ones(&[2, 4], DType::F32)?)?;
             unit.backward(&Tensor::ones(y.shape(), DType::F32)?)?;

@@ -131,10 +131,10 @@ fn hsdp_adds_one_all_reduce_per_unit_on_the_replicate_group() {
                 all_reduce: 0
             }
         );
-        // Split order: the shard group first, then the replicate group.
+        // Split order (one communicator per mesh dim): the replicate group, then the shard group.
         assert_eq!(children.len(), 2);
         assert_eq!(
-            children[0],
+            children[1],
             Counts {
                 all_gather: 2 * UNITS,
                 reduce_scatter: UNITS,
@@ -142,7 +142,7 @@ fn hsdp_adds_one_all_reduce_per_unit_on_the_replicate_group() {
             }
         );
         assert_eq!(
-            children[1],
+            children[0],
             Counts {
                 all_gather: 0,
                 reduce_scatter: 0,
