@@ -565,3 +565,218 @@ impl PlanCache {
         self.misses.load(Ordering::Relaxed)
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const R: Placement = Placement::Replicate;
+    const S0: Placement = Placement::Shard(0);
+    const S1: Placement = Placement::Shard(1);
+    const PSUM: Placement = Placement::Partial(ReduceOp::Sum);
+    const PAVG: Placement = Placement::Partial(ReduceOp::Avg);
+    const PMAX: Placement = Placement::Partial(ReduceOp::Max);
+
+    fn plan_of(mesh: &[usize], shape: &[usize], src: &[Placement], dst: &[Placement]) -> Plan {
+        plan(&PlanRequest {
+            mesh_shape: mesh,
+            global_shape: shape,
+            src,
+            dst,
+        })
+        .expect("a plan")
+    }
+
+    fn kinds(plan: &Plan) -> Vec<(usize, StepKind)> {
+        plan.steps.iter().map(|s| (s.mesh_dim, s.kind)).collect()
+    }
+
+    /// Replays a plan: every step must start from the current placement and end at the target.
+    fn replay(src: &[Placement], plan: &Plan) -> Vec<Placement> {
+        let mut state = src.to_vec();
+        for step in &plan.steps {
+            assert_eq!(state[step.mesh_dim], step.from, "{plan:?}");
+            state[step.mesh_dim] = step.to;
+            assert!(partials_commute(&state));
+        }
+        state
+    }
+
+    #[test]
+    fn single_transitions_follow_the_table() {
+        let cases = [
+            (S0, R, StepKind::AllGather { tensor_dim: 0 }),
+            (PSUM, R, StepKind::AllReduce { op: ReduceOp::Sum }),
+            (
+                PAVG,
+                S1,
+                StepKind::ReduceScatter {
+                    op: ReduceOp::Avg,
+                    tensor_dim: 1,
+                },
+            ),
+            (
+                S0,
+                S1,
+                StepKind::AllToAll {
+                    from_dim: 0,
+                    to_dim: 1,
+                },
+            ),
+            (R, S1, StepKind::LocalChunk { tensor_dim: 1 }),
+            (R, PMAX, StepKind::LocalPartition { op: ReduceOp::Max }),
+            (S1, PSUM, StepKind::LocalShardToPartial { tensor_dim: 1 }),
+        ];
+        for (src, dst, kind) in cases {
+            let plan = plan_of(&[4], &[10, 3], &[src], &[dst]);
+            assert_eq!(kinds(&plan), vec![(0, kind)], "{src} -> {dst}");
+        }
+        assert_eq!(plan_of(&[4], &[10, 3], &[S0], &[S0]).steps, vec![]);
+    }
+
+    #[test]
+    fn shard_to_other_partials_goes_through_replicate() {
+        let plan = plan_of(&[2], &[4], &[S0], &[PMAX]);
+        assert_eq!(
+            kinds(&plan),
+            vec![
+                (0, StepKind::AllGather { tensor_dim: 0 }),
+                (0, StepKind::LocalPartition { op: ReduceOp::Max })
+            ]
+        );
+    }
+
+    #[test]
+    fn nested_shards_unshard_the_innermost_first() {
+        let plan = plan_of(&[2, 3], &[10, 4], &[S0, S0], &[R, R]);
+        assert_eq!(
+            kinds(&plan),
+            vec![
+                (1, StepKind::AllGather { tensor_dim: 0 }),
+                (0, StepKind::AllGather { tensor_dim: 0 })
+            ]
+        );
+        // Sharding again nests outermost first.
+        let plan = plan_of(&[2, 3], &[10, 4], &[R, R], &[S0, S0]);
+        assert_eq!(replay(&[R, R], &plan), vec![S0, S0]);
+        assert_eq!(plan.collectives(), vec![]);
+        assert_eq!(plan.steps[0].mesh_dim, 0);
+    }
+
+    #[test]
+    fn misaligned_orders_go_through_a_replicated_dim() {
+        let plan = plan_of(&[2, 2], &[8, 8], &[S0, S1], &[S1, S0]);
+        assert_eq!(replay(&[S0, S1], &plan), vec![S1, S0]);
+        let ops: Vec<OpKind> = plan.collectives().into_iter().map(|(_, op)| op).collect();
+        assert_eq!(ops.len(), 2, "{plan:?}");
+        assert!(ops.contains(&OpKind::AllGather) && ops.contains(&OpKind::AllToAll));
+    }
+
+    #[test]
+    fn reductions_run_while_the_tensor_is_sharded() {
+        // All-reducing the shard then gathering beats gathering partials then reducing them.
+        let plan = plan_of(&[2, 4], &[64, 64], &[PSUM, S0], &[R, R]);
+        assert_eq!(
+            kinds(&plan),
+            vec![
+                (0, StepKind::AllReduce { op: ReduceOp::Sum }),
+                (1, StepKind::AllGather { tensor_dim: 0 })
+            ]
+        );
+        // P -> S(0) on the outer dim with the inner dim sharding another dim is one step.
+        let plan = plan_of(&[2, 4], &[64, 64], &[PSUM, S1], &[S0, S1]);
+        assert_eq!(plan.collectives(), vec![(0, OpKind::ReduceScatter)]);
+    }
+
+    #[test]
+    fn three_d_meshes_plan_every_dim() {
+        let src = [S0, PSUM, S1];
+        let dst = [S1, R, S0];
+        let plan = plan_of(&[2, 2, 2], &[6, 5, 3], &src, &dst);
+        assert_eq!(replay(&src, &plan), dst.to_vec());
+        assert!(
+            plan.collectives()
+                .iter()
+                .any(|&(dim, op)| dim == 1 && op == OpKind::AllReduce)
+        );
+    }
+
+    #[test]
+    fn invalid_requests_are_typed_errors() {
+        let request = |src: &'static [Placement], dst: &'static [Placement]| {
+            plan(&PlanRequest {
+                mesh_shape: &[2, 2],
+                global_shape: &[4, 4],
+                src,
+                dst,
+            })
+        };
+        assert!(matches!(
+            request(&[PSUM, R], &[PAVG, R]),
+            Err(Error::PartialOpChange { mesh_dim: 0, .. })
+        ));
+        assert!(matches!(
+            request(&[PMAX, PSUM], &[R, R]),
+            Err(Error::MixedPartialOps { .. })
+        ));
+        assert!(matches!(
+            request(&[R, R], &[R, Placement::Partial(ReduceOp::PreMulSum(0.0))]),
+            Err(Error::UnsupportedPartial { mesh_dim: 1, .. })
+        ));
+        assert!(matches!(
+            request(&[R, Placement::Shard(2)], &[R, R]),
+            Err(Error::Mesh(MeshError::ShardDimOutOfRange { .. }))
+        ));
+        assert!(matches!(
+            request(&[R], &[R, R]),
+            Err(Error::Mesh(MeshError::PlacementCountMismatch { .. }))
+        ));
+    }
+
+    #[test]
+    fn plans_are_deterministic_and_cached() {
+        let request = PlanRequest {
+            mesh_shape: &[2, 2, 2],
+            global_shape: &[7, 5, 3],
+            src: &[S0, S1, PAVG],
+            dst: &[S1, S0, S0],
+        };
+        let first = plan(&request).expect("a plan");
+        assert_eq!(plan(&request).expect("a plan"), first);
+        let cache = PlanCache::default();
+        let a = cache.get(&request).expect("a plan");
+        let b = cache.get(&request).expect("a plan");
+        assert!(Arc::ptr_eq(&a, &b));
+        assert_eq!(*a, first);
+        assert_eq!((cache.hits(), cache.misses()), (1, 1));
+        // PreMulSum factors are part of the key.
+        let premul = |f: f64| [Placement::Partial(ReduceOp::PreMulSum(f)), R, R];
+        let (half, quarter) = (premul(0.5), premul(0.25));
+        for src in [&half, &quarter] {
+            cache
+                .get(&PlanRequest {
+                    src,
+                    dst: &[R, R, R],
+                    ..request
+                })
+                .expect("a plan");
+        }
+        assert_eq!(cache.misses(), 3);
+    }
+
+    #[test]
+    fn costs_follow_the_model() {
+        // S(0) -> R over 4 ranks of a [8, 2] tensor: N = 2 x 2 = 4 elements per shard.
+        let plan = plan_of(&[4], &[8, 2], &[S0], &[R]);
+        let wire = 3 * 4;
+        let copies = 4 + 4 * 4;
+        assert_eq!(
+            plan.cost,
+            CostModel::LATENCY + wire + copies / CostModel::COPY_DIVISOR
+        );
+        assert_eq!(
+            plan_of(&[4], &[8, 2], &[R], &[S0]).cost,
+            4 / CostModel::COPY_DIVISOR
+        );
+    }
+}

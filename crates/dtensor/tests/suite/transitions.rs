@@ -259,3 +259,41 @@ fn async_redistribute_overlaps_and_matches_the_blocking_one() {
     });
     assert_eq!(out, vec![(2, true, true); 4]);
 }
+
+#[test]
+fn every_dtype_survives_the_data_movement() {
+    use hypershard_dtensor::DType;
+    let out = on_mesh(&[3], &[], |ctx| {
+        let mut rows = Vec::new();
+        for dtype in DType::ALL {
+            let full = full_tensor(&[5, 2]).to_dtype(dtype)?;
+            let x = DTensor::distribute_local(&full, &ctx.mesh, &[S0])?;
+            let gathered = x.redistribute(&[R])?;
+            let swapped = x.redistribute(&[S1])?.full_tensor()?;
+            let partial_ok = if dtype == DType::Bool {
+                true
+            } else {
+                let p = DTensor::distribute_local(&full, &ctx.mesh, &[PSUM])?;
+                Snapshot::of(&p.redistribute(&[S1])?.full_tensor()?) == Snapshot::of(&full)
+            };
+            rows.push((
+                dtype,
+                gathered.to_local().dtype() == dtype,
+                Snapshot::of(gathered.to_local()) == Snapshot::of(&full),
+                Snapshot::of(&swapped) == Snapshot::of(&full),
+                partial_ok,
+            ));
+        }
+        // Averages of integers are rejected by the collective on every rank.
+        let ints =
+            DTensor::distribute_local(&Tensor::zeros(&[3], DType::I32)?, &ctx.mesh, &[PAVG])?;
+        let avg = matches!(ints.full_tensor(), Err(Error::Comm(_)));
+        Ok((rows, avg))
+    });
+    for (rows, avg) in out {
+        for (dtype, same_dtype, gathered, swapped, partial) in rows {
+            assert!(same_dtype && gathered && swapped && partial, "{dtype:?}");
+        }
+        assert!(avg);
+    }
+}
