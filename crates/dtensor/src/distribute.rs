@@ -8,7 +8,8 @@ use hypershard_tensor::{Block, DType, RandomInit, Tensor};
 use crate::bridge::{buffer_to_tensor, tensor_to_buffer, wire_dtype};
 use crate::dtensor::DTensor;
 use crate::error::Result;
-use crate::executor::{pack_padded, partition, to_front};
+use crate::executor::{partition, to_front};
+use crate::pack::pack_padded;
 use crate::planner::validate_placements;
 use crate::process_mesh::ProcessMesh;
 
@@ -42,7 +43,7 @@ pub fn distribute_tensor(
                 let block = chunk * rest.iter().product::<usize>();
                 // Only the root's input is read; the others send an empty buffer.
                 let input = if k == 0 {
-                    pack_padded(&major, n * chunk)?
+                    pack_padded(mesh.pool(), &major, n * chunk)?
                 } else {
                     Buffer::zeros(wire_dtype(dtype), 0)
                 };

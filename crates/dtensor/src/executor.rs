@@ -13,11 +13,10 @@ use hypershard_collectives::{Buffer, BufferPair, Communicator, Work};
 use hypershard_mesh::{Placement, ReduceOp, chunk_size, shard_span};
 use hypershard_tensor::{DType, Tensor};
 
-use crate::bridge::{
-    buffer_to_tensor, staging_into_buffer, staging_tensor, tensor_to_buffer, wire_dtype, wire_op,
-};
+use crate::bridge::{buffer_to_tensor, tensor_to_buffer, wire_dtype, wire_op};
 use crate::dtensor::DTensor;
 use crate::error::Result;
+use crate::pack::{AllToAllLayout, WirePool, pack_all_to_all, pack_padded};
 use crate::planner::{Plan, Step, StepKind};
 use crate::process_mesh::ProcessMesh;
 
@@ -29,10 +28,12 @@ enum InFlight {
         shape: Vec<usize>,
         dtype: DType,
     },
-    /// A two-buffer collective: the output is reshaped, unpadded and permuted back.
+    /// A two-buffer collective: the output is reshaped, unpadded and permuted back; the send
+    /// buffer goes back to the pool.
     Pair {
         work: Work<BufferPair>,
         unpack: Unpack,
+        pool: Arc<WirePool>,
     },
 }
 
@@ -53,8 +54,9 @@ impl InFlight {
             InFlight::Reduce { work, shape, dtype } => {
                 buffer_to_tensor(work.wait()?, &shape, dtype)
             }
-            InFlight::Pair { work, unpack } => {
-                let output = work.wait()?.output;
+            InFlight::Pair { work, unpack, pool } => {
+                let BufferPair { input, output } = work.wait()?;
+                pool.give(input);
                 let mut tensor = buffer_to_tensor(output, &unpack.buffer_shape, unpack.dtype)?;
                 for (dim, len) in unpack.keep {
                     tensor = tensor.narrow(dim, 0, len)?;
@@ -184,7 +186,7 @@ impl RedistributeWork {
                 let (major, permute_back) = to_front(&local, &[tensor_dim])?;
                 let rest: Vec<usize> = major.shape()[1..].to_vec();
                 let block = chunk * rest.iter().product::<usize>();
-                let input = pack_padded(&major, chunk)?;
+                let input = pack_padded(self.mesh.pool(), &major, chunk)?;
                 let output = Buffer::zeros(wire_dtype(dtype), n * block);
                 let mut buffer_shape = vec![n * chunk];
                 buffer_shape.extend_from_slice(&rest);
@@ -196,6 +198,7 @@ impl RedistributeWork {
                         permute_back,
                         dtype,
                     },
+                    pool: self.mesh.pool().clone(),
                 }))
             }
             StepKind::AllReduce { op } => {
@@ -213,7 +216,7 @@ impl RedistributeWork {
                 let (major, permute_back) = to_front(&local, &[tensor_dim])?;
                 let rest: Vec<usize> = major.shape()[1..].to_vec();
                 let block = chunk * rest.iter().product::<usize>();
-                let input = pack_padded(&major, n * chunk)?;
+                let input = pack_padded(self.mesh.pool(), &major, n * chunk)?;
                 let output = Buffer::zeros(wire_dtype(dtype), block);
                 let mut buffer_shape = vec![chunk];
                 buffer_shape.extend_from_slice(&rest);
@@ -225,6 +228,7 @@ impl RedistributeWork {
                         permute_back,
                         dtype,
                     },
+                    pool: self.mesh.pool().clone(),
                 }))
             }
             StepKind::AllToAll { from_dim, to_dim } => {
@@ -270,24 +274,18 @@ impl RedistributeWork {
         let from_chunk = chunk_size(from_extent, n)?;
         let to_chunk = chunk_size(to_extent, n)?;
         let (major, permute_back) = to_front(&local, &[from_dim, to_dim])?;
-        let held = major.shape()[0];
         let rest: Vec<usize> = major.shape()[2..].to_vec();
-        let mut staging_shape = vec![n, from_chunk, to_chunk];
-        staging_shape.extend_from_slice(&rest);
-        let staging = staging_tensor(&staging_shape, dtype)?;
-        for peer in 0..n {
-            let span = shard_span(to_extent, n, peer)?;
-            if span.len == 0 || held == 0 {
-                continue;
-            }
-            staging
-                .narrow(0, peer, 1)?
-                .narrow(1, 0, held)?
-                .narrow(2, 0, span.len)?
-                .copy_from(&major.narrow(1, span.offset, span.len)?)?;
-        }
-        let output = Buffer::zeros(wire_dtype(dtype), staging.numel());
-        let input = staging_into_buffer(staging)?;
+        let spans = (0..n)
+            .map(|peer| shard_span(to_extent, n, peer).map(|s| (s.offset, s.len)))
+            .collect::<std::result::Result<Vec<_>, _>>()?;
+        let layout = AllToAllLayout {
+            peers: n,
+            from_chunk,
+            to_chunk,
+            spans: &spans,
+        };
+        let input = pack_all_to_all(self.mesh.pool(), &major, &layout)?;
+        let output = Buffer::zeros(wire_dtype(dtype), input.len());
         let mine = shard_span(to_extent, n, k)?.len;
         let mut buffer_shape = vec![n * from_chunk, to_chunk];
         buffer_shape.extend_from_slice(&rest);
@@ -299,23 +297,9 @@ impl RedistributeWork {
                 permute_back,
                 dtype,
             },
+            pool: self.mesh.pool().clone(),
         }))
     }
-}
-
-/// A collective buffer holding the dim-major tensor `major` padded with zeros to `rows` rows
-/// (its leading dim), written in one pass (strided reads are gathered on the way).
-pub(crate) fn pack_padded(major: &Tensor, rows: usize) -> Result<Buffer> {
-    let mut shape = major.shape().to_vec();
-    let held = shape.first().copied().unwrap_or(1);
-    if let Some(first) = shape.first_mut() {
-        *first = rows;
-    }
-    let staging = staging_tensor(&shape, major.dtype())?;
-    if major.numel() > 0 {
-        staging.narrow(0, 0, held)?.copy_from(major)?;
-    }
-    staging_into_buffer(staging)
 }
 
 /// `R → P(op)` at coordinate `k` of the mesh dim (see [`StepKind::LocalPartition`]).

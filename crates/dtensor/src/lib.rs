@@ -54,6 +54,7 @@ mod dtensor;
 mod error;
 mod executor;
 mod ops;
+mod pack;
 pub mod planner;
 mod process_mesh;
 mod validate;

@@ -7,6 +7,7 @@ use hypershard_collectives::Communicator;
 use hypershard_mesh::{DeviceMesh, DimRef};
 
 use crate::error::{Error, Result};
+use crate::pack::WirePool;
 use crate::planner::PlanCache;
 
 /// A [`DeviceMesh`] seen from one rank, with the communicator of every mesh dimension.
@@ -56,6 +57,8 @@ struct Inner {
     flattened: Mutex<Vec<FlattenEntry>>,
     /// Redistribute plans; shared by every mesh derived from one root.
     plans: Arc<PlanCache>,
+    /// Idle collective send buffers; shared like the plans.
+    pool: Arc<WirePool>,
 }
 
 struct FlattenEntry {
@@ -124,6 +127,7 @@ impl ProcessMesh {
                 dim_comms,
                 flattened: Mutex::new(Vec::new()),
                 plans: Arc::new(PlanCache::default()),
+                pool: Arc::new(WirePool::default()),
             }),
         })
     }
@@ -199,6 +203,7 @@ impl ProcessMesh {
                 dim_comms,
                 flattened: Mutex::new(Vec::new()),
                 plans: self.inner.plans.clone(),
+                pool: self.inner.pool.clone(),
             }),
         })
     }
@@ -252,6 +257,7 @@ impl ProcessMesh {
                 dim_comms,
                 flattened: Mutex::new(Vec::new()),
                 plans: self.inner.plans.clone(),
+                pool: self.inner.pool.clone(),
             }),
         };
         self.inner
@@ -295,6 +301,11 @@ impl ProcessMesh {
     /// one [`ProcessMesh::new`].
     pub fn plan_cache(&self) -> &PlanCache {
         &self.inner.plans
+    }
+
+    /// The pool of idle collective send buffers of this mesh family.
+    pub(crate) fn pool(&self) -> &Arc<WirePool> {
+        &self.inner.pool
     }
 
     /// Whether two handles are the same mesh object, or equal meshes seen from one rank.
