@@ -169,34 +169,54 @@ pub fn staging_tensor(shape: &[usize], dtype: DType) -> Result<Tensor> {
 /// [`buffer_to_tensor`] from an exact-length buffer), without copying when `tensor` is the only
 /// view of it; any other tensor is copied into a new buffer.
 pub fn staging_into_buffer(tensor: Tensor) -> Result<Buffer> {
-    let wire = wire_dtype(tensor.dtype());
+    match reclaim_buffer(tensor)? {
+        Ok(buffer) => Ok(buffer),
+        Err(tensor) => tensor_to_buffer(&tensor),
+    }
+}
+
+/// The collective buffer behind `tensor` without copying, or the tensor back (`Err`) when it
+/// cannot be had for free: another view shares the storage, the tensor does not cover its
+/// storage exactly (offset, strides), or the storage is not collective memory.
+///
+/// This is what lets a consuming redistribute ([`DTensor::into_redistribute`]) hand a local
+/// tensor that came out of a collective (or a factory) straight back to the next one.
+///
+/// [`DTensor::into_redistribute`]: crate::DTensor::into_redistribute
+pub fn reclaim_buffer(tensor: Tensor) -> Result<std::result::Result<Buffer, Tensor>> {
+    let (shape, dtype) = (tensor.shape().to_vec(), tensor.dtype());
+    let wire = wire_dtype(dtype);
     let numel = tensor.numel();
     let storage = match tensor.try_into_host_buffer() {
         Ok(storage) => storage,
-        Err(tensor) => return tensor_to_buffer(&tensor),
+        Err(tensor) => return Ok(Err(tensor)),
     };
-    let bytes = match storage.into_foreign() {
-        Ok(foreign) => {
-            if !(&*foreign as &dyn std::any::Any).is::<WireBytes>() {
-                // Memory some other crate lent to the tensor: copy it out.
-                foreign.bytes().to_vec()
-            } else {
-                let any: Box<dyn std::any::Any> = foreign;
-                match any.downcast::<WireBytes>() {
-                    Ok(adopted) if adopted.0.dtype() == wire && adopted.0.len() == numel => {
-                        return Ok(Buffer::Host(adopted.0));
-                    }
-                    // Our own buffer under another element count cannot happen (adoption
-                    // needs the exact length), but copying it would still be correct.
-                    Ok(adopted) => adopted.0.as_bytes().to_vec(),
-                    // `is` just said it is a `WireBytes`.
-                    Err(_) => return Err(not_host_memory(wire, numel)),
-                }
-            }
+    let foreign = match storage.into_foreign() {
+        Ok(foreign) => foreign,
+        Err(owned) => return Ok(Err(Tensor::from_host_buffer(owned, &shape, dtype)?)),
+    };
+    if !(&*foreign as &dyn std::any::Any).is::<WireBytes>() {
+        // Memory some other crate lent to the tensor: lend it back to a tensor.
+        return Ok(Err(match TensorBuffer::from_foreign(foreign) {
+            Ok(storage) => Tensor::from_host_buffer(storage, &shape, dtype)?,
+            Err(foreign) => Tensor::from_bytes(foreign.bytes(), &shape, dtype)?,
+        }));
+    }
+    let any: Box<dyn std::any::Any> = foreign;
+    match any.downcast::<WireBytes>() {
+        Ok(adopted) if adopted.0.dtype() == wire && adopted.0.len() == numel => {
+            Ok(Ok(Buffer::Host(adopted.0)))
         }
-        Err(owned) => owned.as_bytes().to_vec(),
-    };
-    Ok(Buffer::Host(WireBuffer::from_bytes(wire, &bytes)?))
+        // Our own buffer under another element count cannot happen (adoption needs the
+        // exact length); rebuilding the tensor from it is still correct.
+        Ok(adopted) => Ok(Err(Tensor::from_bytes(
+            adopted.0.as_bytes(),
+            &shape,
+            dtype,
+        )?)),
+        // `is` just said it is a `WireBytes`.
+        Err(_) => Err(not_host_memory(wire, numel)),
+    }
 }
 
 /// The error for foreign memory of an unknown kind behind a tensor.

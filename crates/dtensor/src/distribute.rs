@@ -5,7 +5,7 @@ use hypershard_collectives::Buffer;
 use hypershard_mesh::{Placement, chunk_size, local_block, shard_span};
 use hypershard_tensor::{Block, DType, RandomInit, Tensor};
 
-use crate::bridge::{buffer_to_tensor, tensor_to_buffer, wire_dtype};
+use crate::bridge::{buffer_to_tensor, staging_tensor, tensor_to_buffer, wire_dtype};
 use crate::dtensor::DTensor;
 use crate::error::Result;
 use crate::executor::{partition, to_front};
@@ -38,12 +38,12 @@ pub fn distribute_tensor(
             Placement::Shard(d) => {
                 let extent = current.shape()[d];
                 let chunk = chunk_size(extent, n)?;
-                let (major, permute_back) = to_front(&current, &[d])?;
+                let (major, permute_back) = to_front(current.clone(), &[d])?;
                 let rest: Vec<usize> = major.shape()[1..].to_vec();
                 let block = chunk * rest.iter().product::<usize>();
                 // Only the root's input is read; the others send an empty buffer.
                 let input = if k == 0 {
-                    pack_padded(mesh.pool(), &major, n * chunk)?
+                    pack_padded(mesh.pool(), major, n * chunk)?
                 } else {
                     Buffer::zeros(wire_dtype(dtype), 0)
                 };
@@ -118,7 +118,12 @@ impl DTensor {
         placements: &[Placement],
     ) -> Result<DTensor> {
         factory(mesh, shape, placements, |block| {
-            Ok(Tensor::full(&block.shape, value, dtype)?)
+            // In collective memory, so a consuming redistribute sends it without a copy.
+            let local = staging_tensor(&block.shape, dtype)?;
+            if value != 0.0 {
+                local.fill_(value)?;
+            }
+            Ok(local)
         })
     }
 

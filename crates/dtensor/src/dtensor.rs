@@ -170,6 +170,20 @@ impl DTensor {
     /// issued; see [`RedistributeWork`] for what runs when.
     pub fn redistribute_async(&self, placements: &[Placement]) -> Result<RedistributeWork> {
         let plan = self.plan_to(placements)?;
+        RedistributeWork::start(self.clone(), plan)
+    }
+
+    /// Like [`redistribute`](DTensor::redistribute), consuming `self`: when no other view
+    /// shares the local tensor and it lives in collective memory (it came out of a collective
+    /// or a factory) and needs no padding, the first collective sends it without a copy, the
+    /// way a bare collective takes its buffer by value.
+    pub fn into_redistribute(self, placements: &[Placement]) -> Result<DTensor> {
+        self.into_redistribute_async(placements)?.wait()
+    }
+
+    /// The consuming form of [`redistribute_async`](DTensor::redistribute_async).
+    pub fn into_redistribute_async(self, placements: &[Placement]) -> Result<RedistributeWork> {
+        let plan = self.plan_to(placements)?;
         RedistributeWork::start(self, plan)
     }
 

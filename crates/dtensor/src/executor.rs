@@ -13,10 +13,10 @@ use hypershard_collectives::{Buffer, BufferPair, Communicator, Work};
 use hypershard_mesh::{Placement, ReduceOp, chunk_size, shard_span};
 use hypershard_tensor::{DType, Tensor};
 
-use crate::bridge::{buffer_to_tensor, tensor_to_buffer, wire_dtype, wire_op};
+use crate::bridge::{buffer_to_tensor, staging_tensor, wire_dtype, wire_op};
 use crate::dtensor::DTensor;
 use crate::error::Result;
-use crate::pack::{AllToAllLayout, WirePool, pack_all_to_all, pack_padded};
+use crate::pack::{AllToAllLayout, WirePool, pack_all_to_all, pack_padded, pack_whole};
 use crate::planner::{Plan, Step, StepKind};
 use crate::process_mesh::ProcessMesh;
 
@@ -99,7 +99,9 @@ pub struct RedistributeWork {
 
 impl RedistributeWork {
     /// Starts executing `plan` on `source`.
-    pub(crate) fn start(source: &DTensor, plan: Arc<Plan>) -> Result<RedistributeWork> {
+    /// Starts executing `plan` on `source`, which it consumes: a local tensor nobody else
+    /// views can be handed to the first collective without a copy.
+    pub(crate) fn start(source: DTensor, plan: Arc<Plan>) -> Result<RedistributeWork> {
         tracing::trace!(steps = ?plan.steps, cost = plan.cost, "redistribute plan");
         let mut work = RedistributeWork {
             mesh: source.process_mesh().clone(),
@@ -107,7 +109,7 @@ impl RedistributeWork {
             plan,
             next: 0,
             placements: source.placements().to_vec(),
-            local: Some(source.to_local().clone()),
+            local: Some(source.into_local()),
             in_flight: None,
         };
         work.advance()?;
@@ -183,10 +185,10 @@ impl RedistributeWork {
             StepKind::AllGather { tensor_dim } => {
                 let extent = self.parent_extent(step.mesh_dim, tensor_dim)?;
                 let chunk = chunk_size(extent, n)?;
-                let (major, permute_back) = to_front(&local, &[tensor_dim])?;
+                let (major, permute_back) = to_front(local, &[tensor_dim])?;
                 let rest: Vec<usize> = major.shape()[1..].to_vec();
                 let block = chunk * rest.iter().product::<usize>();
-                let input = pack_padded(self.mesh.pool(), &major, chunk)?;
+                let input = pack_padded(self.mesh.pool(), major, chunk)?;
                 let output = Buffer::zeros(wire_dtype(dtype), n * block);
                 let mut buffer_shape = vec![n * chunk];
                 buffer_shape.extend_from_slice(&rest);
@@ -202,10 +204,12 @@ impl RedistributeWork {
                 }))
             }
             StepKind::AllReduce { op } => {
-                let input = tensor_to_buffer(&local)?;
+                let shape = local.shape().to_vec();
+                let numel = local.numel();
+                let input = pack_whole(self.mesh.pool(), local, numel)?;
                 Ok(Issued::InFlight(InFlight::Reduce {
                     work: comm.all_reduce_async(input, wire_op(op)),
-                    shape: local.shape().to_vec(),
+                    shape,
                     dtype,
                 }))
             }
@@ -213,10 +217,10 @@ impl RedistributeWork {
                 let extent = local.shape()[tensor_dim];
                 let chunk = chunk_size(extent, n)?;
                 let mine = shard_span(extent, n, k)?.len;
-                let (major, permute_back) = to_front(&local, &[tensor_dim])?;
+                let (major, permute_back) = to_front(local, &[tensor_dim])?;
                 let rest: Vec<usize> = major.shape()[1..].to_vec();
                 let block = chunk * rest.iter().product::<usize>();
-                let input = pack_padded(self.mesh.pool(), &major, n * chunk)?;
+                let input = pack_padded(self.mesh.pool(), major, n * chunk)?;
                 let output = Buffer::zeros(wire_dtype(dtype), block);
                 let mut buffer_shape = vec![chunk];
                 buffer_shape.extend_from_slice(&rest);
@@ -236,10 +240,11 @@ impl RedistributeWork {
             }
             StepKind::LocalChunk { tensor_dim } => {
                 let span = shard_span(local.shape()[tensor_dim], n, k)?;
-                // A copy, so the shard owns its memory instead of pinning the full tensor.
-                let chunk = local
-                    .narrow(tensor_dim, span.offset, span.len)?
-                    .deep_copy()?;
+                // A copy, so the shard owns its memory instead of pinning the full tensor; in
+                // collective memory, so a later collective can take it without another copy.
+                let view = local.narrow(tensor_dim, span.offset, span.len)?;
+                let chunk = staging_tensor(view.shape(), dtype)?;
+                chunk.copy_from(&view)?;
                 Ok(Issued::Done(chunk))
             }
             StepKind::LocalPartition { op } => Ok(Issued::Done(partition(&local, op, k)?)),
@@ -273,7 +278,7 @@ impl RedistributeWork {
         let to_extent = local.shape()[to_dim];
         let from_chunk = chunk_size(from_extent, n)?;
         let to_chunk = chunk_size(to_extent, n)?;
-        let (major, permute_back) = to_front(&local, &[from_dim, to_dim])?;
+        let (major, permute_back) = to_front(local, &[from_dim, to_dim])?;
         let rest: Vec<usize> = major.shape()[2..].to_vec();
         let spans = (0..n)
             .map(|peer| shard_span(to_extent, n, peer).map(|s| (s.offset, s.len)))
@@ -317,11 +322,11 @@ pub(crate) fn partition(local: &Tensor, op: ReduceOp, k: usize) -> Result<Tensor
 
 /// A view of `tensor` with `dims` moved to the front (in that order, the rest keeping theirs),
 /// and the permutation that moves them back (`None` when nothing moved).
-pub(crate) fn to_front(tensor: &Tensor, dims: &[usize]) -> Result<(Tensor, Option<Vec<usize>>)> {
+pub(crate) fn to_front(tensor: Tensor, dims: &[usize]) -> Result<(Tensor, Option<Vec<usize>>)> {
     let mut perm: Vec<usize> = dims.to_vec();
     perm.extend((0..tensor.ndim()).filter(|d| !dims.contains(d)));
     if perm.iter().enumerate().all(|(i, &d)| i == d) {
-        return Ok((tensor.clone(), None));
+        return Ok((tensor, None));
     }
     let mut back = vec![0; perm.len()];
     for (i, &d) in perm.iter().enumerate() {

@@ -15,7 +15,7 @@ use std::sync::{Mutex, PoisonError};
 use hypershard_collectives::{Buffer, DType as WireDType, HostBuffer as WireBuffer};
 use hypershard_tensor::{DType, Tensor};
 
-use crate::bridge::{staging_into_buffer, staging_tensor, wire_dtype};
+use crate::bridge::{reclaim_buffer, staging_into_buffer, staging_tensor, wire_dtype};
 use crate::error::Result;
 
 /// At most this many idle send buffers are kept.
@@ -102,9 +102,33 @@ fn with_bytes<R>(tensor: &Tensor, f: impl FnOnce(&[u8]) -> R) -> Result<R> {
     })
 }
 
+/// A send buffer of `len` elements holding `tensor`'s elements (row-major) and then zeros.
+///
+/// When no padding is needed and `tensor` is the sole owner of collective memory (see
+/// [`reclaim_buffer`]), that memory is the buffer and nothing is copied.
+pub(crate) fn pack_whole(pool: &WirePool, tensor: Tensor, len: usize) -> Result<Buffer> {
+    let tensor = if len == tensor.numel() {
+        match reclaim_buffer(tensor)? {
+            Ok(buffer) => return Ok(buffer),
+            Err(tensor) => tensor,
+        }
+    } else {
+        tensor
+    };
+    let tensor = tensor.contiguous()?;
+    let Taken { mut buffer, zeroed } = pool.take(wire_dtype(tensor.dtype()), len);
+    let out = buffer.as_bytes_mut();
+    let data = tensor.nbytes();
+    with_bytes(&tensor, |bytes| out[..data].copy_from_slice(bytes))?;
+    if !zeroed {
+        out[data..].fill(0);
+    }
+    Ok(Buffer::Host(buffer))
+}
+
 /// A send buffer holding the dim-major tensor `major` followed by zeros up to `rows` rows of
 /// its leading dim.
-pub(crate) fn pack_padded(pool: &WirePool, major: &Tensor, rows: usize) -> Result<Buffer> {
+pub(crate) fn pack_padded(pool: &WirePool, major: Tensor, rows: usize) -> Result<Buffer> {
     let held = major.shape().first().copied().unwrap_or(1);
     let row_elems: usize = major.shape().iter().skip(1).product();
     if !major.is_contiguous() {
@@ -114,18 +138,11 @@ pub(crate) fn pack_padded(pool: &WirePool, major: &Tensor, rows: usize) -> Resul
         }
         let staging = staging_tensor(&shape, major.dtype())?;
         if major.numel() > 0 {
-            staging.narrow(0, 0, held)?.copy_from(major)?;
+            staging.narrow(0, 0, held)?.copy_from(&major)?;
         }
         return staging_into_buffer(staging);
     }
-    let Taken { mut buffer, zeroed } = pool.take(wire_dtype(major.dtype()), rows * row_elems);
-    let out = buffer.as_bytes_mut();
-    let data = major.nbytes();
-    with_bytes(major, |bytes| out[..data].copy_from_slice(bytes))?;
-    if !zeroed {
-        out[data..].fill(0);
-    }
-    Ok(Buffer::Host(buffer))
+    pack_whole(pool, major, rows * row_elems)
 }
 
 /// The geometry of an all-to-all send buffer: `peers` blocks of `[from_chunk, to_chunk, rest]`
@@ -202,17 +219,30 @@ mod tests {
     fn padded_packs_from_the_pool_zero_their_padding() -> Result<()> {
         let pool = WirePool::default();
         let t = Tensor::from_vec(vec![1.0f32, 2.0, 3.0, 4.0], &[2, 2])?;
-        let first = pack_padded(&pool, &t, 3)?;
+        let first = pack_padded(&pool, t.clone(), 3)?;
         assert_eq!(first.as_slice::<f32>()?, &[1.0, 2.0, 3.0, 4.0, 0.0, 0.0]);
         // A dirty buffer of the same size comes back and is reused.
         pool.give(Buffer::from_vec(vec![9.0f32; 6]));
         assert_eq!(pool.idle(), 1);
-        let second = pack_padded(&pool, &t, 3)?;
+        let second = pack_padded(&pool, t.clone(), 3)?;
         assert_eq!(pool.idle(), 0);
         assert_eq!(second.as_slice::<f32>()?, &[1.0, 2.0, 3.0, 4.0, 0.0, 0.0]);
         // A strided source takes the element path with the same result.
         let strided = Tensor::from_vec(vec![1.0f32, 3.0, 2.0, 4.0], &[2, 2])?.transpose(0, 1)?;
-        assert_eq!(pack_padded(&pool, &strided, 3)?, first);
+        assert_eq!(pack_padded(&pool, strided, 3)?, first);
+        // A sole owner of collective memory needing no padding is handed over as it is.
+        let owned = crate::bridge::staging_tensor(&[2, 2], DType::F32)?;
+        owned.copy_from(&t)?;
+        let address = owned.with_data(|xs: &[f32]| xs.as_ptr() as usize)?;
+        let whole = pack_whole(&pool, owned, 4)?;
+        assert_eq!(whole.as_host()?.as_bytes().as_ptr() as usize, address);
+        assert_eq!(whole.as_slice::<f32>()?, &[1.0, 2.0, 3.0, 4.0]);
+        // A shared view is copied, leaving the other view intact.
+        let shared = crate::bridge::staging_tensor(&[2, 2], DType::F32)?;
+        shared.copy_from(&t)?;
+        let copied = pack_whole(&pool, shared.clone(), 4)?;
+        assert_eq!(copied.as_slice::<f32>()?, &[1.0, 2.0, 3.0, 4.0]);
+        assert_eq!(shared.to_vec::<f32>()?, vec![1.0, 2.0, 3.0, 4.0]);
         Ok(())
     }
 

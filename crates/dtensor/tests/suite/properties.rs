@@ -124,12 +124,14 @@ fn run_case(case: &Case) -> Vec<Outcome> {
         let counts = ctx.counts();
         let plan = x.plan_to(&case.dst)?.collectives();
         let dst_full = Snapshot::of(&y.full_tensor()?);
-        let back = y.redistribute(&case.src)?;
+        let dst_local = Snapshot::of(y.to_local());
+        // Consuming: buffers that came out of collectives go back into them uncopied.
+        let back = y.into_redistribute(&case.src)?;
         Ok(Outcome::Done(Box::new(Done {
             coordinate,
             plan,
             counts,
-            dst_local: Snapshot::of(y.to_local()),
+            dst_local,
             dst_full,
             back_local: Snapshot::of(back.to_local()),
             back_full: Snapshot::of(&back.full_tensor()?),

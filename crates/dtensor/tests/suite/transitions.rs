@@ -297,3 +297,31 @@ fn every_dtype_survives_the_data_movement() {
         assert!(avg);
     }
 }
+
+#[test]
+fn consuming_redistributes_chain_and_borrowing_ones_leave_the_source_alone() {
+    use hypershard_dtensor::DType;
+    let out = on_mesh(&[3], &[], |ctx| {
+        let full = full_tensor(&[7, 4]);
+        // Borrowing: the source's local tensor (collective memory from a factory) survives
+        // a reduce-scatter that may use its send buffer as scratch.
+        let p = DTensor::ones(&ctx.mesh, &[7, 4], DType::F64, &[PSUM])?;
+        let before = Snapshot::of(p.to_local());
+        let scattered = p.redistribute(&[S0])?;
+        let source_intact = Snapshot::of(p.to_local()) == before;
+        let scattered_ok = scattered.full_tensor()?.to_f64_vec()? == vec![1.0; 28];
+        // Consuming: S(0) -> R -> S(1) -> P(sum) -> R, each step handing its buffer on.
+        let x = DTensor::distribute_local(&full, &ctx.mesh, &[S0])?;
+        let chained = x
+            .into_redistribute(&[R])?
+            .into_redistribute(&[S1])?
+            .into_redistribute(&[PSUM])?
+            .into_redistribute(&[R])?;
+        Ok((
+            source_intact,
+            scattered_ok,
+            Snapshot::of(chained.to_local()) == Snapshot::of(&full),
+        ))
+    });
+    assert_eq!(out, vec![(true, true, true); 3]);
+}
