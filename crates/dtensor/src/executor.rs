@@ -315,8 +315,14 @@ pub(crate) fn partition(local: &Tensor, op: ReduceOp, k: usize) -> Result<Tensor
         ReduceOp::Sum if keep => local.clone(),
         ReduceOp::Product if keep => local.clone(),
         ReduceOp::PreMulSum(factor) if keep => local.scale(1.0 / factor)?,
-        ReduceOp::Product => Tensor::ones(local.shape(), local.dtype())?,
-        ReduceOp::Sum | ReduceOp::PreMulSum(_) => Tensor::zeros(local.shape(), local.dtype())?,
+        // In collective memory, like every tensor this crate makes, so that a consuming
+        // redistribute can send it without a copy.
+        ReduceOp::Product => {
+            let ones = staging_tensor(local.shape(), local.dtype())?;
+            ones.fill_(1.0)?;
+            ones
+        }
+        ReduceOp::Sum | ReduceOp::PreMulSum(_) => staging_tensor(local.shape(), local.dtype())?,
     })
 }
 

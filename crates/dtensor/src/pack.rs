@@ -21,7 +21,7 @@ use crate::error::Result;
 /// At most this many idle send buffers are kept.
 const MAX_POOLED: usize = 4;
 /// At most this many idle bytes are kept (a larger buffer is freed when it comes back).
-const MAX_POOLED_BYTES: usize = 512 << 20;
+const MAX_POOLED_BYTES: usize = 256 << 20;
 
 /// Idle collective send buffers, reused by exact (dtype, length).
 #[derive(Debug, Default)]
@@ -71,6 +71,14 @@ impl WirePool {
             idle.remove(0);
         }
         idle.push(buffer);
+    }
+
+    /// Frees every idle buffer; returns the bytes freed.
+    pub(crate) fn clear(&self) -> usize {
+        let mut idle = self.idle.lock().unwrap_or_else(PoisonError::into_inner);
+        let bytes = idle.iter().map(WireBuffer::byte_len).sum();
+        idle.clear();
+        bytes
     }
 
     /// How many idle buffers are held (for tests).
@@ -286,5 +294,7 @@ mod tests {
         assert_eq!(pool.idle(), MAX_POOLED);
         pool.give(Buffer::from_vec(vec![0u8; MAX_POOLED_BYTES]));
         assert_eq!(pool.idle(), MAX_POOLED);
+        assert_eq!(pool.clear(), MAX_POOLED * 8);
+        assert_eq!(pool.idle(), 0);
     }
 }

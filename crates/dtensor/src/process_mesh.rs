@@ -308,6 +308,13 @@ impl ProcessMesh {
         &self.inner.pool
     }
 
+    /// Frees the idle send buffers that redistributes keep for reuse (at most 4 buffers and
+    /// 256 MiB per mesh family, shared by `select`ed and `flatten`ed meshes); returns the
+    /// bytes freed. Local: no communication.
+    pub fn release_buffers(&self) -> usize {
+        self.inner.pool.clear()
+    }
+
     /// Whether two handles are the same mesh object, or equal meshes seen from one rank.
     pub fn same_mesh(&self, other: &ProcessMesh) -> bool {
         Arc::ptr_eq(&self.inner, &other.inner)

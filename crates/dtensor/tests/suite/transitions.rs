@@ -325,3 +325,17 @@ fn consuming_redistributes_chain_and_borrowing_ones_leave_the_source_alone() {
     });
     assert_eq!(out, vec![(true, true, true); 3]);
 }
+
+#[test]
+fn send_buffers_are_kept_for_reuse_and_can_be_released() {
+    let out = on_mesh(&[2], &[], |ctx| {
+        let full = full_tensor(&[6, 2]);
+        let x = DTensor::distribute_local(&full, &ctx.mesh, &[S0])?;
+        // The 3 x 2 f64 send buffer of the all-gather comes back to the pool.
+        x.redistribute(&[R])?;
+        x.redistribute(&[R])?;
+        let freed = ctx.mesh.release_buffers();
+        Ok((freed, ctx.mesh.release_buffers()))
+    });
+    assert_eq!(out, vec![(48, 0); 2]);
+}
