@@ -319,7 +319,13 @@ pub enum Error {
     },
     /// A collective operation failed.
     #[error("collective: {0}")]
-    Collective(#[from] hypershard_collectives::Error),
+    Collective(Box<hypershard_collectives::Error>),
+    /// A model or optimizer operation failed.
+    #[error("model: {0}")]
+    Model(Box<hypershard_nn::Error>),
+    /// A fully_shard operation failed.
+    #[error("fsdp: {0}")]
+    Fsdp(Box<hypershard_fsdp::FsdpError>),
     /// A plot could not be drawn.
     #[error("plot {path}: {reason}", path = path.display())]
     Plot {
@@ -346,6 +352,26 @@ pub enum Error {
 
 /// `Result` with this crate's [`Error`].
 pub type Result<T> = std::result::Result<T, Error>;
+
+// The wrapped errors of the layers below are boxed: they are large, and `Result<_, Error>`
+// travels through every function of the crate.
+impl From<hypershard_collectives::Error> for Error {
+    fn from(error: hypershard_collectives::Error) -> Error {
+        Error::Collective(Box::new(error))
+    }
+}
+
+impl From<hypershard_nn::Error> for Error {
+    fn from(error: hypershard_nn::Error) -> Error {
+        Error::Model(Box::new(error))
+    }
+}
+
+impl From<hypershard_fsdp::FsdpError> for Error {
+    fn from(error: hypershard_fsdp::FsdpError) -> Error {
+        Error::Fsdp(Box::new(error))
+    }
+}
 
 impl Error {
     /// Wraps an I/O error with the action and path it concerned.

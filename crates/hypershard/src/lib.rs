@@ -10,6 +10,8 @@ pub mod checkpoint;
 pub mod data;
 mod error;
 pub mod launch;
+pub mod sample;
+pub mod train;
 
 pub use error::{Error, ExitKind, FileAction, Result};
 

@@ -1,6 +1,9 @@
 //! Argument parsing and dispatch for the `hypershard` binary.
 
+mod export_cmd;
 mod launch_cmd;
+mod sample_cmd;
+mod train_cmd;
 
 use clap::{Parser, Subcommand};
 use hypershard::{Error, ExitKind};
@@ -15,8 +18,14 @@ pub struct Cli {
 
 #[derive(Debug, Subcommand)]
 enum Command {
+    /// Train nanoGPT's GPT under fully_shard on N local ranks (default: 4 ranks, a 2x2 mesh).
+    Train(Box<train_cmd::TrainArgs>),
     /// Run a command on N ranks with torchrun's variables (RANK, WORLD_SIZE, MASTER_ADDR, ...).
     Launch(launch_cmd::LaunchArgs),
+    /// Generate text from a checkpoint.
+    Sample(sample_cmd::SampleArgs),
+    /// Write a checkpoint's model as one safetensors file with nanoGPT names.
+    Export(export_cmd::ExportArgs),
 }
 
 /// Sends `tracing` output to stderr, filtered by `RUST_LOG` (default: warnings).
@@ -33,7 +42,10 @@ pub fn init_logging() {
 /// Runs the parsed command.
 pub fn run(cli: Cli) -> Result<(), Error> {
     match cli.command {
+        Command::Train(args) => train_cmd::run(*args),
         Command::Launch(args) => launch_cmd::run(args),
+        Command::Sample(args) => sample_cmd::run(args),
+        Command::Export(args) => export_cmd::run(args),
     }
 }
 

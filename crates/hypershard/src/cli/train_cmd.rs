@@ -1,0 +1,296 @@
+//! `hypershard train`: validates the flags, then runs the ranks (in this process for one rank,
+//! otherwise as processes under the launcher, each re-running this command with `--worker`).
+
+use std::ffi::OsString;
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::time::Duration;
+
+use clap::Args;
+use hypershard::checkpoint::Checkpoint;
+use hypershard::data::{DataOrder, Tokenizer, TokenizerKind, default_corpus_path, load_tokens};
+use hypershard::launch::{LaunchConfig, launch};
+use hypershard::tensor::DType;
+use hypershard::train::{
+    LrSchedule, MeshSpec, ModelShape, OptimConfig, TrainConfig, checkpoint_root, print_summary,
+    run_rank,
+};
+use hypershard::{Error, collectives};
+
+/// The variable through which the parent hands its chosen output directory to the ranks.
+const OUT_ENV: &str = "HYPERSHARD_TRAIN_OUT";
+
+/// Floating dtypes for `--param-dtype` / `--reduce-dtype`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
+enum FloatDType {
+    F32,
+    Bf16,
+    F16,
+}
+
+impl FloatDType {
+    fn dtype(self) -> DType {
+        match self {
+            FloatDType::F32 => DType::F32,
+            FloatDType::Bf16 => DType::BF16,
+            FloatDType::F16 => DType::F16,
+        }
+    }
+}
+
+/// Train nanoGPT's GPT under fully_shard (FSDP / HSDP) on a text corpus.
+#[derive(Debug, Args)]
+pub struct TrainArgs {
+    /// Processes (ranks) on this node.
+    #[arg(long, default_value_t = 4)]
+    nproc: usize,
+    /// Nodes in the job (run the same command on each, with its --node-rank).
+    #[arg(long, default_value_t = 1)]
+    nnodes: usize,
+    /// This node's index.
+    #[arg(long, default_value_t = 0)]
+    node_rank: usize,
+    /// Address of node 0.
+    #[arg(long, default_value = "127.0.0.1")]
+    master_addr: String,
+    /// Rendezvous port on node 0 (default: a free port; required with --nnodes > 1).
+    #[arg(long)]
+    master_port: Option<u16>,
+    /// Data-parallel mesh: N (FSDP over N ranks) or RxS (HSDP: R replicas of S-way shards).
+    #[arg(long, default_value = "2x2")]
+    mesh: String,
+    /// Model: a preset (tiny, small, medium, gpt2) or a JSON file of nanoGPT GPTConfig fields.
+    #[arg(long, default_value = "small")]
+    model: String,
+    /// Corpus: a text file, or a nanoGPT .bin of little-endian u16 token ids
+    /// (default: the Shakespeare shipped in data/).
+    #[arg(long)]
+    data: Option<PathBuf>,
+    /// Tokenizer for text corpora.
+    #[arg(long, value_enum, default_value_t = TokenizerKind::Bytes)]
+    tokenizer: TokenizerKind,
+    /// Window order: random (seeded) or sequential (g·block_size mod (N − block_size − 1)).
+    #[arg(long, value_enum, default_value_t = DataOrder::Random)]
+    data_order: DataOrder,
+    /// Optimizer steps.
+    #[arg(long, default_value_t = 150)]
+    steps: u64,
+    /// Sequences per rank per micro-step.
+    #[arg(long, default_value_t = 8)]
+    batch_size: usize,
+    /// Micro-steps accumulated per optimizer step.
+    #[arg(long, default_value_t = 1)]
+    grad_accum: usize,
+    /// Peak learning rate.
+    #[arg(long, default_value_t = 3e-3)]
+    lr: f64,
+    /// Final learning rate of the cosine schedule (default: lr / 10).
+    #[arg(long)]
+    min_lr: Option<f64>,
+    /// Steps of linear warmup.
+    #[arg(long, default_value_t = 10)]
+    warmup_steps: u64,
+    /// Step at which the cosine reaches --min-lr (nanoGPT's lr_decay_iters; default: --steps).
+    #[arg(long)]
+    lr_decay_steps: Option<u64>,
+    /// Learning-rate schedule after warmup.
+    #[arg(long, value_enum, default_value_t = LrSchedule::Cosine)]
+    lr_schedule: LrSchedule,
+    /// AdamW weight decay (parameters of 2 or more dims only).
+    #[arg(long, default_value_t = 0.1)]
+    weight_decay: f64,
+    /// AdamW β₁.
+    #[arg(long, default_value_t = 0.9)]
+    beta1: f64,
+    /// AdamW β₂.
+    #[arg(long, default_value_t = 0.99)]
+    beta2: f64,
+    /// Clip the global gradient norm to this (0: off).
+    #[arg(long, default_value_t = 1.0)]
+    grad_clip: f64,
+    /// Seed of the initialisation and the random data order.
+    #[arg(long, default_value_t = 1337)]
+    seed: u64,
+    /// Dtype of the gathered parameters (FSDP mixed precision).
+    #[arg(long, value_enum, default_value_t = FloatDType::F32)]
+    param_dtype: FloatDType,
+    /// Dtype of gradient reduction.
+    #[arg(long, value_enum, default_value_t = FloatDType::F32)]
+    reduce_dtype: FloatDType,
+    /// Initial weights: a safetensors file with nanoGPT parameter names.
+    #[arg(long)]
+    init: Option<PathBuf>,
+    /// Output directory (default: a new runs/train-NNN).
+    #[arg(long)]
+    out: Option<PathBuf>,
+    /// Continue from the newest checkpoint in --out.
+    #[arg(long)]
+    resume: bool,
+    /// Save a checkpoint every K steps (and always at the end).
+    #[arg(long, default_value_t = 0)]
+    checkpoint_every: u64,
+    /// Evaluate on the held-out last tenth of the corpus every K steps (0: never).
+    #[arg(long, default_value_t = 0)]
+    eval_every: u64,
+    /// Per-step losses, one JSON object per line (default: OUT/losses.jsonl).
+    #[arg(long)]
+    losses: Option<PathBuf>,
+    /// Internal: run as one rank under the launcher.
+    #[arg(long, hide = true)]
+    worker: bool,
+}
+
+/// The first `runs/train-NNN` that does not exist yet.
+fn fresh_out_dir() -> PathBuf {
+    (1..)
+        .map(|n| PathBuf::from(format!("runs/train-{n:03}")))
+        .find(|p| !p.exists())
+        .unwrap_or_else(|| PathBuf::from("runs/train"))
+}
+
+/// Refuses to start a fresh run over an output directory that holds one.
+fn check_fresh(out: &Path, losses: &Path) -> Result<(), Error> {
+    for existing in [
+        checkpoint_root(out),
+        losses.to_path_buf(),
+        out.join("loss.svg"),
+    ] {
+        if existing.exists() {
+            return Err(Error::WouldOverwrite { path: existing });
+        }
+    }
+    Ok(())
+}
+
+fn build_config(args: &TrainArgs, out: PathBuf) -> Result<TrainConfig, Error> {
+    let mesh = MeshSpec::parse(&args.mesh)?;
+    mesh.check_world(&args.mesh, args.nproc.saturating_mul(args.nnodes))?;
+    let tokenizer = Tokenizer::new(args.tokenizer)?;
+    let shape = ModelShape::resolve(&args.model)?;
+    let model = shape.config(tokenizer.vocab_size(), args.seed)?;
+    let losses = args
+        .losses
+        .clone()
+        .unwrap_or_else(|| out.join("losses.jsonl"));
+    Ok(TrainConfig {
+        model,
+        mesh,
+        data: args.data.clone().unwrap_or_else(default_corpus_path),
+        tokenizer: args.tokenizer,
+        data_order: args.data_order,
+        steps: args.steps,
+        micro_batch: args.batch_size,
+        grad_accum: args.grad_accum,
+        seed: args.seed,
+        optim: OptimConfig {
+            lr: args.lr,
+            min_lr: args.min_lr.unwrap_or(args.lr / 10.0),
+            warmup_steps: args.warmup_steps,
+            schedule: args.lr_schedule,
+            decay_steps: args.lr_decay_steps,
+            beta1: args.beta1,
+            beta2: args.beta2,
+            eps: 1e-8,
+            weight_decay: args.weight_decay,
+            grad_clip: args.grad_clip,
+        },
+        param_dtype: args.param_dtype.dtype(),
+        reduce_dtype: args.reduce_dtype.dtype(),
+        init: args.init.clone(),
+        out,
+        resume: args.resume,
+        checkpoint_every: args.checkpoint_every,
+        eval_every: args.eval_every,
+        losses,
+    })
+}
+
+/// The checks that would otherwise fail on every rank at once: data readable and well
+/// formed, resume target present and of the same model, nothing overwritten.
+fn preflight(config: &TrainConfig) -> Result<(), Error> {
+    let tokenizer = Tokenizer::new(config.tokenizer)?;
+    let data = load_tokens(&config.data, &tokenizer)?;
+    data.check_vocab(config.model.vocab_size)?;
+    let needed = config.model.block_size + 2;
+    if data.len() < needed {
+        return Err(Error::DataTooShort {
+            path: config.data.clone(),
+            tokens: data.len(),
+            block_size: config.model.block_size,
+            needed,
+        });
+    }
+    if let Some(init) = &config.init
+        && !init.is_file()
+    {
+        return Err(Error::io(
+            hypershard::FileAction::Read,
+            init,
+            std::io::Error::from(std::io::ErrorKind::NotFound),
+        ));
+    }
+    if config.resume {
+        let checkpoint = Checkpoint::open(&checkpoint_root(&config.out))?;
+        checkpoint.check_model_config(&config.model.to_json())?;
+    } else {
+        check_fresh(&config.out, &config.losses)?;
+    }
+    Ok(())
+}
+
+pub fn run(args: TrainArgs) -> Result<(), Error> {
+    if args.worker {
+        return run_worker(&args);
+    }
+    let out = args.out.clone().unwrap_or_else(fresh_out_dir);
+    let config = build_config(&args, out.clone())?;
+    preflight(&config)?;
+    std::fs::create_dir_all(&out)
+        .map_err(|e| Error::io(hypershard::FileAction::CreateDir, &out, e))?;
+    let world_size = args.nproc * args.nnodes;
+    if world_size == 1 {
+        let world = collectives::local::spawn_world(1)?.remove(0);
+        if let Some(summary) = run_rank(config, world)? {
+            print_summary(&summary);
+        }
+        return Ok(());
+    }
+    let program = std::env::current_exe()
+        .map_err(|e| Error::io(hypershard::FileAction::Read, "current executable", e))?;
+    let mut worker_args: Vec<OsString> = std::env::args_os().skip(1).collect();
+    worker_args.push("--worker".into());
+    let launch_config = LaunchConfig {
+        nproc_per_node: args.nproc,
+        nnodes: args.nnodes,
+        node_rank: args.node_rank,
+        master_addr: args.master_addr.clone(),
+        master_port: args.master_port,
+        program: program.into_os_string(),
+        args: worker_args,
+        extra_env: vec![(OUT_ENV.into(), out.into_os_string())],
+        stop_timeout: Duration::from_secs(5),
+        rank0_owns_terminal: true,
+    };
+    launch(&launch_config)?;
+    Ok(())
+}
+
+fn run_worker(args: &TrainArgs) -> Result<(), Error> {
+    let out = args
+        .out
+        .clone()
+        .or_else(|| std::env::var_os(OUT_ENV).map(PathBuf::from))
+        .unwrap_or_else(fresh_out_dir);
+    let config = build_config(args, out)?;
+    let tcp = collectives::tcp::TcpConfig::default();
+    let world = collectives::tcp::init_from_env(&tcp)?;
+    let comm: Arc<dyn collectives::Communicator> = world.comm.clone();
+    let summary = run_rank(config, Arc::clone(&comm))?;
+    // Rank 0 hosts the store: keep it up until every rank is done with it.
+    comm.barrier()?;
+    if let Some(summary) = summary {
+        print_summary(&summary);
+    }
+    drop(world);
+    Ok(())
+}

@@ -1,0 +1,431 @@
+//! What `hypershard train` is asked to do: the model, the mesh, the data, the optimizer.
+
+use std::path::PathBuf;
+
+use hypershard_nn::GptConfig;
+use hypershard_tensor::DType;
+use serde::{Deserialize, Serialize};
+
+use crate::data::{DataOrder, TokenizerKind};
+use crate::error::{Error, Result};
+
+/// The data-parallel layout (`--mesh`): `N` is FSDP over `N` ranks, `RxS` is HSDP with `R`
+/// replicas of `S`-way sharding (torch's `init_device_mesh((R, S), ("dp_replicate",
+/// "dp_shard"))`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct MeshSpec {
+    /// Replicas (1 for plain FSDP).
+    pub replicas: usize,
+    /// Ranks each parameter is sharded over.
+    pub shards: usize,
+}
+
+impl MeshSpec {
+    /// Parses `N` or `RxS`.
+    pub fn parse(text: &str) -> Result<MeshSpec> {
+        let bad = || Error::InvalidMesh {
+            text: text.to_string(),
+        };
+        let parts: Vec<&str> = text.trim().split(['x', 'X', '*']).collect();
+        let numbers: Vec<usize> = parts
+            .iter()
+            .map(|p| p.trim().parse::<usize>().ok().filter(|n| *n > 0))
+            .collect::<Option<Vec<_>>>()
+            .ok_or_else(bad)?;
+        match numbers.as_slice() {
+            [n] => Ok(MeshSpec {
+                replicas: 1,
+                shards: *n,
+            }),
+            [r, s] => Ok(MeshSpec {
+                replicas: *r,
+                shards: *s,
+            }),
+            _ => Err(bad()),
+        }
+    }
+
+    /// Ranks in the mesh.
+    pub fn ranks(&self) -> usize {
+        self.replicas * self.shards
+    }
+
+    /// Checks the mesh holds exactly `world_size` ranks.
+    pub fn check_world(&self, text: &str, world_size: usize) -> Result<()> {
+        if self.ranks() == world_size {
+            Ok(())
+        } else {
+            Err(Error::MeshMismatch {
+                mesh: text.to_string(),
+                mesh_ranks: self.ranks(),
+                nproc: world_size,
+            })
+        }
+    }
+
+    /// `2x2` or `4`, as written in summaries.
+    pub fn label(&self) -> String {
+        if self.replicas == 1 {
+            format!("{} (FSDP)", self.shards)
+        } else {
+            format!("{}x{} (HSDP)", self.replicas, self.shards)
+        }
+    }
+}
+
+/// A model shape as presets and `--model FILE.json` give it (nanoGPT's `GPTConfig` fields).
+/// `vocab_size` defaults to the tokenizer's.
+#[derive(Clone, Copy, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct ModelShape {
+    /// Vocabulary size; `None`: the tokenizer's.
+    #[serde(default)]
+    pub vocab_size: Option<usize>,
+    /// Context length.
+    pub block_size: usize,
+    /// Transformer blocks.
+    pub n_layer: usize,
+    /// Attention heads.
+    pub n_head: usize,
+    /// Model width.
+    pub n_embd: usize,
+    /// Biases in linear layers and layer norms.
+    #[serde(default = "default_bias")]
+    pub bias: bool,
+    /// Dropout probability.
+    #[serde(default)]
+    pub dropout: f64,
+}
+
+fn default_bias() -> bool {
+    true
+}
+
+/// The named presets of `--model`.
+pub const MODEL_PRESETS: [&str; 4] = ["tiny", "small", "medium", "gpt2"];
+
+impl ModelShape {
+    /// A preset (`tiny`, `small`, `medium`, `gpt2`) or a JSON file with these fields.
+    pub fn resolve(text: &str) -> Result<ModelShape> {
+        let preset = |block_size, n_layer, n_head, n_embd| ModelShape {
+            vocab_size: None,
+            block_size,
+            n_layer,
+            n_head,
+            n_embd,
+            bias: true,
+            dropout: 0.0,
+        };
+        match text {
+            "tiny" => Ok(preset(32, 2, 2, 32)),
+            "small" => Ok(preset(64, 4, 4, 64)),
+            "medium" => Ok(preset(128, 6, 6, 192)),
+            "gpt2" => Ok(ModelShape {
+                vocab_size: Some(50_304),
+                ..preset(1024, 12, 12, 768)
+            }),
+            path => {
+                let bytes = std::fs::read(path).map_err(|e| Error::InvalidModel {
+                    text: text.to_string(),
+                    reason: format!(
+                        "not a preset ({}) and not a readable JSON file: {e}",
+                        MODEL_PRESETS.join(", ")
+                    ),
+                })?;
+                let shape: ModelShape =
+                    serde_json::from_slice(&bytes).map_err(|e| Error::InvalidModel {
+                        text: text.to_string(),
+                        reason: e.to_string(),
+                    })?;
+                Ok(shape)
+            }
+        }
+    }
+
+    /// The full model configuration for a vocabulary of `tokenizer_vocab` ids.
+    pub fn config(&self, tokenizer_vocab: usize, seed: u64) -> Result<ModelConfig> {
+        let vocab_size = self.vocab_size.unwrap_or(tokenizer_vocab);
+        let config = ModelConfig {
+            vocab_size,
+            block_size: self.block_size,
+            n_layer: self.n_layer,
+            n_head: self.n_head,
+            n_embd: self.n_embd,
+            bias: self.bias,
+            dropout: self.dropout,
+            seed,
+        };
+        let invalid = |reason: String| Error::InvalidModel {
+            text: format!("{self:?}"),
+            reason,
+        };
+        if vocab_size < tokenizer_vocab {
+            return Err(invalid(format!(
+                "vocab_size {vocab_size} is smaller than the tokenizer's {tokenizer_vocab}"
+            )));
+        }
+        if self.n_head == 0 || !self.n_embd.is_multiple_of(self.n_head) {
+            return Err(invalid(format!(
+                "n_head {} must divide n_embd {}",
+                self.n_head, self.n_embd
+            )));
+        }
+        if self.block_size == 0 || self.n_layer == 0 {
+            return Err(invalid(
+                "block_size and n_layer must be positive".to_string(),
+            ));
+        }
+        Ok(config)
+    }
+}
+
+/// The model configuration a checkpoint records and checks on load.
+#[derive(Clone, Copy, Debug, PartialEq, Serialize, Deserialize)]
+pub struct ModelConfig {
+    /// Vocabulary size.
+    pub vocab_size: usize,
+    /// Context length.
+    pub block_size: usize,
+    /// Transformer blocks.
+    pub n_layer: usize,
+    /// Attention heads.
+    pub n_head: usize,
+    /// Model width.
+    pub n_embd: usize,
+    /// Biases.
+    pub bias: bool,
+    /// Dropout probability.
+    pub dropout: f64,
+    /// Initialisation seed.
+    pub seed: u64,
+}
+
+impl ModelConfig {
+    /// The nn crate's configuration (f32 master weights).
+    pub fn gpt(&self) -> GptConfig {
+        GptConfig {
+            vocab_size: self.vocab_size,
+            block_size: self.block_size,
+            n_layer: self.n_layer,
+            n_head: self.n_head,
+            n_embd: self.n_embd,
+            bias: self.bias,
+            dropout: self.dropout,
+            dtype: DType::F32,
+            seed: self.seed,
+        }
+    }
+
+    /// The JSON that checkpoints store and compare. The seed is left out: resuming or
+    /// sampling with another `--seed` is the same model.
+    pub fn to_json(&self) -> serde_json::Value {
+        serde_json::json!({
+            "vocab_size": self.vocab_size,
+            "block_size": self.block_size,
+            "n_layer": self.n_layer,
+            "n_head": self.n_head,
+            "n_embd": self.n_embd,
+            "bias": self.bias,
+            "dropout": self.dropout,
+        })
+    }
+}
+
+/// The learning-rate schedule (`--lr-schedule`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum LrSchedule {
+    /// Linear warmup, then cosine decay to `--min-lr` at the last step (nanoGPT).
+    Cosine,
+    /// Linear warmup, then constant.
+    Constant,
+}
+
+/// AdamW and schedule hyper-parameters, named as nanoGPT names them.
+#[derive(Clone, Copy, Debug, PartialEq, Serialize, Deserialize)]
+pub struct OptimConfig {
+    /// Peak learning rate.
+    pub lr: f64,
+    /// Final learning rate of the cosine schedule.
+    pub min_lr: f64,
+    /// Steps of linear warmup.
+    pub warmup_steps: u64,
+    /// Schedule after warmup.
+    pub schedule: LrSchedule,
+    /// The step at which the cosine reaches `min_lr` (nanoGPT's `lr_decay_iters`); `None`:
+    /// the run's last step.
+    pub decay_steps: Option<u64>,
+    /// AdamW β₁.
+    pub beta1: f64,
+    /// AdamW β₂.
+    pub beta2: f64,
+    /// AdamW ε.
+    pub eps: f64,
+    /// Decoupled weight decay, for parameters of 2 or more dims only.
+    pub weight_decay: f64,
+    /// Global gradient-norm clip (0: off).
+    pub grad_clip: f64,
+}
+
+impl OptimConfig {
+    /// nanoGPT's `get_lr`: linear warmup `lr·(it+1)/(warmup+1)`, then cosine from `lr` to
+    /// `min_lr` over the remaining steps (or constant).
+    pub fn lr_at(&self, step: u64, total_steps: u64) -> f64 {
+        if step < self.warmup_steps {
+            return self.lr * (step + 1) as f64 / (self.warmup_steps + 1) as f64;
+        }
+        match self.schedule {
+            LrSchedule::Constant => self.lr,
+            LrSchedule::Cosine => {
+                let horizon = self.decay_steps.unwrap_or(total_steps);
+                let decay_steps = horizon.saturating_sub(self.warmup_steps).max(1);
+                let ratio = ((step - self.warmup_steps) as f64 / decay_steps as f64).min(1.0);
+                let coeff = 0.5 * (1.0 + (std::f64::consts::PI * ratio).cos());
+                self.min_lr + coeff * (self.lr - self.min_lr)
+            }
+        }
+    }
+}
+
+/// Everything a training rank needs.
+#[derive(Clone, Debug, PartialEq)]
+pub struct TrainConfig {
+    /// The model.
+    pub model: ModelConfig,
+    /// The mesh.
+    pub mesh: MeshSpec,
+    /// The corpus.
+    pub data: PathBuf,
+    /// The tokenizer for text corpora.
+    pub tokenizer: TokenizerKind,
+    /// Window order.
+    pub data_order: DataOrder,
+    /// Optimizer steps to reach (a resumed run continues up to this).
+    pub steps: u64,
+    /// Windows per rank per micro-step.
+    pub micro_batch: usize,
+    /// Micro-steps per optimizer step.
+    pub grad_accum: usize,
+    /// Seed of the initialisation and the random data order.
+    pub seed: u64,
+    /// Optimizer.
+    pub optim: OptimConfig,
+    /// FSDP's compute dtype for parameters (`--param-dtype`).
+    pub param_dtype: DType,
+    /// FSDP's dtype for gradient reduction (`--reduce-dtype`).
+    pub reduce_dtype: DType,
+    /// Initial weights (nanoGPT names).
+    pub init: Option<PathBuf>,
+    /// Output directory.
+    pub out: PathBuf,
+    /// Continue from `OUT/checkpoints`.
+    pub resume: bool,
+    /// Save a checkpoint every K steps (0: only at the end).
+    pub checkpoint_every: u64,
+    /// Evaluate on the held-out tenth every K steps (0: never).
+    pub eval_every: u64,
+    /// Where the per-step losses go.
+    pub losses: PathBuf,
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn meshes_parse_and_must_match_the_world() {
+        assert_eq!(
+            MeshSpec::parse("2x2").unwrap(),
+            MeshSpec {
+                replicas: 2,
+                shards: 2
+            }
+        );
+        assert_eq!(
+            MeshSpec::parse("4").unwrap(),
+            MeshSpec {
+                replicas: 1,
+                shards: 4
+            }
+        );
+        for bad in ["", "0", "2x", "axb", "2x2x2", "-1"] {
+            assert!(
+                matches!(MeshSpec::parse(bad), Err(Error::InvalidMesh { .. })),
+                "{bad}"
+            );
+        }
+        let mesh = MeshSpec::parse("2x2").unwrap();
+        mesh.check_world("2x2", 4).unwrap();
+        assert!(matches!(
+            mesh.check_world("2x2", 3),
+            Err(Error::MeshMismatch {
+                mesh_ranks: 4,
+                nproc: 3,
+                ..
+            })
+        ));
+    }
+
+    #[test]
+    fn the_lr_schedule_is_nanogpts() {
+        let optim = OptimConfig {
+            lr: 1.0,
+            min_lr: 0.1,
+            warmup_steps: 4,
+            schedule: LrSchedule::Cosine,
+            decay_steps: None,
+            beta1: 0.9,
+            beta2: 0.95,
+            eps: 1e-8,
+            weight_decay: 0.1,
+            grad_clip: 1.0,
+        };
+        // Warmup: (it+1)/(warmup+1).
+        assert_eq!(optim.lr_at(0, 14), 0.2);
+        assert_eq!(optim.lr_at(3, 14), 0.8);
+        // Cosine: halfway through the 10 decay steps the coefficient is 1/2.
+        assert!((optim.lr_at(9, 14) - 0.55).abs() < 1e-12);
+        assert!((optim.lr_at(14, 14) - 0.1).abs() < 1e-12);
+        let constant = OptimConfig {
+            schedule: LrSchedule::Constant,
+            ..optim
+        };
+        assert_eq!(constant.lr_at(10, 14), 1.0);
+        // A decay horizon beyond the run: the run of 14 steps follows the 24-step curve.
+        let longer = OptimConfig {
+            decay_steps: Some(24),
+            ..optim
+        };
+        assert_eq!(longer.lr_at(9, 14), optim.lr_at(9, 24));
+    }
+
+    #[test]
+    fn presets_and_json_models_resolve() {
+        let small = ModelShape::resolve("small").unwrap();
+        assert_eq!(small.config(256, 0).unwrap().vocab_size, 256);
+        let dir = std::env::temp_dir().join(format!("hypershard-model-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let path = dir.join("m.json");
+        std::fs::write(
+            &path,
+            r#"{"block_size": 16, "n_layer": 1, "n_head": 3, "n_embd": 12}"#,
+        )
+        .unwrap();
+        let shape = ModelShape::resolve(path.to_str().unwrap()).unwrap();
+        assert_eq!(shape.n_head, 3);
+        std::fs::write(
+            &path,
+            r#"{"block_size": 16, "n_layer": 1, "n_head": 5, "n_embd": 12}"#,
+        )
+        .unwrap();
+        let shape = ModelShape::resolve(path.to_str().unwrap()).unwrap();
+        assert!(matches!(
+            shape.config(256, 0),
+            Err(Error::InvalidModel { .. })
+        ));
+        assert!(matches!(
+            ModelShape::resolve("nope"),
+            Err(Error::InvalidModel { .. })
+        ));
+    }
+}

@@ -1,0 +1,21 @@
+//! `hypershard train`: nanoGPT's GPT trained under `fully_shard` (FSDP or HSDP) on a corpus,
+//! with progress, per-step losses, checkpoints and resume.
+//!
+//! The parent process ([`crate::launch`]) starts one rank per process; every rank runs
+//! [`run_rank`] over the tcp backend.
+
+mod config;
+mod optimizer;
+mod plot;
+mod report;
+mod shards;
+mod worker;
+
+pub use config::{
+    LrSchedule, MODEL_PRESETS, MeshSpec, ModelConfig, ModelShape, OptimConfig, TrainConfig,
+};
+pub use optimizer::{Moments, ShardedAdamW};
+pub use plot::plot_losses;
+pub use report::{LossRecord, Reporter, ReporterConfig, TrainSummary, print_summary, read_losses};
+pub use shards::{ShardPlace, global_shapes, load_whole, model_key, place};
+pub use worker::{EVAL_FRACTION, checkpoint_root, run_rank};

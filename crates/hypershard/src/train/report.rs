@@ -1,0 +1,302 @@
+//! What rank 0 shows and writes while training: a progress bar (loss, tokens/s, ETA) or, when
+//! stderr is not a terminal, a line every tenth of the run; `--losses` JSONL, one line per
+//! step; and the end summary and `OUT/loss.svg`.
+
+use std::fs::{File, OpenOptions};
+use std::io::{BufWriter, IsTerminal, Write};
+use std::path::{Path, PathBuf};
+use std::time::Instant;
+
+use indicatif::{ProgressBar, ProgressStyle};
+
+use crate::error::{Error, FileAction, Result};
+
+/// One step's line in the losses file.
+#[derive(Clone, Copy, Debug, PartialEq, serde::Serialize, serde::Deserialize)]
+pub struct LossRecord {
+    /// The optimizer step (0-based).
+    pub step: u64,
+    /// The mean training loss over the global batch.
+    pub loss: f64,
+    /// The learning rate used.
+    pub lr: f64,
+    /// Tokens trained on so far, over all ranks.
+    pub tokens: u64,
+}
+
+/// The end-of-run figures.
+#[derive(Clone, Debug, PartialEq)]
+pub struct TrainSummary {
+    /// Steps run in this invocation.
+    pub steps_run: u64,
+    /// Loss of the first step run.
+    pub first_loss: f64,
+    /// Loss of the last step run.
+    pub last_loss: f64,
+    /// Tokens per second over all ranks.
+    pub tokens_per_second: f64,
+    /// Bytes this rank sent through collectives per step.
+    pub bytes_per_step: f64,
+    /// Peak tensor memory of each rank, in bytes.
+    pub peak_bytes_per_rank: Vec<u64>,
+    /// The last evaluation loss, if evaluated.
+    pub eval_loss: Option<f64>,
+    /// The loss plot.
+    pub plot: PathBuf,
+}
+
+/// Rank 0's reporter.
+pub struct Reporter {
+    bar: Option<ProgressBar>,
+    losses: BufWriter<File>,
+    losses_path: PathBuf,
+    records: Vec<LossRecord>,
+    evals: Vec<(u64, f64)>,
+    started: Instant,
+    start_step: u64,
+    total_steps: u64,
+    tokens_per_step: u64,
+}
+
+impl std::fmt::Debug for Reporter {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Reporter")
+            .field("losses_path", &self.losses_path)
+            .field("records", &self.records.len())
+            .finish_non_exhaustive()
+    }
+}
+
+/// What [`Reporter::new`] needs.
+#[derive(Clone, Debug)]
+pub struct ReporterConfig {
+    /// The losses file.
+    pub losses: PathBuf,
+    /// Append to it (a resumed run) instead of starting it afresh.
+    pub append: bool,
+    /// The first step this run executes.
+    pub start_step: u64,
+    /// The step count to reach.
+    pub total_steps: u64,
+    /// Tokens per optimizer step, all ranks.
+    pub tokens_per_step: u64,
+}
+
+impl Reporter {
+    /// Opens the losses file and, on a terminal, draws the bar.
+    pub fn new(config: ReporterConfig) -> Result<Reporter> {
+        if let Some(parent) = config.losses.parent().filter(|p| !p.as_os_str().is_empty()) {
+            std::fs::create_dir_all(parent)
+                .map_err(|e| Error::io(FileAction::CreateDir, parent, e))?;
+        }
+        let file = OpenOptions::new()
+            .create(true)
+            .write(true)
+            .append(config.append)
+            .truncate(!config.append)
+            .open(&config.losses)
+            .map_err(|e| Error::io(FileAction::Write, &config.losses, e))?;
+        let bar = std::io::stderr().is_terminal().then(|| {
+            let bar = ProgressBar::new(config.total_steps);
+            bar.set_position(config.start_step);
+            if let Ok(style) = ProgressStyle::with_template(
+                "{bar:30.cyan/blue} step {pos}/{len} {msg} [{elapsed_precise} < {eta_precise}]",
+            ) {
+                bar.set_style(style);
+            }
+            bar
+        });
+        Ok(Reporter {
+            bar,
+            losses: BufWriter::new(file),
+            losses_path: config.losses,
+            records: Vec::new(),
+            evals: Vec::new(),
+            started: Instant::now(),
+            start_step: config.start_step,
+            total_steps: config.total_steps,
+            tokens_per_step: config.tokens_per_step,
+        })
+    }
+
+    /// Tokens per second since this run started.
+    fn tokens_per_second(&self) -> f64 {
+        let seconds = self.started.elapsed().as_secs_f64().max(1e-9);
+        (self.records.len() as u64 * self.tokens_per_step) as f64 / seconds
+    }
+
+    /// Records one step: a JSONL line (flushed, so a crash keeps every finished step), the bar.
+    pub fn step(&mut self, record: LossRecord) -> Result<()> {
+        let line = serde_json::to_string(&record).map_err(|source| Error::Json {
+            path: self.losses_path.clone(),
+            source,
+        })?;
+        writeln!(self.losses, "{line}")
+            .and_then(|()| self.losses.flush())
+            .map_err(|e| Error::io(FileAction::Write, &self.losses_path, e))?;
+        self.records.push(record);
+        let rate = self.tokens_per_second();
+        let message = format!(
+            "loss {:.4} lr {:.2e} {:.0} tok/s",
+            record.loss, record.lr, rate
+        );
+        match &self.bar {
+            Some(bar) => {
+                bar.set_message(message);
+                bar.set_position(record.step + 1);
+            }
+            None => {
+                let every = ((self.total_steps - self.start_step) / 10).max(1);
+                let done = record.step + 1;
+                if (done - self.start_step).is_multiple_of(every) || done == self.total_steps {
+                    eprintln!("step {done}/{} {message}", self.total_steps);
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// Records an evaluation.
+    pub fn eval(&mut self, step: u64, loss: f64) {
+        self.evals.push((step, loss));
+        let line = format!("eval at step {}: loss {loss:.4}", step + 1);
+        match &self.bar {
+            Some(bar) => bar.println(line),
+            None => eprintln!("{line}"),
+        }
+    }
+
+    /// Prints a line without breaking the bar.
+    pub fn note(&self, line: &str) {
+        match &self.bar {
+            Some(bar) => bar.println(line),
+            None => eprintln!("{line}"),
+        }
+    }
+
+    /// Ends the bar, draws `plot`, and returns the summary (printed by [`print_summary`]).
+    pub fn finish(
+        self,
+        plot: &Path,
+        bytes_per_step: f64,
+        peak_bytes_per_rank: Vec<u64>,
+    ) -> Result<TrainSummary> {
+        if let Some(bar) = &self.bar {
+            bar.finish_and_clear();
+        }
+        // The plot shows the whole curve of this output directory, resumed runs included.
+        let mut curve: Vec<(u64, f64)> = read_losses(&self.losses_path)
+            .unwrap_or_default()
+            .iter()
+            .map(|r| (r.step, r.loss))
+            .collect();
+        if curve.is_empty() {
+            curve = self.records.iter().map(|r| (r.step, r.loss)).collect();
+        }
+        super::plot::plot_losses(plot, &curve, &self.evals)?;
+        Ok(TrainSummary {
+            steps_run: self.records.len() as u64,
+            first_loss: self.records.first().map_or(f64::NAN, |r| r.loss),
+            last_loss: self.records.last().map_or(f64::NAN, |r| r.loss),
+            tokens_per_second: self.tokens_per_second(),
+            bytes_per_step,
+            peak_bytes_per_rank,
+            eval_loss: self.evals.last().map(|(_, l)| *l),
+            plot: plot.to_path_buf(),
+        })
+    }
+}
+
+/// Reads a losses JSONL file (a later line for the same step replaces an earlier one, as a
+/// resumed run re-does the steps after its checkpoint).
+pub fn read_losses(path: &Path) -> Result<Vec<LossRecord>> {
+    let text = std::fs::read_to_string(path).map_err(|e| Error::io(FileAction::Read, path, e))?;
+    let mut by_step = std::collections::BTreeMap::new();
+    for line in text.lines().filter(|l| !l.trim().is_empty()) {
+        let record: LossRecord = serde_json::from_str(line).map_err(|source| Error::Json {
+            path: path.to_path_buf(),
+            source,
+        })?;
+        by_step.insert(record.step, record);
+    }
+    Ok(by_step.into_values().collect())
+}
+
+fn human_bytes(bytes: f64) -> String {
+    const UNITS: [&str; 5] = ["B", "KiB", "MiB", "GiB", "TiB"];
+    let mut value = bytes;
+    let mut unit = 0;
+    while value >= 1024.0 && unit + 1 < UNITS.len() {
+        value /= 1024.0;
+        unit += 1;
+    }
+    format!("{value:.1} {}", UNITS[unit])
+}
+
+/// Prints the summary to stdout.
+pub fn print_summary(summary: &TrainSummary) {
+    println!("done: {} steps", summary.steps_run);
+    println!(
+        "  loss        {:.4} -> {:.4}",
+        summary.first_loss, summary.last_loss
+    );
+    if let Some(eval) = summary.eval_loss {
+        println!("  eval loss   {eval:.4}");
+    }
+    println!("  throughput  {:.0} tokens/s", summary.tokens_per_second);
+    println!(
+        "  comm        {} per step per rank",
+        human_bytes(summary.bytes_per_step)
+    );
+    let peaks: Vec<String> = summary
+        .peak_bytes_per_rank
+        .iter()
+        .map(|b| human_bytes(*b as f64))
+        .collect();
+    println!("  peak memory {} (per rank)", peaks.join(", "));
+    println!("  loss plot   {}", summary.plot.display());
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn losses_are_jsonl_and_resumed_steps_replace_earlier_ones() {
+        let dir = std::env::temp_dir().join(format!("hypershard-report-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let losses = dir.join("losses.jsonl");
+        let config = |append, start_step| ReporterConfig {
+            losses: losses.clone(),
+            append,
+            start_step,
+            total_steps: 4,
+            tokens_per_step: 10,
+        };
+        let record = |step, loss| LossRecord {
+            step,
+            loss,
+            lr: 0.1,
+            tokens: (step + 1) * 10,
+        };
+        let mut first = Reporter::new(config(false, 0)).unwrap();
+        for step in 0..3 {
+            first.step(record(step, 4.0 - step as f64)).unwrap();
+        }
+        drop(first);
+        let mut resumed = Reporter::new(config(true, 2)).unwrap();
+        resumed.step(record(2, 2.5)).unwrap();
+        resumed.step(record(3, 2.0)).unwrap();
+        let summary = resumed
+            .finish(&dir.join("loss.svg"), 100.0, vec![1, 2])
+            .unwrap();
+        assert_eq!((summary.first_loss, summary.last_loss), (2.5, 2.0));
+        let read = read_losses(&losses).unwrap();
+        let losses: Vec<f64> = read.iter().map(|r| r.loss).collect();
+        assert_eq!(losses, vec![4.0, 3.0, 2.5, 2.0]);
+        let first_line = std::fs::read_to_string(dir.join("losses.jsonl")).unwrap();
+        assert!(first_line.starts_with(r#"{"step":0,"loss":4.0,"lr":0.1,"tokens":10}"#));
+        assert!(dir.join("loss.svg").exists());
+        assert_eq!(human_bytes(1536.0), "1.5 KiB");
+    }
+}

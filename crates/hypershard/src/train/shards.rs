@@ -1,0 +1,261 @@
+//! Where a rank's local parameter shard sits in the global tensor, and saving / loading the
+//! model and optimizer shards through the checkpoint module.
+
+use std::collections::BTreeMap;
+
+use hypershard_collectives::Communicator;
+use hypershard_fsdp::DataParallelMesh;
+use hypershard_mesh::shard_span;
+use hypershard_nn::Module;
+
+use super::optimizer::{Moments, ShardedAdamW, moment_tensor, moment_values};
+use crate::checkpoint::{Block, BlockSpec, Checkpoint, CheckpointDir, CommitInfo, ShardWriter};
+use crate::error::{Error, Result};
+
+/// The checkpoint name of a model parameter.
+pub fn model_key(name: &str) -> String {
+    format!("model/{name}")
+}
+
+fn moment_key(which: &str, name: &str) -> String {
+    format!("optim/{which}/{name}")
+}
+
+/// Where a local tensor of `local_shape` sits in the global `global_shape`, given FSDP's
+/// dim-0 chunking (torch.chunk) over the shard group.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct ShardPlace {
+    /// The block in the global tensor.
+    pub block: Block,
+    /// Whether this rank is the one that saves it (one copy of every element is saved: the
+    /// first replica, and for a parameter kept whole, shard rank 0).
+    pub saves: bool,
+}
+
+/// Places a local shard: a dim-0 chunk at its torch.chunk offset, or (a parameter FSDP keeps
+/// whole, or a scalar) the whole tensor.
+pub fn place(
+    name: &str,
+    global_shape: &[usize],
+    local_shape: &[usize],
+    mesh: &DataParallelMesh,
+) -> Result<ShardPlace> {
+    let first_replica = mesh.rank() / mesh.shard_world().max(1) == 0;
+    let whole = ShardPlace {
+        block: Block::whole(global_shape),
+        saves: first_replica && mesh.shard_rank() == 0,
+    };
+    let Some(&rows) = global_shape.first() else {
+        return Ok(whole);
+    };
+    let span = shard_span(rows, mesh.shard_world(), mesh.shard_rank()).map_err(|_| {
+        Error::InconsistentTensor {
+            name: name.to_string(),
+            reason: format!("no shard {} of {}", mesh.shard_rank(), mesh.shard_world()),
+        }
+    })?;
+    let mut expected = global_shape.to_vec();
+    expected[0] = span.len;
+    if local_shape == expected.as_slice() {
+        let mut offset = vec![0; global_shape.len()];
+        offset[0] = span.offset;
+        return Ok(ShardPlace {
+            block: Block {
+                offset,
+                shape: expected,
+            },
+            saves: first_replica,
+        });
+    }
+    if local_shape == global_shape {
+        return Ok(whole);
+    }
+    Err(Error::InconsistentTensor {
+        name: name.to_string(),
+        reason: format!(
+            "local shard {local_shape:?} is neither dim-0 chunk {} of {global_shape:?} over {} nor the whole",
+            mesh.shard_rank(),
+            mesh.shard_world()
+        ),
+    })
+}
+
+/// What a save or load needs to know about the job.
+pub struct ShardContext<'a> {
+    /// The data-parallel mesh.
+    pub mesh: &'a DataParallelMesh,
+    /// The world communicator (barriers).
+    pub world: &'a dyn Communicator,
+    /// Global shapes by parameter name, recorded before wrapping.
+    pub global_shapes: &'a BTreeMap<String, Vec<usize>>,
+}
+
+fn global_shape<'a>(ctx: &'a ShardContext<'_>, name: &str) -> Result<&'a Vec<usize>> {
+    ctx.global_shapes
+        .get(name)
+        .ok_or_else(|| Error::MissingTensor {
+            name: name.to_string(),
+        })
+}
+
+/// Saves the model's and optimizer's local shards as the checkpoint of `step`. Collective
+/// over the world: rank 0 prepares and commits, every rank writes its shard in between.
+pub fn save(
+    ctx: &ShardContext<'_>,
+    root: &CheckpointDir,
+    module: &dyn Module,
+    optimizer: &ShardedAdamW,
+    info: CommitInfo,
+) -> Result<()> {
+    let rank = ctx.world.rank();
+    if rank == 0 {
+        root.prepare_staging(info.step)?;
+    }
+    ctx.world.barrier()?;
+    let mut writer = ShardWriter::new(root.staging_dir(info.step), rank);
+    let mut failure: Option<Error> = None;
+    module.visit_params("", &mut |name, param| {
+        if failure.is_some() {
+            return Ok(());
+        }
+        let result = (|| -> Result<()> {
+            let data = param.data()?;
+            let global = global_shape(ctx, name)?;
+            let placed = place(name, global, data.shape(), ctx.mesh)?;
+            if !placed.saves {
+                return Ok(());
+            }
+            let placement = if placed.block.shape == *global {
+                "Replicate".to_string()
+            } else {
+                format!("Shard(0) over {}", ctx.mesh.shard_world())
+            };
+            let key = model_key(name);
+            writer.add(
+                BlockSpec {
+                    name: &key,
+                    global_shape: global,
+                    offset: &placed.block.offset,
+                    placement: Some(&placement),
+                },
+                data,
+            )?;
+            if let Some(moments) = optimizer.moments.get(name) {
+                for (which, values) in [
+                    ("exp_avg", &moments.exp_avg),
+                    ("exp_avg_sq", &moments.exp_avg_sq),
+                ] {
+                    let key = moment_key(which, name);
+                    let tensor = moment_tensor(&key, values, data.shape())?;
+                    writer.add(
+                        BlockSpec {
+                            name: &key,
+                            global_shape: global,
+                            offset: &placed.block.offset,
+                            placement: Some(&placement),
+                        },
+                        &tensor,
+                    )?;
+                }
+            }
+            Ok(())
+        })();
+        if let Err(error) = result {
+            failure = Some(error);
+        }
+        Ok(())
+    })?;
+    if let Some(error) = failure {
+        return Err(error);
+    }
+    writer.finish()?;
+    ctx.world.barrier()?;
+    if rank == 0 {
+        root.commit(info)?;
+    }
+    ctx.world.barrier()?;
+    Ok(())
+}
+
+/// Loads this rank's blocks of the model (and, when `optimizer` is given and the checkpoint
+/// has them, of the optimizer moments) from `checkpoint`, whatever layout saved it.
+pub fn load(
+    ctx: &ShardContext<'_>,
+    checkpoint: &Checkpoint,
+    module: &mut dyn Module,
+    mut optimizer: Option<&mut ShardedAdamW>,
+) -> Result<()> {
+    let mut failure: Option<Error> = None;
+    module.visit_params_mut("", &mut |name, param| {
+        if failure.is_some() {
+            return Ok(());
+        }
+        let result = (|| -> Result<()> {
+            let data = param.data()?;
+            let global = global_shape(ctx, name)?;
+            let placed = place(name, global, data.shape(), ctx.mesh)?;
+            let saved = checkpoint.read_block(&model_key(name), &placed.block)?;
+            data.copy_from(&saved).map_err(|source| Error::Tensor {
+                name: name.to_string(),
+                source,
+            })?;
+            if let Some(optimizer) = optimizer.as_deref_mut() {
+                let key = moment_key("exp_avg", name);
+                if checkpoint.metadata().tensors.contains_key(&key) {
+                    let exp_avg =
+                        moment_values(&key, &checkpoint.read_block(&key, &placed.block)?)?;
+                    let key = moment_key("exp_avg_sq", name);
+                    let exp_avg_sq =
+                        moment_values(&key, &checkpoint.read_block(&key, &placed.block)?)?;
+                    optimizer.moments.insert(
+                        name.to_string(),
+                        Moments {
+                            exp_avg,
+                            exp_avg_sq,
+                        },
+                    );
+                }
+            }
+            Ok(())
+        })();
+        if let Err(error) = result {
+            failure = Some(error);
+        }
+        Ok(())
+    })?;
+    failure.map_or(Ok(()), Err)
+}
+
+/// Global shapes of every parameter of an unwrapped module.
+pub fn global_shapes(module: &dyn Module) -> Result<BTreeMap<String, Vec<usize>>> {
+    let mut shapes = BTreeMap::new();
+    module.visit_params("", &mut |name, param| {
+        shapes.insert(name.to_string(), param.data()?.shape().to_vec());
+        Ok(())
+    })?;
+    Ok(shapes)
+}
+
+/// Reads a full model from a checkpoint into an unwrapped module (for `sample`).
+pub fn load_whole(checkpoint: &Checkpoint, module: &mut dyn Module) -> Result<()> {
+    let mut failure: Option<Error> = None;
+    module.visit_params_mut("", &mut |name, param| {
+        if failure.is_some() {
+            return Ok(());
+        }
+        let result = checkpoint.read_tensor(&model_key(name)).and_then(|saved| {
+            param
+                .data()?
+                .copy_from(&saved)
+                .map_err(|source| Error::Tensor {
+                    name: name.to_string(),
+                    source,
+                })
+        });
+        if let Err(error) = result {
+            failure = Some(error);
+        }
+        Ok(())
+    })?;
+    failure.map_or(Ok(()), Err)
+}

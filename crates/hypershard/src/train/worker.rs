@@ -1,0 +1,371 @@
+//! One training rank: build the GPT, wrap it with `fully_shard` (each block its own unit, the
+//! root holding the embeddings and the final norm), and run the steps.
+
+use std::path::PathBuf;
+use std::sync::Arc;
+
+use hypershard_collectives::{CommCounter, Communicator, CommunicatorExt, ReduceOp};
+use hypershard_fsdp::{
+    DataParallelMesh, FsdpModule, FullyShardConfig, MixedPrecisionPolicy, fully_shard,
+    fully_shard_children, has_params,
+};
+use hypershard_nn::{DEFAULT_IGNORE_INDEX, Gpt, Module, cross_entropy};
+use hypershard_tensor::{DType, Tensor};
+use serde_json::json;
+
+use super::config::TrainConfig;
+use super::optimizer::ShardedAdamW;
+use super::report::{LossRecord, Reporter, ReporterConfig, TrainSummary};
+use super::shards::{ShardContext, global_shapes, load, save};
+use crate::checkpoint::{Checkpoint, CheckpointDir, CommitInfo};
+use crate::data::{BatchLayout, Batcher, DataOrder, MicroBatch, TokenData, Tokenizer, load_tokens};
+use crate::error::{Error, Result};
+
+/// The fraction of the corpus held out for `--eval-every`.
+pub const EVAL_FRACTION: f64 = 0.1;
+
+/// The checkpoint root of an output directory.
+pub fn checkpoint_root(out: &std::path::Path) -> PathBuf {
+    out.join("checkpoints")
+}
+
+/// What the ranks hold while training.
+struct Trainer {
+    config: TrainConfig,
+    world: Arc<dyn Communicator>,
+    counter: Arc<CommCounter>,
+    mesh: Arc<DataParallelMesh>,
+    model: FsdpModule,
+    optimizer: ShardedAdamW,
+    shapes: std::collections::BTreeMap<String, Vec<usize>>,
+    batcher: Batcher,
+    eval: Option<Batcher>,
+}
+
+fn ids_tensor(name: &str, ids: &[u32], shape: &[usize]) -> Result<Tensor> {
+    let values: Vec<i64> = ids.iter().map(|t| i64::from(*t)).collect();
+    Tensor::from_vec(values, shape).map_err(|source| Error::Tensor {
+        name: name.to_string(),
+        source,
+    })
+}
+
+/// Loads the corpus and splits off the evaluation tenth when asked.
+fn corpus(config: &TrainConfig) -> Result<(TokenData, Option<TokenData>)> {
+    let tokenizer = Tokenizer::new(config.tokenizer)?;
+    let data = load_tokens(&config.data, &tokenizer)?;
+    data.check_vocab(config.model.vocab_size)?;
+    if config.eval_every > 0 {
+        let (train, eval) = data.split_tail(EVAL_FRACTION);
+        Ok((train, Some(eval)))
+    } else {
+        Ok((data, None))
+    }
+}
+
+impl Trainer {
+    fn new(config: TrainConfig, world: Arc<dyn Communicator>) -> Result<Trainer> {
+        let counter = CommCounter::new(Arc::clone(&world));
+        let counted: Arc<dyn Communicator> = counter.clone();
+        let (train, eval) = corpus(&config)?;
+        let layout = BatchLayout {
+            block_size: config.model.block_size,
+            micro_batch: config.micro_batch,
+            grad_accum: config.grad_accum,
+            world_size: world.size(),
+        };
+        let batcher = Batcher::new(Arc::new(train), layout, config.data_order, config.seed)?;
+        let eval = match eval {
+            Some(data) => {
+                let eval_layout = BatchLayout {
+                    grad_accum: 1,
+                    ..layout
+                };
+                Some(Batcher::new(
+                    Arc::new(data),
+                    eval_layout,
+                    DataOrder::Sequential,
+                    0,
+                )?)
+            }
+            None => None,
+        };
+        let mut gpt = Gpt::new(config.model.gpt())?;
+        if let Some(init) = &config.init {
+            gpt.load_safetensors_file(init)?;
+        }
+        let shapes = global_shapes(&gpt)?;
+        let mesh = if config.mesh.replicas == 1 {
+            DataParallelMesh::fsdp(counted)?
+        } else {
+            DataParallelMesh::hsdp(counted, config.mesh.replicas)?
+        };
+        let mut fsdp = FullyShardConfig::new(Arc::clone(&mesh));
+        fsdp.mp_policy = MixedPrecisionPolicy {
+            param_dtype: (config.param_dtype != DType::F32).then_some(config.param_dtype),
+            reduce_dtype: (config.reduce_dtype != DType::F32).then_some(config.reduce_dtype),
+            ..MixedPrecisionPolicy::default()
+        };
+        // Each transformer block is its own unit; the root keeps wte, wpe and ln_f.
+        fully_shard_children(&mut gpt, &fsdp, &mut |name, block| {
+            name.starts_with("transformer.h.") && has_params(block)
+        })?;
+        let model = fully_shard(Box::new(gpt), fsdp).map_err(|rejected| rejected.error)?;
+        let optimizer = ShardedAdamW::new(config.optim);
+        Ok(Trainer {
+            config,
+            world,
+            counter,
+            mesh,
+            model,
+            optimizer,
+            shapes,
+            batcher,
+            eval,
+        })
+    }
+
+    fn shard_context(&self) -> ShardContext<'_> {
+        ShardContext {
+            mesh: &self.mesh,
+            world: self.world.as_ref(),
+            global_shapes: &self.shapes,
+        }
+    }
+
+    /// Restores model, optimizer and step from `OUT/checkpoints`; returns the next step.
+    fn resume(&mut self) -> Result<u64> {
+        let checkpoint = Checkpoint::open(&checkpoint_root(&self.config.out))?;
+        checkpoint.check_model_config(&self.config.model.to_json())?;
+        let state = &checkpoint.metadata().state;
+        let step = checkpoint.step();
+        self.optimizer.step = state["optimizer_step"].as_u64().unwrap_or(step);
+        let ctx = ShardContext {
+            mesh: &self.mesh,
+            world: self.world.as_ref(),
+            global_shapes: &self.shapes,
+        };
+        load(
+            &ctx,
+            &checkpoint,
+            &mut self.model,
+            Some(&mut self.optimizer),
+        )?;
+        Ok(step)
+    }
+
+    fn micro_loss(&mut self, batch: &MicroBatch, scale: f64, backward: bool) -> Result<f64> {
+        let ids = ids_tensor("input ids", &batch.inputs, &[batch.rows, batch.cols])?;
+        let targets = ids_tensor("targets", &batch.targets, &[batch.rows * batch.cols])?;
+        let logits = self.model.forward(&ids)?;
+        let vocab = self.config.model.vocab_size;
+        let flat = logits
+            .view(&[batch.rows * batch.cols, vocab])
+            .map_err(|source| Error::Tensor {
+                name: "logits".to_string(),
+                source,
+            })?;
+        let loss = cross_entropy(&flat, &targets, DEFAULT_IGNORE_INDEX)?;
+        if backward {
+            let grad = loss
+                .grad
+                .scale(scale)
+                .and_then(|g| g.view(logits.shape()))
+                .map_err(|source| Error::Tensor {
+                    name: "loss gradient".to_string(),
+                    source,
+                })?;
+            self.model.backward(&grad)?;
+        }
+        Ok(loss.loss)
+    }
+
+    /// Clips the global gradient norm (torch's `clip_grad_norm_`): the squares of the local
+    /// shards are summed over the shard group (replicas hold the same reduced gradients).
+    fn clip_gradients(&mut self) -> Result<f64> {
+        let mut sum_sq = 0.0f64;
+        self.model.visit_params("", &mut |_, param| {
+            if let Some(grad) = &param.grad {
+                sum_sq += grad.to_f64_vec()?.iter().map(|g| g * g).sum::<f64>();
+            }
+            Ok(())
+        })?;
+        let total = self
+            .mesh
+            .shard()
+            .all_reduce_vec(vec![sum_sq], ReduceOp::Sum)?;
+        let norm = total[0].sqrt();
+        let max_norm = self.config.optim.grad_clip;
+        let coefficient = max_norm / (norm + 1e-6);
+        if max_norm > 0.0 && coefficient < 1.0 {
+            self.model.visit_params_mut("", &mut |_, param| {
+                if let Some(grad) = &param.grad {
+                    grad.scale_(coefficient)?;
+                }
+                Ok(())
+            })?;
+        }
+        Ok(norm)
+    }
+
+    fn train_step(&mut self, step: u64) -> Result<f64> {
+        let lr = self.config.optim.lr_at(step, self.config.steps);
+        self.model.zero_grad()?;
+        let accum = self.config.grad_accum;
+        let rank = self.world.rank();
+        let mut loss_sum = 0.0;
+        for micro in 0..accum {
+            let batch = self.batcher.micro_batch(step, rank, micro);
+            loss_sum += self.micro_loss(&batch, 1.0 / accum as f64, true)?;
+        }
+        if self.config.optim.grad_clip > 0.0 {
+            self.clip_gradients()?;
+        }
+        self.optimizer.step(&mut self.model, lr)?;
+        let mean = self
+            .world
+            .all_reduce_vec(vec![loss_sum / accum as f64], ReduceOp::Avg)?;
+        Ok(mean[0])
+    }
+
+    fn evaluate(&mut self) -> Result<f64> {
+        let Some(eval) = self.eval.clone() else {
+            return Ok(f64::NAN);
+        };
+        let rank = self.world.rank();
+        let mut sum = 0.0;
+        // A fixed set: the first 4 global batches of the held-out tenth.
+        const EVAL_BATCHES: u64 = 4;
+        for batch in 0..EVAL_BATCHES {
+            sum += self.micro_loss(&eval.micro_batch(batch, rank, 0), 1.0, false)?;
+        }
+        let mean = self
+            .world
+            .all_reduce_vec(vec![sum / EVAL_BATCHES as f64], ReduceOp::Avg)?;
+        Ok(mean[0])
+    }
+
+    fn save(&mut self, steps_done: u64) -> Result<()> {
+        let info = CommitInfo {
+            step: steps_done,
+            world_size: self.world.size(),
+            model_config: self.config.model.to_json(),
+            state: json!({
+                "optimizer_step": self.optimizer.step,
+                "data": {
+                    "order": self.config.data_order,
+                    "seed": self.config.seed,
+                    "next_step": steps_done,
+                    "global_batch": self.batcher.layout().global_batch(),
+                    "block_size": self.config.model.block_size,
+                },
+                "rng": {"kind": "counter", "seed": self.config.seed, "position": steps_done},
+                "tokenizer": self.config.tokenizer,
+                "mesh": self.config.mesh,
+                "seed": self.config.seed,
+            }),
+        };
+        let root = CheckpointDir::new(checkpoint_root(&self.config.out));
+        save(
+            &self.shard_context(),
+            &root,
+            &self.model,
+            &self.optimizer,
+            info,
+        )
+    }
+}
+
+/// Runs one rank of `hypershard train` over `world` (every rank calls it alike). Rank 0
+/// returns the summary; the others return `None`.
+pub fn run_rank(config: TrainConfig, world: Arc<dyn Communicator>) -> Result<Option<TrainSummary>> {
+    let mut trainer = Trainer::new(config, world)?;
+    let start = if trainer.config.resume {
+        trainer.resume()?
+    } else {
+        0
+    };
+    let rank = trainer.world.rank();
+    let total = trainer.config.steps;
+    let tokens_per_step = trainer.batcher.layout().tokens_per_step() as u64;
+    let mut reporter = if rank == 0 {
+        let reporter = Reporter::new(ReporterConfig {
+            losses: trainer.config.losses.clone(),
+            append: trainer.config.resume,
+            start_step: start,
+            total_steps: total,
+            tokens_per_step,
+        })?;
+        reporter.note(&format!(
+            "training GPT ({} layers, {} wide, {} params) on {} ranks, mesh {}, {} tokens/step",
+            trainer.config.model.n_layer,
+            trainer.config.model.n_embd,
+            trainer
+                .shapes
+                .values()
+                .map(|s| s.iter().product::<usize>())
+                .sum::<usize>(),
+            trainer.world.size(),
+            trainer.config.mesh.label(),
+            tokens_per_step
+        ));
+        if start > 0 {
+            reporter.note(&format!("resumed from step {start}"));
+        }
+        Some(reporter)
+    } else {
+        None
+    };
+    trainer.counter.reset();
+    for step in start..total {
+        let loss = trainer.train_step(step)?;
+        let lr = trainer.config.optim.lr_at(step, total);
+        if let Some(reporter) = reporter.as_mut() {
+            reporter.step(LossRecord {
+                step,
+                loss,
+                lr,
+                tokens: (step + 1) * tokens_per_step,
+            })?;
+        }
+        let done = step + 1;
+        if trainer.config.eval_every > 0 && done % trainer.config.eval_every == 0 {
+            let eval = trainer.evaluate()?;
+            if let Some(reporter) = reporter.as_mut() {
+                reporter.eval(step, eval);
+            }
+        }
+        let every = trainer.config.checkpoint_every;
+        if (every > 0 && done % every == 0) || done == total {
+            trainer.save(done)?;
+        }
+    }
+    let steps_run = total.saturating_sub(start).max(1) as f64;
+    let sent: u64 = sum_bytes(&trainer.counter);
+    let bytes_per_step = sent as f64 / steps_run;
+    let peak = i64::try_from(hypershard_tensor::memory::process().peak_bytes).unwrap_or(i64::MAX);
+    let peaks: Vec<u64> = trainer
+        .world
+        .all_gather_vec(vec![peak])?
+        .into_iter()
+        .map(|p| u64::try_from(p).unwrap_or(0))
+        .collect();
+    match reporter {
+        Some(reporter) => Ok(Some(reporter.finish(
+            &trainer.config.out.join("loss.svg"),
+            bytes_per_step,
+            peaks,
+        )?)),
+        None => Ok(None),
+    }
+}
+
+/// Bytes counted on a communicator and every sub-communicator split from it.
+fn sum_bytes(counter: &CommCounter) -> u64 {
+    let own: u64 = counter.snapshot().ops.values().map(|c| c.bytes).sum();
+    own + counter
+        .children()
+        .iter()
+        .map(|child| sum_bytes(child))
+        .sum::<u64>()
+}
