@@ -15,7 +15,8 @@
 //!   tensor's bytes, and copies the prefix otherwise.
 //! - [`staging_tensor`] and [`staging_into_buffer`]: a zeroed tensor whose storage *is* a
 //!   collective buffer, so a caller can write shards into views of it (strided, with casts)
-//!   and hand it to a collective without another copy.
+//!   and hand it to a collective without another copy. [`reclaim_buffer`] is the no-copy-or-
+//!   nothing form: the buffer back when the tensor is its sole owner, else the tensor.
 //!
 //! ```
 //! use hypershard_dtensor::bridge;

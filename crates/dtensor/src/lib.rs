@@ -13,15 +13,25 @@
 //!   or the factories [`DTensor::zeros`], [`ones`](DTensor::ones), [`full`](DTensor::full),
 //!   [`rand`](DTensor::rand) (mesh-independent values). Read back with
 //!   [`to_local`](DTensor::to_local), [`full_tensor`](DTensor::full_tensor).
-//! - Redistribute: [`DTensor::redistribute`] and [`DTensor::redistribute_async`]. The
-//!   [`planner`] is pure (placements × placements → steps, cached per mesh); the executor is
-//!   the only code that issues collectives for it.
+//! - Redistribute: [`DTensor::redistribute`] and [`DTensor::redistribute_async`], and the
+//!   consuming [`DTensor::into_redistribute`] (sends a local tensor it owns without a copy).
+//!   The [`planner`] is pure (placements × placements → steps, cached per mesh); the executor
+//!   is the only code that issues collectives for it. Send buffers are pooled per mesh
+//!   ([`ProcessMesh::release_buffers`]).
 //! - Sharded ops with sharding propagation: [`DTensor::add`], [`sub`](DTensor::sub),
 //!   [`mul`](DTensor::mul) (broadcasting), [`matmul`](DTensor::matmul) (batched),
 //!   [`sum`](DTensor::sum), [`mean`](DTensor::mean), [`transpose`](DTensor::transpose),
 //!   [`reshape`](DTensor::reshape). Unsupported combinations are typed errors unless
 //!   [`OpConfig::auto_redistribute`] asks the op to redistribute its inputs first.
-//! - [`bridge`]: tensor ⇄ collective buffer conversion (used by `fsdp` too).
+//! - [`bridge`]: tensor ⇄ collective buffer conversion (used by `fsdp` too): dtype and
+//!   reduce-op mapping, copies in and out, zero-copy adoption of collective buffers as tensor
+//!   storage and back ([`bridge::staging_tensor`], [`bridge::reclaim_buffer`]).
+//!
+//! # Errors
+//! Everything returns [`Error`] (`#[non_exhaustive]`): the mesh, tensor and collectives errors
+//! wrapped as they are, plus structured variants naming the op, placements, shapes and rank.
+//! Collective setup and validation ([`ProcessMesh::new`], [`DTensor::from_local_checked`]) run
+//! the same sequence of collectives on every rank and fail on every rank together.
 //!
 //! Shards follow `torch.chunk`: chunk = ceil(n / shards), trailing shards may be short or
 //! empty, and collectives pad to the chunk size and unpad. Nested sharding of one tensor dim
