@@ -73,7 +73,7 @@ pub struct TrainArgs {
     #[arg(long, value_enum, default_value_t = DataOrder::Random)]
     data_order: DataOrder,
     /// Optimizer steps.
-    #[arg(long, default_value_t = 150)]
+    #[arg(long, default_value_t = 400)]
     steps: u64,
     /// Sequences per rank per micro-step.
     #[arg(long, default_value_t = 8)]

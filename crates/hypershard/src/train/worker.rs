@@ -239,6 +239,9 @@ impl Trainer {
         for batch in 0..EVAL_BATCHES {
             sum += self.micro_loss(&eval.micro_batch(batch, rank, 0), 1.0, false)?;
         }
+        // The root keeps its parameters gathered after forward (a backward usually follows);
+        // without one, reshard it so the shards are what the optimizer and checkpoints see.
+        self.model.reshard()?;
         let mean = self
             .world
             .all_reduce_vec(vec![sum / EVAL_BATCHES as f64], ReduceOp::Avg)?;
