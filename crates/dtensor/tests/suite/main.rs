@@ -2,6 +2,7 @@
 
 mod common;
 mod construct;
+mod op_properties;
 mod ops;
 mod process_mesh;
 mod properties;
