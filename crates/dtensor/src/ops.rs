@@ -215,7 +215,7 @@ impl DTensor {
         for &(old, new) in &mapped {
             local_shape[new] = self.to_local().shape()[old];
         }
-        let placements = self
+        let placements: Vec<Placement> = self
             .placements()
             .iter()
             .map(|p| match p {
@@ -228,12 +228,7 @@ impl DTensor {
             })
             .collect();
         let local = self.to_local().reshape(&local_shape)?;
-        Ok(DTensor::from_parts(
-            local,
-            self.process_mesh().clone(),
-            placements,
-            shape.to_vec(),
-        ))
+        finish("reshape", self.clone(), local, placements, shape.to_vec())
     }
 
     fn binary(&self, other: &DTensor, binary: Binary, config: OpConfig) -> Result<DTensor> {
@@ -579,6 +574,16 @@ fn local_matmul(a: &Tensor, b: &Tensor) -> Result<Tensor> {
     } else {
         &b.shape()[..br]
     };
+    // The propagation rules make the local contraction dims and batches agree; check anyway,
+    // so a broken rule is an error and never an out-of-bounds index.
+    let batches_agree = ar == 0 || br == 0 || a.shape()[..ar] == b.shape()[..br];
+    if b.shape()[br] != k || !batches_agree {
+        return Err(Error::ShapeMismatch {
+            op: "matmul (local blocks)",
+            lhs: a.shape().to_vec(),
+            rhs: b.shape().to_vec(),
+        });
+    }
     let batches: usize = batch_shape.iter().product();
     let xs = a.to_f64_vec()?;
     let ys = b.to_f64_vec()?;
