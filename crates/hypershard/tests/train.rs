@@ -103,8 +103,28 @@ fn one_rank_and_a_2x2_hsdp_run_of_the_same_global_batch_agree() {
             "6",
         ],
     );
+    // And split the other way: 2 FSDP ranks × 2 accumulated micro-steps × 2 windows.
+    let accumulated = train(
+        &dir.join("accum"),
+        &[
+            "--nproc",
+            "2",
+            "--mesh",
+            "2",
+            "--batch-size",
+            "2",
+            "--grad-accum",
+            "2",
+            "--steps",
+            "6",
+        ],
+    );
     assert_eq!(one.len(), 6);
     assert!(max_rel_diff(&hsdp, &one) < 1e-4, "{hsdp:?} vs {one:?}");
+    assert!(
+        max_rel_diff(&accumulated, &one) < 1e-4,
+        "{accumulated:?} vs {one:?}"
+    );
     // Same seed, data and mesh: the same losses, run to run.
     assert_eq!(hsdp, again);
     // And the loss falls.

@@ -259,3 +259,44 @@ pub fn load_whole(checkpoint: &Checkpoint, module: &mut dyn Module) -> Result<()
     })?;
     failure.map_or(Ok(()), Err)
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::sync::Arc;
+
+    #[test]
+    fn local_shards_are_placed_at_their_torch_chunk_offsets() {
+        // Two ranks of plain FSDP: 5 rows chunk as 3 + 2.
+        let comms = hypershard_collectives::local::spawn_world(2).unwrap();
+        let handles: Vec<_> = comms
+            .into_iter()
+            .map(|comm| {
+                std::thread::spawn(move || {
+                    let mesh = DataParallelMesh::fsdp(Arc::clone(&comm)).unwrap();
+                    let rank = comm.rank();
+                    let rows = [3, 2][rank];
+                    let placed = place("w", &[5, 4], &[rows, 4], &mesh).unwrap();
+                    assert_eq!(placed.block.offset, vec![3 * rank, 0]);
+                    assert_eq!(placed.block.shape, vec![rows, 4]);
+                    assert!(placed.saves);
+                    // A scalar, or a tensor kept whole: only shard rank 0 saves it.
+                    let scalar = place("s", &[], &[], &mesh).unwrap();
+                    assert_eq!(scalar.saves, rank == 0);
+                    let whole = place("r", &[5, 4], &[5, 4], &mesh).unwrap();
+                    assert_eq!(
+                        (whole.block.offset.clone(), whole.saves),
+                        (vec![0, 0], rank == 0)
+                    );
+                    assert!(matches!(
+                        place("w", &[5, 4], &[1, 4], &mesh),
+                        Err(Error::InconsistentTensor { .. })
+                    ));
+                })
+            })
+            .collect();
+        for handle in handles {
+            handle.join().unwrap();
+        }
+    }
+}
