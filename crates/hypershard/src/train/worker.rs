@@ -209,6 +209,7 @@ impl Trainer {
     }
 
     fn train_step(&mut self, step: u64) -> Result<f64> {
+        let _span = tracing::info_span!("train.step", step).entered();
         let lr = self.config.optim.lr_at(step, self.config.steps);
         self.model.zero_grad()?;
         let accum = self.config.grad_accum;
@@ -249,6 +250,7 @@ impl Trainer {
     }
 
     fn save(&mut self, steps_done: u64) -> Result<()> {
+        let _span = tracing::info_span!("train.checkpoint", step = steps_done).entered();
         let info = CommitInfo {
             step: steps_done,
             world_size: self.world.size(),
