@@ -22,7 +22,7 @@ pub enum FsdpError {
     Comm(#[from] hypershard_collectives::Error),
     /// A DTensor operation failed (process mesh, state dict).
     #[error(transparent)]
-    DTensor(#[from] hypershard_dtensor::Error),
+    DTensor(Box<hypershard_dtensor::Error>),
     /// Mesh math failed.
     #[error(transparent)]
     Mesh(#[from] hypershard_mesh::MeshError),
@@ -156,6 +156,13 @@ pub enum FsdpError {
     /// An FSDP hook failed in a nested unit; the root reports the first such error.
     #[error("a nested fully_shard hook failed and its error was already taken")]
     NestedHookFailed,
+}
+
+impl From<hypershard_dtensor::Error> for FsdpError {
+    fn from(error: hypershard_dtensor::Error) -> Self {
+        // Boxed: the DTensor error is large and would bloat every result of this crate.
+        FsdpError::DTensor(Box::new(error))
+    }
 }
 
 /// The result type of this crate.
