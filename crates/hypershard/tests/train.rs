@@ -320,3 +320,60 @@ fn export_and_sample_read_a_sharded_checkpoint() {
     let text = String::from_utf8_lossy(&sample.stdout);
     assert!(text.starts_with("ROMEO:"), "{text}");
 }
+
+#[test]
+fn a_run_stopped_mid_training_resumes_from_its_last_complete_checkpoint() {
+    let dir = scratch("stopped");
+    let common = [
+        "--nproc",
+        "4",
+        "--mesh",
+        "2x2",
+        "--batch-size",
+        "2",
+        "--steps",
+        "30",
+    ];
+    let straight = train(&dir.join("straight"), &common);
+    // Checkpoint every step and stop the job (SIGTERM, forwarded to every rank) soon after the
+    // first checkpoint exists: the ranks die wherever they are, often in the middle of a save.
+    let out = dir.join("stopped");
+    let mut child = Command::new(hypershard())
+        .args([
+            "train",
+            "--model",
+            "tiny",
+            "--warmup-steps",
+            "2",
+            "--checkpoint-every",
+            "1",
+        ])
+        .args(common)
+        .arg("--out")
+        .arg(&out)
+        .stdin(Stdio::null())
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .spawn()
+        .unwrap();
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(60);
+    while !out.join("checkpoints/latest").exists() {
+        assert!(
+            std::time::Instant::now() < deadline,
+            "no checkpoint appeared"
+        );
+        if child.try_wait().unwrap().is_some() {
+            break;
+        }
+        std::thread::sleep(std::time::Duration::from_millis(5));
+    }
+    std::thread::sleep(std::time::Duration::from_millis(150));
+    let _ = Command::new("kill")
+        .args(["-TERM", &child.id().to_string()])
+        .status();
+    child.wait().unwrap();
+    let checkpoint = hypershard::checkpoint::Checkpoint::open(&out).unwrap();
+    assert!(checkpoint.step() >= 1);
+    let resumed = train(&out, &[&common[..], &["--resume"]].concat());
+    assert_eq!(resumed, straight);
+}
