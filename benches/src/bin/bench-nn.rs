@@ -3,7 +3,7 @@
 //!
 //! ```text
 //! bench-nn [--threads 1,2] [--reps 7] [--gemm-n 1024] [--batch 8] [--seq 128] [--layers 4]
-//!          [--heads 4] [--embd 256] [--vocab 512] [--no-torch] [--json [PATH]]
+//!          [--heads 4] [--embd 256] [--vocab 512] [--rounds 3] [--no-torch] [--json [PATH]]
 //! ```
 //!
 //! A GPT step is forward, cross-entropy, backward and `zero_grad` (no optimizer), f32, no
@@ -11,7 +11,10 @@
 //! `$TORCH_VENV` (default `~/.cache/hypershard-bench/torch-venv`, made by
 //! `bash shared/bench/pytorch/run_all.sh setup`) right after the Rust side, so both see the
 //! same machine load; without the venv (or with `--no-torch`) only the Rust side is reported.
-//! Times are medians over `--reps` timed repetitions after 2 untimed ones.
+//! Times are medians over `--reps` timed repetitions after 2 untimed ones. The two sides
+//! alternate for `--rounds` rounds (Rust, torch, Rust, torch, ...) because the machine is
+//! shared and its load drifts; the table shows, per side, the best round (the lowest median:
+//! the least disturbed measurement) and the median over rounds, each with its ratio.
 
 use std::path::PathBuf;
 use std::process::{Command, ExitCode};
@@ -36,6 +39,7 @@ struct Args {
     embd: usize,
     vocab: usize,
     torch: bool,
+    rounds: usize,
     json: Option<Option<PathBuf>>,
 }
 
@@ -51,6 +55,7 @@ fn parse_args() -> Result<Args, String> {
         embd: 256,
         vocab: 512,
         torch: true,
+        rounds: 3,
         json: None,
     };
     let mut it = std::env::args().skip(1).peekable();
@@ -73,6 +78,7 @@ fn parse_args() -> Result<Args, String> {
             "--embd" => args.embd = number(value()?)?,
             "--vocab" => args.vocab = number(value()?)?,
             "--no-torch" => args.torch = false,
+            "--rounds" => args.rounds = number(value()?)?,
             "--json" => {
                 let path = match it.peek() {
                     Some(next) if !next.starts_with("--") => it.next().map(PathBuf::from),
@@ -83,8 +89,8 @@ fn parse_args() -> Result<Args, String> {
             other => return Err(format!("unknown flag {other}")),
         }
     }
-    if args.reps == 0 || args.threads.is_empty() {
-        return Err("--reps and --threads must be non-empty".to_string());
+    if args.reps == 0 || args.rounds == 0 || args.threads.is_empty() {
+        return Err("--reps, --rounds and --threads must be non-empty".to_string());
     }
     Ok(args)
 }
@@ -124,9 +130,41 @@ struct Report {
     gemm_n: usize,
     gpt: String,
     gpt_params: usize,
-    rust: Vec<Row>,
+    /// One entry per round, each with one row per thread count.
+    rust_rounds: Vec<Vec<Row>>,
     torch_version: Option<String>,
-    torch: Vec<TorchRow>,
+    torch_rounds: Vec<Vec<TorchRow>>,
+    summary: Vec<Summary>,
+}
+
+/// Per thread count: the best round and the median over rounds, for each side.
+#[derive(Debug, Clone, serde::Serialize)]
+struct Summary {
+    threads: usize,
+    rust_gemm_gflops_best: f64,
+    rust_gemm_gflops_median: f64,
+    rust_step_s_best: f64,
+    rust_step_s_median: f64,
+    torch_gemm_gflops_best: Option<f64>,
+    torch_gemm_gflops_median: Option<f64>,
+    torch_step_s_best: Option<f64>,
+    torch_step_s_median: Option<f64>,
+}
+
+/// The minimum and the median of `values` (which is not empty: one per round).
+fn best_and_median(mut values: Vec<f64>, best_is_max: bool) -> (f64, f64) {
+    values.sort_by(f64::total_cmp);
+    let median = if values.len() % 2 == 1 {
+        values[values.len() / 2]
+    } else {
+        (values[values.len() / 2 - 1] + values[values.len() / 2]) / 2.0
+    };
+    let best = if best_is_max {
+        values[values.len() - 1]
+    } else {
+        values[0]
+    };
+    (best, median)
 }
 
 fn run_rust(args: &Args, threads: usize) -> Result<Row, String> {
@@ -252,51 +290,104 @@ fn run() -> Result<(), String> {
         "B={} T={} n_layer={} n_head={} n_embd={} vocab={}",
         args.batch, args.seq, args.layers, args.heads, args.embd, args.vocab
     );
-    let mut rust = Vec::new();
-    for &threads in &args.threads {
-        rust.push(run_rust(&args, threads)?);
-    }
-    let (torch_version, torch) = if args.torch {
-        match run_torch(&args)? {
-            Some((v, rows)) => (Some(v), rows),
-            None => (None, Vec::new()),
+    let mut rust_rounds = Vec::new();
+    let mut torch_rounds = Vec::new();
+    let mut torch_version = None;
+    for round in 0..args.rounds {
+        eprintln!("bench-nn: round {} of {}", round + 1, args.rounds);
+        let mut rows = Vec::new();
+        for &threads in &args.threads {
+            rows.push(run_rust(&args, threads)?);
         }
-    } else {
-        (None, Vec::new())
-    };
+        rust_rounds.push(rows);
+        if args.torch
+            && let Some((version, rows)) = run_torch(&args)?
+        {
+            torch_version = Some(version);
+            torch_rounds.push(rows);
+        }
+    }
+    let summary: Vec<Summary> = args
+        .threads
+        .iter()
+        .map(|&threads| {
+            let rust: Vec<&Row> = rust_rounds
+                .iter()
+                .filter_map(|r| r.iter().find(|row| row.threads == threads))
+                .collect();
+            let torch: Vec<&TorchRow> = torch_rounds
+                .iter()
+                .filter_map(|r| r.iter().find(|row| row.threads == threads))
+                .collect();
+            let (rg_best, rg_med) =
+                best_and_median(rust.iter().map(|r| r.gemm_gflops).collect(), true);
+            let (rs_best, rs_med) =
+                best_and_median(rust.iter().map(|r| r.gpt_step.median_s).collect(), false);
+            let torch_pair = |values: Vec<f64>, max: bool| {
+                (!values.is_empty()).then(|| best_and_median(values, max))
+            };
+            let tg = torch_pair(torch.iter().map(|t| t.gemm_gflops).collect(), true);
+            let ts = torch_pair(torch.iter().map(|t| t.gpt_step_median_s).collect(), false);
+            Summary {
+                threads,
+                rust_gemm_gflops_best: rg_best,
+                rust_gemm_gflops_median: rg_med,
+                rust_step_s_best: rs_best,
+                rust_step_s_median: rs_med,
+                torch_gemm_gflops_best: tg.map(|p| p.0),
+                torch_gemm_gflops_median: tg.map(|p| p.1),
+                torch_step_s_best: ts.map(|p| p.0),
+                torch_step_s_median: ts.map(|p| p.1),
+            }
+        })
+        .collect();
     println!(
-        "GPT {gpt} ({params} parameters), f32; GEMM {0}x{0}x{0} f32",
-        args.gemm_n
+        "GPT {gpt} ({params} parameters), f32; GEMM {0}x{0}x{0} f32; {1} rounds of {2} reps",
+        args.gemm_n, args.rounds, args.reps
     );
     println!(
-        "| threads | GEMM hypershard GFLOP/s | GEMM torch GFLOP/s | ratio | GPT step hypershard ms | GPT step torch ms | ratio |"
+        "| threads | statistic | GEMM hypershard GFLOP/s | GEMM torch GFLOP/s | GEMM ratio | GPT step hypershard ms | GPT step torch ms | step time ratio |"
     );
-    println!("|---|---|---|---|---|---|---|");
-    for row in &rust {
-        let peer = torch.iter().find(|t| t.threads == row.threads);
-        let (tg, gr, ts, sr) = match peer {
-            Some(t) => (
-                format!("{:.1}", t.gemm_gflops),
-                format!("{:.2}×", row.gemm_gflops / t.gemm_gflops),
-                format!("{:.1}", t.gpt_step_median_s * 1e3),
-                format!("{:.2}×", row.gpt_step.median_s / t.gpt_step_median_s),
+    println!("|---|---|---|---|---|---|---|---|");
+    let cell =
+        |v: Option<f64>, scale: f64| v.map_or("–".to_string(), |v| format!("{:.1}", v * scale));
+    let ratio = |a: f64, b: Option<f64>| b.map_or("–".to_string(), |b| format!("{:.2}×", a / b));
+    for s in &summary {
+        for (label, rg, tg, rs, ts) in [
+            (
+                "best round",
+                s.rust_gemm_gflops_best,
+                s.torch_gemm_gflops_best,
+                s.rust_step_s_best,
+                s.torch_step_s_best,
             ),
-            None => ("–".into(), "–".into(), "–".into(), "–".into()),
-        };
-        println!(
-            "| {} | {:.1} | {tg} | {gr} | {:.1} | {ts} | {sr} |",
-            row.threads,
-            row.gemm_gflops,
-            row.gpt_step.median_s * 1e3
-        );
+            (
+                "median of rounds",
+                s.rust_gemm_gflops_median,
+                s.torch_gemm_gflops_median,
+                s.rust_step_s_median,
+                s.torch_step_s_median,
+            ),
+        ] {
+            println!(
+                "| {} | {label} | {rg:.1} | {} | {} | {:.1} | {} | {} |",
+                s.threads,
+                cell(tg, 1.0),
+                ratio(rg, tg),
+                rs * 1e3,
+                cell(ts, 1e3),
+                ratio(rs, ts),
+            );
+        }
     }
     let report = Report {
         gemm_n: args.gemm_n,
         gpt,
         gpt_params: params,
-        rust,
+        rust_rounds,
         torch_version,
-        torch,
+        torch_rounds,
+        summary,
     };
     match &args.json {
         Some(Some(path)) => {
