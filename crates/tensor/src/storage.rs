@@ -319,7 +319,9 @@ mod tests {
     #[test]
     fn foreign_memory_is_adopted_without_copying_and_given_back() {
         let mut foreign = Offset::aligned(12);
-        foreign.bytes_mut().copy_from_slice(bytemuck::cast_slice(&[1.0f32, 2.0, 3.0]));
+        foreign
+            .bytes_mut()
+            .copy_from_slice(bytemuck::cast_slice(&[1.0f32, 2.0, 3.0]));
         let address = foreign.bytes().as_ptr() as usize;
         let Ok(buf) = HostBuffer::from_foreign(Box::new(foreign)) else {
             panic!("an aligned foreign buffer is adopted");
@@ -333,7 +335,10 @@ mod tests {
             panic!("the adopted memory comes back");
         };
         assert_eq!(back.bytes().as_ptr() as usize, address);
-        assert_eq!(bytemuck::cast_slice::<u8, f32>(back.bytes()), &[2.0, 4.0, 6.0]);
+        assert_eq!(
+            bytemuck::cast_slice::<u8, f32>(back.bytes()),
+            &[2.0, 4.0, 6.0]
+        );
         // An owned buffer is not foreign and comes back unchanged.
         let owned = HostBuffer::zeroed(3).into_foreign().expect_err("owned");
         assert_eq!(owned.len(), 3);
