@@ -32,11 +32,28 @@ impl std::fmt::Debug for Rendezvous {
     }
 }
 
-/// Rank 0 hosts a [`TcpStoreServer`] at `MASTER_ADDR:MASTER_PORT`; every other rank connects
-/// to it (retrying until `config.rendezvous_timeout`); then all ranks build the [`Mesh`].
+/// The variable torchrun's agent sets (to `True`) when it hosts the store itself, so that rank 0
+/// connects as a client like every other rank. `hypershard launch` sets it too.
+pub const AGENT_STORE_VAR: &str = "TORCHELASTIC_USE_AGENT_STORE";
+
+/// Whether [`AGENT_STORE_VAR`] says the launcher hosts the store (`True`, `true` or `1`).
+pub fn agent_hosts_store() -> bool {
+    std::env::var(AGENT_STORE_VAR)
+        .is_ok_and(|value| value.eq_ignore_ascii_case("true") || value == "1")
+}
+
+/// Rank 0 hosts a [`TcpStoreServer`] at `MASTER_ADDR:MASTER_PORT` unless the launcher already
+/// does ([`agent_hosts_store`]); every other rank connects to it (retrying until
+/// `config.rendezvous_timeout`); then all ranks build the [`Mesh`].
 pub fn rendezvous_from_env(env: &LaunchEnv, config: &TcpConfig) -> Result<Rendezvous> {
+    rendezvous(env, config, agent_hosts_store())
+}
+
+/// [`rendezvous_from_env`] with the hosting decision made by the caller.
+fn rendezvous(env: &LaunchEnv, config: &TcpConfig, agent_hosts: bool) -> Result<Rendezvous> {
     let master = (env.master_addr.as_str(), env.master_port);
-    let (store, server): (Arc<dyn Store>, Option<TcpStoreServer>) = if env.rank == 0 {
+    let (store, server): (Arc<dyn Store>, Option<TcpStoreServer>) = if env.rank == 0 && !agent_hosts
+    {
         let server = TcpStoreServer::bind(master)?;
         (server.store(), Some(server))
     } else {
@@ -60,6 +77,37 @@ mod tests {
     use std::net::TcpListener;
     use std::thread;
     use std::time::Duration;
+
+    #[test]
+    fn with_an_agent_hosted_store_every_rank_is_a_client() {
+        let server = TcpStoreServer::bind(("127.0.0.1", 0)).unwrap();
+        let port = server.local_addr().port();
+        let world = 2;
+        let config = TcpConfig::default().with_rendezvous_timeout(Duration::from_secs(10));
+        let handles: Vec<_> = (0..world)
+            .map(|rank| {
+                let config = config.clone();
+                thread::spawn(move || {
+                    let env = LaunchEnv {
+                        rank,
+                        world_size: world,
+                        local_rank: rank,
+                        local_world_size: world,
+                        master_addr: "127.0.0.1".to_string(),
+                        master_port: port,
+                    };
+                    let rdv = rendezvous(&env, &config, true).unwrap();
+                    assert!(rdv.server.is_none(), "rank {rank} must not host");
+                    rdv.store.add("arrived", 1).unwrap();
+                    rdv
+                })
+            })
+            .collect();
+        let rdvs: Vec<_> = handles.into_iter().map(|h| h.join().unwrap()).collect();
+        // The agent's own view of the store saw both ranks arrive.
+        assert_eq!(server.store().add("arrived", 0).unwrap(), world as i64);
+        drop(rdvs);
+    }
 
     #[test]
     fn three_ranks_meet_through_the_master_port() {

@@ -43,7 +43,7 @@ pub use config::{
 };
 pub use frame::{FRAME_HEADER_BYTES, FRAME_MAGIC, FrameHeader, FrameKind};
 pub use handshake::{MESH_MAGIC, MESH_PROTOCOL_VERSION};
-pub use launch::{Rendezvous, rendezvous_from_env};
+pub use launch::{AGENT_STORE_VAR, Rendezvous, agent_hosts_store, rendezvous_from_env};
 pub use mesh::Mesh;
 pub use transport::{Frame, MailboxKey, Transport, WaitBudget};
 pub use world::{TcpWorld, init_from_env};

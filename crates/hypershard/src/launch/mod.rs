@@ -164,6 +164,16 @@ pub fn launch(config: &LaunchConfig) -> Result<LaunchReport> {
         }
         None => free_port(&config.master_addr)?,
     };
+    // Node 0's launcher hosts the job's store, as torchrun's agent does, so the store outlives
+    // any one rank (rank 0 included) and every rank connects to it as a client.
+    let store_server = if config.node_rank == 0 {
+        Some(hypershard_collectives::store::TcpStoreServer::bind((
+            config.master_addr.as_str(),
+            master_port,
+        ))?)
+    } else {
+        None
+    };
     let latch = SignalLatch::install()?;
     let world_size = config.world_size();
     let (done_sender, done_receiver) = mpsc::channel();
@@ -182,6 +192,7 @@ pub fn launch(config: &LaunchConfig) -> Result<LaunchReport> {
             .env("GROUP_RANK", config.node_rank.to_string())
             .env("MASTER_ADDR", &config.master_addr)
             .env("MASTER_PORT", master_port.to_string())
+            .env(hypershard_collectives::tcp::AGENT_STORE_VAR, "True")
             .envs(config.extra_env.iter().map(|(k, v)| (k, v)))
             .stdin(if owns_terminal {
                 Stdio::inherit()
@@ -233,6 +244,7 @@ pub fn launch(config: &LaunchConfig) -> Result<LaunchReport> {
     );
 
     let outcome = supervise(&mut ranks, &latch, config.stop_timeout);
+    drop(store_server);
     // The ranks have exited; give their last lines a moment to come through before the
     // launcher prints its own verdict.
     let drain_deadline = Instant::now() + OUTPUT_DRAIN;
