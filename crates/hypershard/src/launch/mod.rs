@@ -25,6 +25,9 @@ pub use output::Sink;
 pub use port::{check_port_free, free_port};
 pub use signal::{SIGINT, SIGKILL, SIGTERM, SignalLatch, signal_group};
 
+use hypershard_collectives::store::TcpStoreServer;
+use hypershard_collectives::{Error as CollectivesError, IoAction};
+
 use crate::error::{Error, ExitKind, Result};
 
 /// How often the launcher polls its ranks and the signal latch.
@@ -155,24 +158,38 @@ fn exit_kind(status: ExitStatus) -> ExitKind {
 /// [`Error::Interrupted`] when SIGINT/SIGTERM arrived (forwarded to every rank).
 pub fn launch(config: &LaunchConfig) -> Result<LaunchReport> {
     config.validate()?;
-    let master_port = match config.master_port {
-        Some(port) => {
-            if config.node_rank == 0 {
-                check_port_free(&config.master_addr, port)?;
-            }
-            port
-        }
-        None => free_port(&config.master_addr)?,
-    };
     // Node 0's launcher hosts the job's store, as torchrun's agent does, so the store outlives
-    // any one rank (rank 0 included) and every rank connects to it as a client.
-    let store_server = if config.node_rank == 0 {
-        Some(hypershard_collectives::store::TcpStoreServer::bind((
-            config.master_addr.as_str(),
-            master_port,
-        ))?)
+    // any one rank (rank 0 included) and every rank connects to it as a client. Binding the
+    // server is also the port check, and with no port given the OS picks a free one, so there
+    // is no window between probing a port and using it.
+    let (store_server, master_port) = if config.node_rank == 0 {
+        let wanted = config.master_port.unwrap_or(0);
+        let server = TcpStoreServer::bind((config.master_addr.as_str(), wanted)).map_err(
+            |error| match error {
+                CollectivesError::Io {
+                    action: IoAction::Bind,
+                    source,
+                    ..
+                } if wanted != 0 => Error::PortInUse {
+                    addr: config.master_addr.clone(),
+                    port: wanted,
+                    source,
+                },
+                other => Error::from(other),
+            },
+        )?;
+        let port = server.local_addr().port();
+        (Some(server), port)
     } else {
-        None
+        // `validate` requires --master-port whenever --nnodes > 1, which a node rank above 0
+        // implies, so this error only guards against a future change to `validate`.
+        let port = config
+            .master_port
+            .ok_or_else(|| Error::InvalidLaunchOption {
+                option: "--master-port",
+                reason: "is required on nodes other than node 0".to_string(),
+            })?;
+        (None, port)
     };
     let latch = SignalLatch::install()?;
     let world_size = config.world_size();
