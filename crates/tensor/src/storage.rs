@@ -19,10 +19,12 @@ struct Block([u8; HOST_ALIGN]);
 /// it (zero-copy unshard), then takes the buffer back with [`HostBuffer::into_foreign`] to
 /// reuse it for the next collective.
 ///
-/// Contract: `bytes` and `bytes_mut` return the same memory every time (same address, same
-/// length) for the lifetime of the object, starting on a [`HOST_ALIGN`] boundary.
-/// [`HostBuffer::from_foreign`] checks the alignment once; the buffer relies on the memory not
-/// moving afterwards.
+/// Contract: the memory always starts on a [`HOST_ALIGN`] boundary and keeps its length for the
+/// lifetime of the object; `bytes` returns the same memory between two `bytes_mut` calls.
+/// `bytes_mut` may move the memory to another aligned address (copy-on-write while a collective
+/// still reads the old bytes is the use). [`HostBuffer::from_foreign`] checks the alignment once;
+/// the element views re-check it through `bytemuck` on every cast, so an implementation that
+/// broke the contract would make those views fail loudly, never read misaligned memory.
 pub trait ForeignBytes: std::any::Any + Send + Sync {
     /// The bytes.
     fn bytes(&self) -> &[u8];
@@ -122,6 +124,30 @@ impl HostBuffer {
         })
     }
 
+    /// A borrow of the adopted foreign memory, or `None` when the buffer owns its bytes.
+    ///
+    /// The distributed-tensor crate uses it to recognise its own collective buffers inside a
+    /// tensor's storage and lend them to the next collective without a copy.
+    ///
+    /// ```
+    /// use hypershard_tensor::{ForeignBytes, HostBuffer};
+    /// struct Pages(HostBuffer);
+    /// impl ForeignBytes for Pages {
+    ///     fn bytes(&self) -> &[u8] { self.0.as_bytes() }
+    ///     fn bytes_mut(&mut self) -> &mut [u8] { self.0.as_bytes_mut() }
+    /// }
+    /// let adopted = HostBuffer::from_foreign(Box::new(Pages(HostBuffer::zeroed(8)))).ok().unwrap();
+    /// let foreign = adopted.foreign().expect("adopted memory");
+    /// assert!((foreign as &dyn std::any::Any).is::<Pages>());
+    /// assert!(HostBuffer::zeroed(8).foreign().is_none());
+    /// ```
+    pub fn foreign(&self) -> Option<&dyn ForeignBytes> {
+        match &self.memory {
+            HostMemory::Foreign(foreign) => Some(foreign.as_ref()),
+            HostMemory::Owned(_) => None,
+        }
+    }
+
     /// The adopted foreign memory, or the buffer back if it owns its bytes.
     pub fn into_foreign(self) -> std::result::Result<Box<dyn ForeignBytes>, HostBuffer> {
         match self.memory {
@@ -163,7 +189,7 @@ impl HostBuffer {
         let bytes = self.as_bytes();
         let whole = bytes.len() - bytes.len() % size_of::<T>();
         // invariant: the bytes start 64-aligned (Block's alignment, or checked in
-        // `from_foreign` for memory that the `ForeignBytes` contract says never moves) and
+        // `from_foreign` for memory that the `ForeignBytes` contract keeps aligned) and
         // `whole` is a multiple of size_of::<T>() <= 8, so the cast cannot fail.
         bytemuck::cast_slice(&bytes[..whole])
     }
