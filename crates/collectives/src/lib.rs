@@ -28,6 +28,7 @@ mod error;
 pub mod local;
 mod op;
 pub mod reduce;
+pub mod shm;
 pub mod store;
 pub mod tcp;
 mod work;

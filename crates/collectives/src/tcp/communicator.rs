@@ -47,6 +47,9 @@ pub(crate) struct Inner {
     pub(crate) halving_doubling_bytes: usize,
     pub(crate) broadcast: BroadcastAlgorithm,
     pub(crate) tree_broadcast_bytes: usize,
+    /// The world's shared-memory channels (split groups share them, as they share the
+    /// sockets), when any peer is reached through shared memory.
+    pub(crate) shm: Option<Arc<crate::shm::ShmLinks>>,
     pub(crate) name: String,
     next_collective: AtomicU64,
     /// How many splits this rank has made, for deriving the children's group ids.
@@ -102,11 +105,54 @@ impl TcpCommunicator {
         config: CommConfig,
     ) -> Result<TcpCommunicator> {
         let mesh = Mesh::establish(store, rank, world_size, tcp)?;
-        TcpCommunicator::from_mesh(mesh, tcp, config)
+        TcpCommunicator::from_mesh_with_store(mesh, store, tcp, config)
     }
 
-    /// The world communicator over an established mesh.
+    /// The world communicator over an established mesh, TCP for every peer (the store is
+    /// needed to find co-located peers; see [`TcpCommunicator::from_mesh_with_store`]).
     pub fn from_mesh(mesh: Mesh, tcp: &TcpConfig, config: CommConfig) -> Result<TcpCommunicator> {
+        TcpCommunicator::build(mesh, tcp, config, None)
+    }
+
+    /// The world communicator over an established mesh, with the shared-memory transport
+    /// for co-located peers when [`TcpConfig::transport`] (or `HYPERSHARD_TRANSPORT`) asks
+    /// for it: the ranks publish their host ids in `store` and set up one ring per ordered
+    /// pair on the same host ([`crate::shm::establish`]). Collective over the world.
+    pub fn from_mesh_with_store(
+        mesh: Mesh,
+        store: &dyn Store,
+        tcp: &TcpConfig,
+        config: CommConfig,
+    ) -> Result<TcpCommunicator> {
+        let policy = crate::shm::TransportPolicy::from_env_or(tcp.transport)?;
+        let shm = crate::shm::establish(&crate::shm::ShmSetup {
+            store,
+            rank: mesh.rank(),
+            world_size: mesh.world_size(),
+            policy,
+            ring_bytes: tcp.shm_ring_bytes,
+            max_payload: frame_cap(tcp, mesh.world_size()),
+            timeout: tcp.rendezvous_timeout,
+            dir: std::path::Path::new(crate::shm::SEGMENT_DIR),
+        })?;
+        TcpCommunicator::build(mesh, tcp, config, shm.map(Arc::new))
+    }
+
+    /// The world ranks this rank reaches through shared memory (empty: TCP only).
+    pub fn shm_peers(&self) -> Vec<usize> {
+        self.inner
+            .shm
+            .as_ref()
+            .map(|links| links.shm_peers())
+            .unwrap_or_default()
+    }
+
+    fn build(
+        mesh: Mesh,
+        tcp: &TcpConfig,
+        config: CommConfig,
+        shm: Option<Arc<crate::shm::ShmLinks>>,
+    ) -> Result<TcpCommunicator> {
         let (rank, world_size) = (mesh.rank(), mesh.world_size());
         let transport = Arc::new(Transport::start(mesh, frame_cap(tcp, world_size))?);
         TcpCommunicator::new(Inner {
@@ -121,6 +167,7 @@ impl TcpCommunicator {
             halving_doubling_bytes: tcp.halving_doubling_bytes,
             broadcast: tcp.broadcast,
             tree_broadcast_bytes: tcp.tree_broadcast_bytes,
+            shm,
             name: "world".to_string(),
             next_collective: AtomicU64::new(0),
             splits: AtomicU64::new(0),
@@ -148,6 +195,7 @@ impl TcpCommunicator {
             halving_doubling_bytes: parent.halving_doubling_bytes,
             broadcast: parent.broadcast,
             tree_broadcast_bytes: parent.tree_broadcast_bytes,
+            shm: parent.shm.clone(),
             name,
             next_collective: AtomicU64::new(0),
             splits: AtomicU64::new(0),

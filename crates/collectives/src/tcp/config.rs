@@ -3,6 +3,8 @@
 use std::net::{IpAddr, Ipv4Addr};
 use std::time::Duration;
 
+use crate::shm::{DEFAULT_RING_BYTES, TransportPolicy};
+
 /// The default [`TcpConfig::small_all_reduce_bytes`] (see docs/collectives.md, "Measured
 /// defaults").
 pub const DEFAULT_SMALL_ALL_REDUCE_BYTES: usize = 64 * 1024;
@@ -81,6 +83,14 @@ pub struct TcpConfig {
     /// Under [`BroadcastAlgorithm::Auto`], broadcasts of at most this many bytes use the
     /// binomial tree.
     pub tree_broadcast_bytes: usize,
+    /// Which transport moves op data between ranks on the same host ([`TransportPolicy`];
+    /// default TCP). `HYPERSHARD_TRANSPORT=auto|tcp|shm` overrides it. It takes effect in
+    /// the constructors that see the store (`TcpCommunicator::connect`,
+    /// `TcpCommunicator::from_mesh_with_store`, `init_from_env`); see docs/shm.md.
+    pub transport: TransportPolicy,
+    /// The data capacity of each shared-memory ring (one per ordered pair of co-located
+    /// ranks), rounded up to a multiple of 64 bytes, at least 256.
+    pub shm_ring_bytes: usize,
 }
 
 impl Default for TcpConfig {
@@ -95,6 +105,8 @@ impl Default for TcpConfig {
             halving_doubling_bytes: DEFAULT_HALVING_DOUBLING_BYTES,
             broadcast: BroadcastAlgorithm::Auto,
             tree_broadcast_bytes: DEFAULT_TREE_BROADCAST_BYTES,
+            transport: TransportPolicy::Tcp,
+            shm_ring_bytes: DEFAULT_RING_BYTES,
         }
     }
 }
@@ -121,6 +133,18 @@ impl TcpConfig {
     /// The same config with another all-reduce algorithm.
     pub fn with_all_reduce(mut self, algorithm: AllReduceAlgorithm) -> Self {
         self.all_reduce = algorithm;
+        self
+    }
+
+    /// The same config with another transport policy for co-located peers.
+    pub fn with_transport(mut self, transport: TransportPolicy) -> Self {
+        self.transport = transport;
+        self
+    }
+
+    /// The same config with another shared-memory ring capacity.
+    pub fn with_shm_ring_bytes(mut self, bytes: usize) -> Self {
+        self.shm_ring_bytes = bytes;
         self
     }
 

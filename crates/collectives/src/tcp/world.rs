@@ -39,7 +39,12 @@ pub fn init_from_env(tcp: &TcpConfig) -> Result<TcpWorld> {
     let env = LaunchEnv::from_env()?;
     let config = CommConfig::from_env()?;
     let rendezvous = rendezvous_from_env(&env, tcp)?;
-    let comm = TcpCommunicator::from_mesh(rendezvous.mesh, tcp, config)?;
+    let comm = TcpCommunicator::from_mesh_with_store(
+        rendezvous.mesh,
+        rendezvous.store.as_ref(),
+        tcp,
+        config,
+    )?;
     Ok(TcpWorld {
         comm: Arc::new(comm),
         store: rendezvous.store,

@@ -1,0 +1,188 @@
+//! Spin-then-park waiting for a ring condition, bounded by the op's deadline and watching for
+//! a lost peer or an abort (the [`Watch`] the caller supplies, normally the TCP transport's
+//! view of the peer: a killed rank's sockets close, which is how its loss is noticed).
+
+use std::sync::atomic::{AtomicU32, Ordering, fence};
+use std::time::{Duration, Instant};
+
+use super::futex;
+use crate::error::{Error, Result};
+use crate::op::OpKind;
+
+/// Condition checks with a CPU pause between them before the first yield: about the time
+/// a peer needs to copy a cache-sized chunk, so a streaming transfer rarely parks.
+const SPINS: u32 = 2_000;
+/// `yield_now` rounds after spinning, before parking.
+const YIELDS: u32 = 20;
+/// The longest one park lasts; every wake-up re-checks the condition and the [`Watch`].
+const PARK_SLICE: Duration = Duration::from_millis(2);
+
+/// What a wait must watch besides its ring: the op's deadline, an abort of the
+/// communicator, and the loss of the peer (by world rank).
+pub trait Watch {
+    /// The op the wait belongs to (named by errors).
+    fn op(&self) -> OpKind;
+    /// Why a wait on world rank `peer` must stop now (aborted, peer lost, deadline passed),
+    /// if it must.
+    fn interrupted(&self, peer: usize) -> Option<Error>;
+    /// Why a send to world rank `peer` must not start (aborted, peer lost), if it must.
+    fn refuses_send(&self, peer: usize) -> Option<Error>;
+}
+
+/// How a wait ended without an error.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum Waited {
+    /// The condition holds.
+    Ready,
+    /// `until` passed first (the caller lets other threads at the ring and tries again).
+    SliceOver,
+}
+
+/// What one wait is about.
+pub(crate) struct WaitFor<'w> {
+    /// The word this side parks on (its side's waiter word in the segment).
+    pub(crate) word: &'w AtomicU32,
+    /// The peer at the other end, by world rank.
+    pub(crate) peer: usize,
+    /// The watch.
+    pub(crate) watch: &'w dyn Watch,
+    /// When to give up with [`Waited::SliceOver`], if ever.
+    pub(crate) until: Option<Instant>,
+}
+
+/// Waits until `ready` returns true: spins, then yields, then parks on the futex word in
+/// slices, calling `stall` whenever it is about to yield or park (a sender uses it to drain
+/// its incoming rings so two ranks that both send first cannot deadlock). Data that is there
+/// wins over an error: the condition is checked before the watch.
+pub(crate) fn wait_until(
+    what: &WaitFor<'_>,
+    mut ready: impl FnMut() -> Result<bool>,
+    stall: &mut dyn FnMut(),
+) -> Result<Waited> {
+    for _ in 0..SPINS {
+        if ready()? {
+            return Ok(Waited::Ready);
+        }
+        std::hint::spin_loop();
+    }
+    for _ in 0..YIELDS {
+        stall();
+        if ready()? {
+            return Ok(Waited::Ready);
+        }
+        std::thread::yield_now();
+    }
+    loop {
+        stall();
+        what.word.store(1, Ordering::Relaxed);
+        fence(Ordering::SeqCst);
+        if ready()? {
+            what.word.store(0, Ordering::Relaxed);
+            return Ok(Waited::Ready);
+        }
+        let now = Instant::now();
+        let slice = what
+            .until
+            .map_or(PARK_SLICE, |until| {
+                until.saturating_duration_since(now).min(PARK_SLICE)
+            })
+            .max(Duration::from_micros(50));
+        futex::wait(what.word, 1, slice);
+        what.word.store(0, Ordering::Relaxed);
+        if ready()? {
+            return Ok(Waited::Ready);
+        }
+        if let Some(error) = what.watch.interrupted(what.peer) {
+            return Err(error);
+        }
+        if what.until.is_some_and(|until| Instant::now() >= until) {
+            return Ok(Waited::SliceOver);
+        }
+    }
+}
+
+#[cfg(test)]
+pub(crate) mod tests {
+    use super::*;
+    use std::sync::atomic::AtomicBool;
+
+    /// A watch with a deadline and a switch that marks the peer lost.
+    pub(crate) struct TestWatch {
+        pub(crate) deadline: Instant,
+        pub(crate) lost: AtomicBool,
+    }
+
+    impl TestWatch {
+        pub(crate) fn new(timeout: Duration) -> TestWatch {
+            TestWatch {
+                deadline: Instant::now() + timeout,
+                lost: AtomicBool::new(false),
+            }
+        }
+    }
+
+    impl Watch for TestWatch {
+        fn op(&self) -> OpKind {
+            OpKind::AllReduce
+        }
+        fn interrupted(&self, peer: usize) -> Option<Error> {
+            if self.lost.load(Ordering::SeqCst) {
+                return Some(Error::PeerLost {
+                    op: OpKind::AllReduce,
+                    peer,
+                });
+            }
+            (Instant::now() >= self.deadline).then_some(Error::Timeout {
+                op: OpKind::AllReduce,
+                after: Duration::ZERO,
+                peer: Some(peer),
+            })
+        }
+        fn refuses_send(&self, peer: usize) -> Option<Error> {
+            self.lost.load(Ordering::SeqCst).then_some(Error::PeerLost {
+                op: OpKind::AllReduce,
+                peer,
+            })
+        }
+    }
+
+    #[test]
+    fn a_wait_ends_at_the_deadline_or_the_slice() {
+        let word = AtomicU32::new(0);
+        let watch = TestWatch::new(Duration::from_millis(40));
+        let what = WaitFor {
+            word: &word,
+            peer: 3,
+            watch: &watch,
+            until: None,
+        };
+        let started = Instant::now();
+        let error = wait_until(&what, || Ok(false), &mut || {}).unwrap_err();
+        assert!(
+            matches!(error, Error::Timeout { peer: Some(3), .. }),
+            "{error:?}"
+        );
+        assert!(started.elapsed() < Duration::from_secs(2));
+        let watch = TestWatch::new(Duration::from_secs(10));
+        let what = WaitFor {
+            until: Some(Instant::now() + Duration::from_millis(10)),
+            watch: &watch,
+            ..what
+        };
+        assert!(matches!(
+            wait_until(&what, || Ok(false), &mut || {}),
+            Ok(Waited::SliceOver)
+        ));
+        let mut calls = 0;
+        let ready = wait_until(
+            &what,
+            || {
+                calls += 1;
+                Ok(calls > 5)
+            },
+            &mut || {},
+        );
+        assert!(matches!(ready, Ok(Waited::Ready)));
+        assert_eq!(calls, 6);
+    }
+}
