@@ -370,6 +370,8 @@ pub enum EnvExpectation {
     Port,
     /// A non-empty string.
     NonEmpty,
+    /// A transport name: `auto`, `tcp` or `shm`.
+    TransportName,
 }
 
 impl fmt::Display for EnvExpectation {
@@ -380,6 +382,7 @@ impl fmt::Display for EnvExpectation {
             EnvExpectation::PositiveInteger => "a positive integer",
             EnvExpectation::Port => "a TCP port (1-65535)",
             EnvExpectation::NonEmpty => "a non-empty string",
+            EnvExpectation::TransportName => "one of auto, tcp, shm",
         })
     }
 }
@@ -400,6 +403,8 @@ pub enum IoAction {
     Write,
     /// Setting a socket option.
     SocketOption,
+    /// Setting up shared memory (creating, sizing or mapping a segment).
+    SharedMemory,
 }
 
 impl fmt::Display for IoAction {
@@ -411,6 +416,7 @@ impl fmt::Display for IoAction {
             IoAction::Read => "read",
             IoAction::Write => "write",
             IoAction::SocketOption => "setting a socket option",
+            IoAction::SharedMemory => "setting up shared memory",
         })
     }
 }

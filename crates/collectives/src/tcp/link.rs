@@ -7,7 +7,7 @@ use std::sync::Arc;
 use super::communicator::Inner;
 use super::descriptor;
 use super::frame::{FrameHeader, FrameKind};
-use super::posted::{PostedOutcome, PostedRecv};
+use super::posted::{Lent, PostMode, PostTarget, PostedOutcome, PostedRecv};
 use super::transport::{MailboxKey, WaitBudget};
 use crate::dtype::DType;
 use crate::engine::JobContext;
@@ -240,6 +240,79 @@ impl<'a> Link<'a> {
             .wait(&self.budget, &mut progress)
             .map_err(|e| self.group_view(e))?;
         self.finish_fallback(peer, dtype, tag, dst, outcome, progress)
+    }
+
+    /// Lends `target` to the reader thread of group rank `peer` for this op's data frames
+    /// under `tag` ([`PostedRecv::post_prefix`]); [`Link::wait_lent`] finishes it.
+    pub(crate) fn post<'b>(
+        &self,
+        peer: usize,
+        tag: u32,
+        mode: PostMode,
+        target: PostTarget<'b>,
+    ) -> Result<PostedRecv<'b>>
+    where
+        'a: 'b,
+    {
+        let world = self.world(peer)?;
+        let inner: &'a Inner = self.inner;
+        let slot = (world, self.key(FrameKind::Data, tag));
+        Ok(PostedRecv::post_prefix(
+            &inner.transport,
+            slot,
+            mode,
+            target,
+        ))
+    }
+
+    /// Waits for a post of [`Link::post`] to fill, handing each newly filled range to
+    /// `progress` (see [`PostedRecv::wait`]); a frame that did not fit is received through the
+    /// mailbox like [`Link::recv_data`] (reported as its typed error there), so the post is
+    /// complete when this returns `Ok`. Gives the whole lent buffer back.
+    pub(crate) fn wait_lent<'b>(
+        &self,
+        posted: PostedRecv<'b>,
+        peer: usize,
+        tag: u32,
+        mode: PostMode,
+        len: usize,
+        mut progress: impl FnMut(&[u8]) -> Result<()>,
+    ) -> Result<&'b mut [u8]> {
+        let Lent {
+            outcome,
+            buffer,
+            own,
+        } = posted
+            .wait_lent(&self.budget, &mut progress)
+            .map_err(|e| self.group_view(e))?;
+        if let PostedOutcome::Fallback { filled } = outcome {
+            let dtype = match mode {
+                PostMode::Copy(dtype) => dtype,
+                PostMode::Reduce(plan) => plan.dtype(),
+            };
+            let end = len.min(buffer.len());
+            let rest = &mut buffer[filled..end];
+            let mut at = filled;
+            self.recv_data(peer, dtype, tag, rest, |to, from| {
+                match (mode, own) {
+                    (PostMode::Copy(_), _) => to.copy_from_slice(from),
+                    (PostMode::Reduce(plan), None) => plan.combine(to, from)?,
+                    (PostMode::Reduce(plan), Some(own)) => {
+                        let end = at + to.len();
+                        let own = own.get(at..end).ok_or(Error::LengthMismatch {
+                            op: self.op,
+                            role: crate::op::BufferRole::Input,
+                            expected: end,
+                            got: own.len(),
+                        })?;
+                        plan.combine_from(to, own, from)?;
+                    }
+                }
+                at += to.len();
+                progress(to)
+            })?;
+        }
+        Ok(buffer)
     }
 
     /// After a [`PostedOutcome::Fallback`], receives the rest through the mailbox, which

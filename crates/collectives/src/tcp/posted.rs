@@ -14,9 +14,12 @@
 use std::marker::PhantomData;
 use std::time::{Duration, Instant};
 
-use super::transport::{Destination, MailboxKey, Posted, Transport, WaitBudget, wait_error};
+use super::transport::{
+    Destination, MailboxKey, Posted, Source, Transport, WaitBudget, wait_error,
+};
 use crate::dtype::DType;
 use crate::error::{Error, Result};
+use crate::reduce::ReducePlan;
 
 /// How a posted receive ended.
 #[derive(Debug, PartialEq, Eq)]
@@ -29,12 +32,41 @@ pub(crate) enum PostedOutcome {
     Fallback { filled: usize },
 }
 
+/// What a post does with the payloads that arrive for it.
+#[derive(Clone, Copy, Debug)]
+pub(crate) enum PostMode {
+    /// Copies them into the destination.
+    Copy(DType),
+    /// Combines them into the destination (`dst = dst ⊕ payload`) with the plan's combine
+    /// step; the destination holds this rank's (prepared) contribution when posted.
+    Reduce(ReducePlan),
+}
+
+/// What a post lends: the first `len` bytes of `buffer`, and for a reduction optionally the
+/// contribution `own` (at least `len` bytes) to combine each payload with.
+pub(crate) struct PostTarget<'a> {
+    pub(crate) buffer: &'a mut [u8],
+    pub(crate) len: usize,
+    pub(crate) own: Option<&'a [u8]>,
+}
+
+/// A finished post: its outcome, the whole buffer it was lent, and its `own` source.
+pub(crate) struct Lent<'a> {
+    pub(crate) outcome: PostedOutcome,
+    pub(crate) buffer: &'a mut [u8],
+    pub(crate) own: Option<&'a [u8]>,
+}
+
 /// A destination lent to the reader thread of one peer for one mailbox key.
 pub(crate) struct PostedRecv<'a> {
     transport: &'a Transport,
     slot: (usize, MailboxKey),
     base: *mut u8,
     len: usize,
+    /// The length of the whole lent buffer (`len` is the posted prefix).
+    full: usize,
+    /// The contribution combined from, for `dst = own ⊕ payload` posts.
+    own: Option<&'a [u8]>,
     /// How many leading bytes the caller has been shown (or that were copied in at post time).
     seen: usize,
     /// Whether the post is still in the transport's state.
@@ -52,22 +84,68 @@ impl<'a> PostedRecv<'a> {
         dtype: DType,
         dst: &'a mut [u8],
     ) -> PostedRecv<'a> {
-        let slot = (peer, key);
+        let len = dst.len();
+        let target = PostTarget {
+            buffer: dst,
+            len,
+            own: None,
+        };
+        PostedRecv::post_prefix(transport, (peer, key), PostMode::Copy(dtype), target)
+    }
+
+    /// Lends the first `target.len` bytes of `target.buffer` (clamped to its length) for the
+    /// data frames of `slot = (peer, key)`: copied in ([`PostMode::Copy`]) or combined by the
+    /// reader thread ([`PostMode::Reduce`]) into the bytes already there, or, with
+    /// `target.own`, combined with `own` (`dst = own ⊕ payload`, so the caller need not copy
+    /// its contribution into the destination first). Frames already queued for the key are
+    /// applied first (in order, as long as they fit); the rest land directly.
+    /// [`PostedRecv::wait_lent`] hands the whole buffer back, so a pipelined algorithm can
+    /// post it again for a later step.
+    pub(crate) fn post_prefix(
+        transport: &'a Transport,
+        slot: (usize, MailboxKey),
+        mode: PostMode,
+        target: PostTarget<'a>,
+    ) -> PostedRecv<'a> {
+        let PostTarget { buffer, len, own } = target;
+        let len = len.min(buffer.len());
+        // A source shorter than the prefix cannot be combined from: such a post combines in
+        // place instead (no caller does this; the ring hands out equal lengths).
+        let own = own.filter(|own| own.len() >= len).map(|own| &own[..len]);
+        let (dtype, reduce) = match mode {
+            PostMode::Copy(dtype) => (dtype, None),
+            PostMode::Reduce(plan) => (plan.dtype(), Some(plan)),
+        };
         let mut state = transport.shared.lock();
         let mut filled = 0;
         let mut spent = Vec::new();
         if let Some(queue) = state.mailbox.get_mut(&slot) {
             while let Some(frame) = queue.front() {
-                let len = frame.payload.len();
+                let n = frame.payload.len();
                 let fits = frame.header.dtype == dtype
-                    && len > 0
-                    && len.is_multiple_of(dtype.size_bytes())
-                    && len <= dst.len() - filled;
+                    && n > 0
+                    && n.is_multiple_of(dtype.size_bytes())
+                    && n <= len - filled;
                 if !fits {
                     break;
                 }
-                dst[filled..filled + len].copy_from_slice(&frame.payload);
-                filled += len;
+                let dst = &mut buffer[filled..filled + n];
+                // The lengths agree and are whole elements (checked just above), so a combine
+                // cannot fail; a failure would leave the frame for the fallback to report.
+                let applied = match (reduce, own) {
+                    (None, _) => {
+                        dst.copy_from_slice(&frame.payload);
+                        Ok(())
+                    }
+                    (Some(plan), None) => plan.combine(dst, &frame.payload),
+                    (Some(plan), Some(own)) => {
+                        plan.combine_from(dst, &own[filled..filled + n], &frame.payload)
+                    }
+                };
+                if applied.is_err() {
+                    break;
+                }
+                filled += n;
                 if let Some(frame) = queue.pop_front() {
                     spent.push(frame.payload);
                 }
@@ -76,8 +154,8 @@ impl<'a> PostedRecv<'a> {
                 state.mailbox.remove(&slot);
             }
         }
-        let base = dst.as_mut_ptr();
-        let len = dst.len();
+        let base = buffer.as_mut_ptr();
+        let full = buffer.len();
         state.posted.insert(
             slot,
             Posted {
@@ -85,6 +163,8 @@ impl<'a> PostedRecv<'a> {
                 len,
                 filled,
                 dtype,
+                reduce,
+                own: own.map(|own| Source(own.as_ptr())),
                 writing: false,
             },
         );
@@ -97,10 +177,33 @@ impl<'a> PostedRecv<'a> {
             slot,
             base,
             len,
+            full,
+            own,
             seen: 0,
             active: true,
             _buffer: PhantomData,
         }
+    }
+
+    /// [`PostedRecv::wait`], then hands the whole lent buffer back (all of it, not only the
+    /// posted prefix) together with the outcome.
+    pub(crate) fn wait_lent(
+        self,
+        budget: &WaitBudget,
+        progress: impl FnMut(&[u8]) -> Result<()>,
+    ) -> Result<Lent<'a>> {
+        let (base, full, own) = (self.base, self.full, self.own);
+        let outcome = self.wait(budget, progress)?;
+        // SAFETY: `base..base + full` is the buffer borrowed exclusively for `'a` when it was
+        // posted (`_buffer` keeps that borrow alive); `wait` returned, so the post is removed
+        // and no reader thread writes there any more (it only ever writes while the post
+        // exists and `writing` is set, and `wait` removes the post only with `writing` clear).
+        let buffer = unsafe { std::slice::from_raw_parts_mut(base, full) };
+        Ok(Lent {
+            outcome,
+            buffer,
+            own,
+        })
     }
 
     /// Waits until the whole destination is filled, handing every newly filled range to

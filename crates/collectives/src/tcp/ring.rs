@@ -9,8 +9,9 @@ use std::ops::Range;
 
 use super::communicator::Inner;
 use super::config::AllReduceAlgorithm;
-use super::link::{Exchange, Link};
-use crate::blocks::{byte_blocks, even_block, send_and_recv_views};
+use super::link::Link;
+use super::posted::{PostMode, PostTarget as Target};
+use crate::blocks::{byte_blocks, even_block};
 use crate::buffer::Buffer;
 use crate::dtype::DType;
 use crate::engine::JobContext;
@@ -25,8 +26,127 @@ fn tag(step: usize) -> u32 {
     u32::try_from(step).unwrap_or(u32::MAX)
 }
 
+/// One ring phase: `steps` steps, step `s` tagged `tag_base + s`, each receiving one block
+/// from the left neighbour ([`PostMode::Copy`] or [`PostMode::Reduce`] into it) while the
+/// block of the step before travels on to the right.
+struct RingPhase<'l, 'a> {
+    link: &'l Link<'a>,
+    mode: PostMode,
+    steps: usize,
+    tag_base: usize,
+}
+
+/// How many steps of a phase are posted at once: the step being waited for and the next,
+/// so data that the left neighbour sends one step early lands directly too.
+const POSTED_AHEAD: usize = 2;
+
+impl<'a> RingPhase<'_, 'a> {
+    fn dtype(&self) -> DType {
+        match self.mode {
+            PostMode::Copy(dtype) => dtype,
+            PostMode::Reduce(plan) => plan.dtype(),
+        }
+    }
+
+    /// Runs the phase, pipelined across steps: every step's destination is lent to the
+    /// reader thread ([`Link::post`], two steps ahead), `first` (step 0's outgoing block)
+    /// is sent, and while step `s` fills, each newly filled range is forwarded to the right
+    /// neighbour at once as step `s + 1`'s data, so the block never waits for the whole of
+    /// it to arrive before moving on (step `s + 1` sends exactly what step `s` received). The
+    /// op thread only sends; the reader threads copy or combine straight from the socket.
+    /// `target(s, spare)` hands out step `s`'s destination (filled with this rank's
+    /// contribution for a reduction); `spare` is the buffer of step `s - 2`, done by then.
+    fn run<'b>(
+        &self,
+        first: &[u8],
+        mut target: impl FnMut(usize, Option<&'b mut [u8]>) -> Result<Target<'b>>,
+    ) -> Result<()>
+    where
+        'a: 'b,
+    {
+        let link = self.link;
+        let (right, left, dtype) = (link.right(1), link.left(1), self.dtype());
+        let mut posted = std::collections::VecDeque::with_capacity(POSTED_AHEAD);
+        for s in 0..self.steps.min(POSTED_AHEAD) {
+            let step = target(s, None)?;
+            let len = step.len;
+            posted.push_back((
+                link.post(left, tag(self.tag_base + s), self.mode, step)?,
+                len,
+            ));
+        }
+        if self.steps > 0 {
+            link.send_data(right, dtype, tag(self.tag_base), first)?;
+        }
+        for s in 0..self.steps {
+            // invariant: step s was posted (two ahead, or in the first loop above).
+            let (post, len) = posted.pop_front().ok_or(Error::Aborted { op: link.op })?;
+            let forward = (s + 1 < self.steps).then(|| tag(self.tag_base + s + 1));
+            let spare = link.wait_lent(
+                post,
+                left,
+                tag(self.tag_base + s),
+                self.mode,
+                len,
+                |fresh| match forward {
+                    Some(next) => link.send_data(right, dtype, next, fresh),
+                    None => Ok(()),
+                },
+            )?;
+            let later = s + POSTED_AHEAD;
+            if later < self.steps {
+                let step = target(later, Some(spare))?;
+                let len = step.len;
+                posted.push_back((
+                    link.post(left, tag(self.tag_base + later), self.mode, step)?,
+                    len,
+                ));
+            }
+        }
+        Ok(())
+    }
+}
+
+/// `work` cut into its blocks (consecutive, in order, as [`byte_blocks`] makes them), so
+/// different steps can lend different blocks at once.
+fn split_blocks<'b>(work: &'b mut [u8], blocks: &[Range<usize>]) -> Vec<Option<&'b mut [u8]>> {
+    let mut rest = work;
+    let mut offset = 0;
+    let mut parts = Vec::with_capacity(blocks.len());
+    for block in blocks {
+        let skip = block.start.saturating_sub(offset).min(rest.len());
+        let (_, tail) = std::mem::take(&mut rest).split_at_mut(skip);
+        let take = block.len().min(tail.len());
+        let (part, tail) = tail.split_at_mut(take);
+        parts.push(Some(part));
+        rest = tail;
+        offset = block.start + take;
+    }
+    parts
+}
+
+/// Takes block `index` out of `parts` (each block is handed out once per phase).
+fn take_block<'b>(
+    parts: &mut [Option<&'b mut [u8]>],
+    index: usize,
+    op: OpKind,
+) -> Result<Target<'b>> {
+    // invariant: ring steps visit every block but the first one sent exactly once.
+    let buffer = parts
+        .get_mut(index)
+        .and_then(Option::take)
+        .ok_or(Error::Aborted { op })?;
+    let len = buffer.len();
+    Ok(Target {
+        buffer,
+        len,
+        own: None,
+    })
+}
+
 /// Ring reduce-scatter in place: `work` holds this rank's prepared contribution; afterwards
-/// its own block holds the combined (not yet finished) result.
+/// its own block holds the combined (not yet finished) result. Step `s` sends block
+/// `rank - s - 1` and combines the incoming data into block `rank - s - 2`.
 fn ring_reduce_scatter(
     link: &Link<'_>,
     plan: &ReducePlan,
@@ -34,29 +154,26 @@ fn ring_reduce_scatter(
     blocks: &[Range<usize>],
 ) -> Result<()> {
     let n = link.size();
-    let dtype = plan.dtype();
-    let (right, left) = (link.right(1), link.left(1));
-    for step in 0..n.saturating_sub(1) {
-        let send = blocks[link.left(step + 1)].clone();
-        let recv = blocks[link.left(step + 2)].clone();
-        let (outgoing, incoming) = send_and_recv_views(work, send, recv);
-        let step = Exchange {
-            to: right,
-            from: left,
-            dtype,
-            tag: tag(step),
-            outgoing,
-        };
-        link.exchange(step, incoming, |acc, segment| plan.combine(acc, segment))?;
-    }
-    Ok(())
+    let mut parts = split_blocks(work, blocks);
+    let first = take_block(&mut parts, link.left(1), link.op)?;
+    let phase = RingPhase {
+        link,
+        mode: PostMode::Reduce(*plan),
+        steps: n.saturating_sub(1),
+        tag_base: 0,
+    };
+    phase.run(first.buffer, |s, _| {
+        take_block(&mut parts, link.left(s + 2), link.op)
+    })
 }
 
 /// Ring reduce-scatter that reads this rank's contribution straight from `input`, for reduce
 /// ops whose `prepare` does nothing (all but `PreMulSum`): no working copy of the whole input.
 /// Step `s` sends the block accumulated in step `s - 1` (step 0: the input's own block) and
-/// receives the next block into `input's block ⊕ incoming`; the last step lands in `output`
-/// (this rank's block, combined but not yet finished). `scratch` holds two blocks.
+/// receives the next block into `input's block ⊕ incoming` (the reader thread reads the
+/// input's block directly, no copy of it is made); the last step lands in `output`
+/// (this rank's block, combined but not yet finished). `scratch` holds two blocks, which
+/// alternate between the steps before the last.
 fn reduce_scatter_from_input(
     link: &Link<'_>,
     plan: &ReducePlan,
@@ -66,42 +183,39 @@ fn reduce_scatter_from_input(
     scratch: &mut [u8],
 ) -> Result<()> {
     let n = link.size();
-    let dtype = plan.dtype();
-    let (right, left) = (link.right(1), link.left(1));
     if n == 1 {
         output.copy_from_slice(&input[blocks[0].clone()]);
         return Ok(());
     }
-    let (mut sending, mut receiving) = scratch.split_at_mut(scratch.len() / 2);
-    for step in 0..n - 1 {
-        let send_block = blocks[link.left(step + 1)].clone();
-        let recv_block = blocks[link.left(step + 2)].clone();
-        let outgoing: &[u8] = if step == 0 {
-            &input[send_block]
+    let (half_a, half_b) = scratch.split_at_mut(scratch.len() / 2);
+    let mut fresh = vec![half_a, half_b];
+    let mut output = Some(output);
+    let phase = RingPhase {
+        link,
+        mode: PostMode::Reduce(*plan),
+        steps: n - 1,
+        tag_base: 0,
+    };
+    let first = &input[blocks[link.left(1)].clone()];
+    phase.run(first, |s, spare| {
+        let own = &input[blocks[link.left(s + 2)].clone()];
+        let buffer = if s == n - 2 {
+            output.take()
         } else {
-            &sending[..send_block.len()]
+            spare.or_else(|| fresh.pop())
         };
-        let target: &mut [u8] = if step == n - 2 {
-            &mut *output
-        } else {
-            &mut receiving[..recv_block.len()]
-        };
-        target.copy_from_slice(&input[recv_block]);
-        let exchange = Exchange {
-            to: right,
-            from: left,
-            dtype,
-            tag: tag(step),
-            outgoing,
-        };
-        link.exchange(exchange, target, |acc, segment| plan.combine(acc, segment))?;
-        std::mem::swap(&mut sending, &mut receiving);
-    }
-    Ok(())
+        // invariant: the last step takes the output once; the others alternate two halves.
+        let buffer = buffer.ok_or(Error::Aborted { op: link.op })?;
+        Ok(Target {
+            buffer,
+            len: own.len(),
+            own: Some(own),
+        })
+    })
 }
 
 /// Ring all-gather in place: this rank's own block of `work` is filled; afterwards every
-/// block is.
+/// block is. Step `s` sends block `rank - s` and receives block `rank - s - 1`.
 fn ring_all_gather(
     link: &Link<'_>,
     dtype: DType,
@@ -110,21 +224,17 @@ fn ring_all_gather(
     tag_base: usize,
 ) -> Result<()> {
     let n = link.size();
-    let (right, left) = (link.right(1), link.left(1));
-    for step in 0..n.saturating_sub(1) {
-        let send = blocks[link.left(step)].clone();
-        let recv = blocks[link.left(step + 1)].clone();
-        let (outgoing, incoming) = send_and_recv_views(work, send, recv);
-        let step = Exchange {
-            to: right,
-            from: left,
-            dtype,
-            tag: tag(tag_base + step),
-            outgoing,
-        };
-        link.exchange_copy(step, incoming)?;
-    }
-    Ok(())
+    let mut parts = split_blocks(work, blocks);
+    let first = take_block(&mut parts, link.rank(), link.op)?;
+    let phase = RingPhase {
+        link,
+        mode: PostMode::Copy(dtype),
+        steps: n.saturating_sub(1),
+        tag_base,
+    };
+    phase.run(first.buffer, |s, _| {
+        take_block(&mut parts, link.left(s + 1), link.op)
+    })
 }
 
 pub(crate) fn all_reduce(

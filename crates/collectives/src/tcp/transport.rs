@@ -20,6 +20,7 @@ use super::frame::{FRAME_HEADER_BYTES, FrameHeader, FrameKind};
 use super::mesh::Mesh;
 use crate::error::{Error, IoAction, ProtocolViolation, Result};
 use crate::op::OpKind;
+use crate::reduce::ReducePlan;
 
 /// Where a frame is filed: the communicator it belongs to, the op's sequence number, the tag
 /// (user tag for send/recv, step of an algorithm otherwise) and the frame kind.
@@ -106,6 +107,15 @@ pub(super) struct Destination(pub(super) *mut u8);
 // the address between threads is harmless in itself.
 unsafe impl Send for Destination {}
 
+/// The start of a contribution lent (shared) by a waiter to a reader thread, which combines
+/// each payload with it (`dst = own ⊕ payload`).
+#[derive(Debug, Clone, Copy)]
+pub(super) struct Source(pub(super) *const u8);
+
+// SAFETY: the pointer is only read by the reader thread, for a range that the posting waiter
+// keeps borrowed (shared, so nobody writes it) while it is posted (see `PostedRecv`).
+unsafe impl Send for Source {}
+
 /// A posted destination: `len` bytes at `base`, the first `filled` already written.
 #[derive(Debug)]
 pub(super) struct Posted {
@@ -113,9 +123,39 @@ pub(super) struct Posted {
     pub(super) len: usize,
     pub(super) filled: usize,
     pub(super) dtype: crate::dtype::DType,
+    /// `None`: payloads are copied into the destination. `Some(plan)`: each payload is
+    /// combined into it (`dst = dst ⊕ payload`) by the reader thread, straight from a small
+    /// cache-resident staging buffer, so a reducing step needs no mailbox buffer, no wake-up
+    /// of the op thread per segment and no second pass over cold memory.
+    pub(super) reduce: Option<ReducePlan>,
+    /// With `reduce`: the contribution to combine each payload with (`len` bytes), instead of
+    /// the destination's own bytes.
+    pub(super) own: Option<Source>,
     /// Set while a reader thread writes into `base[filled..]` outside the lock; the waiter
     /// never gives its buffer back while this is set.
     pub(super) writing: bool,
+}
+
+/// The bytes a reducing reader reads from the socket at a time before combining them: small
+/// enough that the staging buffer stays in L2 between the kernel's copy and the combine.
+pub(super) const STAGING_BYTES: usize = 256 * 1024;
+
+/// A reader thread's staging buffer for reducing posts, 8-byte aligned so that every dtype's
+/// elements can be viewed in place.
+pub(super) struct Staging(Vec<u64>);
+
+impl Staging {
+    pub(super) fn new() -> Staging {
+        Staging(Vec::new())
+    }
+
+    /// The first `len` bytes (at most [`STAGING_BYTES`]), allocated on first use.
+    pub(super) fn bytes(&mut self, len: usize) -> &mut [u8] {
+        if self.0.is_empty() {
+            self.0 = vec![0u64; STAGING_BYTES / 8];
+        }
+        &mut bytemuck::cast_slice_mut(&mut self.0)[..len.min(STAGING_BYTES)]
+    }
 }
 
 /// How many spent payload buffers the transport keeps for reuse: enough for 64 segments in
@@ -485,6 +525,7 @@ fn read_into_posted(
     header: &FrameHeader,
     len: usize,
     shared: &Shared,
+    staging: &mut Staging,
 ) -> DirectRead {
     let slot = (peer, MailboxKey::of(header));
     let target = {
@@ -500,39 +541,80 @@ fn read_into_posted(
                     && len <= post.len - post.filled =>
             {
                 post.writing = true;
-                Some((post.base, post.filled))
+                Some((post.base, post.filled, post.reduce, post.own))
             }
             _ => None,
         }
     };
-    let Some((base, offset)) = target else {
+    let Some((base, offset, reduce, own)) = target else {
         return DirectRead::NotPosted;
     };
     // SAFETY: the waiter posted `len` bytes at `base` and keeps them borrowed exclusively
     // until its post is gone and `writing` is clear (see `PostedRecv`); `offset + len` is
     // within them (checked above under the lock), and only this thread, the one reader of
-    // `peer`, writes there while `writing` is set.
+    // `peer`, touches them while `writing` is set.
     let dst = unsafe { std::slice::from_raw_parts_mut(base.0.add(offset), len) };
-    let read = stream.read_exact(dst);
+    // SAFETY: a post with `own` lends `len` readable bytes there (shared) for as long as it
+    // is posted, and nobody writes them meanwhile; `offset + len` is within them, as above.
+    let own = own.map(|own| unsafe { std::slice::from_raw_parts(own.0.add(offset), len) });
+    let read = match reduce {
+        None => stream.read_exact(dst).is_ok(),
+        Some(plan) => read_and_combine(stream, &plan, dst, own, staging),
+    };
     {
         let mut state = shared.lock();
         if let Some(post) = state.posted.get_mut(&slot) {
             post.writing = false;
-            if read.is_ok() {
+            if read {
                 post.filled += len;
             }
         }
     }
     shared.arrived.notify_all();
-    if read.is_ok() {
+    if read {
         DirectRead::Done
     } else {
         DirectRead::Failed
     }
 }
 
+/// Reads `dst.len()` bytes from `stream` a staging buffer at a time and combines each piece
+/// into `dst` (`dst ⊕= piece`, or `dst = own ⊕ piece` when `own` is given, of `dst`'s
+/// length). Returns whether every byte arrived (the combine itself cannot fail: `dst` is
+/// whole elements, checked by the caller, and the staging size is a multiple of 8).
+fn read_and_combine(
+    stream: &mut TcpStream,
+    plan: &ReducePlan,
+    dst: &mut [u8],
+    own: Option<&[u8]>,
+    staging: &mut Staging,
+) -> bool {
+    for (index, acc) in dst.chunks_mut(STAGING_BYTES).enumerate() {
+        let incoming = staging.bytes(acc.len());
+        if stream.read_exact(incoming).is_err() {
+            return false;
+        }
+        let combined = match own {
+            None => plan.combine(acc, incoming),
+            Some(own) => {
+                let start = index * STAGING_BYTES;
+                let end = start + acc.len();
+                match own.get(start..end) {
+                    Some(own) => plan.combine_from(acc, own, incoming),
+                    None => return false,
+                }
+            }
+        };
+        if combined.is_err() {
+            return false;
+        }
+    }
+    true
+}
+
 /// The body of a reader thread: files frames from `peer` until the connection ends.
 fn read_frames(mut stream: TcpStream, peer: usize, max_payload: u64, shared: &Shared) {
+    let mut staging = Staging::new();
     loop {
         let mut header_bytes = [0u8; FRAME_HEADER_BYTES];
         if stream.read_exact(&mut header_bytes).is_err() {
@@ -555,7 +637,7 @@ fn read_frames(mut stream: TcpStream, peer: usize, max_payload: u64, shared: &Sh
         // invariant: decode checked payload_bytes <= max_payload, which the caller chose as an
         // allocatable size, so it fits in usize on every supported target.
         let len = usize::try_from(header.payload_bytes).unwrap_or(usize::MAX);
-        match read_into_posted(&mut stream, peer, &header, len, shared) {
+        match read_into_posted(&mut stream, peer, &header, len, shared, &mut staging) {
             DirectRead::Done => continue,
             DirectRead::Failed => {
                 shared.mark_lost(peer, LossCause::Closed);
