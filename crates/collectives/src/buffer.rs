@@ -6,6 +6,7 @@
 //! serve returns [`Error::UnsupportedBuffer`].
 
 use std::fmt;
+use std::sync::Arc;
 
 use bytemuck::{Pod, Zeroable};
 use half::{bf16, f16};
@@ -38,11 +39,28 @@ struct Block([u8; BLOCK_BYTES]);
 const BLOCK_BYTES: usize = 64;
 
 /// Host memory holding `len` elements of `dtype`, 64-byte aligned.
-#[derive(Clone)]
+///
+/// The blocks sit behind an [`Arc`] so that [`share`](HostBuffer::share) can lend the same
+/// memory to another owner without copying (a sender keeps its data while a collective reads
+/// it). Sharing is copy-on-write: the first mutable access through a shared buffer copies its
+/// bytes into a private allocation first, so no owner ever sees another's writes. A buffer
+/// that was never shared pays one reference-count check per mutable access.
 pub struct HostBuffer {
-    blocks: Vec<Block>,
+    blocks: Arc<Vec<Block>>,
     dtype: DType,
     len: usize,
+}
+
+impl Clone for HostBuffer {
+    /// A deep copy in a new allocation (use [`share`](HostBuffer::share) to lend the memory
+    /// instead).
+    fn clone(&self) -> Self {
+        HostBuffer {
+            blocks: Arc::new(self.blocks.as_ref().clone()),
+            dtype: self.dtype,
+            len: self.len,
+        }
+    }
 }
 
 impl HostBuffer {
@@ -50,10 +68,30 @@ impl HostBuffer {
     pub fn zeros(dtype: DType, len: usize) -> Self {
         let bytes = len.saturating_mul(dtype.size_bytes());
         HostBuffer {
-            blocks: vec![Block([0; BLOCK_BYTES]); bytes.div_ceil(BLOCK_BYTES)],
+            blocks: Arc::new(vec![Block([0; BLOCK_BYTES]); bytes.div_ceil(BLOCK_BYTES)]),
             dtype,
             len,
         }
+    }
+
+    /// Another handle to the same memory, without copying.
+    ///
+    /// Both handles read the same bytes; whichever is written first (through
+    /// [`as_bytes_mut`](HostBuffer::as_bytes_mut) or any method built on it) copies them into
+    /// a private allocation first. This is how a caller lends its data to an op that only
+    /// reads its input (all-gather, reduce-scatter, all-to-all send buffers) while keeping it.
+    pub fn share(&self) -> HostBuffer {
+        HostBuffer {
+            blocks: Arc::clone(&self.blocks),
+            dtype: self.dtype,
+            len: self.len,
+        }
+    }
+
+    /// Whether another handle made by [`share`](HostBuffer::share) still holds this memory (a
+    /// write would copy it first).
+    pub fn is_shared(&self) -> bool {
+        Arc::strong_count(&self.blocks) > 1
     }
 
     /// A buffer holding a copy of `values`.
@@ -138,14 +176,16 @@ impl HostBuffer {
 
     /// The payload bytes, in native byte order.
     pub fn as_bytes(&self) -> &[u8] {
-        let all: &[u8] = bytemuck::cast_slice(&self.blocks);
+        let all: &[u8] = bytemuck::cast_slice(self.blocks.as_slice());
         &all[..self.byte_len()]
     }
 
     /// The payload bytes, mutable.
     pub fn as_bytes_mut(&mut self) -> &mut [u8] {
         let byte_len = self.byte_len();
-        let all: &mut [u8] = bytemuck::cast_slice_mut(&mut self.blocks);
+        // Copy-on-write: a shared buffer gets private blocks before anyone writes.
+        let all: &mut [u8] =
+            bytemuck::cast_slice_mut(Arc::make_mut(&mut self.blocks).as_mut_slice());
         &mut all[..byte_len]
     }
 
@@ -365,6 +405,39 @@ mod tests {
         ));
         let ok = HostBuffer::from_bytes(DType::I32, &7i32.to_ne_bytes()).unwrap();
         assert_eq!(ok.as_slice::<i32>().unwrap(), &[7]);
+    }
+
+    #[test]
+    fn shares_read_the_same_memory_and_copy_on_write() {
+        let mut owner = HostBuffer::from_slice(&[1.0f32, 2.0, 3.0]);
+        assert!(!owner.is_shared());
+        let lent = owner.share();
+        assert!(owner.is_shared() && lent.is_shared());
+        assert_eq!(
+            lent.as_bytes().as_ptr(),
+            owner.as_bytes().as_ptr(),
+            "no copy"
+        );
+        // The owner writes: it copies first, the lent handle keeps the old values.
+        owner.as_mut_slice::<f32>().unwrap()[0] = 9.0;
+        assert_ne!(lent.as_bytes().as_ptr(), owner.as_bytes().as_ptr());
+        assert_eq!(owner.as_slice::<f32>().unwrap(), &[9.0, 2.0, 3.0]);
+        assert_eq!(lent.as_slice::<f32>().unwrap(), &[1.0, 2.0, 3.0]);
+        assert!(!owner.is_shared() && !lent.is_shared());
+        assert_eq!(
+            owner.as_bytes().as_ptr() as usize % 64,
+            0,
+            "the copy is aligned"
+        );
+        // An unshared buffer writes in place; a clone is a deep copy.
+        let mut alone = lent;
+        let before = alone.as_bytes().as_ptr();
+        alone.as_mut_slice::<f32>().unwrap()[2] = 7.0;
+        assert_eq!(alone.as_bytes().as_ptr(), before);
+        let copy = alone.clone();
+        assert!(!alone.is_shared());
+        assert_ne!(copy.as_bytes().as_ptr(), alone.as_bytes().as_ptr());
+        assert_eq!(copy, alone);
     }
 
     #[test]
