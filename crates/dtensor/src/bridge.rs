@@ -33,7 +33,7 @@
 use hypershard_collectives as collectives;
 use hypershard_collectives::{Buffer, HostBuffer as WireBuffer};
 use hypershard_mesh::ReduceOp;
-use hypershard_tensor::{DType, ForeignBytes, HostBuffer as TensorBuffer, Tensor};
+use hypershard_tensor::{DType, ForeignBytes, HostBuffer as TensorBuffer, Storage, Tensor};
 
 use crate::error::{Error, Result};
 
@@ -218,6 +218,35 @@ pub fn reclaim_buffer(tensor: Tensor) -> Result<std::result::Result<Buffer, Tens
         // `is` just said it is a `WireBytes`.
         Err(_) => Err(not_host_memory(wire, numel)),
     }
+}
+
+/// A read-only share of the collective buffer behind `tensor`, without copying; `None` unless
+/// `tensor` covers its storage exactly (contiguous, offset 0) and that storage is collective
+/// memory (it came out of a collective, [`staging_tensor`] or a DTensor factory).
+///
+/// The tensor keeps its memory and other views of it stay valid: the share is copy-on-write
+/// ([`HostBuffer::share`](collectives::HostBuffer::share)), so if the tensor is written while
+/// the share is still held, the write goes to a private copy and the holder keeps reading the
+/// values the tensor had when it was lent. Hand the share to ops that only read their input
+/// (all-gather, reduce-scatter, all-to-all send buffers); an op that works in place on its
+/// buffer (all-reduce, broadcast) would copy it on its first write, into cold memory.
+pub fn lend_buffer(tensor: &Tensor) -> Option<Buffer> {
+    if tensor.offset() != 0 || !tensor.is_contiguous() {
+        return None;
+    }
+    let storage = tensor.storage().read();
+    let host = match &*storage {
+        Storage::Host(host) => host,
+        // A future device storage is not host collective memory.
+        #[allow(unreachable_patterns)]
+        _ => return None,
+    };
+    if host.len() != tensor.nbytes() {
+        return None;
+    }
+    let lent = (host.foreign()? as &dyn std::any::Any).downcast_ref::<WireBytes>()?;
+    let matches = lent.0.dtype() == wire_dtype(tensor.dtype()) && lent.0.len() == tensor.numel();
+    matches.then(|| Buffer::Host(lent.0.share()))
 }
 
 /// The error for foreign memory of an unknown kind behind a tensor.

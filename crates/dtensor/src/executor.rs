@@ -16,7 +16,7 @@ use hypershard_tensor::{DType, Tensor};
 use crate::bridge::{buffer_to_tensor, staging_tensor, wire_dtype, wire_op};
 use crate::dtensor::DTensor;
 use crate::error::Result;
-use crate::pack::{AllToAllLayout, WirePool, pack_all_to_all, pack_padded, pack_whole};
+use crate::pack::{AllToAllLayout, InputUse, WirePool, pack_all_to_all, pack_padded, pack_whole};
 use crate::planner::{Plan, Step, StepKind};
 use crate::process_mesh::ProcessMesh;
 
@@ -206,7 +206,7 @@ impl RedistributeWork {
             StepKind::AllReduce { op } => {
                 let shape = local.shape().to_vec();
                 let numel = local.numel();
-                let input = pack_whole(self.mesh.pool(), local, numel)?;
+                let input = pack_whole(self.mesh.pool(), local, numel, InputUse::InPlace)?;
                 Ok(Issued::InFlight(InFlight::Reduce {
                     work: comm.all_reduce_async(input, wire_op(op)),
                     shape,
@@ -253,7 +253,8 @@ impl RedistributeWork {
                 let span = shard_span(extent, n, k)?;
                 let mut shape = local.shape().to_vec();
                 shape[tensor_dim] = extent;
-                let full = Tensor::zeros(&shape, dtype)?;
+                // In collective memory, so the collective that follows can move or lend it.
+                let full = staging_tensor(&shape, dtype)?;
                 full.narrow(tensor_dim, span.offset, span.len)?
                     .copy_from(&local)?;
                 Ok(Issued::Done(full))
@@ -290,6 +291,9 @@ impl RedistributeWork {
             spans: &spans,
         };
         let input = pack_all_to_all(self.mesh.pool(), &major, &layout)?;
+        // A consumed source is used up once packed: keep its memory for the next send buffer
+        // rather than freeing it while the collective waits.
+        self.mesh.pool().retire(major)?;
         let output = Buffer::zeros(wire_dtype(dtype), input.len());
         let mine = shard_span(to_extent, n, k)?.len;
         let mut buffer_shape = vec![n * from_chunk, to_chunk];

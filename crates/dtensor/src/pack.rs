@@ -1,27 +1,64 @@
 //! Packing local tensors into collective send buffers, and a small pool of those buffers.
 //!
-//! A redistribute copies this rank's data into a send buffer once (the collective takes its
-//! buffers by value, and the source DTensor keeps its local tensor). Two things keep that copy
-//! cheap:
-//! - contiguous data is copied as whole rows of bytes (`memcpy`), never element by element;
-//!   only a strided source (a non-leading tensor dim moved to the front) takes the strided path;
-//! - send buffers come back from the collective (`BufferPair::input`) and are kept in a
-//!   [`WirePool`] per mesh family, so the next redistribute of the same size writes into warm
-//!   memory instead of faulting in and zeroing a fresh allocation. A pooled buffer is dirty:
-//!   every byte of the padding is zeroed explicitly.
+//! A redistribute hands this rank's data to a collective in the cheapest form the data allows,
+//! tried in this order (see `docs/redistribute.md`, "What is copied"):
+//! 1. **moved**: the local tensor is the sole owner of collective memory and needs no padding
+//!    (a consuming redistribute of a tensor that came out of a collective or a factory): that
+//!    memory is the send buffer ([`reclaim_buffer`]);
+//! 2. **lent**: the tensor is collective memory that others still view (a borrowing
+//!    redistribute keeps its source) and the op only reads its input (all-gather,
+//!    reduce-scatter): a copy-on-write share of that memory is the send buffer
+//!    ([`lend_buffer`]);
+//! 3. **copied** otherwise (padding, a strided source, an all-to-all's per-peer blocks, an
+//!    all-reduce that works in place, memory from elsewhere). Contiguous data is copied as whole
+//!    rows of bytes (`memcpy`), never element by element, into a send buffer from a
+//!    [`WirePool`]: send buffers come back from the collective (`BufferPair::input`) and are
+//!    kept per mesh family, so the next redistribute of the same size writes into warm memory
+//!    instead of faulting in a fresh allocation. A pooled buffer is dirty: every byte of the
+//!    padding is zeroed explicitly.
 
-use std::sync::{Mutex, PoisonError};
+use std::sync::mpsc::{SyncSender, sync_channel};
+use std::sync::{Mutex, OnceLock, PoisonError};
 
 use hypershard_collectives::{Buffer, DType as WireDType, HostBuffer as WireBuffer};
 use hypershard_tensor::{DType, Tensor};
 
-use crate::bridge::{reclaim_buffer, staging_into_buffer, staging_tensor, wire_dtype};
+use crate::bridge::{lend_buffer, reclaim_buffer, staging_into_buffer, staging_tensor, wire_dtype};
 use crate::error::Result;
 
 /// At most this many idle send buffers are kept.
 const MAX_POOLED: usize = 4;
 /// At most this many idle bytes are kept (a larger buffer is freed when it comes back).
 const MAX_POOLED_BYTES: usize = 256 << 20;
+
+/// Buffers at least this large are freed on a background thread when the pool lets them go:
+/// handing a 64 MiB allocation back to the OS takes milliseconds (its pages are unmapped),
+/// which a redistribute should not wait for.
+const DEFERRED_FREE_BYTES: usize = 1 << 20;
+/// At most this many large buffers wait for the background thread; past that they are freed
+/// on the caller's thread, so the deferred memory stays bounded.
+const DEFERRED_FREE_QUEUE: usize = 4;
+
+/// Drops `buffer`, on a background thread when it is large (and the thread could be started
+/// and has room), on this thread otherwise.
+fn release(buffer: WireBuffer) {
+    if buffer.byte_len() < DEFERRED_FREE_BYTES {
+        return;
+    }
+    static FREER: OnceLock<Option<SyncSender<WireBuffer>>> = OnceLock::new();
+    let freer = FREER.get_or_init(|| {
+        let (sender, receiver) = sync_channel::<WireBuffer>(DEFERRED_FREE_QUEUE);
+        std::thread::Builder::new()
+            .name("dtensor-free".into())
+            .spawn(move || receiver.into_iter().for_each(drop))
+            .ok()
+            .map(|_| sender)
+    });
+    if let Some(freer) = freer {
+        // A full queue (or a thread that is gone) gives the buffer back: it drops here.
+        let _ = freer.try_send(buffer);
+    }
+}
 
 /// Idle collective send buffers, reused by exact (dtype, length).
 #[derive(Debug, Default)]
@@ -54,23 +91,39 @@ impl WirePool {
         }
     }
 
-    /// Keeps a send buffer that a collective handed back, within the pool's limits.
+    /// Keeps a send buffer that a collective handed back, within the pool's limits. A lent
+    /// buffer whose owner still holds the memory is let go: it is the owner's tensor, not
+    /// spare memory.
     pub(crate) fn give(&self, buffer: Buffer) {
         let Ok(buffer) = buffer.into_host() else {
             return;
         };
-        if buffer.is_empty() {
+        if buffer.is_empty() || buffer.is_shared() {
             return;
         }
         let mut idle = self.idle.lock().unwrap_or_else(PoisonError::into_inner);
         let held: usize = idle.iter().map(WireBuffer::byte_len).sum();
         if held + buffer.byte_len() > MAX_POOLED_BYTES {
+            drop(idle);
+            release(buffer);
             return;
         }
-        if idle.len() == MAX_POOLED {
-            idle.remove(0);
-        }
+        let evicted = (idle.len() == MAX_POOLED).then(|| idle.remove(0));
         idle.push(buffer);
+        drop(idle);
+        if let Some(evicted) = evicted {
+            release(evicted);
+        }
+    }
+
+    /// Keeps the memory of a local tensor that a consuming redistribute has used up (its
+    /// values were copied into a send buffer), when nobody else views it; otherwise the
+    /// tensor is simply dropped.
+    pub(crate) fn retire(&self, tensor: Tensor) -> Result<()> {
+        if let Ok(buffer) = reclaim_buffer(tensor)? {
+            self.give(buffer);
+        }
+        Ok(())
     }
 
     /// Frees every idle buffer; returns the bytes freed.
@@ -110,16 +163,38 @@ fn with_bytes<R>(tensor: &Tensor, f: impl FnOnce(&[u8]) -> R) -> Result<R> {
     })
 }
 
+/// What the collective does with its send buffer, which decides whether it may be lent.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum InputUse {
+    /// The op only reads its input (all-gather, reduce-scatter): a copy-on-write share of
+    /// the tensor's memory serves without a copy.
+    ReadOnly,
+    /// The op works in place on its buffer (all-reduce): a share would be copied on the
+    /// first write, so a pooled buffer is filled instead.
+    InPlace,
+}
+
 /// A send buffer of `len` elements holding `tensor`'s elements (row-major) and then zeros.
 ///
-/// When no padding is needed and `tensor` is the sole owner of collective memory (see
-/// [`reclaim_buffer`]), that memory is the buffer and nothing is copied.
-pub(crate) fn pack_whole(pool: &WirePool, tensor: Tensor, len: usize) -> Result<Buffer> {
+/// When no padding is needed, the tensor's own collective memory is moved ([`reclaim_buffer`])
+/// or, for a read-only use, lent ([`lend_buffer`]); only otherwise is it copied.
+pub(crate) fn pack_whole(
+    pool: &WirePool,
+    tensor: Tensor,
+    len: usize,
+    usage: InputUse,
+) -> Result<Buffer> {
     let tensor = if len == tensor.numel() {
-        match reclaim_buffer(tensor)? {
+        let tensor = match reclaim_buffer(tensor)? {
             Ok(buffer) => return Ok(buffer),
             Err(tensor) => tensor,
+        };
+        if usage == InputUse::ReadOnly
+            && let Some(lent) = lend_buffer(&tensor)
+        {
+            return Ok(lent);
         }
+        tensor
     } else {
         tensor
     };
@@ -135,7 +210,7 @@ pub(crate) fn pack_whole(pool: &WirePool, tensor: Tensor, len: usize) -> Result<
 }
 
 /// A send buffer holding the dim-major tensor `major` followed by zeros up to `rows` rows of
-/// its leading dim.
+/// its leading dim, for an op that only reads it (moved or lent when no padding is needed).
 pub(crate) fn pack_padded(pool: &WirePool, major: Tensor, rows: usize) -> Result<Buffer> {
     let held = major.shape().first().copied().unwrap_or(1);
     let row_elems: usize = major.shape().iter().skip(1).product();
@@ -150,7 +225,7 @@ pub(crate) fn pack_padded(pool: &WirePool, major: Tensor, rows: usize) -> Result
         }
         return staging_into_buffer(staging);
     }
-    pack_whole(pool, major, rows * row_elems)
+    pack_whole(pool, major, rows * row_elems, InputUse::ReadOnly)
 }
 
 /// The geometry of an all-to-all send buffer: `peers` blocks of `[from_chunk, to_chunk, rest]`
@@ -242,16 +317,59 @@ mod tests {
         let owned = crate::bridge::staging_tensor(&[2, 2], DType::F32)?;
         owned.copy_from(&t)?;
         let address = owned.with_data(|xs: &[f32]| xs.as_ptr() as usize)?;
-        let whole = pack_whole(&pool, owned, 4)?;
+        let whole = pack_whole(&pool, owned, 4, InputUse::InPlace)?;
         assert_eq!(whole.as_host()?.as_bytes().as_ptr() as usize, address);
         assert_eq!(whole.as_slice::<f32>()?, &[1.0, 2.0, 3.0, 4.0]);
-        // A shared view is copied, leaving the other view intact.
+        // A shared view is copied for an in-place op, leaving the other view intact.
         let shared = crate::bridge::staging_tensor(&[2, 2], DType::F32)?;
         shared.copy_from(&t)?;
-        let copied = pack_whole(&pool, shared.clone(), 4)?;
+        let copied = pack_whole(&pool, shared.clone(), 4, InputUse::InPlace)?;
         assert_eq!(copied.as_slice::<f32>()?, &[1.0, 2.0, 3.0, 4.0]);
-        assert_eq!(shared.to_vec::<f32>()?, vec![1.0, 2.0, 3.0, 4.0]);
+        assert_ne!(
+            copied.as_host()?.as_bytes().as_ptr(),
+            shared_address(&shared)?
+        );
+        // For a read-only op it is lent: the same memory, and the view keeps it.
+        let lent = pack_padded(&pool, shared.clone(), 2)?;
+        assert_eq!(
+            lent.as_host()?.as_bytes().as_ptr(),
+            shared_address(&shared)?
+        );
+        assert!(lent.as_host()?.is_shared());
+        // A write to the view while lent goes to a private copy: the share keeps the values
+        // it was lent with, and the pool does not keep a share that the view still holds.
+        shared.fill_(5.0)?;
+        assert_eq!(lent.as_slice::<f32>()?, &[1.0, 2.0, 3.0, 4.0]);
+        assert_eq!(shared.to_vec::<f32>()?, vec![5.0; 4]);
+        assert_ne!(
+            lent.as_host()?.as_bytes().as_ptr(),
+            shared_address(&shared)?
+        );
+        let idle = pool.idle();
+        let again = pack_padded(&pool, shared.clone(), 2)?;
+        pool.give(again);
+        assert_eq!(
+            pool.idle(),
+            idle,
+            "a share the tensor still holds is not pooled"
+        );
+        // Padding, or memory that is not collective memory, is copied even for a read.
+        assert_ne!(
+            pack_padded(&pool, shared.clone(), 3)?
+                .as_host()?
+                .as_bytes()
+                .as_ptr(),
+            shared_address(&shared)?
+        );
+        let plain = Tensor::from_vec(vec![1.0f32, 2.0, 3.0, 4.0], &[2, 2])?;
+        let from_plain = pack_padded(&pool, plain.clone(), 2)?;
+        assert!(!from_plain.as_host()?.is_shared());
+        assert_eq!(from_plain.as_slice::<f32>()?, &[1.0, 2.0, 3.0, 4.0]);
         Ok(())
+    }
+
+    fn shared_address(tensor: &Tensor) -> Result<*const u8> {
+        Ok(tensor.with_data(|xs: &[f32]| xs.as_ptr().cast::<u8>())?)
     }
 
     #[test]
@@ -282,6 +400,29 @@ mod tests {
         let strided = Tensor::from_vec(columns, &[5, 2])?.transpose(0, 1)?;
         assert!(!strided.is_contiguous());
         assert_eq!(pack_all_to_all(&pool, &strided, &layout)?, fresh);
+        Ok(())
+    }
+
+    #[test]
+    fn large_buffers_past_the_limits_are_freed_off_thread_and_used_up_tensors_retired() -> Result<()>
+    {
+        let pool = WirePool::default();
+        let large = MAX_POOLED_BYTES / 2 - 4096;
+        for _ in 0..3 {
+            pool.give(Buffer::zeros(WireDType::U8, large));
+        }
+        // Two fit under the byte limit; the third went to the background thread.
+        assert_eq!(pool.idle(), 2);
+        // A used-up tensor in collective memory is kept; a shared one or plain memory is not.
+        let used = crate::bridge::staging_tensor(&[16], DType::F32)?;
+        let view = used.clone();
+        pool.retire(used)?;
+        assert_eq!(pool.idle(), 2);
+        pool.retire(view)?;
+        assert_eq!(pool.idle(), 3);
+        pool.retire(Tensor::zeros(&[16], DType::F32)?)?;
+        assert_eq!(pool.idle(), 3);
+        assert_eq!(pool.clear(), 2 * large + 64);
         Ok(())
     }
 

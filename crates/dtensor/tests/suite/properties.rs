@@ -100,6 +100,8 @@ struct Done {
     dst_full: Snapshot,
     back_local: Snapshot,
     back_full: Snapshot,
+    borrowed_back_local: Snapshot,
+    source_after: Snapshot,
 }
 
 #[derive(Debug)]
@@ -125,6 +127,10 @@ fn run_case(case: &Case) -> Vec<Outcome> {
         let plan = x.plan_to(&case.dst)?.collectives();
         let dst_full = Snapshot::of(&y.full_tensor()?);
         let dst_local = Snapshot::of(y.to_local());
+        // Borrowing from collective memory: lent to the collectives where no padding is
+        // needed, copied where it is; either way `y` must be left as it was.
+        let borrowed_back = y.redistribute(&case.src)?;
+        let source_after = Snapshot::of(y.to_local());
         // Consuming: buffers that came out of collectives go back into them uncopied.
         let back = y.into_redistribute(&case.src)?;
         Ok(Outcome::Done(Box::new(Done {
@@ -135,6 +141,8 @@ fn run_case(case: &Case) -> Vec<Outcome> {
             dst_full,
             back_local: Snapshot::of(back.to_local()),
             back_full: Snapshot::of(&back.full_tensor()?),
+            borrowed_back_local: Snapshot::of(borrowed_back.to_local()),
+            source_after,
         })))
     })
 }
@@ -155,7 +163,9 @@ proptest! {
                 continue;
             };
             prop_assert!(!partial_change);
-            let Done { coordinate, plan, counts, dst_local, dst_full, back_local, back_full } = *done;
+            let Done { coordinate, plan, counts, dst_local, dst_full, back_local, back_full, borrowed_back_local, source_after } = *done;
+            prop_assert_eq!(&source_after, &dst_local, "a borrowing redistribute changed its source {:?}", case);
+            prop_assert_eq!(&borrowed_back_local, &back_local, "borrowing vs consuming round trip {:?}", case);
             prop_assert_eq!(&dst_full, &full, "full tensor after {:?}", case);
             prop_assert_eq!(&back_full, &full, "full tensor after the round trip {:?}", case);
             // Local shards are the torch.chunk blocks.

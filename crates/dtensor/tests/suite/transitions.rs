@@ -327,15 +327,55 @@ fn consuming_redistributes_chain_and_borrowing_ones_leave_the_source_alone() {
 }
 
 #[test]
-fn send_buffers_are_kept_for_reuse_and_can_be_released() {
+fn send_buffers_are_lent_or_kept_for_reuse_and_can_be_released() {
     let out = on_mesh(&[2], &[], |ctx| {
-        let full = full_tensor(&[6, 2]);
+        // 5 rows on 2 ranks: 3 and 2. Rank 0's shard came out of the scatter (collective
+        // memory) and needs no padding: it is lent to the all-gather and nothing is pooled.
+        // Rank 1's is padded to 3 rows, so it is copied into a 3 x 2 f64 send buffer that
+        // comes back to the pool (and is reused by the second redistribute).
+        let full = full_tensor(&[5, 2]);
         let x = DTensor::distribute_local(&full, &ctx.mesh, &[S0])?;
-        // The 3 x 2 f64 send buffer of the all-gather comes back to the pool.
-        x.redistribute(&[R])?;
-        x.redistribute(&[R])?;
+        let first = x.redistribute(&[R])?;
+        let second = x.redistribute(&[R])?;
+        let gathered = Snapshot::of(first.to_local()) == Snapshot::of(&full)
+            && Snapshot::of(second.to_local()) == Snapshot::of(&full);
         let freed = ctx.mesh.release_buffers();
-        Ok((freed, ctx.mesh.release_buffers()))
+        Ok((gathered, freed, ctx.mesh.release_buffers()))
     });
-    assert_eq!(out, vec![(48, 0); 2]);
+    assert_eq!(out, vec![(true, 0, 0), (true, 48, 0)]);
+}
+
+#[test]
+fn a_lent_source_written_during_the_collective_keeps_its_write_and_sends_its_old_values() {
+    use hypershard_dtensor::DType;
+    let out = on_mesh(&[2], &[], |ctx| {
+        // Factory tensors live in collective memory: a borrowing redistribute lends them to
+        // the reduce-scatter / all-gather (nothing is copied into a pooled send buffer).
+        let p = DTensor::ones(&ctx.mesh, &[4, 3], DType::F32, &[PSUM])?;
+        let s = DTensor::full(&ctx.mesh, &[4, 3], 2.0, DType::F32, &[S0])?;
+        p.redistribute(&[S0])?;
+        s.redistribute(&[R])?;
+        let pooled = ctx.mesh.release_buffers();
+        let scatter = p.redistribute_async(&[S0])?;
+        let gather = s.redistribute_async(&[R])?;
+        // Writes while lent (the collectives may or may not have finished) go to private
+        // copies: the sources change, the collectives send the values at the call.
+        p.to_local().fill_(5.0)?;
+        s.to_local().fill_(7.0)?;
+        let scattered = scatter.wait()?.to_local().to_vec::<f32>()?;
+        let gathered = gather.wait()?.to_local().to_vec::<f32>()?;
+        let sources = (p.to_local().to_vec::<f32>()?, s.to_local().to_vec::<f32>()?);
+        Ok((scattered, gathered, sources, pooled))
+    });
+    for (scattered, gathered, (p, s), pooled) in out {
+        // A factory's values do not depend on the layout: the global tensor is all ones.
+        assert_eq!(scattered, vec![1.0; 6]);
+        assert_eq!(gathered, vec![2.0; 12]);
+        assert_eq!(
+            (p, s),
+            (vec![5.0; 12], vec![7.0; 6]),
+            "the writes stay in the sources"
+        );
+        assert_eq!(pooled, 0, "lent, not copied into a pooled send buffer");
+    }
 }
