@@ -47,6 +47,14 @@ pub const SLOT_HEADER_BYTES: usize = 48;
 /// Payloads are padded to a multiple of this many bytes.
 pub const PAYLOAD_ALIGN: usize = 16;
 
+/// The bytes a side waits for before it copies (free space for the producer, published
+/// data for the consumer, or the rest of the message if less): large enough that the
+/// wake-ups and position updates cost nothing next to the copy, small enough that the two
+/// sides overlap (the consumer copies one chunk out while the producer fills the next).
+fn chunk_goal(capacity: usize) -> usize {
+    capacity / 4
+}
+
 /// How long a receiver holds the consumer lock waiting for a header before letting other
 /// receivers of the same peer at the ring.
 const HOLD_SLICE: Duration = Duration::from_millis(5);
@@ -332,7 +340,7 @@ impl ShmPeer {
         }
         tx.publish();
         let total = padded(payload.len());
-        let goal = (tx.capacity() / 4).max(PAYLOAD_ALIGN);
+        let goal = chunk_goal(tx.capacity()).max(PAYLOAD_ALIGN);
         let mut done = 0;
         while done < total {
             let step = self.wait_space(&tx, (total - done).min(goal), watch, stall);
@@ -627,7 +635,7 @@ impl ShmPeer {
         let len = usize::try_from(header.payload_bytes).unwrap_or(usize::MAX);
         let mut failure = sink.accept(&header).err();
         let granule = sink.granule(&header).max(1);
-        let goal = (rx.capacity() / 4).max(granule);
+        let goal = chunk_goal(rx.capacity()).max(granule);
         let mut done = 0;
         while done < len {
             let want = (len - done).min(goal).max(granule.min(len - done));

@@ -69,7 +69,7 @@ pub(crate) struct Control {
 /// The bytes before the data area.
 pub const CONTROL_BYTES: usize = std::mem::size_of::<Control>();
 
-const _: () = assert!(CONTROL_BYTES % CAPACITY_ALIGN == 0);
+const _: () = assert!(CONTROL_BYTES.is_multiple_of(CAPACITY_ALIGN));
 
 /// `bytes` rounded up to a valid data capacity (a multiple of [`CAPACITY_ALIGN`], at least
 /// [`MIN_CAPACITY`]).

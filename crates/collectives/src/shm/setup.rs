@@ -26,6 +26,9 @@ use super::segment::{self, Segment};
 use crate::error::{Error, IoAction, Result};
 use crate::store::Store;
 
+/// A segment this rank created for its ring to one peer, and its name.
+type Created = (Arc<Segment>, PathBuf);
+
 /// What [`establish`] needs.
 #[derive(Clone, Copy)]
 pub struct ShmSetup<'a> {
@@ -111,7 +114,7 @@ pub fn establish(setup: &ShmSetup<'_>) -> Result<Option<ShmLinks>> {
     segment::sweep_stale(setup.dir);
 
     // Step 2: my outgoing segments.
-    let mut outgoing: Vec<(usize, Option<(Arc<Segment>, PathBuf)>)> = Vec::new();
+    let mut outgoing: Vec<(usize, Option<Created>)> = Vec::new();
     let mut first_error = None;
     for &peer in &partners {
         let path = segment::segment_path(setup.dir, me, peer);

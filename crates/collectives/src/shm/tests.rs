@@ -121,7 +121,7 @@ fn messages_larger_than_the_ring_arrive_whole_and_are_delivered_by_key() {
                 bytes: Vec::new(),
                 granule: 1,
             };
-            let got = rank1.recv(from_zero, key, &watch, &mut sink).unwrap();
+            let got = from_zero.recv(key, &watch, &mut sink).unwrap();
             let len = got.payload_bytes as usize;
             sink.granule = got.dtype.size_bytes();
             assert_eq!(sink.bytes, formula(seq, len), "seq {seq}");

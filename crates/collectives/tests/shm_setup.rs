@@ -1,0 +1,146 @@
+//! The shared-memory transport inside one process (ranks as threads meeting through one
+//! [`MemoryStore`]): which pairs get shared memory under each policy, split groups over the
+//! world's channels (group ranks that are not world ranks), and two groups driving the same
+//! channel at once from their own progress threads (the stash and post paths across threads).
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use hypershard_collectives::shm::TransportPolicy;
+use hypershard_collectives::tcp::{TcpCommunicator, TcpConfig};
+use hypershard_collectives::{Buffer, CommConfig, Communicator, MemoryStore, ReduceOp, Store};
+use hypershard_testkit::run_ranks;
+
+/// Small segments and rings: every op crosses many segments and wraps its rings.
+fn config(policy: TransportPolicy) -> TcpConfig {
+    TcpConfig::default()
+        .with_segment_bytes(512)
+        .with_shm_ring_bytes(2048)
+        .with_transport(policy)
+        .with_rendezvous_timeout(Duration::from_secs(20))
+}
+
+/// A world of `policies.len()` ranks, rank `r` under `policies[r]`. An explicit
+/// `HYPERSHARD_TRANSPORT` in the environment would override the policies, so these tests
+/// run only when it is unset (the process tests cover the variable).
+fn world(policies: &[TransportPolicy]) -> Option<Vec<Arc<TcpCommunicator>>> {
+    if std::env::var_os(hypershard_collectives::shm::TRANSPORT_ENV).is_some() {
+        eprintln!("HYPERSHARD_TRANSPORT is set; the policy tests need it unset");
+        return None;
+    }
+    let store: Arc<dyn Store> = Arc::new(MemoryStore::new());
+    let size = policies.len();
+    let policies = policies.to_vec();
+    let comm_config = CommConfig::default().with_timeout(Duration::from_secs(20));
+    Some(
+        run_ranks(size, move |rank| {
+            TcpCommunicator::connect(
+                store.as_ref(),
+                rank,
+                size,
+                &config(policies[rank]),
+                comm_config.clone(),
+            )
+            .map(Arc::new)
+        })
+        .unwrap(),
+    )
+}
+
+/// All-reduces `n` f32 where rank r contributes `r + i`, on every communicator at once, and
+/// checks the sum `size * i + size (size - 1) / 2`.
+fn check_all_reduce(comms: &[Arc<dyn Communicator>], n: usize) {
+    let size = comms.len();
+    let works: Vec<_> = comms
+        .iter()
+        .map(|comm| {
+            let values: Vec<f32> = (0..n).map(|i| (comm.rank() + i) as f32).collect();
+            comm.all_reduce_async(Buffer::from_vec(values), ReduceOp::Sum)
+        })
+        .collect();
+    let offset = (size * (size - 1) / 2) as f32;
+    for work in works {
+        let sum = work.wait().unwrap().into_vec::<f32>().unwrap();
+        assert!(
+            (0..n).all(|i| sum[i] == (size * i) as f32 + offset),
+            "wrong sum"
+        );
+    }
+}
+
+fn dyn_comms(comms: &[Arc<TcpCommunicator>]) -> Vec<Arc<dyn Communicator>> {
+    comms
+        .iter()
+        .map(|c| Arc::clone(c) as Arc<dyn Communicator>)
+        .collect()
+}
+
+#[test]
+fn auto_and_shm_connect_every_co_located_pair_and_tcp_none() {
+    let Some(shm) = world(&[
+        TransportPolicy::Auto,
+        TransportPolicy::Shm,
+        TransportPolicy::Auto,
+    ]) else {
+        return;
+    };
+    for comm in &shm {
+        let others: Vec<usize> = (0..3).filter(|&p| p != comm.rank()).collect();
+        assert_eq!(comm.shm_peers(), others);
+    }
+    check_all_reduce(&dyn_comms(&shm), 10_000);
+    // A rank that says tcp keeps every pair it is in on TCP; the others still pair up.
+    let Some(mixed) = world(&[
+        TransportPolicy::Tcp,
+        TransportPolicy::Auto,
+        TransportPolicy::Auto,
+    ]) else {
+        return;
+    };
+    assert_eq!(mixed[0].shm_peers(), Vec::<usize>::new());
+    assert_eq!(mixed[1].shm_peers(), vec![2]);
+    assert_eq!(mixed[2].shm_peers(), vec![1]);
+    check_all_reduce(&dyn_comms(&mixed), 10_000);
+    let Some(tcp) = world(&[TransportPolicy::Tcp, TransportPolicy::Tcp]) else {
+        return;
+    };
+    assert!(tcp.iter().all(|c| c.shm_peers().is_empty()));
+}
+
+#[test]
+fn split_groups_and_concurrent_groups_share_the_worlds_channels() {
+    let Some(world) = world(&[TransportPolicy::Shm; 3]) else {
+        return;
+    };
+    let world = dyn_comms(&world);
+    // Ranks 0 and 2 form a group (group rank 1 is world rank 2); rank 1 is alone.
+    let children: Vec<Arc<dyn Communicator>> = run_ranks(3, {
+        let world = world.clone();
+        move |rank| {
+            let color = if rank == 1 { 1 } else { 0 };
+            world[rank]
+                .split(Some(color), 0)
+                .map(|child| child.expect("every rank has a color"))
+        }
+    })
+    .unwrap();
+    let pair = vec![Arc::clone(&children[0]), Arc::clone(&children[2])];
+    check_all_reduce(&pair, 5_000);
+    // The world and the pair all-reduce at the same time: ranks 0 and 2 drive their shared
+    // channel from two progress threads, so messages of one group arrive while the other
+    // reads (the stash) and land in each other's posts only on the posting thread.
+    for _ in 0..3 {
+        let world_works: Vec<_> = world
+            .iter()
+            .map(|comm| {
+                let values: Vec<f32> = (0..20_000).map(|i| (comm.rank() * 7 + i) as f32).collect();
+                comm.all_reduce_async(Buffer::from_vec(values), ReduceOp::Sum)
+            })
+            .collect();
+        check_all_reduce(&pair, 20_000);
+        for work in world_works {
+            let sum = work.wait().unwrap().into_vec::<f32>().unwrap();
+            assert!((0..20_000).all(|i| sum[i] == (3 * i + 21) as f32));
+        }
+    }
+}
