@@ -2,8 +2,14 @@
 //! that moves the same bytes, on the `tcp` backend.
 //!
 //! ```text
-//! bench-dtensor [--world 2,4] [--mib 64] [--reps 7] [--warmup 2]
+//! bench-dtensor [--world 2,4] [--mib 64] [--reps 7] [--warmup 2] [--rounds 1]
+//!               [--transitions S0-R,P-S0,S0-S1] [--quick]
 //! ```
+//!
+//! `--rounds N` repeats the whole measurement N times in one sitting (fresh communicators
+//! each round) and prints every round's ratios, so the spread on a shared machine shows;
+//! each round records the load average when it starts. `--quick` is a smoke run for CI
+//! (world 2, 1 MiB, 1 warm-up, 2 repetitions, one round; no timing claims).
 //!
 //! Transitions (f32, a global `[rows, cols]` tensor of `--mib` MiB, 1-d mesh over the world):
 //! - `S(0) -> R` against one all-gather of the shards (input: this rank's shard, output: the
@@ -50,6 +56,8 @@ struct Args {
     mib: usize,
     reps: usize,
     warmup: usize,
+    rounds: usize,
+    transitions: Vec<Transition>,
 }
 
 fn parse_args() -> Result<Args, String> {
@@ -58,9 +66,19 @@ fn parse_args() -> Result<Args, String> {
         mib: 64,
         reps: 7,
         warmup: 2,
+        rounds: 1,
+        transitions: Transition::ALL.to_vec(),
     };
     let mut it = std::env::args().skip(1);
     while let Some(flag) = it.next() {
+        if flag == "--quick" {
+            args.worlds = vec![2];
+            args.mib = 1;
+            args.reps = 2;
+            args.warmup = 1;
+            args.rounds = 1;
+            continue;
+        }
         let mut value = || it.next().ok_or(format!("{flag} needs a value"));
         let number = |s: String| s.parse::<usize>().map_err(|e| format!("{s}: {e}"));
         match flag.as_str() {
@@ -73,6 +91,18 @@ fn parse_args() -> Result<Args, String> {
             "--mib" => args.mib = number(value()?)?,
             "--reps" => args.reps = number(value()?)?.max(1),
             "--warmup" => args.warmup = number(value()?)?,
+            "--rounds" => args.rounds = number(value()?)?.max(1),
+            "--transitions" => {
+                args.transitions = value()?
+                    .split(',')
+                    .map(|name| {
+                        Transition::ALL
+                            .into_iter()
+                            .find(|t| t.flag() == name)
+                            .ok_or(format!("unknown transition {name} (S0-R, P-S0, S0-S1)"))
+                    })
+                    .collect::<Result<_, _>>()?
+            }
             other => return Err(format!("unknown flag {other}")),
         }
     }
@@ -92,6 +122,14 @@ impl Transition {
         Transition::PartialToShard,
         Transition::ShardToShard,
     ];
+
+    fn flag(self) -> &'static str {
+        match self {
+            Transition::ShardToReplicate => "S0-R",
+            Transition::PartialToShard => "P-S0",
+            Transition::ShardToShard => "S0-S1",
+        }
+    }
 
     fn name(self) -> &'static str {
         match self {
@@ -120,6 +158,9 @@ impl Transition {
 
 #[derive(Debug, Clone, serde::Serialize)]
 struct Row {
+    round: usize,
+    /// The 1-minute load average when the round started (`/proc/loadavg`).
+    load_1m: Option<f64>,
     world: usize,
     transition: &'static str,
     collective: &'static str,
@@ -258,7 +299,24 @@ fn rank_main(
     Ok(samples)
 }
 
-fn bench_world(world: usize, args: &Args) -> Result<Vec<Row>, String> {
+/// The 1-minute load average, where the OS reports one.
+fn load_1m() -> Option<f64> {
+    std::fs::read_to_string("/proc/loadavg")
+        .ok()?
+        .split_whitespace()
+        .next()?
+        .parse()
+        .ok()
+}
+
+/// Which round of how many, and the load when it started.
+#[derive(Debug, Clone, Copy)]
+struct Round {
+    index: usize,
+    load_1m: Option<f64>,
+}
+
+fn bench_world(world: usize, args: &Args, round: Round) -> Result<Vec<Row>, String> {
     let elements = args.mib * (1 << 20) / 4;
     let side = (elements as f64).sqrt() as usize;
     // A power-of-two square for the default size: divisible by every world size benchmarked.
@@ -279,7 +337,7 @@ fn bench_world(world: usize, args: &Args) -> Result<Vec<Row>, String> {
             std::thread::spawn(move || -> Result<Vec<Samples>, String> {
                 let mesh = init_process_mesh(comm, &[world], &["x"]).map_err(|e| e.to_string())?;
                 start.wait();
-                Transition::ALL
+                args.transitions
                     .iter()
                     .map(|&t| rank_main(&mesh, t, &shape, &args))
                     .collect()
@@ -293,7 +351,7 @@ fn bench_world(world: usize, args: &Args) -> Result<Vec<Row>, String> {
     // Every rank holds the same max-over-ranks timings; rank 0's are reported.
     let rank0 = per_rank.swap_remove(0);
     let bytes = shape.iter().product::<usize>() * 4;
-    Transition::ALL
+    args.transitions
         .iter()
         .zip(rank0)
         .map(|(&t, [bare, bare_copy, dtensor, by_value])| {
@@ -302,6 +360,8 @@ fn bench_world(world: usize, args: &Args) -> Result<Vec<Row>, String> {
             let dtensor = TimingStats::from_samples(&dtensor).ok_or("no samples")?;
             let dtensor_by_value = TimingStats::from_samples(&by_value).ok_or("no samples")?;
             Ok(Row {
+                round: round.index,
+                load_1m: round.load_1m,
                 world,
                 transition: t.name(),
                 collective: t.collective(),
@@ -328,24 +388,33 @@ fn main() -> ExitCode {
         }
     };
     let mut rows = Vec::new();
-    for &world in &args.worlds {
-        match bench_world(world, &args) {
-            Ok(mut r) => rows.append(&mut r),
-            Err(e) => {
-                eprintln!("bench-dtensor: world {world}: {e}");
-                return ExitCode::FAILURE;
+    for index in 1..=args.rounds {
+        let round = Round {
+            index,
+            load_1m: load_1m(),
+        };
+        for &world in &args.worlds {
+            match bench_world(world, &args, round) {
+                Ok(mut r) => rows.append(&mut r),
+                Err(e) => {
+                    eprintln!("bench-dtensor: world {world}: {e}");
+                    return ExitCode::FAILURE;
+                }
             }
         }
     }
     println!(
-        "| world | transition | bare collective | MiB | bare (ms) | bare + input copy (ms) | `redistribute` (ms) | vs bare | `into_redistribute` (ms) | vs bare |"
+        "| round | load | world | transition | bare collective | MiB | bare (ms) | bare + input copy (ms) | `redistribute` (ms) | vs bare | `into_redistribute` (ms) | vs bare |"
     );
     println!(
-        "|------:|------------|-----------------|----:|----------:|-----------------------:|--------------------:|--------:|-------------------------:|--------:|"
+        "|------:|-----:|------:|------------|-----------------|----:|----------:|-----------------------:|--------------------:|--------:|-------------------------:|--------:|"
     );
     for row in &rows {
+        let load = row.load_1m.map_or("?".to_string(), |l| format!("{l:.1}"));
         println!(
-            "| {} | `{}` | {} | {} | {:.1} | {:.1} | {:.1} | {:+.1}% | {:.1} | {:+.1}% |",
+            "| {} | {} | {} | `{}` | {} | {} | {:.1} | {:.1} | {:.1} | {:+.1}% | {:.1} | {:+.1}% |",
+            row.round,
+            load,
             row.world,
             row.transition,
             row.collective,
