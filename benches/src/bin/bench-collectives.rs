@@ -8,8 +8,11 @@
 //!                   [--target-s 2.0] [--warmup 5] [--min-iters 7] [--max-iters 200]
 //!                   [--segment-bytes N] [--all-reduce auto|ring|doubling|halving-doubling]
 //!                   [--small-all-reduce-bytes N] [--broadcast auto|chain|tree]
-//!                   [--gloo gloo.csv]
+//!                   [--gloo gloo.csv] [--quick]
 //! ```
+//!
+//! `--quick` is the CI smoke: world 2, 4 KiB and 64 KiB, one warm-up and at most two timed
+//! iterations per cell (a few seconds; flags after it override its choices).
 //!
 //! Conventions (the same as `bench_gloo.py`): `bytes` is the tensor size of all-reduce and
 //! broadcast, the OUTPUT size of all-gather (each rank contributes `bytes / n`) and the INPUT
@@ -35,6 +38,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use hypershard_benches::{TimingStats, bench_output_dir};
+use hypershard_collectives::shm::TransportPolicy;
 use hypershard_collectives::tcp::{
     AllReduceAlgorithm, BroadcastAlgorithm, TcpConfig, init_from_env,
 };
@@ -232,6 +236,28 @@ fn parse_args(raw: Vec<String>) -> Result<Options, String> {
                 options.tcp = options.tcp.with_broadcast(algorithm);
             }
             "--gloo" => options.gloo_csv = Some(PathBuf::from(value()?)),
+            // The CI smoke (`cargo xtask bench --quick`): world 2, two tiny sizes, one warm-up
+            // and at most two timed iterations per cell, a few seconds in all; the numbers
+            // mean nothing, the run checks that every op still works. Later flags override.
+            "--quick" => {
+                options.worlds = vec![2];
+                options.sizes = vec![4 << 10, 64 << 10];
+                options.warmup = 1;
+                options.min_iters = 1;
+                options.max_iters = 2;
+                options.target_s = 0.001;
+            }
+            // The shared-memory transport for co-located ranks (docs/shm.md); rank processes
+            // re-parse these flags, and HYPERSHARD_TRANSPORT still overrides them.
+            "--transport" => {
+                let text = value()?;
+                let policy = TransportPolicy::parse(&text)
+                    .ok_or_else(|| format!("unknown transport `{text}` (tcp, auto, shm)"))?;
+                options.tcp = options.tcp.with_transport(policy);
+            }
+            "--shm-ring-bytes" => {
+                options.tcp = options.tcp.with_shm_ring_bytes(parse_size(&value()?)?)
+            }
             other => return Err(format!("unknown argument `{other}`")),
         }
     }
@@ -408,7 +434,10 @@ fn run_rank(comm: &dyn Communicator, options: &Options) -> BenchResult<Vec<Row>>
             let algbw = bytes as f64 / stats.median_s / 1e9;
             let row = Row {
                 op: op.name().to_string(),
-                backend: options.backend.name().to_string(),
+                backend: match (options.backend, options.tcp.transport) {
+                    (Backend::Tcp, policy) if policy.wants_shm() => "tcp+shm".to_string(),
+                    _ => options.backend.name().to_string(),
+                },
                 ranks_as: match options.backend {
                     Backend::Tcp => "processes",
                     Backend::Local => "threads",

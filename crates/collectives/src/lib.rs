@@ -41,7 +41,9 @@ pub use dtype::{DType, Element};
 pub use engine::{AbortFlag, JobContext, JobSpec, ProgressEngine};
 pub use env::LaunchEnv;
 pub use error::{EnvExpectation, Error, IoAction, ProtocolViolation, Result};
-pub use op::{AllToAllCounts, Argument, BufferPair, BufferRole, OpKind, ReduceOp, block_offsets};
+pub use op::{
+    AllToAllCounts, Argument, BufferPair, BufferRole, Knob, OpKind, ReduceOp, block_offsets,
+};
 pub use store::{MemoryStore, PrefixStore, Store};
 pub use work::{Completer, WaitOutcome, Work};
 

@@ -193,15 +193,52 @@ pub enum Argument {
     ReduceOp,
     /// The per-rank counts of a `_v` op.
     Counts,
+    /// A knob of the backend's configuration that decides which algorithm runs or how it
+    /// cuts the data (the TCP backend's `TcpConfig`): ranks that disagree would run different
+    /// exchanges, so every op fails on every rank instead.
+    AlgorithmKnob(Knob),
+}
+
+/// A configuration knob every rank of a TCP group must set alike (see
+/// [`Argument::AlgorithmKnob`]).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+#[non_exhaustive]
+pub enum Knob {
+    /// `TcpConfig::segment_bytes`.
+    SegmentBytes,
+    /// `TcpConfig::all_reduce`.
+    AllReduceAlgorithm,
+    /// `TcpConfig::small_all_reduce_bytes`.
+    SmallAllReduceBytes,
+    /// `TcpConfig::halving_doubling_bytes`.
+    HalvingDoublingBytes,
+    /// `TcpConfig::broadcast`.
+    BroadcastAlgorithm,
+    /// `TcpConfig::tree_broadcast_bytes`.
+    TreeBroadcastBytes,
+}
+
+impl fmt::Display for Knob {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(match self {
+            Knob::SegmentBytes => "segment_bytes",
+            Knob::AllReduceAlgorithm => "all_reduce",
+            Knob::SmallAllReduceBytes => "small_all_reduce_bytes",
+            Knob::HalvingDoublingBytes => "halving_doubling_bytes",
+            Knob::BroadcastAlgorithm => "broadcast",
+            Knob::TreeBroadcastBytes => "tree_broadcast_bytes",
+        })
+    }
 }
 
 impl fmt::Display for Argument {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.write_str(match self {
-            Argument::Root => "root",
-            Argument::ReduceOp => "reduce op",
-            Argument::Counts => "counts",
-        })
+        match self {
+            Argument::Root => f.write_str("root"),
+            Argument::ReduceOp => f.write_str("reduce op"),
+            Argument::Counts => f.write_str("counts"),
+            Argument::AlgorithmKnob(knob) => write!(f, "TcpConfig::{knob} (algorithm knob)"),
+        }
     }
 }
 

@@ -229,6 +229,76 @@ fn cross_rank_disagreements_fail_every_rank_and_leave_the_comm_usable() {
     }
 }
 
+/// What the knob test changes on rank 1 only.
+type Tweak = fn(TcpConfig) -> TcpConfig;
+
+#[test]
+fn ranks_with_different_algorithm_knobs_fail_every_op_with_a_typed_error() {
+    use hypershard_collectives::{Argument, Knob};
+
+    const SIZE: usize = 3;
+    let tweaks: [(Knob, Tweak); 4] = [
+        (Knob::AllReduceAlgorithm, |c| {
+            c.with_all_reduce(AllReduceAlgorithm::Ring)
+        }),
+        (Knob::SegmentBytes, |c| {
+            c.with_segment_bytes(2 * SEGMENT_BYTES)
+        }),
+        (Knob::BroadcastAlgorithm, |c| {
+            c.with_broadcast(BroadcastAlgorithm::Chain)
+        }),
+        (Knob::SmallAllReduceBytes, |mut c| {
+            c.small_all_reduce_bytes = 1;
+            c
+        }),
+    ];
+    for (knob, tweak) in tweaks {
+        let store: Arc<dyn Store> = Arc::new(MemoryStore::new());
+        let base = TcpConfig::default()
+            .with_segment_bytes(SEGMENT_BYTES)
+            .with_rendezvous_timeout(Duration::from_secs(20));
+        let config = CommConfig::default().with_timeout(Duration::from_secs(20));
+        let started = Instant::now();
+        let outcomes = run_ranks(SIZE, move |rank| {
+            let tcp = if rank == 1 {
+                tweak(base.clone())
+            } else {
+                base.clone()
+            };
+            let comm = TcpCommunicator::connect(store.as_ref(), rank, SIZE, &tcp, config.clone())?;
+            let data: Vec<f32> = (0..4096).map(|i| (rank * 7 + i) as f32).collect();
+            let reduced = comm.all_reduce(Buffer::from_vec(data), ReduceOp::Sum);
+            let broadcast = comm.broadcast(Buffer::zeros(DType::F32, 4096), 0);
+            let gathered = comm.all_gather(
+                Buffer::zeros(DType::F32, 8),
+                Buffer::zeros(DType::F32, 8 * SIZE),
+            );
+            let expected = |result: &Result<_, Error>| {
+                matches!(
+                    result,
+                    Err(Error::ArgumentMismatch {
+                        argument: Argument::AlgorithmKnob(k),
+                        peer: 1,
+                        reference: 0,
+                        ..
+                    }) if *k == knob
+                )
+            };
+            Ok::<_, Error>([
+                expected(&reduced.map(|_| ())),
+                expected(&broadcast.map(|_| ())),
+                expected(&gathered.map(|_| ())),
+            ])
+        })
+        .unwrap();
+        for (rank, outcome) in outcomes.into_iter().enumerate() {
+            assert_eq!(outcome, [true; 3], "{knob}: rank {rank}");
+        }
+        // Phase 0 rejects the op on every rank, long before any deadline.
+        assert!(started.elapsed() < Duration::from_secs(10), "{knob}");
+    }
+}
+
 #[test]
 fn stray_clients_on_a_ranks_port_are_refused_and_the_world_still_works() {
     use std::io::{Read, Write};

@@ -16,6 +16,7 @@ use crate::dtype::DType;
 use crate::engine::JobContext;
 use crate::error::{Error, Result};
 use crate::op::{AllToAllCounts, OpKind, ReduceOp};
+use crate::tcp::descriptor::AlgorithmKnobs;
 
 /// What a rank tells the others about its call, compared across ranks in phase 0.
 #[derive(Debug)]
@@ -35,6 +36,8 @@ pub(crate) struct Desc {
     pub(crate) split: Option<(Option<u32>, i64)>,
     /// A local argument error of this rank, as its peers should report it.
     pub(crate) fault: Option<Error>,
+    /// The TCP backend's algorithm knobs (`None` on `local`, whose ranks share one config).
+    pub(crate) knobs: Option<AlgorithmKnobs>,
 }
 
 impl Desc {
@@ -49,6 +52,7 @@ impl Desc {
             a2a: None,
             split: None,
             fault: None,
+            knobs: None,
         }
     }
 }

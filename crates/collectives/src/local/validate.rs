@@ -126,6 +126,11 @@ pub(crate) fn validate(
         if desc.counts != reference.counts {
             return Err(mismatch(Argument::Counts));
         }
+        if let (Some(expected), Some(got)) = (reference.knobs, desc.knobs)
+            && let Some(knob) = expected.first_difference(&got)
+        {
+            return Err(mismatch(Argument::AlgorithmKnob(knob)));
+        }
     }
     // All-to-all-v: what rank i sends to rank j must be what rank j expects from rank i.
     for (i, sender) in descs.iter().enumerate() {

@@ -69,8 +69,11 @@ pub struct TcpConfig {
     /// segments of this size (rounded down to whole elements, at least one element), so a
     /// ring step forwards a segment while the next is still in flight. Defaults to 1 MiB.
     pub segment_bytes: usize,
-    /// Which all-reduce algorithm runs. Every rank must choose alike (the choice is not
-    /// checked across ranks; mixed choices fail the op with a timeout).
+    /// Which all-reduce algorithm runs. Every rank must choose alike: every op's descriptor
+    /// carries this and the other algorithm knobs (including `segment_bytes` and the size
+    /// thresholds), and ranks that differ fail every op on every rank with
+    /// [`Error::ArgumentMismatch`](crate::Error::ArgumentMismatch) naming
+    /// [`Argument::AlgorithmKnob`](crate::Argument::AlgorithmKnob).
     pub all_reduce: AllReduceAlgorithm,
     /// Under [`AllReduceAlgorithm::Auto`], all-reduces of at most this many bytes use
     /// recursive doubling.
@@ -78,7 +81,8 @@ pub struct TcpConfig {
     /// Under [`AllReduceAlgorithm::Auto`], all-reduces above `small_all_reduce_bytes` and of
     /// at most this many bytes use recursive halving-doubling; larger ones use the ring.
     pub halving_doubling_bytes: usize,
-    /// Which broadcast algorithm runs. Every rank must choose alike (not checked).
+    /// Which broadcast algorithm runs. Every rank must choose alike (checked like
+    /// [`TcpConfig::all_reduce`]).
     pub broadcast: BroadcastAlgorithm,
     /// Under [`BroadcastAlgorithm::Auto`], broadcasts of at most this many bytes use the
     /// binomial tree.

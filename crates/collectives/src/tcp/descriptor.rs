@@ -5,7 +5,8 @@
 //! Layout (little-endian): `op u8, dtype u8 (0xff = none), len opt-u64, root opt-u64,
 //! reduce u8 (0 = none, 1 + index in ReduceOp::ALL) with f64 factor for PreMulSum,
 //! counts opt-list, all-to-all counts opt-(list, list), split opt-(opt-u32, i64),
-//! fault u8 (0 = none) + fields`. An optional value is a presence byte (0 or 1) then the value;
+//! fault u8 (0 = none) + fields, knobs opt-(segment u64, all-reduce u8, small u64,
+//! halving u64, broadcast u8, tree u64)`. An optional value is a presence byte (0 or 1) then the value;
 //! a list is a u64 length then u64 items. Decoding is total: any malformed descriptor is an
 //! [`Error::Protocol`] with [`ProtocolViolation::BadDescriptor`] naming the byte offset.
 
@@ -13,7 +14,84 @@ use crate::buffer::BufferLocation;
 use crate::dtype::DType;
 use crate::error::{Error, ProtocolViolation, Result};
 use crate::local::group::Desc;
-use crate::op::{AllToAllCounts, BufferRole, OpKind, ReduceOp};
+use crate::op::{AllToAllCounts, BufferRole, Knob, OpKind, ReduceOp};
+use crate::tcp::communicator::Inner;
+use crate::tcp::config::{AllReduceAlgorithm, BroadcastAlgorithm};
+
+/// The knobs of a TCP group that decide which algorithm an op runs and how it cuts the data.
+/// Every descriptor carries them, so ranks configured differently get
+/// [`Argument::AlgorithmKnob`](crate::op::Argument::AlgorithmKnob) on every op instead of
+/// running mismatched exchanges (garbage or a timeout).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) struct AlgorithmKnobs {
+    segment_bytes: u64,
+    all_reduce: u8,
+    small_all_reduce_bytes: u64,
+    halving_doubling_bytes: u64,
+    broadcast: u8,
+    tree_broadcast_bytes: u64,
+}
+
+impl AlgorithmKnobs {
+    /// The knobs a group runs with.
+    pub(crate) fn of(inner: &Inner) -> AlgorithmKnobs {
+        AlgorithmKnobs {
+            segment_bytes: inner.segment_bytes as u64,
+            all_reduce: all_reduce_code(inner.all_reduce),
+            small_all_reduce_bytes: inner.small_all_reduce_bytes as u64,
+            halving_doubling_bytes: inner.halving_doubling_bytes as u64,
+            broadcast: broadcast_code(inner.broadcast),
+            tree_broadcast_bytes: inner.tree_broadcast_bytes as u64,
+        }
+    }
+
+    /// The first knob in which `other` differs from `self`, if any.
+    pub(crate) fn first_difference(&self, other: &AlgorithmKnobs) -> Option<Knob> {
+        let knobs = [
+            (
+                self.segment_bytes == other.segment_bytes,
+                Knob::SegmentBytes,
+            ),
+            (
+                self.all_reduce == other.all_reduce,
+                Knob::AllReduceAlgorithm,
+            ),
+            (
+                self.small_all_reduce_bytes == other.small_all_reduce_bytes,
+                Knob::SmallAllReduceBytes,
+            ),
+            (
+                self.halving_doubling_bytes == other.halving_doubling_bytes,
+                Knob::HalvingDoublingBytes,
+            ),
+            (self.broadcast == other.broadcast, Knob::BroadcastAlgorithm),
+            (
+                self.tree_broadcast_bytes == other.tree_broadcast_bytes,
+                Knob::TreeBroadcastBytes,
+            ),
+        ];
+        knobs
+            .into_iter()
+            .find_map(|(same, knob)| (!same).then_some(knob))
+    }
+}
+
+fn all_reduce_code(algorithm: AllReduceAlgorithm) -> u8 {
+    match algorithm {
+        AllReduceAlgorithm::Auto => 0,
+        AllReduceAlgorithm::Ring => 1,
+        AllReduceAlgorithm::RecursiveDoubling => 2,
+        AllReduceAlgorithm::HalvingDoubling => 3,
+    }
+}
+
+fn broadcast_code(algorithm: BroadcastAlgorithm) -> u8 {
+    match algorithm {
+        BroadcastAlgorithm::Auto => 0,
+        BroadcastAlgorithm::Chain => 1,
+        BroadcastAlgorithm::Tree => 2,
+    }
+}
 
 /// The backend name reported in [`Error::UnsupportedBuffer`] faults decoded from the wire.
 const BACKEND: &str = "tcp";
@@ -350,6 +428,18 @@ pub(crate) fn encode(desc: &Desc) -> Vec<u8> {
         }
     }
     write_fault(&mut w, desc.fault.as_ref());
+    match desc.knobs {
+        None => w.u8(0),
+        Some(knobs) => {
+            w.u8(1);
+            w.u64(knobs.segment_bytes);
+            w.u8(knobs.all_reduce);
+            w.u64(knobs.small_all_reduce_bytes);
+            w.u64(knobs.halving_doubling_bytes);
+            w.u8(knobs.broadcast);
+            w.u64(knobs.tree_broadcast_bytes);
+        }
+    }
     w.0
 }
 
@@ -374,6 +464,16 @@ pub(crate) fn decode(bytes: &[u8], peer: usize) -> Result<Desc> {
         desc.split = Some((color, r.u64()? as i64));
     }
     desc.fault = read_fault(&mut r, desc.op)?;
+    if r.flag()? {
+        desc.knobs = Some(AlgorithmKnobs {
+            segment_bytes: r.u64()?,
+            all_reduce: r.u8()?,
+            small_all_reduce_bytes: r.u64()?,
+            halving_doubling_bytes: r.u64()?,
+            broadcast: r.u8()?,
+            tree_broadcast_bytes: r.u64()?,
+        });
+    }
     if r.at != bytes.len() {
         return Err(r.bad());
     }
@@ -406,6 +506,14 @@ mod tests {
             recv: vec![4, 0],
         });
         desc.split = Some((Some(9), -5));
+        desc.knobs = Some(AlgorithmKnobs {
+            segment_bytes: 256,
+            all_reduce: 3,
+            small_all_reduce_bytes: 1 << 16,
+            halving_doubling_bytes: 4 << 20,
+            broadcast: 1,
+            tree_broadcast_bytes: 7,
+        });
         desc.fault = Some(Error::LengthMismatch {
             op: OpKind::AllToAllV,
             role: BufferRole::Peer { rank: 1 },

@@ -8,7 +8,7 @@ use super::communicator::Inner;
 use super::descriptor;
 use super::frame::{FrameHeader, FrameKind};
 use super::posted::{Lent, PostMode, PostTarget, PostedOutcome, PostedRecv};
-use super::transport::{MailboxKey, WaitBudget};
+use super::transport::{MailboxKey, Transport, WaitBudget, wait_error};
 use crate::dtype::DType;
 use crate::engine::JobContext;
 use crate::error::{Error, ProtocolViolation, Result};
@@ -16,6 +16,7 @@ use crate::local::group::{Desc, Post};
 use crate::local::ops::Faults;
 use crate::local::validate::{peer_view, validate};
 use crate::op::OpKind;
+use crate::shm::{Apply, ShmLinks, ShmPeer, Sink, Watch};
 
 /// What one [`Link::exchange`] step sends, and where it receives from.
 pub(crate) struct Exchange<'b> {
@@ -26,6 +27,105 @@ pub(crate) struct Exchange<'b> {
     pub(crate) dtype: DType,
     pub(crate) tag: u32,
     pub(crate) outgoing: &'b [u8],
+}
+
+/// What a shared-memory wait watches: the op's budget and the TCP transport's view of the
+/// peer (a killed rank's sockets close, so its loss shows here), plus aborts.
+struct LinkWatch<'t> {
+    transport: &'t Transport,
+    budget: &'t WaitBudget,
+}
+
+impl Watch for LinkWatch<'_> {
+    fn op(&self) -> OpKind {
+        self.budget.op
+    }
+
+    fn interrupted(&self, peer: usize) -> Option<Error> {
+        wait_error(&self.transport.shared.lock(), self.budget, peer)
+    }
+
+    fn refuses_send(&self, peer: usize) -> Option<Error> {
+        // A send is refused for an abort or a lost peer, never for the deadline (as on TCP).
+        let no_deadline = WaitBudget {
+            deadline: std::time::Instant::now() + std::time::Duration::from_secs(3600),
+            ..*self.budget
+        };
+        wait_error(&self.transport.shared.lock(), &no_deadline, peer)
+    }
+}
+
+/// Judges a shared-memory data message for a receive of `room` more bytes of `dtype` from
+/// group rank `peer` (world rank `world`) with the checks [`Link::recv_data`] makes on TCP.
+fn judge_segment(
+    op: OpKind,
+    peer: usize,
+    world: usize,
+    dtype: DType,
+    header: &FrameHeader,
+    room: usize,
+) -> Result<()> {
+    if header.dtype != dtype {
+        return Err(Error::DTypeMismatch {
+            op,
+            role: crate::op::BufferRole::Peer { rank: peer },
+            expected: dtype,
+            got: header.dtype,
+        });
+    }
+    let len = header.payload_bytes;
+    if len == 0 || len > room as u64 || !len.is_multiple_of(dtype.size_bytes() as u64) {
+        // The world rank: the caller maps transport-level errors back to group ranks.
+        return Err(Error::Protocol {
+            peer: Some(world),
+            violation: ProtocolViolation::PayloadLengthMismatch {
+                declared: room as u64,
+                actual: len,
+            },
+        });
+    }
+    Ok(())
+}
+
+/// Receives one shared-memory data message into the front of `missing` through `apply`.
+struct SegmentSink<'m, F> {
+    op: OpKind,
+    peer: usize,
+    world: usize,
+    dtype: DType,
+    missing: &'m mut [u8],
+    apply: &'m mut F,
+}
+
+impl<F: FnMut(&mut [u8], &[u8]) -> Result<()>> Sink for SegmentSink<'_, F> {
+    fn accept(&mut self, header: &FrameHeader) -> Result<()> {
+        judge_segment(
+            self.op,
+            self.peer,
+            self.world,
+            self.dtype,
+            header,
+            self.missing.len(),
+        )
+    }
+
+    fn take(&mut self, offset: usize, bytes: &[u8]) -> Result<()> {
+        let room = self.missing.len() as u64;
+        let Some(dst) = self.missing.get_mut(offset..offset + bytes.len()) else {
+            return Err(Error::Protocol {
+                peer: Some(self.world),
+                violation: ProtocolViolation::PayloadLengthMismatch {
+                    declared: room,
+                    actual: (offset + bytes.len()) as u64,
+                },
+            });
+        };
+        (self.apply)(dst, bytes)
+    }
+
+    fn granule(&self, _header: &FrameHeader) -> usize {
+        self.dtype.size_bytes()
+    }
 }
 
 /// One op's view of its group: who it is, which seq it runs under, and its deadline.
@@ -125,6 +225,47 @@ impl<'a> Link<'a> {
         }
     }
 
+    /// The shared-memory channel to world rank `world` for frames of `kind`, when this pair
+    /// moves its data and messages through one (descriptors always go through TCP).
+    fn shm(&self, world: usize, kind: FrameKind) -> Option<(&'a ShmLinks, &'a ShmPeer)> {
+        if !matches!(kind, FrameKind::Data | FrameKind::Message) {
+            return None;
+        }
+        let inner: &'a Inner = self.inner;
+        let links = inner.shm.as_deref()?;
+        Some((links, links.peer(world)?))
+    }
+
+    fn shm_watch(&self) -> LinkWatch<'_> {
+        LinkWatch {
+            transport: &self.inner.transport,
+            budget: &self.budget,
+        }
+    }
+
+    /// A shared-memory error in the group's view. A channel left mid-message is unusable,
+    /// so its TCP connection is shut too: the peer then sees this rank as lost.
+    fn shm_error(&self, channel: &ShmPeer, error: Error) -> Error {
+        if channel.is_poisoned() {
+            self.inner.transport.shutdown_peer(channel.peer());
+        }
+        self.group_view(error)
+    }
+
+    /// [`Link::recv_segment`] from a shared-memory peer, into `sink`.
+    fn shm_recv_segment<F: FnMut(&mut [u8], &[u8]) -> Result<()>>(
+        &self,
+        channel: &ShmPeer,
+        key: MailboxKey,
+        sink: &mut SegmentSink<'_, F>,
+    ) -> Result<usize> {
+        let header = channel
+            .recv(key, &self.shm_watch(), sink)
+            .map_err(|e| self.shm_error(channel, e))?;
+        // invariant: the sink's judge bounded payload_bytes by the missing length.
+        Ok(header.payload_bytes as usize)
+    }
+
     fn header(&self, kind: FrameKind, dtype: DType, tag: u32, bytes: usize) -> FrameHeader {
         FrameHeader {
             kind,
@@ -157,6 +298,11 @@ impl<'a> Link<'a> {
     ) -> Result<()> {
         let world = self.world(peer)?;
         let header = self.header(kind, dtype, tag, payload.len());
+        if let Some((links, channel)) = self.shm(world, kind) {
+            return links
+                .send(channel, header, payload, &self.shm_watch())
+                .map_err(|e| self.shm_error(channel, e));
+        }
         self.inner
             .transport
             .send(self.op, world, header, payload)
@@ -171,6 +317,11 @@ impl<'a> Link<'a> {
         tag: u32,
     ) -> Result<super::transport::Frame> {
         let world = self.world(peer)?;
+        if let Some((links, channel)) = self.shm(world, kind) {
+            return links
+                .recv_frame(channel, self.key(kind, tag), &self.shm_watch())
+                .map_err(|e| self.shm_error(channel, e));
+        }
         self.inner
             .transport
             .recv(&self.budget, world, self.key(kind, tag))
@@ -234,6 +385,20 @@ impl<'a> Link<'a> {
             return Ok(());
         }
         let world = self.world(peer)?;
+        if self.shm(world, FrameKind::Data).is_some() {
+            // Segment by segment, `progress` outside the ring's lock (it may forward).
+            let mut filled = 0;
+            while filled < dst.len() {
+                let mut copy = |to: &mut [u8], from: &[u8]| {
+                    to.copy_from_slice(from);
+                    Ok(())
+                };
+                let n = self.recv_segment(peer, dtype, tag, &mut dst[filled..], &mut copy)?;
+                progress(&dst[filled..filled + n])?;
+                filled += n;
+            }
+            return Ok(());
+        }
         let key = self.key(FrameKind::Data, tag);
         let posted = PostedRecv::post(&self.inner.transport, world, key, dtype, dst);
         let outcome = posted
@@ -257,6 +422,33 @@ impl<'a> Link<'a> {
         let world = self.world(peer)?;
         let inner: &'a Inner = self.inner;
         let slot = (world, self.key(FrameKind::Data, tag));
+        if let Some((_, channel)) = self.shm(world, FrameKind::Data) {
+            // A zero-byte TCP post only carries the buffer's borrow; the shared-memory
+            // channel gets the destination itself (see `ShmPeer::post`).
+            let PostTarget { buffer, len, own } = target;
+            let len = len.min(buffer.len());
+            let own = own.filter(|own| own.len() >= len);
+            let own_base = own.map(<[u8]>::as_ptr);
+            let empty = PostTarget {
+                buffer,
+                len: 0,
+                own,
+            };
+            let posted = PostedRecv::post_prefix(&inner.transport, slot, mode, empty);
+            let apply = match mode {
+                PostMode::Copy(dtype) => Apply::Copy(dtype),
+                PostMode::Reduce(plan) => Apply::Reduce(plan),
+            };
+            // SAFETY: `posted` holds the exclusive borrow of the whole buffer (at least
+            // `len` bytes, clamped above) and the shared borrow of `own` (at least `len`
+            // bytes, filtered above) until `wait_lent` consumes it; `wait_lent` waits for the
+            // channel's post (which withdraws it) before handing the buffer back, and a post
+            // that is never waited for is withdrawn when this link drops (`Drop for Link`),
+            // before this op's buffers can be used again. The destination pointer is the
+            // post's own base, from which every access to the lent buffer derives.
+            unsafe { channel.post(slot.1, posted.base(), own_base, len, apply) };
+            return Ok(posted);
+        }
         Ok(PostedRecv::post_prefix(
             &inner.transport,
             slot,
@@ -278,6 +470,25 @@ impl<'a> Link<'a> {
         len: usize,
         mut progress: impl FnMut(&[u8]) -> Result<()>,
     ) -> Result<&'b mut [u8]> {
+        let world = self.world(peer)?;
+        if let Some((_, channel)) = self.shm(world, FrameKind::Data) {
+            let key = self.key(FrameKind::Data, tag);
+            let dtype = match mode {
+                PostMode::Copy(dtype) => dtype,
+                PostMode::Reduce(plan) => plan.dtype(),
+            };
+            let op = self.op;
+            let judge = |header: &FrameHeader, room: usize| {
+                judge_segment(op, peer, world, dtype, header, room)
+            };
+            let waited = channel.wait_post(key, &self.shm_watch(), &judge, &mut progress);
+            // The TCP post is zero bytes long, so this hands the buffer back at once.
+            let Lent { buffer, .. } = posted
+                .wait_lent(&self.budget, |_| Ok(()))
+                .map_err(|e| self.group_view(e))?;
+            waited.map_err(|e| self.shm_error(channel, e))?;
+            return Ok(buffer);
+        }
         let Lent {
             outcome,
             buffer,
@@ -342,6 +553,13 @@ impl<'a> Link<'a> {
     /// then waits for the rest.
     pub(crate) fn exchange_copy(&self, step: Exchange<'_>, incoming: &mut [u8]) -> Result<()> {
         let world = self.world(step.from)?;
+        if self.shm(world, FrameKind::Data).is_some() {
+            // No reader thread to fill a post: interleave segments out and in instead.
+            return self.exchange(step, incoming, |to, from| {
+                to.copy_from_slice(from);
+                Ok(())
+            });
+        }
         let key = self.key(FrameKind::Data, step.tag);
         let posted = PostedRecv::post(&self.inner.transport, world, key, step.dtype, incoming);
         self.send_data(step.to, step.dtype, step.tag, step.outgoing)?;
@@ -363,6 +581,19 @@ impl<'a> Link<'a> {
         missing: &mut [u8],
         apply: &mut impl FnMut(&mut [u8], &[u8]) -> Result<()>,
     ) -> Result<usize> {
+        let world = self.world(peer)?;
+        if let Some((_, channel)) = self.shm(world, FrameKind::Data) {
+            let key = self.key(FrameKind::Data, tag);
+            let mut sink = SegmentSink {
+                op: self.op,
+                peer,
+                world,
+                dtype,
+                missing,
+                apply,
+            };
+            return self.shm_recv_segment(channel, key, &mut sink);
+        }
         let frame = self.recv_frame(peer, FrameKind::Data, tag)?;
         if frame.header.dtype != dtype {
             return Err(Error::DTypeMismatch {
@@ -446,6 +677,7 @@ impl<'a> Link<'a> {
     ) -> Result<Vec<Desc>> {
         let me = self.rank();
         desc.fault = faults.first.as_ref().map(|e| peer_view(e, self.op, me));
+        desc.knobs = Some(descriptor::AlgorithmKnobs::of(self.inner));
         let wire = descriptor::encode(&desc);
         for peer in (0..self.size()).filter(|&p| p != me) {
             self.send_frame(peer, FrameKind::Descriptor, DType::U8, 0, &wire)?;
@@ -478,5 +710,16 @@ impl<'a> Link<'a> {
                     .unwrap_or_else(|| Desc::new(self.op))
             })
             .collect())
+    }
+}
+
+// Posts an algorithm did not wait for (it returned early with an error) are withdrawn from
+// the shared-memory channels when the op's link goes, so no channel keeps a pointer into a
+// buffer that the op is about to give back.
+impl Drop for Link<'_> {
+    fn drop(&mut self) {
+        if let Some(links) = self.inner.shm.as_deref() {
+            links.withdraw_op(self.inner.group_id, self.seq);
+        }
     }
 }

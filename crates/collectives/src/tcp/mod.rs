@@ -19,7 +19,7 @@ mod barrier;
 mod broadcast;
 mod communicator;
 mod config;
-mod descriptor;
+pub(crate) mod descriptor;
 mod doubling;
 mod frame;
 mod halving;

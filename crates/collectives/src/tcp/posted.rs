@@ -308,6 +308,15 @@ impl Drop for PostedRecv<'_> {
     }
 }
 
+// Used by the shared-memory transport (crate::shm), which lends a posted buffer to its
+// channel instead of a reader thread.
+impl PostedRecv<'_> {
+    /// The start of the lent buffer: the pointer every access to it derives from.
+    pub(crate) fn base(&self) -> *mut u8 {
+        self.base
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
