@@ -46,7 +46,7 @@ impl TransportPolicy {
     }
 
     /// `HYPERSHARD_TRANSPORT` when set, else `configured`. A value that is not one of the
-    /// three words is an [`Error::Env`].
+    /// three words is an [`Error::InvalidEnv`].
     pub fn from_env_or(configured: TransportPolicy) -> Result<TransportPolicy> {
         match std::env::var(TRANSPORT_ENV) {
             Ok(value) => TransportPolicy::parse(&value).ok_or(Error::InvalidEnv {

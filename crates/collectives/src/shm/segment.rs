@@ -1,4 +1,4 @@
-//! [`Segment`]: one shared mapping holding one ring: a control block of cache-line-padded
+//! `Segment`: one shared mapping holding one ring: a control block of cache-line-padded
 //! atomics followed by the data bytes.
 //!
 //! Layout (offsets in bytes): `0` identity line (magic, capacity), `64` the producer's head,
