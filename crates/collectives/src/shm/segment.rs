@@ -257,8 +257,14 @@ pub(crate) fn is_segment_path(dir: &Path, path: &Path) -> bool {
             .is_some_and(|n| n.starts_with(SEGMENT_PREFIX) && !n.contains('/'))
 }
 
+/// How old a segment file must be before [`sweep_stale`] may remove it: far longer than a
+/// segment lives (its peer unlinks it within the rendezvous), so a file of a live job in
+/// another pid namespace that shares this `/dev/shm` is never touched while it is in use.
+pub const STALE_AFTER: std::time::Duration = std::time::Duration::from_secs(600);
+
 /// Removes segment files in `dir` whose creating process no longer exists (it died between
-/// creating a segment and its peer unlinking it). Returns how many it removed.
+/// creating a segment and its peer unlinking it) and that are older than [`STALE_AFTER`].
+/// Returns how many it removed.
 pub fn sweep_stale(dir: &Path) -> usize {
     let Ok(entries) = std::fs::read_dir(dir) else {
         return 0;
@@ -275,7 +281,13 @@ pub fn sweep_stale(dir: &Path) -> usize {
             continue;
         };
         let alive = Path::new("/proc").join(pid.to_string()).exists();
-        if !alive && std::fs::remove_file(entry.path()).is_ok() {
+        let old = entry
+            .metadata()
+            .and_then(|m| m.modified())
+            .ok()
+            .and_then(|t| t.elapsed().ok())
+            .is_some_and(|age| age >= STALE_AFTER);
+        if !alive && old && std::fs::remove_file(entry.path()).is_ok() {
             removed += 1;
         }
     }
@@ -328,11 +340,19 @@ mod tests {
         std::fs::create_dir_all(&dir).unwrap();
         // No live process has pid u32::MAX - 1 (above the kernel's pid limit).
         let dead = dir.join(format!("{SEGMENT_PREFIX}{}-0to1-1", u32::MAX - 1));
+        let fresh_dead = dir.join(format!("{SEGMENT_PREFIX}{}-0to1-2", u32::MAX - 1));
         let live = segment_path(&dir, 1, 0);
-        std::fs::write(&dead, b"x").unwrap();
-        std::fs::write(&live, b"x").unwrap();
+        for path in [&dead, &fresh_dead, &live] {
+            std::fs::write(path, b"x").unwrap();
+        }
+        let long_ago = std::time::SystemTime::now() - STALE_AFTER * 2;
+        for path in [&dead, &live] {
+            let file = std::fs::File::options().write(true).open(path).unwrap();
+            file.set_modified(long_ago).unwrap();
+        }
+        // Only the old file of a dead creator goes; a live creator's or a fresh one stays.
         assert_eq!(sweep_stale(&dir), 1);
-        assert!(!dead.exists() && live.exists());
+        assert!(!dead.exists() && fresh_dead.exists() && live.exists());
         std::fs::remove_dir_all(&dir).unwrap();
     }
 }
