@@ -48,9 +48,11 @@ fn nested_unit_names(
 
 /// The post-forward policy and, for a smaller group, its size, after checking
 /// `reshard_after_forward` against the shard group.
-fn post_forward_policy(config: &FullyShardConfig) -> Result<(PostForward, Option<usize>)> {
-    let shard_world = config.mesh.shard_world();
-    match config.reshard_after_forward {
+pub(crate) fn post_forward_policy(
+    policy: ReshardAfterForward,
+    shard_world: usize,
+) -> Result<(PostForward, Option<usize>)> {
+    match policy {
         ReshardAfterForward::Reshard => Ok((PostForward::Reshard, None)),
         ReshardAfterForward::Keep => Ok((PostForward::Keep, None)),
         ReshardAfterForward::ToGroupOf(size) => {
@@ -115,7 +117,8 @@ pub(crate) fn build_group(
     }
     let mut nested = BTreeSet::new();
     nested_unit_names(module, "", &mut nested)?;
-    let (post_forward, post_size) = post_forward_policy(config)?;
+    let (post_forward, post_size) =
+        post_forward_policy(config.reshard_after_forward, config.mesh.shard_world())?;
 
     let mesh = config.mesh.clone();
     let shard_world = mesh.shard_world();

@@ -14,9 +14,11 @@ use hypershard_nn::Module;
 use hypershard_tensor::{DType, Tensor};
 
 use crate::bridge::{comm_dtype, tensor_from_buffer};
-use crate::bucket::BucketPlan;
-use crate::config::{CommFusionPolicy, GradReduceOp, MixedPrecisionPolicy};
+use crate::bucket::{BucketItem, BucketPlan, plan_buckets};
+use crate::build::post_forward_policy;
+use crate::config::{CommFusionPolicy, GradReduceOp, MixedPrecisionPolicy, ReshardAfterForward};
 use crate::error::{FsdpError, Result};
+use crate::layout::ShardLayout;
 use crate::mesh::DataParallelMesh;
 use crate::param::{FsdpParam, ParamRole, ShardedState, TrainingState};
 
@@ -175,6 +177,67 @@ impl ParamGroup {
             forward_prefetch: None,
             backward_prefetch: None,
         }
+    }
+
+    /// Checks that the post-forward policy can change now: every parameter resharded, no
+    /// all-gather in flight, `size` valid for the shard group.
+    pub fn check_post_forward_change(&self, policy: ReshardAfterForward) -> Result<()> {
+        post_forward_policy(policy, self.mesh.shard_world())?;
+        if self.pending_gather.is_some() {
+            return Err(FsdpError::InvalidState {
+                unit: self.unit.clone(),
+                param: String::new(),
+                op: "set_reshard_after_forward",
+                expected: &[ShardedState::Sharded],
+                actual: ShardedState::Unsharded,
+            });
+        }
+        for param in &self.params {
+            if param.role == ParamRole::Sharded {
+                param.assert_state(
+                    &self.unit,
+                    "set_reshard_after_forward",
+                    &[ShardedState::Sharded],
+                )?;
+            }
+        }
+        Ok(())
+    }
+
+    /// Switches the post-forward policy (after [`check_post_forward_change`]): recomputes
+    /// the smaller-group layouts and buckets, splitting that group off the shard group on
+    /// first use (collective).
+    ///
+    /// [`check_post_forward_change`]: Self::check_post_forward_change
+    pub fn set_post_forward(&mut self, policy: ReshardAfterForward) -> Result<()> {
+        let (post_forward, size) = post_forward_policy(policy, self.mesh.shard_world())?;
+        let comm = match size {
+            Some(size) => Some(self.mesh.post_forward_group(size)?),
+            None => None,
+        };
+        let mut items = Vec::new();
+        for (index, param) in self.params.iter_mut().enumerate() {
+            param.post_layout = match (param.role, size) {
+                (ParamRole::Sharded, Some(size)) => Some(ShardLayout {
+                    shape: param.layout.shape.clone(),
+                    dim: param.layout.dim,
+                    world: size,
+                }),
+                _ => None,
+            };
+            if let Some(layout) = &param.post_layout {
+                items.push(BucketItem {
+                    index,
+                    dtype: param.param_dtype,
+                    slot_numel: layout.slot_numel()?,
+                });
+            }
+        }
+        self.post_forward_plan =
+            plan_buckets(&items, self.fusion.enabled, self.fusion.bucket_bytes);
+        self.post_forward_comm = comm;
+        self.post_forward = post_forward;
+        Ok(())
     }
 
     /// Whether every sharded parameter is unsharded (or there are none).

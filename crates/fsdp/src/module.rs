@@ -7,7 +7,7 @@ use hypershard_nn::{ChildVisitorMut, Identity, Module, ParamVisitor, ParamVisito
 use hypershard_tensor::{DType, Tensor};
 
 use crate::build::build_group;
-use crate::config::{FullyShardConfig, MixedPrecisionPolicy};
+use crate::config::{FullyShardConfig, MixedPrecisionPolicy, ReshardAfterForward};
 use crate::error::{FsdpError, Result};
 use crate::group::{ParamGroup, PostForward};
 use crate::param::{FsdpParamInfo, ParamRole, ShardedState, TrainingState};
@@ -344,6 +344,25 @@ impl FsdpModule {
         self.for_each_group(&mut |g| g.controls.reshard_after_backward = reshard);
     }
 
+    /// Changes what this unit and every unit below it do after forward (FSDP2's
+    /// `set_reshard_after_forward`, here with the int form too): `ToGroupOf(k)` splits the
+    /// `k`-rank group off the shard group on first use, so every rank must call this alike.
+    /// Every unit is checked first (all resharded, `k` dividing each shard group), so an
+    /// error changes nothing. The root still keeps its parameters after forward.
+    pub fn set_reshard_after_forward(&mut self, policy: ReshardAfterForward) -> Result<()> {
+        let mut groups = vec![self.group.clone()];
+        walk_units(self.inner.as_mut(), &mut |unit| {
+            groups.push(unit.group.clone())
+        })?;
+        for group in &groups {
+            lock(group).check_post_forward_change(policy)?;
+        }
+        for group in &groups {
+            lock(group).set_post_forward(policy)?;
+        }
+        Ok(())
+    }
+
     /// Reduce gradients as `factor · Σ_ranks grad` instead of the mean (or sum).
     pub fn set_gradient_scaling_factor(&mut self, factor: f64) {
         self.for_each_group(&mut |g| g.controls.gradient_scaling_factor = Some(factor));
@@ -501,7 +520,7 @@ impl FsdpModule {
     pub fn forward(&mut self, input: &Tensor) -> Result<Tensor> {
         let schedule = self.lazy_init();
         let result = self.forward_hooks(&schedule, input);
-        self.root_result(&schedule, result)
+        Self::root_result(result)
     }
 
     /// Runs the hooks around the wrapped backward.
@@ -512,17 +531,19 @@ impl FsdpModule {
             }));
         };
         let result = self.backward_hooks(&schedule, grad_output);
-        self.root_result(&schedule, result)
+        Self::root_result(result)
     }
 
-    /// At the root, an nn error that stands for a failed nested hook becomes that hook's
-    /// typed error.
-    fn root_result<T>(&self, schedule: &Schedule, result: Result<T>) -> Result<T> {
+    /// An nn error that carries a nested unit's hook error (through the `Module` trait)
+    /// becomes that typed error again, at every unit.
+    fn root_result<T>(result: Result<T>) -> Result<T> {
         match result {
-            Err(FsdpError::Nn(error)) if self.is_root => match schedule.take_error() {
-                Some(hook_error) => Err(hook_error),
-                None => Err(FsdpError::Nn(error)),
-            },
+            Err(FsdpError::Nn(hypershard_nn::Error::Foreign { op, source })) => {
+                match source.downcast::<FsdpError>() {
+                    Ok(hook_error) => Err(*hook_error),
+                    Err(source) => Err(FsdpError::Nn(hypershard_nn::Error::Foreign { op, source })),
+                }
+            }
             other => other,
         }
     }
@@ -631,22 +652,15 @@ impl FsdpModule {
         }
     }
 
-    /// Converts a hook error for the `Module` trait: nn errors pass through, others are kept
-    /// for the root and stood in for by an nn error naming this unit.
-    fn to_nn_error(&self, error: FsdpError) -> hypershard_nn::Error {
+    /// Converts a hook error for the `Module` trait: nn errors pass through, others travel
+    /// whole inside [`hypershard_nn::Error::Foreign`], which the root unwraps again.
+    fn to_nn_error(error: FsdpError) -> hypershard_nn::Error {
         match error {
             FsdpError::Nn(error) => error,
-            other => {
-                if let Some(schedule) = &self.schedule {
-                    schedule.set_error(other);
-                }
-                hypershard_nn::Error::InvalidConfig {
-                    op: "fully_shard hook",
-                    field: "unit",
-                    value: self.id as f64,
-                    reason: "an FSDP hook failed; the root FsdpModule's forward/backward returns the typed FsdpError",
-                }
-            }
+            other => hypershard_nn::Error::Foreign {
+                op: "fully_shard hook",
+                source: Box::new(other),
+            },
         }
     }
 
@@ -673,11 +687,11 @@ impl Module for FsdpModule {
     }
 
     fn forward(&mut self, input: &Tensor) -> hypershard_nn::Result<Tensor> {
-        FsdpModule::forward(self, input).map_err(|e| self.to_nn_error(e))
+        FsdpModule::forward(self, input).map_err(Self::to_nn_error)
     }
 
     fn backward(&mut self, grad_output: &Tensor) -> hypershard_nn::Result<Tensor> {
-        FsdpModule::backward(self, grad_output).map_err(|e| self.to_nn_error(e))
+        FsdpModule::backward(self, grad_output).map_err(Self::to_nn_error)
     }
 
     fn visit_params(&self, prefix: &str, f: &mut ParamVisitor<'_>) -> hypershard_nn::Result<()> {

@@ -1,10 +1,10 @@
 //! The schedule one root shares with every unit below it: the order units ran in, the
-//! reductions in flight, and the first error a nested hook hit.
+//! reductions in flight.
 
 use std::collections::VecDeque;
 use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
 
-use crate::error::{FsdpError, Result};
+use crate::error::Result;
 use crate::group::{ParamGroup, PendingReduce};
 
 /// A unit as the schedule knows it.
@@ -27,8 +27,6 @@ struct ScheduleState {
     post_forward_order: Vec<usize>,
     /// Reductions issued and not yet finished, oldest first.
     pending: VecDeque<(Arc<Mutex<ParamGroup>>, PendingReduce)>,
-    /// The first error a nested unit's hook hit (returned by the root).
-    error: Option<FsdpError>,
 }
 
 /// Shared by a root and every unit it discovered.
@@ -142,16 +140,5 @@ impl Schedule {
             lock(&unit.group).discard_pending_gather()?;
         }
         Ok(())
-    }
-
-    pub fn set_error(&self, error: FsdpError) {
-        let mut state = self.state();
-        if state.error.is_none() {
-            state.error = Some(error);
-        }
-    }
-
-    pub fn take_error(&self) -> Option<FsdpError> {
-        self.state().error.take()
     }
 }

@@ -160,6 +160,19 @@ fn a_nested_hook_error_reaches_the_root_typed() {
             Ok(())
         })?;
         let x = Tensor::ones(&[2, 3], DType::F32)?;
+        // Through the `Module` trait the error is nn's `Foreign`, carrying the typed error.
+        match hypershard_nn::Module::forward(&mut root, &x) {
+            Err(hypershard_nn::Error::Foreign { op, source }) => {
+                assert_eq!(op, "fully_shard hook");
+                let typed = source.downcast::<FsdpError>().expect("an FsdpError inside");
+                assert!(
+                    matches!(&*typed, FsdpError::ParamReplaced { param } if param == "weight"),
+                    "{typed:?}"
+                );
+            }
+            other => panic!("expected a Foreign error, got {other:?}"),
+        }
+        // The inherent method unwraps it again.
         match root.forward(&x) {
             Err(FsdpError::ParamReplaced { param }) if param == "weight" => Ok(()),
             Err(other) => Err(other),

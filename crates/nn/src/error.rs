@@ -137,6 +137,17 @@ pub enum Error {
         #[source]
         source: rayon::ThreadPoolBuildError,
     },
+    /// An error raised by a layer outside this crate that runs inside a module's `forward` or
+    /// `backward` (for example a `fully_shard` hook), carried whole so the caller can
+    /// downcast [`source`](std::error::Error::source) to the original typed error.
+    #[error("{op}: {source}")]
+    Foreign {
+        /// The foreign layer, e.g. `"fully_shard hook"`.
+        op: &'static str,
+        /// The original error.
+        #[source]
+        source: Box<dyn std::error::Error + Send + Sync + 'static>,
+    },
     /// A size does not fit the integer type a kernel needs.
     #[error("{op}: size {size} does not fit the kernel's index type")]
     SizeOverflow {

@@ -1,0 +1,138 @@
+//! `set_reshard_after_forward` after wrapping: switching the policy between steps keeps
+//! parity with the unsharded run, moves the backward all-gather to the smaller group, and
+//! refuses bad sizes and mid-step changes with typed errors that change nothing.
+
+mod common;
+
+use std::cell::Cell;
+use std::sync::Arc;
+
+use common::*;
+use hypershard_collectives::{CommCounter, Communicator, OpKind};
+use hypershard_fsdp::{FsdpError, FsdpModule, FullyShardConfig, ReshardAfterForward};
+use hypershard_nn::mse_loss;
+use hypershard_tensor::DType;
+
+const DIMS: [usize; 4] = [5, 3, 7, 2];
+
+thread_local! {
+    /// Micro-batches this rank's thread has started (each rank runs on its own thread).
+    static STEP: Cell<usize> = const { Cell::new(0) };
+}
+
+/// The policy of step `s`: it cycles through every form.
+fn policy_of(step: usize, shard_world: usize) -> ReshardAfterForward {
+    let small = if shard_world.is_multiple_of(2) { 2 } else { 1 };
+    [
+        ReshardAfterForward::Keep,
+        ReshardAfterForward::ToGroupOf(small),
+        ReshardAfterForward::Reshard,
+        ReshardAfterForward::ToGroupOf(shard_world),
+    ][step % 4]
+}
+
+fn check_switching(mesh_shape: &[usize]) {
+    let steps = 4;
+    let want = reference(&DIMS, DType::F32, Opt::Sgd, steps, 1);
+    let shard_world = *mesh_shape.last().expect("a non-empty mesh");
+    let run = Run {
+        dims: DIMS.to_vec(),
+        dtype: DType::F32,
+        opt: Opt::Sgd,
+        steps,
+        micro: 1,
+        mesh_shape: mesh_shape.to_vec(),
+    };
+    let hook: Arc<MicroHook> = Arc::new(move |m: &mut FsdpModule, _, _| {
+        let step = STEP.with(|s| {
+            let step = s.get();
+            s.set(step + 1);
+            step
+        });
+        m.set_reshard_after_forward(policy_of(step, shard_world))
+            .expect("every unit is resharded between steps");
+    });
+    let results = train_world(run, Arc::new(|_: &mut FullyShardConfig| {}), hook);
+    let got = assemble(&results, &dim0, &none);
+    let err = max_rel_err(&got, &want);
+    assert!(err <= 1e-5, "mesh {mesh_shape:?}: max rel err {err}");
+}
+
+#[test]
+fn switching_policies_between_steps_matches_unsharded() {
+    for shape in [vec![2], vec![3], vec![4], vec![2, 2]] {
+        check_switching(&shape);
+    }
+}
+
+/// One step on a counted world of 4 after switching every unit to `ToGroupOf(2)`: the
+/// backward all-gathers of the three nested units run on the 2-rank group, not the shard group.
+#[test]
+fn smaller_group_takes_the_backward_gathers() {
+    let counters = hypershard_collectives::local::spawn_world(4)
+        .expect("local world")
+        .into_iter()
+        .map(CommCounter::new)
+        .collect::<Vec<_>>();
+    let results = hypershard_testkit::run_ranks(4, move |rank| {
+        let comm: Arc<dyn Communicator> = counters[rank].clone();
+        let mesh = dp_mesh(&[4], comm)?;
+        let config = FullyShardConfig::new(mesh.clone());
+        let mut model = shard_model(mlp(&DIMS, DType::F32), &config)?;
+        model.set_reshard_after_forward(ReshardAfterForward::ToGroupOf(2))?;
+        let (x, y) = batch(0, DIMS[0], DIMS[3], DType::F32);
+        let (x, y) = (local_rows(&x, rank, 4), local_rows(&y, rank, 4));
+        let out = model.forward(&x)?;
+        let loss = mse_loss(&out, &y)?;
+        model.backward(&loss.grad)?;
+        let world_gathers = counters[rank].calls(OpKind::AllGather);
+        let small_gathers: u64 = counters[rank]
+            .children()
+            .iter()
+            .map(|c| c.calls(OpKind::AllGather))
+            .sum();
+        Ok::<_, FsdpError>((world_gathers, small_gathers))
+    })
+    .unwrap_or_else(|e| panic!("{e}"));
+    for (world_gathers, small_gathers) in results {
+        // Forward: 3 nested units over the shard (world) group; backward: 3 over the pair.
+        assert_eq!((world_gathers, small_gathers), (3, 3));
+    }
+}
+
+#[test]
+fn bad_sizes_and_mid_step_changes_are_typed_errors() {
+    let comms = hypershard_collectives::local::spawn_world(4).expect("local world");
+    hypershard_testkit::run_ranks(4, move |rank| {
+        let mesh = dp_mesh(&[4], comms[rank].clone())?;
+        let config = FullyShardConfig::new(mesh);
+        let mut model = shard_model(mlp(&DIMS, DType::F32), &config)?;
+        let bad = model.set_reshard_after_forward(ReshardAfterForward::ToGroupOf(3));
+        assert!(
+            matches!(
+                bad,
+                Err(FsdpError::ReshardSize {
+                    value: 3,
+                    shard_world: 4
+                })
+            ),
+            "{bad:?}"
+        );
+        // Between forward and backward the nested units hold their post-forward shards over
+        // the pair: refused, nothing changed.
+        model.set_reshard_after_forward(ReshardAfterForward::ToGroupOf(2))?;
+        let (x, y) = batch(0, DIMS[0], DIMS[3], DType::F32);
+        let (x, y) = (local_rows(&x, rank, 4), local_rows(&y, rank, 4));
+        let out = model.forward(&x)?;
+        let mid = model.set_reshard_after_forward(ReshardAfterForward::Keep);
+        assert!(
+            matches!(mid, Err(FsdpError::InvalidState { .. })),
+            "{mid:?}"
+        );
+        let loss = mse_loss(&out, &y)?;
+        model.backward(&loss.grad)?;
+        model.set_reshard_after_forward(ReshardAfterForward::Keep)?;
+        Ok::<_, FsdpError>(())
+    })
+    .unwrap_or_else(|e| panic!("{e}"));
+}
