@@ -9,7 +9,11 @@
 //!                   [--segment-bytes N] [--all-reduce auto|ring|doubling|halving-doubling]
 //!                   [--small-all-reduce-bytes N] [--broadcast auto|chain|tree]
 //!                   [--gloo gloo.csv] [--quick]
+//!                   [--transport tcp|auto|shm] [--shm-ring-bytes N]
 //! ```
+//!
+//! `--transport shm` (or `auto`) moves the data of co-located ranks through the shared-memory
+//! transport (docs/shm.md); its rows say backend `tcp+shm`.
 //!
 //! `--quick` is the CI smoke: world 2, 4 KiB and 64 KiB, one warm-up and at most two timed
 //! iterations per cell (a few seconds; flags after it override its choices).
