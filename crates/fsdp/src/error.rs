@@ -137,6 +137,16 @@ pub enum FsdpError {
         /// The entry.
         name: String,
     },
+    /// Saved pieces do not cover this rank's local box of a parameter exactly once.
+    #[error("saved shards of `{name}` cover {covered} of the {needed} local elements")]
+    SavedShardsIncomplete {
+        /// The parameter.
+        name: String,
+        /// Elements the pieces cover (overlapping distinct pieces count twice).
+        covered: usize,
+        /// Elements of the local box.
+        needed: usize,
+    },
     /// A communication buffer was not in host memory.
     #[error("{op}: tensor storage is not host memory")]
     NotHostStorage {

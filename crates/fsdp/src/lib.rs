@@ -36,6 +36,7 @@ mod layout;
 mod mesh;
 mod module;
 mod param;
+mod reshard_load;
 mod schedule;
 mod state_dict;
 
@@ -47,3 +48,4 @@ pub use error::{FsdpError, Result};
 pub use mesh::DataParallelMesh;
 pub use module::{FsdpModule, Rejected, UnitHandle, fully_shard, fully_shard_children, has_params};
 pub use param::{FsdpParamInfo, ShardedState, TrainingState};
+pub use reshard_load::SavedShard;
