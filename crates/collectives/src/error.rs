@@ -222,6 +222,73 @@ pub enum Error {
         /// The op that was lost.
         op: OpKind,
     },
+    /// The per-job secret (`HYPERSHARD_JOB_SECRET` / `HYPERSHARD_JOB_SECRET_FILE`) could not
+    /// be loaded, or no randomness was available to make a nonce or a secret.
+    #[error("job secret ({variable}): {problem}")]
+    JobSecret {
+        /// The variable that named the secret.
+        variable: &'static str,
+        /// What was wrong.
+        problem: SecretProblem,
+    },
+    /// An MPI call returned an error code (the MPI backend sets `MPI_ERRORS_RETURN`, so MPI
+    /// reports failures instead of killing the job).
+    #[error("{}{call} failed with MPI error code {code}", op_prefix(*op))]
+    Mpi {
+        /// The op that made the call, when there is one (not for init or split setup).
+        op: Option<OpKind>,
+        /// The MPI function.
+        call: &'static str,
+        /// The error code it returned.
+        code: i32,
+    },
+    /// MPI could not be set up the way the MPI backend needs it.
+    #[error("MPI initialisation: {problem}")]
+    MpiInit {
+        /// What was wrong.
+        problem: MpiInitProblem,
+    },
+    /// A count, displacement or tag does not fit the C `int` that MPI takes.
+    #[error("{op}: {quantity} {value} exceeds MPI's limit of {limit}")]
+    MpiLimit {
+        /// The op.
+        op: OpKind,
+        /// What is too large.
+        quantity: MpiQuantity,
+        /// Its value.
+        value: u64,
+        /// The largest value MPI accepts.
+        limit: u64,
+    },
+    /// `HYPERSHARD_BACKEND` names a backend this binary was built without.
+    #[error("backend {backend} is not available: {reason}")]
+    BackendNotBuilt {
+        /// The backend asked for.
+        backend: &'static str,
+        /// Why it cannot be used.
+        reason: &'static str,
+    },
+    /// A backend cannot run on this machine: its shared libraries or its devices are missing.
+    /// Returned when a communicator is created (never a panic), so callers can fall back.
+    #[error("the {backend} backend is unavailable: {reason}")]
+    BackendUnavailable {
+        /// The backend's name (`"nccl"`).
+        backend: &'static str,
+        /// What is missing.
+        reason: Unavailable,
+    },
+    /// A CUDA driver or NCCL call failed.
+    #[error("{}{library} call {call} failed with code {code}", during(*op))]
+    DeviceCall {
+        /// The op that made the call, when it was made by one.
+        op: Option<OpKind>,
+        /// Which library failed.
+        library: DeviceLibrary,
+        /// The function that failed (`"ncclAllReduce"`, `"cuMemcpyDtoHAsync"`, ...).
+        call: &'static str,
+        /// The library's error code (`CUresult` or `ncclResult_t`).
+        code: i32,
+    },
     /// An I/O error on a socket or file.
     #[error("{action}{} failed", from_peer(*peer))]
     Io {
@@ -317,6 +384,9 @@ pub enum ProtocolViolation {
         /// The byte offset at which decoding failed.
         at: usize,
     },
+    /// The peer did not prove that it holds the job secret (its HMAC proof was wrong: it has
+    /// another secret, or none while we have one, or the other way round).
+    AuthenticationFailed,
 }
 
 impl fmt::Display for ProtocolViolation {
@@ -351,6 +421,55 @@ impl fmt::Display for ProtocolViolation {
             ),
             ProtocolViolation::BadDescriptor { at } => {
                 write!(f, "malformed op descriptor at byte {at}")
+            }
+            ProtocolViolation::AuthenticationFailed => {
+                f.write_str("authentication failed (the peer does not hold this job's secret)")
+            }
+        }
+    }
+}
+
+/// Why the job secret could not be loaded.
+#[derive(Clone, Debug, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum SecretProblem {
+    /// The secret is empty.
+    Empty,
+    /// The secret file could not be read.
+    FileUnreadable {
+        /// The file.
+        path: std::path::PathBuf,
+        /// What the operating system said.
+        kind: std::io::ErrorKind,
+    },
+    /// The secret file is accessible to group or others.
+    FileTooOpen {
+        /// The file.
+        path: std::path::PathBuf,
+        /// Its permission bits.
+        mode: u32,
+    },
+    /// The operating system's random source failed.
+    NoRandomness {
+        /// The OS error code (0 when there is none).
+        code: i32,
+    },
+}
+
+impl fmt::Display for SecretProblem {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            SecretProblem::Empty => f.write_str("the secret is empty"),
+            SecretProblem::FileUnreadable { path, kind } => {
+                write!(f, "cannot read {}: {kind}", path.display())
+            }
+            SecretProblem::FileTooOpen { path, mode } => write!(
+                f,
+                "{} has mode {mode:o}; it must not be accessible to group or others (chmod 600)",
+                path.display()
+            ),
+            SecretProblem::NoRandomness { code } => {
+                write!(f, "the OS random source failed (error {code})")
             }
         }
     }

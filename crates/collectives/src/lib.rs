@@ -15,6 +15,7 @@
 //!
 //! See `docs/collectives.md` for the semantics of each op.
 
+pub mod auth;
 mod blocks;
 mod buffer;
 mod communicator;
@@ -40,7 +41,7 @@ pub use counter::{CommCounter, CounterSnapshot, OpCount};
 pub use dtype::{DType, Element};
 pub use engine::{AbortFlag, JobContext, JobSpec, ProgressEngine};
 pub use env::LaunchEnv;
-pub use error::{EnvExpectation, Error, IoAction, ProtocolViolation, Result};
+pub use error::{EnvExpectation, Error, IoAction, ProtocolViolation, Result, SecretProblem};
 pub use op::{
     AllToAllCounts, Argument, BufferPair, BufferRole, Knob, OpKind, ReduceOp, block_offsets,
 };

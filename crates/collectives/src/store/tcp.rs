@@ -3,10 +3,18 @@
 //!
 //! # Wire format
 //!
-//! All integers are little-endian. A connection opens with a hello in each direction:
-//! `magic: u32 = "HSTS"` then `version: u32`. The server answers the client's hello with its
-//! own; a client that sees another magic or version gets
-//! [`Error::Protocol`] and the server drops a client whose hello is wrong.
+//! All integers are little-endian. A connection opens with a mutual HMAC-SHA256
+//! challenge-response keyed with the job secret ([`crate::auth`]):
+//!
+//! 1. client → server: `magic: u32 = "HSTS"`, `version: u32`, nonce `nc` (32 bytes);
+//! 2. server → client: magic, version, nonce `ns`, proof `HMAC(secret, SERVER_LABEL, nc, ns)`;
+//! 3. client → server: proof `HMAC(secret, CLIENT_LABEL, nc, ns)` (only after the server's
+//!    proof checked out, so a client never sends requests to an impostor);
+//! 4. server → client: one byte, `AUTH_OK` or `AUTH_REFUSED` (then the server closes).
+//!
+//! A client that sees another magic or version, a wrong proof or a refusal gets
+//! [`Error::Protocol`]; the server drops a client whose hello or proof is wrong and logs a
+//! warning naming its address, and no other client notices.
 //!
 //! A request is `opcode: u8` followed by its fields; a byte string is `len: u32` then `len`
 //! bytes, a key list is `count: u32` then `count` strings, a timeout is `millis: u64`.
@@ -31,12 +39,13 @@ use std::thread::{self, JoinHandle};
 use std::time::{Duration, Instant};
 
 use super::{MemoryStore, Store};
+use crate::auth::{self, JobSecret, NONCE_BYTES, Nonce, PROOF_BYTES, Proof};
 use crate::error::{Error, IoAction, ProtocolViolation, Result};
 
 /// The first four bytes of every hello: ASCII `HSTS`.
 pub const STORE_MAGIC: u32 = u32::from_le_bytes(*b"HSTS");
 /// The protocol version this build speaks.
-pub const STORE_PROTOCOL_VERSION: u32 = 1;
+pub const STORE_PROTOCOL_VERSION: u32 = 2;
 /// The longest key accepted, in bytes.
 pub const MAX_KEY_BYTES: usize = 4096;
 /// The largest value accepted, in bytes.
@@ -61,6 +70,12 @@ const OP_ADD: u8 = 5;
 const OP_COMPARE_SET: u8 = 6;
 const OP_DELETE: u8 = 7;
 const OP_NUM_KEYS: u8 = 8;
+
+/// The server's proof covers this label; the client's covers [`CLIENT_LABEL`].
+const SERVER_LABEL: &[u8] = b"hypershard store v2 server";
+const CLIENT_LABEL: &[u8] = b"hypershard store v2 client";
+const AUTH_OK: u8 = 0;
+const AUTH_REFUSED: u8 = 1;
 
 const STATUS_OK: u8 = 0;
 const STATUS_TIMEOUT: u8 = 1;
@@ -203,28 +218,81 @@ fn read_keys(r: &mut impl Read) -> std::result::Result<Vec<String>, ReadFailure>
     (0..count).map(|_| read_key(r)).collect()
 }
 
-fn hello_bytes() -> [u8; 8] {
-    let mut out = [0u8; 8];
+/// A hello: magic, version, then the sender's nonce.
+fn hello_bytes(nonce: &Nonce) -> [u8; 8 + NONCE_BYTES] {
+    let mut out = [0u8; 8 + NONCE_BYTES];
     out[..4].copy_from_slice(&STORE_MAGIC.to_le_bytes());
-    out[4..].copy_from_slice(&STORE_PROTOCOL_VERSION.to_le_bytes());
+    out[4..8].copy_from_slice(&STORE_PROTOCOL_VERSION.to_le_bytes());
+    out[8..].copy_from_slice(nonce);
     out
 }
 
-/// Reads and checks the other side's hello.
-fn read_hello(r: &mut impl Read) -> std::result::Result<(), ReadFailure> {
-    let magic = read_u32(r)?;
+/// Checks a hello's magic and version (the 8 bytes before its nonce). Never panics.
+fn check_hello_prefix(prefix: &[u8; 8]) -> std::result::Result<(), ProtocolViolation> {
+    let magic = u32::from_le_bytes([prefix[0], prefix[1], prefix[2], prefix[3]]);
     if magic != STORE_MAGIC {
-        return Err(ReadFailure::Violation(ProtocolViolation::BadMagic {
-            got: magic,
-        }));
+        return Err(ProtocolViolation::BadMagic { got: magic });
     }
-    let version = read_u32(r)?;
+    let version = u32::from_le_bytes([prefix[4], prefix[5], prefix[6], prefix[7]]);
     if version != STORE_PROTOCOL_VERSION {
-        return Err(ReadFailure::Violation(ProtocolViolation::VersionMismatch {
+        return Err(ProtocolViolation::VersionMismatch {
             ours: STORE_PROTOCOL_VERSION,
             theirs: version,
-        }));
+        });
     }
+    Ok(())
+}
+
+/// Reads and checks the other side's hello; returns its nonce.
+fn read_hello(r: &mut impl Read) -> std::result::Result<Nonce, ReadFailure> {
+    let prefix = read_array::<8>(r)?;
+    check_hello_prefix(&prefix).map_err(ReadFailure::Violation)?;
+    read_array::<NONCE_BYTES>(r)
+}
+
+/// The proof a holder of `secret` sends in the role `label` on the connection whose nonces
+/// are `client` and `server`.
+fn store_proof(secret: Option<&JobSecret>, label: &[u8], client: &Nonce, server: &Nonce) -> Proof {
+    auth::prove(secret, label, &[client, server])
+}
+
+fn proof_is_right(
+    secret: Option<&JobSecret>,
+    label: &[u8],
+    nonces: (&Nonce, &Nonce),
+    proof: &Proof,
+) -> bool {
+    auth::verify(secret, label, &[nonces.0, nonces.1], proof)
+}
+
+fn no_randomness(_: Error) -> ReadFailure {
+    ReadFailure::Io(io::Error::other("no randomness for a handshake nonce"))
+}
+
+/// The server's side of the handshake on a fresh connection.
+fn authenticate_client(
+    reader: &mut impl Read,
+    mut writer: impl Write,
+    secret: Option<&JobSecret>,
+) -> std::result::Result<(), ReadFailure> {
+    let client_nonce = read_hello(reader)?;
+    let server_nonce = auth::fresh_nonce().map_err(no_randomness)?;
+    let mut greeting = hello_bytes(&server_nonce).to_vec();
+    greeting.extend_from_slice(&store_proof(
+        secret,
+        SERVER_LABEL,
+        &client_nonce,
+        &server_nonce,
+    ));
+    writer.write_all(&greeting)?;
+    let proof = read_array::<PROOF_BYTES>(reader)?;
+    if !proof_is_right(secret, CLIENT_LABEL, (&client_nonce, &server_nonce), &proof) {
+        let _ = writer.write_all(&[AUTH_REFUSED]);
+        return Err(ReadFailure::Violation(
+            ProtocolViolation::AuthenticationFailed,
+        ));
+    }
+    writer.write_all(&[AUTH_OK])?;
     Ok(())
 }
 
@@ -237,14 +305,28 @@ fn read_hello(r: &mut impl Read) -> std::result::Result<(), ReadFailure> {
 #[derive(Debug)]
 pub struct TcpStoreServer {
     local_addr: SocketAddr,
+    /// Whether clients must prove they hold a job secret (the secret itself stays private).
+    authenticated: bool,
     store: Arc<MemoryStore>,
     stop: Arc<AtomicBool>,
     acceptor: Option<JoinHandle<()>>,
 }
 
 impl TcpStoreServer {
-    /// Binds `addr` (e.g. `"127.0.0.1:0"` for a free port) and starts serving.
+    /// Binds `addr` (e.g. `"127.0.0.1:0"` for a free port) and starts serving. Clients must
+    /// hold the job secret of this process's environment ([`JobSecret::from_env`]; none set:
+    /// anyone who speaks the protocol may connect).
     pub fn bind(addr: impl ToSocketAddrs) -> Result<TcpStoreServer> {
+        let secret = JobSecret::from_env()?;
+        TcpStoreServer::bind_with_secret(addr, secret)
+    }
+
+    /// [`TcpStoreServer::bind`] with the job secret given (`None`: no authentication). A
+    /// client that cannot prove it holds the secret is refused and logged with its address.
+    pub fn bind_with_secret(
+        addr: impl ToSocketAddrs,
+        secret: Option<JobSecret>,
+    ) -> Result<TcpStoreServer> {
         let bind_error = |source| Error::Io {
             action: IoAction::Bind,
             peer: None,
@@ -260,12 +342,16 @@ impl TcpStoreServer {
         })?;
         let store = Arc::new(MemoryStore::new());
         let stop = Arc::new(AtomicBool::new(false));
+        let authenticated = secret.is_some();
         let acceptor = {
-            let store = store.clone();
-            let stop = stop.clone();
+            let shared = Shared {
+                store: store.clone(),
+                stop: stop.clone(),
+                secret,
+            };
             thread::Builder::new()
                 .name(format!("tcp-store-{}", local_addr.port()))
-                .spawn(move || accept_loop(&listener, &store, &stop))
+                .spawn(move || accept_loop(&listener, &Arc::new(shared)))
                 .map_err(|source| Error::SpawnFailed {
                     group: format!("tcp store {local_addr}"),
                     source,
@@ -274,6 +360,7 @@ impl TcpStoreServer {
         tracing::debug!(%local_addr, "tcp store server listening");
         Ok(TcpStoreServer {
             local_addr,
+            authenticated,
             store,
             stop,
             acceptor: Some(acceptor),
@@ -283,6 +370,11 @@ impl TcpStoreServer {
     /// The address the server listens on (with the real port when bound to port 0).
     pub fn local_addr(&self) -> SocketAddr {
         self.local_addr
+    }
+
+    /// Whether clients must prove they hold a job secret.
+    pub fn is_authenticated(&self) -> bool {
+        self.authenticated
     }
 
     /// The store the server serves, for the hosting process to use without a socket.
@@ -302,16 +394,22 @@ impl Drop for TcpStoreServer {
     }
 }
 
-fn accept_loop(listener: &TcpListener, store: &Arc<MemoryStore>, stop: &Arc<AtomicBool>) {
+/// What every connection thread of one server shares.
+struct Shared {
+    store: Arc<MemoryStore>,
+    stop: Arc<AtomicBool>,
+    secret: Option<JobSecret>,
+}
+
+fn accept_loop(listener: &TcpListener, shared: &Arc<Shared>) {
     let mut connections: Vec<JoinHandle<()>> = Vec::new();
-    while !stop.load(Ordering::SeqCst) {
+    while !shared.stop.load(Ordering::SeqCst) {
         match listener.accept() {
             Ok((stream, peer_addr)) => {
-                let store = store.clone();
-                let stop = stop.clone();
+                let shared = shared.clone();
                 let spawned = thread::Builder::new()
                     .name(format!("tcp-store-conn-{peer_addr}"))
-                    .spawn(move || serve_connection(stream, &store, &stop));
+                    .spawn(move || serve_connection(stream, &shared));
                 match spawned {
                     Ok(handle) => connections.push(handle),
                     Err(e) => {
@@ -378,15 +476,18 @@ impl Read for StopAwareReader<'_> {
     }
 }
 
-fn serve_connection(stream: TcpStream, store: &MemoryStore, stop: &AtomicBool) {
+fn serve_connection(stream: TcpStream, shared: &Shared) {
     let peer_addr = stream
         .peer_addr()
         .map(|a| a.to_string())
         .unwrap_or_default();
-    match serve_requests(&stream, store, stop) {
+    match serve_requests(&stream, shared) {
         Ok(()) => {}
         Err(ReadFailure::Io(e)) => {
             tracing::debug!(peer = %peer_addr, error = %e, "tcp store: client disconnected");
+        }
+        Err(ReadFailure::Violation(ProtocolViolation::AuthenticationFailed)) => {
+            tracing::warn!(peer = %peer_addr, "tcp store: refused a client that does not hold the job secret");
         }
         Err(ReadFailure::Violation(violation)) => {
             tracing::warn!(peer = %peer_addr, %violation, "tcp store: dropping a client that broke the protocol");
@@ -395,11 +496,8 @@ fn serve_connection(stream: TcpStream, store: &MemoryStore, stop: &AtomicBool) {
     let _ = stream.shutdown(Shutdown::Both);
 }
 
-fn serve_requests(
-    stream: &TcpStream,
-    store: &MemoryStore,
-    stop: &AtomicBool,
-) -> std::result::Result<(), ReadFailure> {
+fn serve_requests(stream: &TcpStream, shared: &Shared) -> std::result::Result<(), ReadFailure> {
+    let (store, stop) = (&*shared.store, &*shared.stop);
     // The accepted socket may inherit non-blocking mode from the listener on some platforms.
     stream.set_nonblocking(false)?;
     stream.set_read_timeout(Some(POLL))?;
@@ -410,8 +508,7 @@ fn serve_requests(
         stalled_since: None,
         in_request: true,
     };
-    read_hello(&mut reader)?;
-    (&mut &*stream).write_all(&hello_bytes())?;
+    authenticate_client(&mut reader, stream, shared.secret.as_ref())?;
     loop {
         reader.in_request = false;
         let opcode = match read_u8(&mut reader) {
@@ -562,13 +659,27 @@ fn handle_request(
 pub struct TcpStore {
     addr: SocketAddr,
     connect_timeout: Duration,
+    secret: Option<JobSecret>,
     idle: Mutex<Vec<TcpStream>>,
 }
 
 impl TcpStore {
     /// Connects to the server at `addr`, retrying until `timeout` passes (the server may still
-    /// be starting), and checks its hello.
+    /// be starting), and runs the handshake with the job secret of this process's environment
+    /// ([`JobSecret::from_env`]; none set: no authentication).
     pub fn connect(addr: impl ToSocketAddrs, timeout: Duration) -> Result<TcpStore> {
+        let secret = JobSecret::from_env()?;
+        TcpStore::connect_with_secret(addr, timeout, secret)
+    }
+
+    /// [`TcpStore::connect`] with the job secret given (`None`: no authentication). A server
+    /// that does not prove it holds the secret, or refuses ours, is
+    /// [`ProtocolViolation::AuthenticationFailed`].
+    pub fn connect_with_secret(
+        addr: impl ToSocketAddrs,
+        timeout: Duration,
+        secret: Option<JobSecret>,
+    ) -> Result<TcpStore> {
         let addr = addr
             .to_socket_addrs()
             .map_err(|source| Error::Io {
@@ -585,6 +696,7 @@ impl TcpStore {
         let client = TcpStore {
             addr,
             connect_timeout: timeout,
+            secret,
             idle: Mutex::new(Vec::new()),
         };
         let first = client.open()?;
@@ -625,9 +737,49 @@ impl TcpStore {
         stream
             .set_read_timeout(Some(self.connect_timeout.max(Duration::from_secs(1))))
             .map_err(option_error)?;
-        (&stream).write_all(&hello_bytes()).map_err(write_error)?;
-        read_hello(&mut &stream).map_err(ReadFailure::into_error)?;
-        Ok(stream)
+        let client_nonce = auth::fresh_nonce()?;
+        (&stream)
+            .write_all(&hello_bytes(&client_nonce))
+            .map_err(write_error)?;
+        let server_nonce = read_hello(&mut &stream).map_err(ReadFailure::into_error)?;
+        let server_proof =
+            read_array::<PROOF_BYTES>(&mut &stream).map_err(ReadFailure::into_error)?;
+        let secret = self.secret.as_ref();
+        let refused = Error::Protocol {
+            peer: None,
+            violation: ProtocolViolation::AuthenticationFailed,
+        };
+        if !proof_is_right(
+            secret,
+            SERVER_LABEL,
+            (&client_nonce, &server_nonce),
+            &server_proof,
+        ) {
+            tracing::warn!(server = %self.addr, "tcp store: the server did not prove it holds the job secret");
+            return Err(refused);
+        }
+        (&stream)
+            .write_all(&store_proof(
+                secret,
+                CLIENT_LABEL,
+                &client_nonce,
+                &server_nonce,
+            ))
+            .map_err(write_error)?;
+        match read_u8(&mut &stream).map_err(ReadFailure::into_error)? {
+            AUTH_OK => Ok(stream),
+            AUTH_REFUSED => {
+                tracing::warn!(server = %self.addr, "tcp store: the server refused our job secret");
+                Err(refused)
+            }
+            other => Err(Error::Protocol {
+                peer: None,
+                violation: ProtocolViolation::UnexpectedFrame {
+                    expected: AUTH_OK,
+                    got: other,
+                },
+            }),
+        }
     }
 
     fn release(&self, stream: TcpStream) {
@@ -805,6 +957,107 @@ mod tests {
 
     const T: Duration = Duration::from_secs(5);
 
+    /// A raw socket that has completed the client side of the handshake with `secret`.
+    fn raw_handshake(addr: SocketAddr, secret: Option<&JobSecret>) -> TcpStream {
+        let mut s = TcpStream::connect(addr).unwrap();
+        s.set_read_timeout(Some(T)).unwrap();
+        let nc = [3u8; NONCE_BYTES];
+        s.write_all(&hello_bytes(&nc)).unwrap();
+        let mut greeting = [0u8; 8 + NONCE_BYTES + PROOF_BYTES];
+        s.read_exact(&mut greeting).unwrap();
+        let mut ns = [0u8; NONCE_BYTES];
+        ns.copy_from_slice(&greeting[8..8 + NONCE_BYTES]);
+        s.write_all(&store_proof(secret, CLIENT_LABEL, &nc, &ns))
+            .unwrap();
+        let mut ok = [0u8; 1];
+        s.read_exact(&mut ok).unwrap();
+        assert_eq!(ok[0], AUTH_OK);
+        s
+    }
+
+    fn secret(text: &str) -> JobSecret {
+        JobSecret::from_bytes(text.as_bytes().to_vec()).unwrap()
+    }
+
+    #[test]
+    fn clients_without_the_secret_are_refused_and_the_job_carries_on() {
+        let server =
+            TcpStoreServer::bind_with_secret("127.0.0.1:0", Some(secret("right"))).unwrap();
+        assert!(server.is_authenticated());
+        let good =
+            TcpStore::connect_with_secret(server.local_addr(), T, Some(secret("right"))).unwrap();
+        good.set("k", b"v").unwrap();
+        for wrong in [Some(secret("wrong")), None] {
+            let refused = TcpStore::connect_with_secret(server.local_addr(), T, wrong);
+            assert!(
+                matches!(
+                    refused,
+                    Err(Error::Protocol {
+                        violation: ProtocolViolation::AuthenticationFailed,
+                        ..
+                    })
+                ),
+                "{refused:?}"
+            );
+        }
+        // A raw client that answers the challenge with a made-up proof is told AUTH_REFUSED
+        // and disconnected, and nothing it sends afterwards reaches the store.
+        let mut raw = TcpStream::connect(server.local_addr()).unwrap();
+        raw.set_read_timeout(Some(T)).unwrap();
+        raw.write_all(&hello_bytes(&[1u8; NONCE_BYTES])).unwrap();
+        let mut greeting = [0u8; 8 + NONCE_BYTES + PROOF_BYTES];
+        raw.read_exact(&mut greeting).unwrap();
+        raw.write_all(&[0u8; PROOF_BYTES]).unwrap();
+        let mut answer = [0u8; 1];
+        raw.read_exact(&mut answer).unwrap();
+        assert_eq!(answer[0], AUTH_REFUSED);
+        let mut req = vec![OP_SET];
+        put_bytes(&mut req, b"intruder", MAX_KEY_BYTES).unwrap();
+        put_bytes(&mut req, b"x", MAX_VALUE_BYTES).unwrap();
+        let _ = raw.write_all(&req);
+        let mut buf = [0u8; 8];
+        assert!(matches!(raw.read(&mut buf), Ok(0) | Err(_)));
+        // The authenticated client still works and the store holds only its key.
+        assert_eq!(good.get("k", T).unwrap(), b"v");
+        assert_eq!(server.store().num_keys().unwrap(), 1);
+    }
+
+    #[test]
+    fn a_client_with_a_secret_refuses_a_server_without_one() {
+        let server = TcpStoreServer::bind_with_secret("127.0.0.1:0", None).unwrap();
+        assert!(!server.is_authenticated());
+        let result = TcpStore::connect_with_secret(server.local_addr(), T, Some(secret("s")));
+        assert!(matches!(
+            result,
+            Err(Error::Protocol {
+                violation: ProtocolViolation::AuthenticationFailed,
+                ..
+            })
+        ));
+    }
+
+    #[test]
+    fn hello_prefixes_never_panic_and_name_what_is_wrong() {
+        let mut good = [0u8; 8];
+        good.copy_from_slice(&hello_bytes(&[0u8; NONCE_BYTES])[..8]);
+        assert_eq!(check_hello_prefix(&good), Ok(()));
+        let mut bad_magic = good;
+        bad_magic[0] ^= 0xff;
+        assert!(matches!(
+            check_hello_prefix(&bad_magic),
+            Err(ProtocolViolation::BadMagic { .. })
+        ));
+        let mut old = good;
+        old[4..8].copy_from_slice(&1u32.to_le_bytes());
+        assert_eq!(
+            check_hello_prefix(&old),
+            Err(ProtocolViolation::VersionMismatch {
+                ours: STORE_PROTOCOL_VERSION,
+                theirs: 1
+            })
+        );
+    }
+
     fn server_and_client() -> (TcpStoreServer, TcpStore) {
         let server = TcpStoreServer::bind("127.0.0.1:0").unwrap();
         let client = TcpStore::connect(server.local_addr(), T).unwrap();
@@ -918,14 +1171,9 @@ mod tests {
         let mut buf = [0u8; 16];
         assert!(matches!(bad.read(&mut buf), Ok(0) | Err(_)));
 
-        // A client with a good hello that then claims a huge value is disconnected without
-        // the server allocating it.
-        let mut liar = TcpStream::connect(server.local_addr()).unwrap();
-        liar.set_read_timeout(Some(T)).unwrap();
-        liar.write_all(&hello_bytes()).unwrap();
-        let mut hello = [0u8; 8];
-        liar.read_exact(&mut hello).unwrap();
-        assert_eq!(hello, hello_bytes());
+        // A client with a good handshake that then claims a huge value is disconnected
+        // without the server allocating it.
+        let mut liar = raw_handshake(server.local_addr(), None);
         let mut req = vec![OP_SET];
         put_bytes(&mut req, b"x", MAX_KEY_BYTES).unwrap();
         put_u32(&mut req, u32::MAX);
@@ -933,10 +1181,7 @@ mod tests {
         assert!(matches!(liar.read(&mut buf), Ok(0) | Err(_)));
 
         // An unknown opcode is disconnected too.
-        let mut odd = TcpStream::connect(server.local_addr()).unwrap();
-        odd.set_read_timeout(Some(T)).unwrap();
-        odd.write_all(&hello_bytes()).unwrap();
-        odd.read_exact(&mut hello).unwrap();
+        let mut odd = raw_handshake(server.local_addr(), None);
         odd.write_all(&[0xee, 1, 2, 3]).unwrap();
         assert!(matches!(odd.read(&mut buf), Ok(0) | Err(_)));
 
@@ -951,7 +1196,7 @@ mod tests {
         let addr = listener.local_addr().unwrap();
         let fake = thread::spawn(move || {
             let (mut s, _) = listener.accept().unwrap();
-            let mut hello = [0u8; 8];
+            let mut hello = [0u8; 8 + NONCE_BYTES];
             s.read_exact(&mut hello).unwrap();
             let mut reply = STORE_MAGIC.to_le_bytes().to_vec();
             reply.extend_from_slice(&99u32.to_le_bytes());
@@ -962,7 +1207,7 @@ mod tests {
             result,
             Err(Error::Protocol {
                 violation: ProtocolViolation::VersionMismatch {
-                    ours: 1,
+                    ours: STORE_PROTOCOL_VERSION,
                     theirs: 99
                 },
                 ..

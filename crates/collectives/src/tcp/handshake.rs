@@ -1,21 +1,41 @@
-//! The mesh handshake. The connecting (higher) rank sends
-//! `magic "HSMC" u32, version u32, job token u64, its rank u64, world size u64`; the accepting
-//! rank answers one status byte (`ACCEPTED` or a refusal code) and, when it accepts, its own
-//! rank as `u64` (a version refusal is followed by the acceptor's version as `u32`). All integers are little-endian.
+//! The mesh handshake, a mutual HMAC-SHA256 challenge-response ([`crate::auth`]):
+//!
+//! 1. The connecting (higher) rank C sends its hello,
+//!    `magic "HSMC" u32, version u32, job token u64, its rank u64, world size u64`, then its
+//!    nonce `nc` (32 bytes).
+//! 2. The accepting rank A checks magic, version, token and world size; on a mismatch it
+//!    answers one refusal byte (a version refusal is followed by A's version as `u32`).
+//!    Otherwise it answers `CHALLENGE`, its nonce `na` and its proof
+//!    `HMAC(secret, ACCEPTOR_LABEL, hello, nc, na, A's rank)`.
+//! 3. C checks A's proof (so C never talks to a rank without the secret) and sends its own,
+//!    `HMAC(secret, CONNECTOR_LABEL, hello, nc, na, A's rank)`.
+//! 4. A checks C's proof: a wrong one gets `REFUSED_AUTH`; a right one gets `ACCEPTED` and A's
+//!    rank as `u64` (or `REFUSED_RANK` for a duplicate rank).
+//!
+//! All integers are little-endian. The magic and version come first and keep their places,
+//! so a peer of another version still learns why it was refused.
 
 use std::io::{self, Read, Write};
 
+use crate::auth::{self, JobSecret, NONCE_BYTES, Nonce, PROOF_BYTES, Proof};
 use crate::error::ProtocolViolation;
 
 /// The first four bytes of a mesh hello: ASCII `HSMC`.
 pub const MESH_MAGIC: u32 = u32::from_le_bytes(*b"HSMC");
 /// The mesh protocol version this build speaks.
-pub const MESH_PROTOCOL_VERSION: u32 = 1;
+pub const MESH_PROTOCOL_VERSION: u32 = 2;
 
 pub(crate) const ACCEPTED: u8 = 0;
 pub(crate) const REFUSED_VERSION: u8 = 1;
 pub(crate) const REFUSED_TOKEN: u8 = 2;
 pub(crate) const REFUSED_RANK: u8 = 3;
+pub(crate) const CHALLENGE: u8 = 4;
+pub(crate) const REFUSED_AUTH: u8 = 5;
+
+/// What the accepting rank's proof covers besides the transcript.
+pub(crate) const ACCEPTOR_LABEL: &[u8] = b"hypershard mesh v2 acceptor";
+/// What the connecting rank's proof covers besides the transcript.
+pub(crate) const CONNECTOR_LABEL: &[u8] = b"hypershard mesh v2 connector";
 
 /// What a connecting rank says about itself.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -63,48 +83,226 @@ fn word64(bytes: &[u8; HELLO_BYTES], at: usize) -> u64 {
     u64::from_le_bytes(w)
 }
 
-/// Reads a hello and checks magic, version, token and world size. On a refusal the refusal
-/// byte has already been written back so the connecting rank learns why.
-pub(crate) fn read_hello(
-    stream: &mut (impl Read + Write),
+/// The bytes both proofs of one connection cover: the hello, both nonces, the acceptor's rank.
+pub(crate) struct Transcript<'a> {
+    pub(crate) hello: &'a [u8; HELLO_BYTES],
+    pub(crate) connector_nonce: &'a Nonce,
+    pub(crate) acceptor_nonce: &'a Nonce,
+    pub(crate) acceptor_rank: u64,
+}
+
+impl Transcript<'_> {
+    /// The proof the holder of `secret` sends in the role named by `label`.
+    pub(crate) fn prove(&self, secret: Option<&JobSecret>, label: &[u8]) -> Proof {
+        let rank = self.acceptor_rank.to_le_bytes();
+        auth::prove(
+            secret,
+            label,
+            &[self.hello, self.connector_nonce, self.acceptor_nonce, &rank],
+        )
+    }
+
+    /// Whether `proof` is the right one for the role named by `label` (constant time).
+    pub(crate) fn verify(&self, secret: Option<&JobSecret>, label: &[u8], proof: &Proof) -> bool {
+        let rank = self.acceptor_rank.to_le_bytes();
+        auth::verify(
+            secret,
+            label,
+            &[self.hello, self.connector_nonce, self.acceptor_nonce, &rank],
+            proof,
+        )
+    }
+}
+
+/// What the accepting rank expects of a connecting one.
+pub(crate) struct Expectation {
+    pub(crate) job_token: u64,
+    pub(crate) world_size: u64,
+    /// The accepting rank itself (covered by both proofs).
+    pub(crate) acceptor_rank: u64,
+    pub(crate) secret: Option<JobSecret>,
+}
+
+/// Parses the fixed part of a hello: magic, version, token, rank, world size. Never panics;
+/// a wrong magic or version is a typed violation.
+pub(crate) fn decode_hello(bytes: &[u8; HELLO_BYTES]) -> Result<Hello, ProtocolViolation> {
+    let magic = word32(bytes, 0);
+    if magic != MESH_MAGIC {
+        return Err(ProtocolViolation::BadMagic { got: magic });
+    }
+    let version = word32(bytes, 4);
+    if version != MESH_PROTOCOL_VERSION {
+        return Err(ProtocolViolation::VersionMismatch {
+            ours: MESH_PROTOCOL_VERSION,
+            theirs: version,
+        });
+    }
+    Ok(Hello {
+        job_token: word64(bytes, 8),
+        rank: word64(bytes, 16),
+        world_size: word64(bytes, 24),
+    })
+}
+
+/// Checks a decoded hello against what this rank expects: the job token, the world size and
+/// a rank inside it.
+pub(crate) fn check_hello(
+    hello: &Hello,
     job_token: u64,
     world_size: u64,
+) -> Result<(), ProtocolViolation> {
+    if hello.job_token != job_token {
+        return Err(ProtocolViolation::TokenMismatch);
+    }
+    if hello.world_size != world_size || hello.rank >= world_size {
+        return Err(ProtocolViolation::BadRank { rank: hello.rank });
+    }
+    Ok(())
+}
+
+/// The accepting side of the handshake up to (not including) the final `ACCEPTED`: reads the
+/// hello and checks it, challenges the connecting rank and checks its proof. On a refusal the
+/// refusal byte has already been written back so the connecting rank learns why.
+pub(crate) fn accept_hello(
+    stream: &mut (impl Read + Write),
+    expect: &Expectation,
 ) -> Result<Hello, HelloFailure> {
     let mut bytes = [0u8; HELLO_BYTES];
     stream.read_exact(&mut bytes)?;
-    let magic = word32(&bytes, 0);
-    if magic != MESH_MAGIC {
+    let hello = match decode_hello(&bytes) {
+        Ok(hello) => hello,
+        Err(violation @ ProtocolViolation::VersionMismatch { .. }) => {
+            let mut refusal = [REFUSED_VERSION, 0, 0, 0, 0];
+            refusal[1..].copy_from_slice(&MESH_PROTOCOL_VERSION.to_le_bytes());
+            let _ = stream.write_all(&refusal);
+            return Err(HelloFailure::Violation(violation));
+        }
         // Not one of ours: answer nothing, the caller drops the connection.
-        return Err(HelloFailure::Violation(ProtocolViolation::BadMagic {
-            got: magic,
-        }));
+        Err(violation) => return Err(HelloFailure::Violation(violation)),
+    };
+    if let Err(violation) = check_hello(&hello, expect.job_token, expect.world_size) {
+        let code = match violation {
+            ProtocolViolation::TokenMismatch => REFUSED_TOKEN,
+            _ => REFUSED_RANK,
+        };
+        let _ = stream.write_all(&[code]);
+        return Err(HelloFailure::Violation(violation));
     }
-    let version = word32(&bytes, 4);
-    if version != MESH_PROTOCOL_VERSION {
-        let mut refusal = [REFUSED_VERSION, 0, 0, 0, 0];
-        refusal[1..].copy_from_slice(&MESH_PROTOCOL_VERSION.to_le_bytes());
-        let _ = stream.write_all(&refusal);
+    let mut connector_nonce = [0u8; NONCE_BYTES];
+    stream.read_exact(&mut connector_nonce)?;
+    let acceptor_nonce = auth::fresh_nonce()
+        .map_err(|_| HelloFailure::Io(io::Error::other("no randomness for a handshake nonce")))?;
+    let transcript = Transcript {
+        hello: &bytes,
+        connector_nonce: &connector_nonce,
+        acceptor_nonce: &acceptor_nonce,
+        acceptor_rank: expect.acceptor_rank,
+    };
+    let mut challenge = [0u8; 1 + NONCE_BYTES + PROOF_BYTES];
+    challenge[0] = CHALLENGE;
+    challenge[1..1 + NONCE_BYTES].copy_from_slice(&acceptor_nonce);
+    challenge[1 + NONCE_BYTES..]
+        .copy_from_slice(&transcript.prove(expect.secret.as_ref(), ACCEPTOR_LABEL));
+    stream.write_all(&challenge)?;
+    let mut proof = [0u8; PROOF_BYTES];
+    stream.read_exact(&mut proof)?;
+    if !transcript.verify(expect.secret.as_ref(), CONNECTOR_LABEL, &proof) {
+        let _ = stream.write_all(&[REFUSED_AUTH]);
         return Err(HelloFailure::Violation(
-            ProtocolViolation::VersionMismatch {
-                ours: MESH_PROTOCOL_VERSION,
-                theirs: version,
-            },
+            ProtocolViolation::AuthenticationFailed,
         ));
     }
-    let hello = Hello {
-        job_token: word64(&bytes, 8),
-        rank: word64(&bytes, 16),
-        world_size: word64(&bytes, 24),
-    };
-    if hello.job_token != job_token {
-        let _ = stream.write_all(&[REFUSED_TOKEN]);
-        return Err(HelloFailure::Violation(ProtocolViolation::TokenMismatch));
-    }
-    if hello.world_size != world_size || hello.rank >= world_size {
-        let _ = stream.write_all(&[REFUSED_RANK]);
-        return Err(HelloFailure::Violation(ProtocolViolation::BadRank {
-            rank: hello.rank,
-        }));
-    }
     Ok(hello)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use proptest::prelude::*;
+
+    fn hello(rank: u64, world_size: u64) -> Hello {
+        Hello {
+            job_token: 7,
+            rank,
+            world_size,
+        }
+    }
+
+    #[test]
+    fn a_hello_round_trips_and_each_mismatch_has_its_own_violation() {
+        let h = hello(3, 4);
+        assert_eq!(decode_hello(&h.encode()), Ok(h));
+        assert_eq!(check_hello(&h, 7, 4), Ok(()));
+        assert_eq!(check_hello(&h, 8, 4), Err(ProtocolViolation::TokenMismatch));
+        // A world-size mismatch and a rank outside the world are both a bad rank claim.
+        assert_eq!(
+            check_hello(&h, 7, 5),
+            Err(ProtocolViolation::BadRank { rank: 3 })
+        );
+        assert_eq!(
+            check_hello(&hello(4, 4), 7, 4),
+            Err(ProtocolViolation::BadRank { rank: 4 })
+        );
+        let mut old = h.encode();
+        old[4..8].copy_from_slice(&1u32.to_le_bytes());
+        assert_eq!(
+            decode_hello(&old),
+            Err(ProtocolViolation::VersionMismatch {
+                ours: MESH_PROTOCOL_VERSION,
+                theirs: 1
+            })
+        );
+    }
+
+    /// A scripted peer: reads come from `input`, writes are collected.
+    struct Scripted {
+        input: std::io::Cursor<Vec<u8>>,
+        written: Vec<u8>,
+    }
+
+    impl Read for Scripted {
+        fn read(&mut self, buf: &mut [u8]) -> io::Result<usize> {
+            self.input.read(buf)
+        }
+    }
+
+    impl Write for Scripted {
+        fn write(&mut self, buf: &[u8]) -> io::Result<usize> {
+            self.written.extend_from_slice(buf);
+            Ok(buf.len())
+        }
+        fn flush(&mut self) -> io::Result<()> {
+            Ok(())
+        }
+    }
+
+    proptest! {
+        #![proptest_config(ProptestConfig::with_cases(512))]
+
+        /// Arbitrary bytes from a connecting peer never panic the acceptor, never get a
+        /// peer accepted without a right proof, and never make it write more than one
+        /// challenge (so nothing is sized from what the peer claims).
+        #[test]
+        fn arbitrary_bytes_never_pass_the_acceptor(input in proptest::collection::vec(any::<u8>(), 0..200)) {
+            let mut peer = Scripted { input: std::io::Cursor::new(input), written: Vec::new() };
+            let expect = Expectation {
+                job_token: 7,
+                world_size: 4,
+                acceptor_rank: 0,
+                secret: Some(JobSecret::from_bytes(b"k".to_vec()).unwrap()),
+            };
+            let outcome = accept_hello(&mut peer, &expect);
+            prop_assert!(outcome.is_err());
+            prop_assert!(peer.written.len() <= 1 + NONCE_BYTES + PROOF_BYTES + 1);
+        }
+
+        /// Any 32 bytes decode to a hello or a typed violation; a decoded one re-encodes to
+        /// the same bytes.
+        #[test]
+        fn any_hello_bytes_decode_or_are_refused(bytes in proptest::array::uniform32(any::<u8>())) {
+            if let Ok(h) = decode_hello(&bytes) {
+                prop_assert_eq!(h.encode(), bytes);
+            }
+        }
+    }
 }

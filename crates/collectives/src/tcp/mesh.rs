@@ -7,8 +7,10 @@ use std::time::{Duration, Instant};
 
 use super::config::TcpConfig;
 use super::handshake::{
-    ACCEPTED, Hello, HelloFailure, REFUSED_RANK, REFUSED_TOKEN, REFUSED_VERSION, read_hello,
+    ACCEPTED, ACCEPTOR_LABEL, CHALLENGE, CONNECTOR_LABEL, Expectation, Hello, HelloFailure,
+    REFUSED_AUTH, REFUSED_RANK, REFUSED_TOKEN, REFUSED_VERSION, Transcript, accept_hello,
 };
+use crate::auth::{self, JobSecret, NONCE_BYTES, PROOF_BYTES};
 use crate::error::{Error, IoAction, ProtocolViolation, Result};
 use crate::store::Store;
 
@@ -39,12 +41,29 @@ fn io_error(action: IoAction, peer: Option<usize>) -> impl FnOnce(io::Error) -> 
 impl Mesh {
     /// Joins the mesh of `world_size` ranks as `rank`: binds a listener, publishes its address
     /// in `store`, connects to every lower rank and accepts every higher one. Collective:
-    /// every rank must call it with the same store, world size and job token.
+    /// every rank must call it with the same store, world size and job token. Every
+    /// connection is authenticated with the job secret of this process's environment
+    /// ([`JobSecret::from_env`]: `HYPERSHARD_JOB_SECRET` or `HYPERSHARD_JOB_SECRET_FILE`;
+    /// none set: no authentication).
     pub fn establish(
         store: &dyn Store,
         rank: usize,
         world_size: usize,
         config: &TcpConfig,
+    ) -> Result<Mesh> {
+        let secret = JobSecret::from_env()?;
+        Mesh::establish_with_secret(store, rank, world_size, config, secret.as_ref())
+    }
+
+    /// [`Mesh::establish`] with the job secret given (`None`: no authentication). Both ends
+    /// of every connection prove they hold it (HMAC-SHA256 challenge-response); a connection
+    /// that cannot is refused, logged with its remote address, and does not count.
+    pub fn establish_with_secret(
+        store: &dyn Store,
+        rank: usize,
+        world_size: usize,
+        config: &TcpConfig,
+        secret: Option<&JobSecret>,
     ) -> Result<Mesh> {
         if world_size == 0 {
             return Err(Error::InvalidWorldSize { size: world_size });
@@ -67,9 +86,15 @@ impl Mesh {
 
         let mut peers: Vec<Option<TcpStream>> = (0..world_size).map(|_| None).collect();
         for (peer, slot) in peers.iter_mut().enumerate().take(rank) {
-            *slot = Some(connect_to(store, peer, rank, world_size, config, deadline)?);
+            let target = Target {
+                peer,
+                rank,
+                world_size,
+                deadline,
+            };
+            *slot = Some(connect_to(store, &target, config, secret)?);
         }
-        accept_higher(&listener, &mut peers, rank, config, deadline)?;
+        accept_higher(&listener, &mut peers, rank, config, secret, deadline)?;
         for stream in peers.iter().flatten() {
             stream
                 .set_nodelay(true)
@@ -99,15 +124,27 @@ impl Mesh {
     }
 }
 
-/// Connects to lower rank `peer` and performs the handshake.
-fn connect_to(
-    store: &dyn Store,
+/// Which lower rank a connecting rank dials, and by when.
+struct Target {
     peer: usize,
     rank: usize,
     world_size: usize,
-    config: &TcpConfig,
     deadline: Instant,
+}
+
+/// Connects to lower rank `target.peer` and performs the handshake.
+fn connect_to(
+    store: &dyn Store,
+    target: &Target,
+    config: &TcpConfig,
+    secret: Option<&JobSecret>,
 ) -> Result<TcpStream> {
+    let Target {
+        peer,
+        rank,
+        world_size,
+        deadline,
+    } = *target;
     let left = deadline.saturating_duration_since(Instant::now());
     let published = store.get(&address_key(peer), left)?;
     let addr: SocketAddr = std::str::from_utf8(&published)
@@ -130,15 +167,59 @@ fn connect_to(
         rank: rank as u64,
         world_size: world_size as u64,
     };
+    let hello_bytes = hello.encode();
+    let connector_nonce = auth::fresh_nonce()?;
+    let mut opening = [0u8; super::handshake::HELLO_BYTES + NONCE_BYTES];
+    opening[..hello_bytes.len()].copy_from_slice(&hello_bytes);
+    opening[hello_bytes.len()..].copy_from_slice(&connector_nonce);
     stream
-        .write_all(&hello.encode())
+        .write_all(&opening)
         .map_err(io_error(IoAction::Write, Some(peer)))?;
     let mut status = [0u8; 1];
     stream
         .read_exact(&mut status)
         .map_err(io_error(IoAction::Read, Some(peer)))?;
+    if status[0] == CHALLENGE {
+        let mut challenge = [0u8; NONCE_BYTES + PROOF_BYTES];
+        stream
+            .read_exact(&mut challenge)
+            .map_err(io_error(IoAction::Read, Some(peer)))?;
+        let mut acceptor_nonce = [0u8; NONCE_BYTES];
+        acceptor_nonce.copy_from_slice(&challenge[..NONCE_BYTES]);
+        let mut acceptor_proof = [0u8; PROOF_BYTES];
+        acceptor_proof.copy_from_slice(&challenge[NONCE_BYTES..]);
+        let transcript = Transcript {
+            hello: &hello_bytes,
+            connector_nonce: &connector_nonce,
+            acceptor_nonce: &acceptor_nonce,
+            acceptor_rank: peer as u64,
+        };
+        if !transcript.verify(secret, ACCEPTOR_LABEL, &acceptor_proof) {
+            tracing::warn!(rank, peer, %addr, "tcp mesh: the peer did not prove it holds the job secret");
+            return Err(Error::Protocol {
+                peer: Some(peer),
+                violation: ProtocolViolation::AuthenticationFailed,
+            });
+        }
+        stream
+            .write_all(&transcript.prove(secret, CONNECTOR_LABEL))
+            .map_err(io_error(IoAction::Write, Some(peer)))?;
+        stream
+            .read_exact(&mut status)
+            .map_err(io_error(IoAction::Read, Some(peer)))?;
+    } else if status[0] == ACCEPTED {
+        // An acceptor must challenge before it accepts; one that does not is not ours.
+        return Err(Error::Protocol {
+            peer: Some(peer),
+            violation: ProtocolViolation::UnexpectedFrame {
+                expected: CHALLENGE,
+                got: ACCEPTED,
+            },
+        });
+    }
     let violation = match status[0] {
         ACCEPTED => None,
+        REFUSED_AUTH => Some(ProtocolViolation::AuthenticationFailed),
         REFUSED_TOKEN => Some(ProtocolViolation::TokenMismatch),
         REFUSED_VERSION => {
             // The refusing rank follows the code with the version it speaks.
@@ -198,6 +279,7 @@ fn accept_higher(
     peers: &mut [Option<TcpStream>],
     rank: usize,
     config: &TcpConfig,
+    secret: Option<&JobSecret>,
     deadline: Instant,
 ) -> Result<()> {
     let world_size = peers.len();
@@ -225,12 +307,17 @@ fn accept_higher(
                     continue;
                 }
                 let hellos = hellos.clone();
-                let (token, world) = (config.job_token, world_size as u64);
+                let expect = Expectation {
+                    job_token: config.job_token,
+                    world_size: world_size as u64,
+                    acceptor_rank: rank as u64,
+                    secret: secret.cloned(),
+                };
                 let spawned = thread::Builder::new()
                     .name(format!("hypershard-tcp-hello-{rank}"))
                     .spawn(move || {
                         let mut stream = stream;
-                        let hello = read_hello(&mut stream, token, world);
+                        let hello = accept_hello(&mut stream, &expect);
                         // The rendezvous may be over already; then nobody wants the outcome.
                         let _ = hellos.send(HelloOutcome {
                             stream,
@@ -269,7 +356,7 @@ fn admit(outcome: HelloOutcome, peers: &mut [Option<TcpStream>], rank: usize) ->
     } = outcome;
     match hello {
         Ok(hello) => {
-            // invariant: read_hello checked hello.rank < world_size, which is a usize.
+            // invariant: accept_hello checked hello.rank < world_size, which is a usize.
             let peer = hello.rank as usize;
             if peer <= rank || peers[peer].is_some() {
                 tracing::warn!(rank, %from, claimed = peer, "tcp mesh: refusing a duplicate or lower rank");
@@ -345,6 +432,89 @@ mod tests {
                 }
             }
         }
+    }
+
+    fn secret(text: &str) -> JobSecret {
+        JobSecret::from_bytes(text.as_bytes().to_vec()).unwrap()
+    }
+
+    #[test]
+    fn a_stranger_without_the_secret_is_refused_and_the_mesh_completes() {
+        let store = Arc::new(MemoryStore::new());
+        let config = TcpConfig::default().with_rendezvous_timeout(Duration::from_secs(10));
+        let right = secret("the job's secret");
+        let rank0 = {
+            let (store, config, right) = (store.clone(), config.clone(), right.clone());
+            thread::spawn(move || Mesh::establish_with_secret(&*store, 0, 2, &config, Some(&right)))
+        };
+        // The stranger speaks the protocol perfectly (right token, free rank) but holds
+        // another secret: the acceptor's proof fails its check, and its own proof would fail
+        // the acceptor's; either way it is refused and does not take rank 1's place.
+        let stranger = {
+            let store = store.clone();
+            let config = config.clone();
+            thread::spawn(move || {
+                Mesh::establish_with_secret(&*store, 1, 2, &config, Some(&secret("a guess")))
+            })
+        };
+        assert!(matches!(
+            stranger.join().unwrap(),
+            Err(Error::Protocol {
+                peer: Some(0),
+                violation: ProtocolViolation::AuthenticationFailed
+            })
+        ));
+        // A raw client that takes the challenge and answers with a made-up proof is told
+        // REFUSED_AUTH.
+        let published = store.get(&address_key(0), Duration::from_secs(10)).unwrap();
+        let addr: SocketAddr = std::str::from_utf8(&published).unwrap().parse().unwrap();
+        let mut raw = TcpStream::connect(addr).unwrap();
+        raw.set_read_timeout(Some(Duration::from_secs(5))).unwrap();
+        let hello = Hello {
+            job_token: 0,
+            rank: 1,
+            world_size: 2,
+        };
+        raw.write_all(&hello.encode()).unwrap();
+        raw.write_all(&[0u8; NONCE_BYTES]).unwrap();
+        let mut challenge = [0u8; 1 + NONCE_BYTES + PROOF_BYTES];
+        raw.read_exact(&mut challenge).unwrap();
+        assert_eq!(challenge[0], CHALLENGE);
+        raw.write_all(&[0u8; PROOF_BYTES]).unwrap();
+        let mut answer = [0u8; 1];
+        raw.read_exact(&mut answer).unwrap();
+        assert_eq!(answer[0], REFUSED_AUTH);
+        // The real rank 1 still joins, and the mesh carries data both ways.
+        let rank1 = Mesh::establish_with_secret(&*store, 1, 2, &config, Some(&right)).unwrap();
+        let rank0 = rank0.join().unwrap().unwrap();
+        rank1.peer(0).unwrap().write_all(&[41]).unwrap();
+        let mut b = [0u8; 1];
+        rank0.peer(1).unwrap().read_exact(&mut b).unwrap();
+        assert_eq!(b[0], 41);
+    }
+
+    #[test]
+    fn a_rank_without_a_secret_cannot_join_a_job_that_has_one() {
+        let store = Arc::new(MemoryStore::new());
+        let config = TcpConfig::default().with_rendezvous_timeout(Duration::from_millis(800));
+        let rank0 = {
+            let (store, config) = (store.clone(), config.clone());
+            thread::spawn(move || {
+                Mesh::establish_with_secret(&*store, 0, 2, &config, Some(&secret("s")))
+            })
+        };
+        let rank1 = Mesh::establish_with_secret(&*store, 1, 2, &config, None);
+        assert!(matches!(
+            rank1,
+            Err(Error::Protocol {
+                violation: ProtocolViolation::AuthenticationFailed,
+                ..
+            })
+        ));
+        assert!(matches!(
+            rank0.join().unwrap(),
+            Err(Error::RendezvousTimeout { rank: 0, .. })
+        ));
     }
 
     #[test]
