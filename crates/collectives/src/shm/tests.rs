@@ -207,3 +207,28 @@ fn oversized_and_mislabelled_sends_are_refused_before_the_ring() {
     ));
     assert!(!to_one.is_poisoned());
 }
+
+#[test]
+fn a_garbled_header_is_a_protocol_error_and_poisons_the_channel() {
+    // A peer that writes 48 bytes of garbage where a message header belongs.
+    let to_me = Arc::new(Segment::anonymous(1024).unwrap());
+    let from_me = Arc::new(Segment::anonymous(1024).unwrap());
+    let mut raw = Producer::new(Arc::clone(&to_me));
+    let receiver = ShmPeer::new(0, Producer::new(from_me), Consumer::new(to_me), 1 << 20);
+    assert!(raw.write(&[0xab; super::SLOT_HEADER_BYTES], 0));
+    raw.publish();
+    let watch = TestWatch::new(Duration::from_secs(5));
+    let key = MailboxKey::of(&header(0, 0, DType::U8, 0));
+    let result = receiver.recv_frame(key, &watch);
+    assert!(
+        matches!(
+            result,
+            Err(Error::Protocol {
+                peer: Some(0),
+                violation: crate::error::ProtocolViolation::BadMagic { got: 0xabab_abab }
+            })
+        ),
+        "{result:?}"
+    );
+    assert!(receiver.is_poisoned());
+}
