@@ -9,6 +9,8 @@
 use std::path::PathBuf;
 use std::time::Duration;
 
+pub mod world;
+
 /// Summary statistics of repeated timings.
 #[derive(Debug, Clone, Copy, PartialEq, serde::Serialize)]
 pub struct TimingStats {

@@ -2,10 +2,16 @@
 //!
 //! Commands:
 //! - `ci`: the same checks `.ci/run` performs (fmt, clippy, tests, docs), for local use.
-//! - `bench <suite> [ARGS...]`: runs the benchmark binary `bench-<suite>` of the
-//!   `hypershard-benches` package in release mode, passing `ARGS` through. Each suite lives in
-//!   its own file, `benches/src/bin/bench-<suite>.rs`, and writes JSON under `target/bench/`.
-//!   `cargo xtask bench` alone lists the suites.
+//! - `bench [SUITE] [--quick] [--compare-pytorch] [--report-only] [ARGS...]`: runs every
+//!   benchmark suite (or the one named, passing `ARGS` to its binary) in release mode, then
+//!   writes `target/bench/report.md` and the SVG plots under `target/bench/plots/` (see
+//!   the `bench` module). Each suite is one binary, `benches/src/bin/bench-<suite>.rs`, writing
+//!   `target/bench/<suite>.json`. `cargo xtask bench --list` lists the suites.
+
+mod bench;
+mod plot;
+mod report;
+mod results;
 
 use std::process::{Command, ExitCode};
 
@@ -73,42 +79,25 @@ fn bench_suites() -> Result<Vec<String>, String> {
     Ok(suites)
 }
 
-fn bench(args: &[String]) -> Result<(), String> {
+fn bench_command(args: &[String]) -> Result<(), String> {
     let suites = bench_suites()?;
-    let Some(suite) = args.first() else {
-        return Err(format!(
-            "usage: cargo xtask bench <suite> [ARGS...]; suites: {}",
-            suites.join(", ")
-        ));
-    };
-    if !suites.contains(suite) {
-        return Err(format!(
-            "unknown benchmark suite `{suite}`; suites: {}",
-            suites.join(", ")
-        ));
+    if args.first().map(String::as_str) == Some("--list") {
+        println!("{}", suites.join("\n"));
+        return Ok(());
     }
-    let bin = format!("bench-{suite}");
-    let mut cargo_args = vec![
-        "run",
-        "--release",
-        "--quiet",
-        "-p",
-        "hypershard-benches",
-        "--bin",
-        bin.as_str(),
-        "--",
-    ];
-    cargo_args.extend(args[1..].iter().map(String::as_str));
-    run(&format!("bench {suite}"), &cargo_args, &[])
+    bench::bench(args, &suites)
 }
 
 fn main() -> ExitCode {
     let args: Vec<String> = std::env::args().skip(1).collect();
     let result = match args.first().map(String::as_str) {
         Some("ci") => ci(),
-        Some("bench") => bench(&args[1..]),
+        Some("bench") => bench_command(&args[1..]),
         Some(other) => Err(format!("unknown xtask command `{other}`; known: ci, bench")),
-        None => Err("usage: cargo xtask <ci | bench <suite> [ARGS...]>".to_string()),
+        None => Err(
+            "usage: cargo xtask <ci | bench [SUITE] [--quick] [--compare-pytorch] [ARGS...]>"
+                .to_string(),
+        ),
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,

@@ -4,7 +4,12 @@
 //! ```text
 //! bench-nn [--threads 1,2] [--reps 7] [--gemm-n 1024] [--batch 8] [--seq 128] [--layers 4]
 //!          [--heads 4] [--embd 256] [--vocab 512] [--rounds 3] [--no-torch] [--json [PATH]]
+//!          [--quick]
 //! ```
+//!
+//! `--quick` is the CI smoke (`cargo xtask bench --quick`): a 128³ GEMM and a one-layer GPT of
+//! width 32, one thread, one round of one repetition; the numbers mean nothing, the run checks
+//! that both sides still work. Later flags override its choices.
 //!
 //! A GPT step is forward, cross-entropy, backward and `zero_grad` (no optimizer), f32, no
 //! dropout. The PyTorch side is `benches/python/bench_nn.py`, run with the venv at
@@ -78,6 +83,18 @@ fn parse_args() -> Result<Args, String> {
             "--embd" => args.embd = number(value()?)?,
             "--vocab" => args.vocab = number(value()?)?,
             "--no-torch" => args.torch = false,
+            "--quick" => {
+                args.threads = vec![1];
+                args.reps = 1;
+                args.gemm_n = 128;
+                args.batch = 2;
+                args.seq = 16;
+                args.layers = 1;
+                args.heads = 2;
+                args.embd = 32;
+                args.vocab = 64;
+                args.rounds = 1;
+            }
             "--rounds" => args.rounds = number(value()?)?,
             "--json" => {
                 let path = match it.peek() {
