@@ -20,12 +20,20 @@ use crate::error::{Error, Result};
 pub enum BufferLocation {
     /// Ordinary host memory.
     Host,
+    /// Memory of CUDA device `device` (the NCCL backend's [`Buffer::Cuda`]).
+    #[cfg(feature = "nccl")]
+    Cuda {
+        /// The device ordinal.
+        device: usize,
+    },
 }
 
 impl fmt::Display for BufferLocation {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         match self {
             BufferLocation::Host => f.write_str("host"),
+            #[cfg(feature = "nccl")]
+            BufferLocation::Cuda { device } => write!(f, "cuda:{device}"),
         }
     }
 }
@@ -253,6 +261,9 @@ impl PartialEq for HostBuffer {
 pub enum Buffer {
     /// Host memory.
     Host(HostBuffer),
+    /// CUDA device memory (the NCCL backend); see [`crate::nccl::DeviceBuffer`].
+    #[cfg(feature = "nccl")]
+    Cuda(crate::nccl::DeviceBuffer),
 }
 
 impl Buffer {
@@ -275,6 +286,8 @@ impl Buffer {
     pub fn dtype(&self) -> DType {
         match self {
             Buffer::Host(host) => host.dtype(),
+            #[cfg(feature = "nccl")]
+            Buffer::Cuda(device) => device.dtype(),
         }
     }
 
@@ -282,6 +295,8 @@ impl Buffer {
     pub fn len(&self) -> usize {
         match self {
             Buffer::Host(host) => host.len(),
+            #[cfg(feature = "nccl")]
+            Buffer::Cuda(device) => device.len(),
         }
     }
 
@@ -299,6 +314,8 @@ impl Buffer {
     pub fn location(&self) -> BufferLocation {
         match self {
             Buffer::Host(_) => BufferLocation::Host,
+            #[cfg(feature = "nccl")]
+            Buffer::Cuda(device) => device.location(),
         }
     }
 
@@ -306,6 +323,10 @@ impl Buffer {
     pub fn as_host(&self) -> Result<&HostBuffer> {
         match self {
             Buffer::Host(host) => Ok(host),
+            #[cfg(feature = "nccl")]
+            Buffer::Cuda(device) => Err(Error::NotHost {
+                location: device.location(),
+            }),
         }
     }
 
@@ -313,6 +334,10 @@ impl Buffer {
     pub fn as_host_mut(&mut self) -> Result<&mut HostBuffer> {
         match self {
             Buffer::Host(host) => Ok(host),
+            #[cfg(feature = "nccl")]
+            Buffer::Cuda(device) => Err(Error::NotHost {
+                location: device.location(),
+            }),
         }
     }
 
@@ -320,6 +345,10 @@ impl Buffer {
     pub fn into_host(self) -> Result<HostBuffer> {
         match self {
             Buffer::Host(host) => Ok(host),
+            #[cfg(feature = "nccl")]
+            Buffer::Cuda(device) => Err(Error::NotHost {
+                location: device.location(),
+            }),
         }
     }
 

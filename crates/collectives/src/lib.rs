@@ -27,6 +27,8 @@ mod engine;
 mod env;
 mod error;
 pub mod local;
+#[cfg(feature = "nccl")]
+pub mod nccl;
 mod op;
 pub mod reduce;
 pub mod shm;
@@ -41,6 +43,7 @@ pub use counter::{CommCounter, CounterSnapshot, OpCount};
 pub use dtype::{DType, Element};
 pub use engine::{AbortFlag, JobContext, JobSpec, ProgressEngine};
 pub use env::LaunchEnv;
+pub use error::{DeviceLibrary, Unavailable};
 pub use error::{EnvExpectation, Error, IoAction, ProtocolViolation, Result, SecretProblem};
 pub use op::{
     AllToAllCounts, Argument, BufferPair, BufferRole, Knob, OpKind, ReduceOp, block_offsets,

@@ -127,6 +127,9 @@ fn reduce_code(op: ReduceOp) -> u8 {
 fn location_code(location: BufferLocation) -> u8 {
     match location {
         BufferLocation::Host => 0,
+        // Device ordinals travel as `1 + ordinal` (saturating: nobody has 255 devices a node).
+        #[cfg(feature = "nccl")]
+        BufferLocation::Cuda { device } => 1 + device.min(254) as u8,
     }
 }
 
@@ -369,6 +372,11 @@ fn read_fault(r: &mut Reader<'_>, op: OpKind) -> Result<Option<Error>> {
             let op = r.op()?;
             let location = match r.u8()? {
                 0 => BufferLocation::Host,
+                #[cfg(feature = "nccl")]
+                code @ 1.. => BufferLocation::Cuda {
+                    device: usize::from(code - 1),
+                },
+                #[cfg(not(feature = "nccl"))]
                 _ => return Err(r.bad()),
             };
             Error::UnsupportedBuffer {
