@@ -256,3 +256,210 @@ pub trait CommunicatorExt: Communicator {
 }
 
 impl<C: Communicator + ?Sized> CommunicatorExt for C {}
+
+/// Implements the op methods of [`Communicator`] (every `*_async` op and `split`) inside an
+/// `impl Communicator for X` block, for a backend type `X` with a method
+/// `fn submit<T, F>(&self, op: OpKind, bytes: usize, job: F) -> Work<T>` (where
+/// `F: FnOnce(&Inner, &JobContext) -> Result<T>`) that runs `job` on its progress thread.
+/// Each op names the function that runs it there, so every backend forwards its ops the same
+/// way: the op kind for the engine and the counters, the byte count (the input's, 0 for
+/// barrier and split), and the arguments moved into the job.
+macro_rules! forward_ops {
+    (
+        all_reduce: $all_reduce:path,
+        all_gather: $all_gather:path,
+        reduce_scatter: $reduce_scatter:path,
+        broadcast: $broadcast:path,
+        reduce: $reduce:path,
+        gather: $gather:path,
+        scatter: $scatter:path,
+        all_to_all: $all_to_all:path,
+        send: $send:path,
+        recv: $recv:path,
+        barrier: $barrier:path,
+        split: $split:path $(,)?
+    ) => {
+        fn all_reduce_async(
+            &self,
+            buffer: $crate::Buffer,
+            op: $crate::ReduceOp,
+        ) -> $crate::Work<$crate::Buffer> {
+            self.submit(
+                $crate::OpKind::AllReduce,
+                buffer.byte_len(),
+                move |inner, ctx| $all_reduce(inner, ctx, buffer, op),
+            )
+        }
+
+        fn all_gather_async(
+            &self,
+            input: $crate::Buffer,
+            output: $crate::Buffer,
+        ) -> $crate::Work<$crate::BufferPair> {
+            self.submit(
+                $crate::OpKind::AllGather,
+                input.byte_len(),
+                move |inner, ctx| $all_gather(inner, ctx, input, output, None),
+            )
+        }
+
+        fn all_gather_v_async(
+            &self,
+            input: $crate::Buffer,
+            output: $crate::Buffer,
+            counts: Vec<usize>,
+        ) -> $crate::Work<$crate::BufferPair> {
+            self.submit(
+                $crate::OpKind::AllGatherV,
+                input.byte_len(),
+                move |inner, ctx| $all_gather(inner, ctx, input, output, Some(counts)),
+            )
+        }
+
+        fn reduce_scatter_async(
+            &self,
+            input: $crate::Buffer,
+            output: $crate::Buffer,
+            op: $crate::ReduceOp,
+        ) -> $crate::Work<$crate::BufferPair> {
+            self.submit(
+                $crate::OpKind::ReduceScatter,
+                input.byte_len(),
+                move |inner, ctx| $reduce_scatter(inner, ctx, input, output, None, op),
+            )
+        }
+
+        fn reduce_scatter_v_async(
+            &self,
+            input: $crate::Buffer,
+            output: $crate::Buffer,
+            counts: Vec<usize>,
+            op: $crate::ReduceOp,
+        ) -> $crate::Work<$crate::BufferPair> {
+            self.submit(
+                $crate::OpKind::ReduceScatterV,
+                input.byte_len(),
+                move |inner, ctx| $reduce_scatter(inner, ctx, input, output, Some(counts), op),
+            )
+        }
+
+        fn broadcast_async(
+            &self,
+            buffer: $crate::Buffer,
+            root: usize,
+        ) -> $crate::Work<$crate::Buffer> {
+            self.submit(
+                $crate::OpKind::Broadcast,
+                buffer.byte_len(),
+                move |inner, ctx| $broadcast(inner, ctx, buffer, root),
+            )
+        }
+
+        fn reduce_async(
+            &self,
+            buffer: $crate::Buffer,
+            root: usize,
+            op: $crate::ReduceOp,
+        ) -> $crate::Work<$crate::Buffer> {
+            self.submit(
+                $crate::OpKind::Reduce,
+                buffer.byte_len(),
+                move |inner, ctx| $reduce(inner, ctx, buffer, root, op),
+            )
+        }
+
+        fn gather_async(
+            &self,
+            input: $crate::Buffer,
+            output: $crate::Buffer,
+            root: usize,
+        ) -> $crate::Work<$crate::BufferPair> {
+            self.submit(
+                $crate::OpKind::Gather,
+                input.byte_len(),
+                move |inner, ctx| $gather(inner, ctx, input, output, root),
+            )
+        }
+
+        fn scatter_async(
+            &self,
+            input: $crate::Buffer,
+            output: $crate::Buffer,
+            root: usize,
+        ) -> $crate::Work<$crate::BufferPair> {
+            self.submit(
+                $crate::OpKind::Scatter,
+                input.byte_len(),
+                move |inner, ctx| $scatter(inner, ctx, input, output, root),
+            )
+        }
+
+        fn all_to_all_async(
+            &self,
+            input: $crate::Buffer,
+            output: $crate::Buffer,
+        ) -> $crate::Work<$crate::BufferPair> {
+            self.submit(
+                $crate::OpKind::AllToAll,
+                input.byte_len(),
+                move |inner, ctx| $all_to_all(inner, ctx, input, output, None),
+            )
+        }
+
+        fn all_to_all_v_async(
+            &self,
+            input: $crate::Buffer,
+            output: $crate::Buffer,
+            counts: $crate::AllToAllCounts,
+        ) -> $crate::Work<$crate::BufferPair> {
+            self.submit(
+                $crate::OpKind::AllToAllV,
+                input.byte_len(),
+                move |inner, ctx| $all_to_all(inner, ctx, input, output, Some(counts)),
+            )
+        }
+
+        fn send_async(
+            &self,
+            buffer: $crate::Buffer,
+            peer: usize,
+            tag: u32,
+        ) -> $crate::Work<$crate::Buffer> {
+            self.submit(
+                $crate::OpKind::Send,
+                buffer.byte_len(),
+                move |inner, ctx| $send(inner, ctx, buffer, peer, tag),
+            )
+        }
+
+        fn recv_async(
+            &self,
+            buffer: $crate::Buffer,
+            peer: usize,
+            tag: u32,
+        ) -> $crate::Work<$crate::Buffer> {
+            self.submit(
+                $crate::OpKind::Recv,
+                buffer.byte_len(),
+                move |inner, ctx| $recv(inner, ctx, buffer, peer, tag),
+            )
+        }
+
+        fn barrier_async(&self) -> $crate::Work<()> {
+            self.submit($crate::OpKind::Barrier, 0, $barrier)
+        }
+
+        fn split(
+            &self,
+            color: Option<u32>,
+            key: i64,
+        ) -> $crate::Result<Option<std::sync::Arc<dyn $crate::Communicator>>> {
+            self.submit($crate::OpKind::Split, 0, move |inner, ctx| {
+                $split(inner, ctx, color, key)
+            })
+            .wait()
+        }
+    };
+}
+
+pub(crate) use forward_ops;

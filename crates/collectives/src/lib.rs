@@ -15,6 +15,7 @@
 //!
 //! See `docs/collectives.md` for the semantics of each op.
 
+mod args;
 pub mod auth;
 mod blocks;
 mod buffer;

@@ -20,12 +20,11 @@ pub(crate) mod validate;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 
-use crate::buffer::Buffer;
 use crate::communicator::Communicator;
 use crate::config::CommConfig;
 use crate::engine::{JobContext, JobSpec, ProgressEngine};
 use crate::error::{Error, Result};
-use crate::op::{AllToAllCounts, BufferPair, OpKind, ReduceOp};
+use crate::op::OpKind;
 use crate::work::Work;
 
 use group::Group;
@@ -131,118 +130,19 @@ impl Communicator for LocalComm {
         BACKEND
     }
 
-    fn all_reduce_async(&self, buffer: Buffer, op: ReduceOp) -> Work<Buffer> {
-        self.submit(OpKind::AllReduce, buffer.byte_len(), move |inner, ctx| {
-            ops::all_reduce(inner, ctx, buffer, op)
-        })
-    }
-
-    fn all_gather_async(&self, input: Buffer, output: Buffer) -> Work<BufferPair> {
-        self.submit(OpKind::AllGather, input.byte_len(), move |inner, ctx| {
-            ops::all_gather(inner, ctx, input, output, None)
-        })
-    }
-
-    fn all_gather_v_async(
-        &self,
-        input: Buffer,
-        output: Buffer,
-        counts: Vec<usize>,
-    ) -> Work<BufferPair> {
-        self.submit(OpKind::AllGatherV, input.byte_len(), move |inner, ctx| {
-            ops::all_gather(inner, ctx, input, output, Some(counts))
-        })
-    }
-
-    fn reduce_scatter_async(
-        &self,
-        input: Buffer,
-        output: Buffer,
-        op: ReduceOp,
-    ) -> Work<BufferPair> {
-        self.submit(
-            OpKind::ReduceScatter,
-            input.byte_len(),
-            move |inner, ctx| ops::reduce_scatter(inner, ctx, input, output, None, op),
-        )
-    }
-
-    fn reduce_scatter_v_async(
-        &self,
-        input: Buffer,
-        output: Buffer,
-        counts: Vec<usize>,
-        op: ReduceOp,
-    ) -> Work<BufferPair> {
-        self.submit(
-            OpKind::ReduceScatterV,
-            input.byte_len(),
-            move |inner, ctx| ops::reduce_scatter(inner, ctx, input, output, Some(counts), op),
-        )
-    }
-
-    fn broadcast_async(&self, buffer: Buffer, root: usize) -> Work<Buffer> {
-        self.submit(OpKind::Broadcast, buffer.byte_len(), move |inner, ctx| {
-            ops::broadcast(inner, ctx, buffer, root)
-        })
-    }
-
-    fn reduce_async(&self, buffer: Buffer, root: usize, op: ReduceOp) -> Work<Buffer> {
-        self.submit(OpKind::Reduce, buffer.byte_len(), move |inner, ctx| {
-            ops::reduce(inner, ctx, buffer, root, op)
-        })
-    }
-
-    fn gather_async(&self, input: Buffer, output: Buffer, root: usize) -> Work<BufferPair> {
-        self.submit(OpKind::Gather, input.byte_len(), move |inner, ctx| {
-            ops::gather(inner, ctx, input, output, root)
-        })
-    }
-
-    fn scatter_async(&self, input: Buffer, output: Buffer, root: usize) -> Work<BufferPair> {
-        self.submit(OpKind::Scatter, input.byte_len(), move |inner, ctx| {
-            ops::scatter(inner, ctx, input, output, root)
-        })
-    }
-
-    fn all_to_all_async(&self, input: Buffer, output: Buffer) -> Work<BufferPair> {
-        self.submit(OpKind::AllToAll, input.byte_len(), move |inner, ctx| {
-            ops::all_to_all(inner, ctx, input, output, None)
-        })
-    }
-
-    fn all_to_all_v_async(
-        &self,
-        input: Buffer,
-        output: Buffer,
-        counts: AllToAllCounts,
-    ) -> Work<BufferPair> {
-        self.submit(OpKind::AllToAllV, input.byte_len(), move |inner, ctx| {
-            ops::all_to_all(inner, ctx, input, output, Some(counts))
-        })
-    }
-
-    fn send_async(&self, buffer: Buffer, peer: usize, tag: u32) -> Work<Buffer> {
-        self.submit(OpKind::Send, buffer.byte_len(), move |inner, ctx| {
-            ops::send(inner, ctx, buffer, peer, tag)
-        })
-    }
-
-    fn recv_async(&self, buffer: Buffer, peer: usize, tag: u32) -> Work<Buffer> {
-        self.submit(OpKind::Recv, buffer.byte_len(), move |inner, ctx| {
-            ops::recv(inner, ctx, buffer, peer, tag)
-        })
-    }
-
-    fn barrier_async(&self) -> Work<()> {
-        self.submit(OpKind::Barrier, 0, ops::barrier)
-    }
-
-    fn split(&self, color: Option<u32>, key: i64) -> Result<Option<Arc<dyn Communicator>>> {
-        self.submit(OpKind::Split, 0, move |inner, ctx| {
-            ops::split(inner, ctx, color, key)
-        })
-        .wait()
+    crate::communicator::forward_ops! {
+        all_reduce: ops::all_reduce,
+        all_gather: ops::all_gather,
+        reduce_scatter: ops::reduce_scatter,
+        broadcast: ops::broadcast,
+        reduce: ops::reduce,
+        gather: ops::gather,
+        scatter: ops::scatter,
+        all_to_all: ops::all_to_all,
+        send: ops::send,
+        recv: ops::recv,
+        barrier: ops::barrier,
+        split: ops::split,
     }
 
     fn abort(&self) {

@@ -10,6 +10,7 @@ use std::sync::Arc;
 use super::group::{Desc, Group, Post, Session, reclaim};
 use super::validate::{peer_view, validate};
 use super::{Inner, LocalComm};
+use crate::args;
 use crate::buffer::{Buffer, HostBuffer};
 use crate::communicator::Communicator;
 use crate::dtype::DType;
@@ -166,6 +167,14 @@ pub(crate) fn block(n: usize, size: usize, r: usize) -> (usize, usize) {
     (start, ((r + 1) * chunk).min(n))
 }
 
+/// The group's size and this rank in it, for the shared argument checks.
+fn place(inner: &Inner) -> args::Place {
+    args::Place {
+        size: inner.group.size(),
+        rank: inner.rank,
+    }
+}
+
 fn empty_post() -> Arc<Post> {
     Arc::new(Post::empty())
 }
@@ -178,14 +187,13 @@ pub(super) fn all_reduce(
 ) -> Result<Buffer> {
     let kind = OpKind::AllReduce;
     let size = inner.group.size();
-    let mut faults = Faults::new(kind);
-    let host = faults.host(buffer);
+    let args::Single {
+        faults,
+        desc,
+        host,
+        plan,
+    } = args::all_reduce(place(inner), buffer, op);
     let (dtype, n) = (host.dtype(), host.len());
-    let plan = faults.plan(op, dtype, size);
-    let mut desc = Desc::new(kind);
-    desc.dtype = Some(dtype);
-    desc.len = Some(n);
-    desc.reduce = Some(op);
     let mut session = Session::new(&inner.group, ctx, inner.rank, inner.next_seq());
     let (mine, posts) = open(&mut session, inner.rank, desc, faults, Some(host))?;
     // invariant: a failed plan is a posted fault, and validate returned it above.
@@ -227,30 +235,16 @@ pub(super) fn all_gather(
     } else {
         OpKind::AllGather
     };
-    let (size, rank) = (inner.group.size(), inner.rank);
-    let mut faults = Faults::new(kind);
-    let input = faults.host(input);
-    let mut output = faults.host(output);
-    let dtype = input.dtype();
-    faults.dtype(BufferRole::Output, dtype, output.dtype());
-    let mut desc = Desc::new(kind);
-    desc.dtype = Some(dtype);
-    let counts = match counts {
-        Some(counts) => {
-            faults.length(BufferRole::Counts, size, counts.len());
-            if counts.len() == size {
-                faults.length(BufferRole::Input, counts[rank], input.len());
-                faults.length(BufferRole::Output, counts.iter().sum(), output.len());
-            }
-            desc.counts = Some(counts.clone());
-            counts
-        }
-        None => {
-            faults.length(BufferRole::Output, size * input.len(), output.len());
-            desc.len = Some(input.len());
-            vec![input.len(); size]
-        }
-    };
+    let rank = inner.rank;
+    let args::Pair {
+        faults,
+        desc,
+        input,
+        mut output,
+        dtype,
+        counts,
+        ..
+    } = args::all_gather(place(inner), input, output, counts);
     let mut session = Session::new(&inner.group, ctx, rank, inner.next_seq());
     let (mine, posts) = open(&mut session, rank, desc, faults, Some(input))?;
     let offsets = block_offsets(&counts);
@@ -280,32 +274,16 @@ pub(super) fn reduce_scatter(
     } else {
         OpKind::ReduceScatter
     };
-    let (size, rank) = (inner.group.size(), inner.rank);
-    let mut faults = Faults::new(kind);
-    let input = faults.host(input);
-    let mut output = faults.host(output);
-    let dtype = input.dtype();
-    faults.dtype(BufferRole::Output, dtype, output.dtype());
-    let plan = faults.plan(op, dtype, size);
-    let mut desc = Desc::new(kind);
-    desc.dtype = Some(dtype);
-    desc.reduce = Some(op);
-    let counts = match counts {
-        Some(counts) => {
-            faults.length(BufferRole::Counts, size, counts.len());
-            if counts.len() == size {
-                faults.length(BufferRole::Input, counts.iter().sum(), input.len());
-                faults.length(BufferRole::Output, counts[rank], output.len());
-            }
-            desc.counts = Some(counts.clone());
-            counts
-        }
-        None => {
-            faults.length(BufferRole::Input, size * output.len(), input.len());
-            desc.len = Some(input.len());
-            vec![output.len(); size]
-        }
-    };
+    let rank = inner.rank;
+    let args::Pair {
+        faults,
+        desc,
+        input,
+        mut output,
+        dtype,
+        counts,
+        plan,
+    } = args::reduce_scatter(place(inner), input, output, counts, op);
     let mut session = Session::new(&inner.group, ctx, rank, inner.next_seq());
     let (mine, posts) = open(&mut session, rank, desc, faults, Some(input))?;
     // invariant: a failed plan is a posted fault, and validate returned it above.
@@ -335,15 +313,14 @@ pub(super) fn broadcast(
     root: usize,
 ) -> Result<Buffer> {
     let kind = OpKind::Broadcast;
-    let (size, rank) = (inner.group.size(), inner.rank);
-    let mut faults = Faults::new(kind);
-    let mut host = faults.host(buffer);
-    faults.rank(root, size);
+    let rank = inner.rank;
+    let args::Single {
+        faults,
+        desc,
+        mut host,
+        ..
+    } = args::broadcast(place(inner), buffer, root);
     let dtype = host.dtype();
-    let mut desc = Desc::new(kind);
-    desc.dtype = Some(dtype);
-    desc.len = Some(host.len());
-    desc.root = Some(root);
     let mut session = Session::new(&inner.group, ctx, rank, inner.next_seq());
     if rank == root {
         let (mine, posts) = open(&mut session, rank, desc, faults, Some(host))?;
@@ -368,18 +345,14 @@ pub(super) fn reduce(
     root: usize,
     op: ReduceOp,
 ) -> Result<Buffer> {
-    let kind = OpKind::Reduce;
-    let (size, rank) = (inner.group.size(), inner.rank);
-    let mut faults = Faults::new(kind);
-    let host = faults.host(buffer);
-    faults.rank(root, size);
+    let rank = inner.rank;
+    let args::Single {
+        faults,
+        desc,
+        host,
+        plan,
+    } = args::reduce(place(inner), buffer, root, op);
     let (dtype, n) = (host.dtype(), host.len());
-    let plan = faults.plan(op, dtype, size);
-    let mut desc = Desc::new(kind);
-    desc.dtype = Some(dtype);
-    desc.len = Some(n);
-    desc.root = Some(root);
-    desc.reduce = Some(op);
     let mut session = Session::new(&inner.group, ctx, rank, inner.next_seq());
     let (mine, posts) = open(&mut session, rank, desc, faults, Some(host))?;
     // invariant: a failed plan is a posted fault, and validate returned it above.
@@ -407,20 +380,16 @@ pub(super) fn gather(
     root: usize,
 ) -> Result<BufferPair> {
     let kind = OpKind::Gather;
-    let (size, rank) = (inner.group.size(), inner.rank);
-    let mut faults = Faults::new(kind);
-    let input = faults.host(input);
-    let mut output = faults.host(output);
-    faults.rank(root, size);
-    let (dtype, n) = (input.dtype(), input.len());
-    if rank == root {
-        faults.dtype(BufferRole::Output, dtype, output.dtype());
-        faults.length(BufferRole::Output, size * n, output.len());
-    }
-    let mut desc = Desc::new(kind);
-    desc.dtype = Some(dtype);
-    desc.len = Some(n);
-    desc.root = Some(root);
+    let rank = inner.rank;
+    let args::Pair {
+        faults,
+        desc,
+        input,
+        mut output,
+        dtype,
+        ..
+    } = args::gather(place(inner), input, output, root);
+    let n = input.len();
     let mut session = Session::new(&inner.group, ctx, rank, inner.next_seq());
     let (mine, posts) = open(&mut session, rank, desc, faults, Some(input))?;
     if rank == root {
@@ -446,20 +415,16 @@ pub(super) fn scatter(
     root: usize,
 ) -> Result<BufferPair> {
     let kind = OpKind::Scatter;
-    let (size, rank) = (inner.group.size(), inner.rank);
-    let mut faults = Faults::new(kind);
-    let input = faults.host(input);
-    let mut output = faults.host(output);
-    faults.rank(root, size);
-    let (dtype, n) = (output.dtype(), output.len());
-    if rank == root {
-        faults.dtype(BufferRole::Input, dtype, input.dtype());
-        faults.length(BufferRole::Input, size * n, input.len());
-    }
-    let mut desc = Desc::new(kind);
-    desc.dtype = Some(dtype);
-    desc.len = Some(n);
-    desc.root = Some(root);
+    let rank = inner.rank;
+    let args::Pair {
+        faults,
+        desc,
+        input,
+        mut output,
+        dtype,
+        ..
+    } = args::scatter(place(inner), input, output, root);
+    let n = output.len();
     let mut session = Session::new(&inner.group, ctx, rank, inner.next_seq());
     if rank == root {
         let (mine, posts) = open(&mut session, rank, desc, faults, Some(input))?;
@@ -499,28 +464,18 @@ pub(super) fn all_to_all(
         OpKind::AllToAll
     };
     let (size, rank) = (inner.group.size(), inner.rank);
-    let mut faults = Faults::new(kind);
-    let input = faults.host(input);
-    let mut output = faults.host(output);
-    let dtype = input.dtype();
-    faults.dtype(BufferRole::Output, dtype, output.dtype());
-    let mut desc = Desc::new(kind);
-    desc.dtype = Some(dtype);
-    match &counts {
-        Some(counts) => {
-            faults.length(BufferRole::SendCounts, size, counts.send.len());
-            faults.length(BufferRole::RecvCounts, size, counts.recv.len());
-            faults.length(BufferRole::Input, counts.send.iter().sum(), input.len());
-            faults.length(BufferRole::Output, counts.recv.iter().sum(), output.len());
-            desc.a2a = Some(counts.clone());
-        }
-        None => {
-            let block = input.len() / size;
-            faults.length(BufferRole::Input, block * size, input.len());
-            faults.length(BufferRole::Output, input.len(), output.len());
-            desc.len = Some(input.len());
-        }
-    }
+    let args::AllToAll {
+        pair:
+            args::Pair {
+                faults,
+                desc,
+                input,
+                mut output,
+                dtype,
+                ..
+            },
+        ..
+    } = args::all_to_all(place(inner), input, output, counts);
     let mut session = Session::new(&inner.group, ctx, rank, inner.next_seq());
     let (mine, posts) = open(&mut session, rank, desc, faults, Some(input))?;
     let even = |len: usize| AllToAllCounts {

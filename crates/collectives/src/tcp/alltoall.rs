@@ -4,12 +4,12 @@
 
 use super::communicator::Inner;
 use super::link::Link;
+use crate::args;
 use crate::buffer::Buffer;
 use crate::engine::JobContext;
 use crate::error::Result;
-use crate::local::group::Desc;
-use crate::local::ops::{Faults, copy_into, elements};
-use crate::op::{AllToAllCounts, BufferPair, BufferRole, OpKind, block_offsets};
+use crate::local::ops::{copy_into, elements};
+use crate::op::{AllToAllCounts, BufferPair, OpKind, block_offsets};
 
 pub(crate) fn all_to_all(
     inner: &Inner,
@@ -25,33 +25,18 @@ pub(crate) fn all_to_all(
     };
     let link = Link::collective(inner, ctx, kind);
     let (size, rank) = (link.size(), link.rank());
-    let mut faults = Faults::new(kind);
-    let input = faults.host(input);
-    let mut output = faults.host(output);
-    let dtype = input.dtype();
-    faults.dtype(BufferRole::Output, dtype, output.dtype());
-    let mut desc = Desc::new(kind);
-    desc.dtype = Some(dtype);
-    let counts = match counts {
-        Some(counts) => {
-            faults.length(BufferRole::SendCounts, size, counts.send.len());
-            faults.length(BufferRole::RecvCounts, size, counts.recv.len());
-            faults.length(BufferRole::Input, counts.send.iter().sum(), input.len());
-            faults.length(BufferRole::Output, counts.recv.iter().sum(), output.len());
-            desc.a2a = Some(counts.clone());
-            counts
-        }
-        None => {
-            let block = input.len() / size;
-            faults.length(BufferRole::Input, block * size, input.len());
-            faults.length(BufferRole::Output, input.len(), output.len());
-            desc.len = Some(input.len());
-            AllToAllCounts {
-                send: vec![block; size],
-                recv: vec![block; size],
-            }
-        }
-    };
+    let args::AllToAll {
+        pair:
+            args::Pair {
+                faults,
+                desc,
+                input,
+                mut output,
+                dtype,
+                ..
+            },
+        counts,
+    } = args::all_to_all(link.place(), input, output, counts);
     link.open(desc, faults)?;
     let send_offsets = block_offsets(&counts.send);
     let recv_offsets = block_offsets(&counts.recv);

@@ -9,11 +9,10 @@
 use super::communicator::Inner;
 use super::config::BroadcastAlgorithm;
 use super::link::Link;
+use crate::args;
 use crate::buffer::Buffer;
 use crate::engine::JobContext;
 use crate::error::Result;
-use crate::local::group::Desc;
-use crate::local::ops::Faults;
 use crate::op::OpKind;
 
 pub(crate) fn broadcast(
@@ -25,14 +24,13 @@ pub(crate) fn broadcast(
     let kind = OpKind::Broadcast;
     let link = Link::collective(inner, ctx, kind);
     let (size, rank) = (link.size(), link.rank());
-    let mut faults = Faults::new(kind);
-    let mut host = faults.host(buffer);
-    faults.rank(root, size);
+    let args::Single {
+        faults,
+        desc,
+        mut host,
+        ..
+    } = args::broadcast(link.place(), buffer, root);
     let dtype = host.dtype();
-    let mut desc = Desc::new(kind);
-    desc.dtype = Some(dtype);
-    desc.len = Some(host.len());
-    desc.root = Some(root);
     link.open(desc, faults)?;
     let tree = match inner.broadcast {
         BroadcastAlgorithm::Tree => true,

@@ -14,13 +14,13 @@ use super::config::{AllReduceAlgorithm, BroadcastAlgorithm, TcpConfig};
 use super::mesh::Mesh;
 use super::transport::Transport;
 use super::{alltoall, barrier, broadcast, p2p, ring, rooted, split};
-use crate::buffer::{Buffer, HostBuffer};
+use crate::buffer::HostBuffer;
 use crate::communicator::Communicator;
 use crate::config::CommConfig;
 use crate::dtype::DType;
 use crate::engine::{JobContext, JobSpec, ProgressEngine};
 use crate::error::Result;
-use crate::op::{AllToAllCounts, BufferPair, OpKind, ReduceOp};
+use crate::op::OpKind;
 use crate::store::Store;
 use crate::work::Work;
 
@@ -247,118 +247,19 @@ impl Communicator for TcpCommunicator {
         BACKEND
     }
 
-    fn all_reduce_async(&self, buffer: Buffer, op: ReduceOp) -> Work<Buffer> {
-        self.submit(OpKind::AllReduce, buffer.byte_len(), move |inner, ctx| {
-            ring::all_reduce(inner, ctx, buffer, op)
-        })
-    }
-
-    fn all_gather_async(&self, input: Buffer, output: Buffer) -> Work<BufferPair> {
-        self.submit(OpKind::AllGather, input.byte_len(), move |inner, ctx| {
-            ring::all_gather(inner, ctx, input, output, None)
-        })
-    }
-
-    fn all_gather_v_async(
-        &self,
-        input: Buffer,
-        output: Buffer,
-        counts: Vec<usize>,
-    ) -> Work<BufferPair> {
-        self.submit(OpKind::AllGatherV, input.byte_len(), move |inner, ctx| {
-            ring::all_gather(inner, ctx, input, output, Some(counts))
-        })
-    }
-
-    fn reduce_scatter_async(
-        &self,
-        input: Buffer,
-        output: Buffer,
-        op: ReduceOp,
-    ) -> Work<BufferPair> {
-        self.submit(
-            OpKind::ReduceScatter,
-            input.byte_len(),
-            move |inner, ctx| ring::reduce_scatter(inner, ctx, input, output, None, op),
-        )
-    }
-
-    fn reduce_scatter_v_async(
-        &self,
-        input: Buffer,
-        output: Buffer,
-        counts: Vec<usize>,
-        op: ReduceOp,
-    ) -> Work<BufferPair> {
-        self.submit(
-            OpKind::ReduceScatterV,
-            input.byte_len(),
-            move |inner, ctx| ring::reduce_scatter(inner, ctx, input, output, Some(counts), op),
-        )
-    }
-
-    fn broadcast_async(&self, buffer: Buffer, root: usize) -> Work<Buffer> {
-        self.submit(OpKind::Broadcast, buffer.byte_len(), move |inner, ctx| {
-            broadcast::broadcast(inner, ctx, buffer, root)
-        })
-    }
-
-    fn reduce_async(&self, buffer: Buffer, root: usize, op: ReduceOp) -> Work<Buffer> {
-        self.submit(OpKind::Reduce, buffer.byte_len(), move |inner, ctx| {
-            rooted::reduce(inner, ctx, buffer, root, op)
-        })
-    }
-
-    fn gather_async(&self, input: Buffer, output: Buffer, root: usize) -> Work<BufferPair> {
-        self.submit(OpKind::Gather, input.byte_len(), move |inner, ctx| {
-            rooted::gather(inner, ctx, input, output, root)
-        })
-    }
-
-    fn scatter_async(&self, input: Buffer, output: Buffer, root: usize) -> Work<BufferPair> {
-        self.submit(OpKind::Scatter, input.byte_len(), move |inner, ctx| {
-            rooted::scatter(inner, ctx, input, output, root)
-        })
-    }
-
-    fn all_to_all_async(&self, input: Buffer, output: Buffer) -> Work<BufferPair> {
-        self.submit(OpKind::AllToAll, input.byte_len(), move |inner, ctx| {
-            alltoall::all_to_all(inner, ctx, input, output, None)
-        })
-    }
-
-    fn all_to_all_v_async(
-        &self,
-        input: Buffer,
-        output: Buffer,
-        counts: AllToAllCounts,
-    ) -> Work<BufferPair> {
-        self.submit(OpKind::AllToAllV, input.byte_len(), move |inner, ctx| {
-            alltoall::all_to_all(inner, ctx, input, output, Some(counts))
-        })
-    }
-
-    fn send_async(&self, buffer: Buffer, peer: usize, tag: u32) -> Work<Buffer> {
-        self.submit(OpKind::Send, buffer.byte_len(), move |inner, ctx| {
-            p2p::send(inner, ctx, buffer, peer, tag)
-        })
-    }
-
-    fn recv_async(&self, buffer: Buffer, peer: usize, tag: u32) -> Work<Buffer> {
-        self.submit(OpKind::Recv, buffer.byte_len(), move |inner, ctx| {
-            p2p::recv(inner, ctx, buffer, peer, tag)
-        })
-    }
-
-    fn barrier_async(&self) -> Work<()> {
-        self.submit(OpKind::Barrier, 0, barrier::barrier)
-    }
-
-    fn split(&self, color: Option<u32>, key: i64) -> Result<Option<Arc<dyn Communicator>>> {
-        self.submit(OpKind::Split, 0, move |inner, ctx| {
-            split::split(inner, ctx, color, key)
-        })
-        .wait()
+    crate::communicator::forward_ops! {
+        all_reduce: ring::all_reduce,
+        all_gather: ring::all_gather,
+        reduce_scatter: ring::reduce_scatter,
+        broadcast: broadcast::broadcast,
+        reduce: rooted::reduce,
+        gather: rooted::gather,
+        scatter: rooted::scatter,
+        all_to_all: alltoall::all_to_all,
+        send: p2p::send,
+        recv: p2p::recv,
+        barrier: barrier::barrier,
+        split: split::split,
     }
 
     fn abort(&self) {

@@ -165,6 +165,14 @@ impl<'a> Link<'a> {
         }
     }
 
+    /// The group's size and this rank in it, for the shared argument checks.
+    pub(crate) fn place(&self) -> crate::args::Place {
+        crate::args::Place {
+            size: self.size(),
+            rank: self.rank(),
+        }
+    }
+
     /// This rank in the group.
     pub(crate) fn rank(&self) -> usize {
         self.inner.rank

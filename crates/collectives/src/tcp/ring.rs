@@ -11,14 +11,13 @@ use super::communicator::Inner;
 use super::config::AllReduceAlgorithm;
 use super::link::Link;
 use super::posted::{PostMode, PostTarget as Target};
+use crate::args;
 use crate::blocks::{byte_blocks, even_block};
 use crate::buffer::Buffer;
 use crate::dtype::DType;
 use crate::engine::JobContext;
 use crate::error::{Error, Result};
-use crate::local::group::Desc;
-use crate::local::ops::Faults;
-use crate::op::{BufferPair, BufferRole, OpKind, ReduceOp};
+use crate::op::{BufferPair, OpKind, ReduceOp};
 use crate::reduce::ReducePlan;
 
 fn tag(step: usize) -> u32 {
@@ -246,14 +245,13 @@ pub(crate) fn all_reduce(
     let kind = OpKind::AllReduce;
     let link = Link::collective(inner, ctx, kind);
     let size = link.size();
-    let mut faults = Faults::new(kind);
-    let mut host = faults.host(buffer);
+    let args::Single {
+        faults,
+        desc,
+        mut host,
+        plan,
+    } = args::all_reduce(link.place(), buffer, op);
     let (dtype, n) = (host.dtype(), host.len());
-    let plan = faults.plan(op, dtype, size);
-    let mut desc = Desc::new(kind);
-    desc.dtype = Some(dtype);
-    desc.len = Some(n);
-    desc.reduce = Some(op);
     let bytes = host.byte_len();
     let algorithm = match inner.all_reduce {
         AllReduceAlgorithm::Auto if bytes <= inner.small_all_reduce_bytes => {
@@ -315,30 +313,16 @@ pub(crate) fn all_gather(
         OpKind::AllGather
     };
     let link = Link::collective(inner, ctx, kind);
-    let (size, rank) = (link.size(), link.rank());
-    let mut faults = Faults::new(kind);
-    let input = faults.host(input);
-    let mut output = faults.host(output);
-    let dtype = input.dtype();
-    faults.dtype(BufferRole::Output, dtype, output.dtype());
-    let mut desc = Desc::new(kind);
-    desc.dtype = Some(dtype);
-    let counts = match counts {
-        Some(counts) => {
-            faults.length(BufferRole::Counts, size, counts.len());
-            if counts.len() == size {
-                faults.length(BufferRole::Input, counts[rank], input.len());
-                faults.length(BufferRole::Output, counts.iter().sum(), output.len());
-            }
-            desc.counts = Some(counts.clone());
-            counts
-        }
-        None => {
-            faults.length(BufferRole::Output, size * input.len(), output.len());
-            desc.len = Some(input.len());
-            vec![input.len(); size]
-        }
-    };
+    let rank = link.rank();
+    let args::Pair {
+        faults,
+        desc,
+        input,
+        mut output,
+        dtype,
+        counts,
+        ..
+    } = args::all_gather(link.place(), input, output, counts);
     link.open(desc, faults)?;
     let blocks = byte_blocks(&counts, dtype);
     let work = output.as_bytes_mut();
@@ -364,32 +348,16 @@ pub(crate) fn reduce_scatter(
         OpKind::ReduceScatter
     };
     let link = Link::collective(inner, ctx, kind);
-    let (size, rank) = (link.size(), link.rank());
-    let mut faults = Faults::new(kind);
-    let input = faults.host(input);
-    let mut output = faults.host(output);
-    let dtype = input.dtype();
-    faults.dtype(BufferRole::Output, dtype, output.dtype());
-    let plan = faults.plan(op, dtype, size);
-    let mut desc = Desc::new(kind);
-    desc.dtype = Some(dtype);
-    desc.reduce = Some(op);
-    let counts = match counts {
-        Some(counts) => {
-            faults.length(BufferRole::Counts, size, counts.len());
-            if counts.len() == size {
-                faults.length(BufferRole::Input, counts.iter().sum(), input.len());
-                faults.length(BufferRole::Output, counts[rank], output.len());
-            }
-            desc.counts = Some(counts.clone());
-            counts
-        }
-        None => {
-            faults.length(BufferRole::Input, size * output.len(), input.len());
-            desc.len = Some(input.len());
-            vec![output.len(); size]
-        }
-    };
+    let rank = link.rank();
+    let args::Pair {
+        faults,
+        desc,
+        input,
+        mut output,
+        dtype,
+        counts,
+        plan,
+    } = args::reduce_scatter(link.place(), input, output, counts, op);
     link.open(desc, faults)?;
     // invariant: a failed plan is a posted fault, and open returned it above.
     let plan = plan.ok_or(Error::UnsupportedOp { op, dtype })?;

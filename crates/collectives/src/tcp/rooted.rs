@@ -4,13 +4,13 @@
 
 use super::communicator::Inner;
 use super::link::Link;
+use crate::args;
 use crate::blocks::copy_segment;
 use crate::buffer::{Buffer, HostBuffer};
 use crate::engine::JobContext;
 use crate::error::{Error, Result};
-use crate::local::group::Desc;
-use crate::local::ops::{Faults, copy_into, elements};
-use crate::op::{BufferPair, BufferRole, OpKind, ReduceOp};
+use crate::local::ops::{copy_into, elements};
+use crate::op::{BufferPair, OpKind, ReduceOp};
 
 pub(crate) fn gather(
     inner: &Inner,
@@ -22,19 +22,15 @@ pub(crate) fn gather(
     let kind = OpKind::Gather;
     let link = Link::collective(inner, ctx, kind);
     let (size, rank) = (link.size(), link.rank());
-    let mut faults = Faults::new(kind);
-    let input = faults.host(input);
-    let mut output = faults.host(output);
-    faults.rank(root, size);
-    let (dtype, n) = (input.dtype(), input.len());
-    if rank == root {
-        faults.dtype(BufferRole::Output, dtype, output.dtype());
-        faults.length(BufferRole::Output, size * n, output.len());
-    }
-    let mut desc = Desc::new(kind);
-    desc.dtype = Some(dtype);
-    desc.len = Some(n);
-    desc.root = Some(root);
+    let args::Pair {
+        faults,
+        desc,
+        input,
+        mut output,
+        dtype,
+        ..
+    } = args::gather(link.place(), input, output, root);
+    let n = input.len();
     link.open(desc, faults)?;
     if rank != root {
         link.send_data(root, dtype, 0, input.as_bytes())?;
@@ -68,19 +64,15 @@ pub(crate) fn scatter(
     let kind = OpKind::Scatter;
     let link = Link::collective(inner, ctx, kind);
     let (size, rank) = (link.size(), link.rank());
-    let mut faults = Faults::new(kind);
-    let input = faults.host(input);
-    let mut output = faults.host(output);
-    faults.rank(root, size);
-    let (dtype, n) = (output.dtype(), output.len());
-    if rank == root {
-        faults.dtype(BufferRole::Input, dtype, input.dtype());
-        faults.length(BufferRole::Input, size * n, input.len());
-    }
-    let mut desc = Desc::new(kind);
-    desc.dtype = Some(dtype);
-    desc.len = Some(n);
-    desc.root = Some(root);
+    let args::Pair {
+        faults,
+        desc,
+        input,
+        mut output,
+        dtype,
+        ..
+    } = args::scatter(link.place(), input, output, root);
+    let n = output.len();
     link.open(desc, faults)?;
     if rank == root {
         for peer in (0..size).filter(|&p| p != root) {
@@ -108,16 +100,13 @@ pub(crate) fn reduce(
     let kind = OpKind::Reduce;
     let link = Link::collective(inner, ctx, kind);
     let (size, rank) = (link.size(), link.rank());
-    let mut faults = Faults::new(kind);
-    let host = faults.host(buffer);
-    faults.rank(root, size);
+    let args::Single {
+        faults,
+        desc,
+        host,
+        plan,
+    } = args::reduce(link.place(), buffer, root, op);
     let (dtype, n) = (host.dtype(), host.len());
-    let plan = faults.plan(op, dtype, size);
-    let mut desc = Desc::new(kind);
-    desc.dtype = Some(dtype);
-    desc.len = Some(n);
-    desc.root = Some(root);
-    desc.reduce = Some(op);
     link.open(desc, faults)?;
     // invariant: a failed plan is a posted fault, and open returned it above.
     let plan = plan.ok_or(Error::UnsupportedOp { op, dtype })?;
