@@ -144,3 +144,36 @@ fn split_groups_and_concurrent_groups_share_the_worlds_channels() {
         }
     }
 }
+
+#[test]
+fn a_large_all_gather_streams_its_blocks_intact() {
+    // 16 MiB per rank: each posted block is past the streaming-store threshold (8 MiB).
+    let Some(world) = world(&[TransportPolicy::Shm; 2]) else {
+        return;
+    };
+    let n = 4 << 20;
+    let works: Vec<_> = world
+        .iter()
+        .map(|comm| {
+            let r = comm.rank();
+            let mine: Vec<i32> = (0..n)
+                .map(|i| (i as i32).wrapping_mul(3) ^ (r as i32 + 1))
+                .collect();
+            comm.all_gather_async(
+                Buffer::from_vec(mine),
+                Buffer::zeros(hypershard_collectives::DType::I32, 2 * n),
+            )
+        })
+        .collect();
+    for work in works {
+        let out = work.wait().unwrap().output.into_vec::<i32>().unwrap();
+        for (j, &v) in out.iter().enumerate() {
+            let (r, i) = (j / n, j % n);
+            assert_eq!(
+                v,
+                (i as i32).wrapping_mul(3) ^ (r as i32 + 1),
+                "element {j}"
+            );
+        }
+    }
+}

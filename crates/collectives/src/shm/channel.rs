@@ -171,6 +171,8 @@ fn fits(post: &Post, header: &FrameHeader) -> bool {
 /// Writes a message's payload into a post (at `at` bytes into the destination).
 struct PostSink<'j> {
     base: Destination,
+    /// Whether copies stream past the cache (the whole destination is large).
+    streamed: bool,
     own: Option<Source>,
     at: usize,
     room: usize,
@@ -207,6 +209,10 @@ impl Sink for PostSink<'_> {
                 let own =
                     unsafe { std::slice::from_raw_parts(own.0.add(self.at + offset), bytes.len()) };
                 plan.combine_from(dst, own, bytes)
+            }
+            (_, Apply::Copy(_)) if self.streamed => {
+                super::copy::stream_copy(dst, bytes);
+                Ok(())
             }
             _ => self.apply.apply(dst, bytes),
         }
@@ -463,15 +469,16 @@ impl ShmPeer {
             posts
                 .iter()
                 .find(|p| p.key == key && p.owner == me && !stashed && fits(p, &header))
-                .map(|p| (p.base, p.own, p.filled, p.len - p.filled, p.apply))
+                .map(|p| (p.base, p.own, p.filled, p.len, p.apply))
         };
-        if let Some((base, own, at, room, apply)) = target {
+        if let Some((base, own, at, len, apply)) = target {
             let accept_all = |_: &FrameHeader, _: usize| Ok(());
             let mut sink = PostSink {
                 base,
+                streamed: len >= super::copy::STREAM_MIN_DESTINATION,
                 own,
                 at,
-                room,
+                room: len - at,
                 apply,
                 judge: &accept_all,
             };
@@ -580,6 +587,7 @@ impl ShmPeer {
             }
             let mut sink = PostSink {
                 base,
+                streamed: len >= super::copy::STREAM_MIN_DESTINATION,
                 own,
                 at: filled,
                 room: len - filled,

@@ -14,6 +14,7 @@
 //!   receiver was not the one reading.
 //! * [`setup`]: co-located peers found through the store's host ids, the segment handshake.
 //! * `links`: [`ShmLinks`], a rank's channels by world rank.
+//! * `copy`: streaming (non-temporal) copies out of the ring into large posted blocks.
 //!
 //! The TCP backend uses it per peer: `tcp::link` sends and receives the data frames of a pair
 //! that has a channel through it, and everything else (phase-0 descriptors, remote peers)
@@ -21,6 +22,7 @@
 //! lost), which every park slice checks. See docs/shm.md.
 
 mod channel;
+mod copy;
 mod futex;
 mod links;
 pub mod policy;
