@@ -97,6 +97,9 @@ pub fn plot_busbw(
     let fail = plot_error(path);
     let root = SVGBackend::new(path, (860, 520)).into_drawing_area();
     root.fill(&WHITE).map_err(|e| fail(&e))?;
+    // Message sizes are powers of two: x is log2(bytes) on a linear axis, so the ticks fall
+    // on powers of two (4 KiB, 64 KiB, ...) rather than powers of ten.
+    let (x_lo, x_hi) = (x_min.log2() - 0.5, x_max.log2() + 0.5);
     let mut chart = ChartBuilder::on(&root)
         .caption(
             format!("{op}, world {world}: bus bandwidth vs message size"),
@@ -105,16 +108,20 @@ pub fn plot_busbw(
         .margin(16)
         .x_label_area_size(40)
         .y_label_area_size(64)
-        .build_cartesian_2d(
-            (x_min / 1.5..x_max * 1.5).log_scale(),
-            (y_min / 2.0..y_max * 2.0).log_scale(),
-        )
+        .build_cartesian_2d(x_lo..x_hi, (y_min / 2.0..y_max * 2.0).log_scale())
         .map_err(|e| fail(&e))?;
     chart
         .configure_mesh()
         .x_desc("message size (NCCL-tests convention)")
-        .y_desc("busbw GB/s")
-        .x_label_formatter(&|x| human_bytes(*x))
+        .y_desc("busbw GB/s (log scale)")
+        .x_labels(((x_hi - x_lo) as usize + 1).min(16))
+        .x_label_formatter(&|x| {
+            if (x - x.round()).abs() < 1e-6 {
+                human_bytes(2f64.powf(x.round()))
+            } else {
+                String::new()
+            }
+        })
         .draw()
         .map_err(|e| fail(&e))?;
     let mut ours = 0;
@@ -125,6 +132,7 @@ pub fn plot_busbw(
             ours += 1;
             PALETTE[(ours - 1) % PALETTE.len()]
         };
+        let points: Vec<(f64, f64)> = points.into_iter().map(|(x, y)| (x.log2(), y)).collect();
         chart
             .draw_series(LineSeries::new(points.clone(), color.stroke_width(2)))
             .map_err(|e| fail(&e))?
@@ -158,68 +166,72 @@ pub struct BarSeries {
     pub values: Vec<Option<f64>>,
 }
 
-/// A grouped bar chart: categories along x, one bar per series in each group.
+/// A grouped bar chart: one group of bars per category, one bar per series in each group.
 #[derive(Clone, Debug)]
 pub struct BarChart {
     /// The caption.
     pub title: String,
-    /// The y axis description.
+    /// What the bars' length measures (the value axis).
     pub y_desc: String,
-    /// The category names along x.
+    /// The category names, one group of bars each.
     pub categories: Vec<String>,
     /// The series, drawn side by side in each category.
     pub series: Vec<BarSeries>,
 }
 
-/// Draws `chart` into an SVG at `path`. Returns `false` (and writes nothing) when it has no
-/// value to draw.
+/// Draws `chart` into an SVG at `path` as horizontal bars (category names on the left, read
+/// top to bottom, so long names stay legible). Returns `false` (and writes nothing) when it
+/// has no value to draw.
 pub fn plot_bars(path: &Path, chart: &BarChart) -> Result<bool, String> {
-    let y_max = chart
+    let x_max = chart
         .series
         .iter()
         .flat_map(|s| s.values.iter().flatten())
         .copied()
         .filter(|v| v.is_finite())
         .fold(0.0f64, f64::max);
-    if chart.categories.is_empty() || y_max <= 0.0 {
+    if chart.categories.is_empty() || x_max <= 0.0 {
         return Ok(false);
     }
     let fail = plot_error(path);
     let n = chart.categories.len();
-    let root = SVGBackend::new(path, (860, 520)).into_drawing_area();
+    let groups = chart.series.len().max(1);
+    let longest = chart.categories.iter().map(|c| c.len()).max().unwrap_or(0) as u32;
+    let height = 140 + (n * groups) as u32 * 22;
+    let root = SVGBackend::new(path, (900, height.max(320))).into_drawing_area();
     root.fill(&WHITE).map_err(|e| fail(&e))?;
+    // Category i sits at y = n - 1 - i, so the first category is at the top.
     let mut plot = ChartBuilder::on(&root)
-        .caption(&chart.title, ("sans-serif", 22))
+        .caption(&chart.title, ("sans-serif", 20))
         .margin(16)
         .x_label_area_size(40)
-        .y_label_area_size(64)
-        .build_cartesian_2d(-0.5f64..(n as f64 - 0.5), 0.0..y_max * 1.15)
+        .y_label_area_size(20 + 7 * longest)
+        .build_cartesian_2d(0.0..x_max * 1.15, -0.5f64..(n as f64 - 0.5))
         .map_err(|e| fail(&e))?;
     let categories = chart.categories.clone();
     plot.configure_mesh()
-        .disable_x_mesh()
-        .x_labels(n + 1)
-        .x_label_formatter(&|x| {
-            let index = x.round();
-            if (x - index).abs() < 1e-6 && index >= 0.0 {
-                categories.get(index as usize).cloned().unwrap_or_default()
+        .disable_y_mesh()
+        .y_labels(n + 1)
+        .y_label_formatter(&|y| {
+            let index = y.round();
+            if (y - index).abs() < 1e-6 && index >= 0.0 && (index as usize) < n {
+                categories[n - 1 - index as usize].clone()
             } else {
                 String::new()
             }
         })
-        .y_desc(chart.y_desc.as_str())
+        .x_desc(chart.y_desc.as_str())
         .draw()
         .map_err(|e| fail(&e))?;
-    let groups = chart.series.len().max(1) as f64;
-    let width = 0.8 / groups;
+    let height_per_bar = 0.8 / groups as f64;
     for (s, series) in chart.series.iter().enumerate() {
         let color = PALETTE[s % PALETTE.len()];
-        let left = -0.4 + s as f64 * width;
+        let top = 0.4 - s as f64 * height_per_bar;
         let bars = series.values.iter().enumerate().filter_map(move |(c, v)| {
             let v = (*v)?;
-            let x0 = c as f64 + left;
+            let y0 = (n - 1 - c) as f64 + top;
             Some(Rectangle::new(
-                [(x0, 0.0), (x0 + width * 0.9, v)],
+                [(0.0, y0), (v, y0 - height_per_bar * 0.9)],
                 color.filled(),
             ))
         });
@@ -229,7 +241,7 @@ pub fn plot_bars(path: &Path, chart: &BarChart) -> Result<bool, String> {
             .legend(move |(x, y)| Rectangle::new([(x, y - 5), (x + 14, y + 5)], color.filled()));
     }
     plot.configure_series_labels()
-        .position(SeriesLabelPosition::UpperRight)
+        .position(SeriesLabelPosition::LowerRight)
         .background_style(WHITE.mix(0.8))
         .border_style(BLACK)
         .draw()
