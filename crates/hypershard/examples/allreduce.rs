@@ -4,6 +4,9 @@
 //! `HYPERSHARD_EXAMPLE_FAIL_RANK=k` makes rank `k` exit with code 7 before joining (the others
 //! then wait in the rendezvous until the launcher stops them), and `HYPERSHARD_EXAMPLE_HANG=1`
 //! makes every other rank sleep instead of joining, so a test can see the launcher stop them.
+//! `HYPERSHARD_EXAMPLE_READY_DIR=d` makes every rank, after the first all-reduce, create
+//! `d/ready-<rank>` and wait (up to 60 s) for `d/go`, then all-reduce once more: a test can
+//! poke at the running job in between and check that it carries on.
 
 use hypershard_collectives::tcp::{TcpConfig, init_from_env};
 use hypershard_collectives::{CommunicatorExt, LaunchEnv, ReduceOp};
@@ -27,6 +30,24 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     if sum[0] != expected {
         eprintln!("rank {}: sum {} != {expected}", env.rank, sum[0]);
         std::process::exit(2);
+    }
+    if let Some(dir) = std::env::var_os("HYPERSHARD_EXAMPLE_READY_DIR") {
+        let dir = std::path::PathBuf::from(dir);
+        std::fs::write(dir.join(format!("ready-{}", env.rank)), b"")?;
+        let deadline = std::time::Instant::now() + std::time::Duration::from_secs(60);
+        while !dir.join("go").exists() {
+            if std::time::Instant::now() > deadline {
+                return Err("no go file within 60 s".into());
+            }
+            std::thread::sleep(std::time::Duration::from_millis(20));
+        }
+        let again = world
+            .comm
+            .all_reduce_vec(vec![(env.rank + 1) as f64], ReduceOp::Sum)?;
+        if again[0] != sum[0] {
+            eprintln!("rank {}: second sum {} != {}", env.rank, again[0], sum[0]);
+            std::process::exit(2);
+        }
     }
     println!(
         "rank {} of {} local {} sum {}",

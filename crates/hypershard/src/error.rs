@@ -271,6 +271,24 @@ pub enum Error {
         /// The tensor's name.
         name: String,
     },
+    /// A saved block's bytes do not match the CRC32C its checkpoint recorded: the shard file
+    /// was corrupted (or changed) after it was written.
+    #[error(
+        "checkpoint shard {} is corrupt: tensor {tensor} (key {key}) has CRC32C {actual:#010x}, expected {expected:#010x}",
+        file.display()
+    )]
+    ChecksumMismatch {
+        /// The shard file.
+        file: std::path::PathBuf,
+        /// The global tensor.
+        tensor: String,
+        /// Its key inside the file.
+        key: String,
+        /// The checksum recorded at save time.
+        expected: u32,
+        /// The checksum of the bytes read now.
+        actual: u32,
+    },
     /// A tensor was described twice with different global shapes or dtypes.
     #[error("tensor {name}: inconsistent descriptions ({reason})")]
     InconsistentTensor {

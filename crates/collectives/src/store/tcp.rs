@@ -285,7 +285,16 @@ fn authenticate_client(
         &server_nonce,
     ));
     writer.write_all(&greeting)?;
-    let proof = read_array::<PROOF_BYTES>(reader)?;
+    // A client that hangs up instead of proving anything could not verify our proof: it has
+    // another secret or none. That is a refusal too, and is logged as one.
+    let proof = match read_array::<PROOF_BYTES>(reader) {
+        Err(ReadFailure::Io(e)) if e.kind() == io::ErrorKind::UnexpectedEof => {
+            return Err(ReadFailure::Violation(
+                ProtocolViolation::AuthenticationFailed,
+            ));
+        }
+        other => other?,
+    };
     if !proof_is_right(secret, CLIENT_LABEL, (&client_nonce, &server_nonce), &proof) {
         let _ = writer.write_all(&[AUTH_REFUSED]);
         return Err(ReadFailure::Violation(

@@ -23,9 +23,16 @@ impl Block {
         }
     }
 
-    /// Elements in the block.
+    /// Elements in the block (saturating at `usize::MAX` for shapes no memory could hold;
+    /// [`Block::checked_volume`] tells those apart).
     pub fn volume(&self) -> usize {
-        self.shape.iter().product()
+        self.checked_volume().unwrap_or(usize::MAX)
+    }
+
+    /// Elements in the block, or `None` when the count overflows `usize` (a hostile or
+    /// corrupt shape).
+    pub fn checked_volume(&self) -> Option<usize> {
+        self.shape.iter().try_fold(1usize, |n, &d| n.checked_mul(d))
     }
 
     /// Checks the block lies inside a tensor of `global_shape` (same rank, in bounds).
@@ -130,8 +137,19 @@ pub fn check_exact_cover(name: &str, global_shape: &[usize], blocks: &[Block]) -
     for block in blocks {
         block.check_inside(name, global_shape)?;
     }
-    let numel: usize = global_shape.iter().product();
-    let covered: usize = blocks.iter().map(Block::volume).sum();
+    // Shapes come from metadata.json, so their products are checked: an overflowing one is
+    // a coverage error, not a panic.
+    let numel = Block::whole(global_shape).checked_volume();
+    let covered = blocks.iter().try_fold(0usize, |sum, b| {
+        b.checked_volume().and_then(|v| sum.checked_add(v))
+    });
+    let (Some(numel), Some(covered)) = (numel, covered) else {
+        return Err(Error::BlockCoverage {
+            name: name.to_string(),
+            covered: 0,
+            numel: usize::MAX,
+        });
+    };
     let overlapping = blocks.iter().enumerate().any(|(i, a)| {
         blocks[i + 1..]
             .iter()

@@ -27,6 +27,10 @@ pub struct SavedBlock {
     /// Where the block sits in the global tensor.
     #[serde(flatten)]
     pub block: Block,
+    /// The CRC32C (Castagnoli) of the block's bytes as stored, which loading verifies.
+    /// Absent in checkpoints written before checksums existed (those load unverified).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub crc32c: Option<u32>,
 }
 
 /// A global tensor: dtype, shape, how it was laid out, and its saved blocks.

@@ -79,23 +79,7 @@ impl Checkpoint {
         let meta_path = dir.join(METADATA_FILE);
         let bytes =
             std::fs::read(&meta_path).map_err(|e| Error::io(FileAction::Read, &meta_path, e))?;
-        let metadata: CheckpointMetadata =
-            serde_json::from_slice(&bytes).map_err(|source| Error::Json {
-                path: meta_path.clone(),
-                source,
-            })?;
-        if metadata.format != FORMAT || metadata.version != VERSION {
-            return Err(Error::CheckpointFormat {
-                path: dir,
-                format: metadata.format,
-                version: metadata.version,
-            });
-        }
-        for (name, entry) in &metadata.tensors {
-            entry_dtype(name, entry)?;
-            let blocks: Vec<Block> = entry.blocks.iter().map(|b| b.block.clone()).collect();
-            super::block::check_exact_cover(name, &entry.shape, &blocks)?;
-        }
+        let metadata = parse_metadata(&bytes, &dir)?;
         Ok(Checkpoint {
             dir,
             metadata,
@@ -180,6 +164,18 @@ impl Checkpoint {
                     ),
                 });
             }
+            if let Some(expected) = saved.crc32c {
+                let actual = crc32c::crc32c(&bytes);
+                if actual != expected {
+                    return Err(Error::ChecksumMismatch {
+                        file: self.dir.join(&saved.file),
+                        tensor: name.to_string(),
+                        key: saved.key.clone(),
+                        expected,
+                        actual,
+                    });
+                }
+            }
             copied += copy_overlap(&saved.block, &bytes, want, &mut out, element);
         }
         if copied != want.volume() {
@@ -200,6 +196,30 @@ impl Checkpoint {
         let shape = self.entry(name)?.shape.clone();
         self.read_block(name, &Block::whole(&shape))
     }
+}
+
+/// Parses and validates the bytes of `dir`'s `metadata.json`: format and version, every
+/// tensor's dtype, and that its saved blocks cover it exactly once. Arbitrary bytes give a
+/// typed error, never a panic.
+pub(crate) fn parse_metadata(bytes: &[u8], dir: &Path) -> Result<CheckpointMetadata> {
+    let metadata: CheckpointMetadata =
+        serde_json::from_slice(bytes).map_err(|source| Error::Json {
+            path: dir.join(METADATA_FILE),
+            source,
+        })?;
+    if metadata.format != FORMAT || metadata.version != VERSION {
+        return Err(Error::CheckpointFormat {
+            path: dir.to_path_buf(),
+            format: metadata.format,
+            version: metadata.version,
+        });
+    }
+    for (name, entry) in &metadata.tensors {
+        entry_dtype(name, entry)?;
+        let blocks: Vec<Block> = entry.blocks.iter().map(|b| b.block.clone()).collect();
+        super::block::check_exact_cover(name, &entry.shape, &blocks)?;
+    }
+    Ok(metadata)
 }
 
 /// The first field (a dotted path) where two JSON values differ, with both values as text.

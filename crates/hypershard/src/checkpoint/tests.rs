@@ -367,3 +367,98 @@ fn export_writes_one_consolidated_file() {
     ));
     export_consolidated(&ckpt, &out, true, strip).unwrap();
 }
+
+#[test]
+fn every_saved_block_carries_a_crc32c_and_a_flipped_byte_is_named_on_load() {
+    let root = scratch("crc");
+    let dir = CheckpointDir::new(&root);
+    let path = save_2x2(&dir, 3);
+    let checkpoint = Checkpoint::open(&path).unwrap();
+    for entry in checkpoint.metadata().tensors.values() {
+        for saved in &entry.blocks {
+            assert!(saved.crc32c.is_some(), "{} has no checksum", saved.key);
+        }
+    }
+    // Intact, the weight loads with its closed-form values.
+    assert_eq!(
+        checkpoint
+            .read_tensor("model/w")
+            .unwrap()
+            .to_vec::<f32>()
+            .unwrap(),
+        w_block(3, [0, 0], [4, 6]).to_vec::<f32>().unwrap()
+    );
+    drop(checkpoint);
+    // Flip one bit in the last byte of rank 1's shard: the data of its last tensor.
+    let shard = path.join("rank-00001.safetensors");
+    let mut bytes = std::fs::read(&shard).unwrap();
+    let last = bytes.len() - 1;
+    bytes[last] ^= 0x01;
+    std::fs::write(&shard, &bytes).unwrap();
+    let checkpoint = Checkpoint::open(&path).unwrap();
+    let last_key = SafetensorsIndex::open(&shard)
+        .unwrap()
+        .tensors()
+        .iter()
+        .max_by_key(|(_, t)| t.end)
+        .map(|(k, _)| k.clone())
+        .unwrap();
+    match checkpoint.read_tensor(&last_key) {
+        Err(Error::ChecksumMismatch {
+            file,
+            tensor,
+            expected,
+            actual,
+            ..
+        }) => {
+            assert_eq!(file, shard);
+            assert_eq!(tensor, last_key);
+            assert_ne!(expected, actual);
+        }
+        other => panic!("expected ChecksumMismatch, got {other:?}"),
+    }
+    std::fs::remove_dir_all(&root).unwrap();
+}
+
+mod metadata_fuzz {
+    use super::super::reader::parse_metadata;
+    use proptest::prelude::*;
+    use std::path::Path;
+
+    proptest! {
+        #![proptest_config(ProptestConfig::with_cases(256))]
+
+        /// Arbitrary bytes as metadata.json: a typed error, never a panic.
+        #[test]
+        fn arbitrary_bytes_never_panic(bytes in proptest::collection::vec(any::<u8>(), 0..512)) {
+            let _ = parse_metadata(&bytes, Path::new("/nonexistent"));
+        }
+
+        /// Well-formed JSON with hostile numbers (huge shapes, offsets past the end, blocks
+        /// that overlap or leave holes, unknown dtypes) is refused without panicking or
+        /// allocating from the claimed sizes.
+        #[test]
+        fn hostile_tensor_entries_are_refused_or_valid(
+            shape in proptest::collection::vec(0usize..=usize::MAX, 0..4),
+            offset in proptest::collection::vec(0usize..=usize::MAX, 0..4),
+            block_shape in proptest::collection::vec(0usize..=usize::MAX, 0..4),
+            dtype in prop_oneof![Just("float32"), Just("bfloat16"), Just("nonsense")],
+        ) {
+            let doc = serde_json::json!({
+                "format": "hypershard-checkpoint", "version": 1, "step": 1, "world_size": 1,
+                "model_config": {}, "state": {},
+                "tensors": {"t": {"dtype": dtype, "shape": shape, "blocks": [
+                    {"rank": 0, "file": "rank-00000.safetensors", "key": "t",
+                     "offset": offset, "shape": block_shape}
+                ]}}
+            });
+            let bytes = serde_json::to_vec(&doc).unwrap();
+            if let Ok(meta) = parse_metadata(&bytes, Path::new("/nonexistent")) {
+                // Only an exact single-block cover of a known dtype may pass.
+                let entry = &meta.tensors["t"];
+                prop_assert_eq!(&entry.blocks[0].block.shape, &entry.shape);
+                prop_assert!(entry.blocks[0].block.offset.iter().all(|&o| o == 0));
+            }
+        }
+    }
+}

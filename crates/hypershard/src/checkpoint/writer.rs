@@ -55,6 +55,9 @@ struct IndexedBlock {
     key: String,
     #[serde(flatten)]
     block: Block,
+    /// The CRC32C of the block's bytes, filled in as the shard is written.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    crc32c: Option<u32>,
 }
 
 fn shard_file_name(rank: usize) -> String {
@@ -137,14 +140,15 @@ impl ShardWriter {
                 placement: spec.placement.map(str::to_string),
                 key: spec.name.to_string(),
                 block,
+                crc32c: None,
             },
             tensor: tensor.clone(),
         });
         Ok(())
     }
 
-    /// Writes and fsyncs the shard file, then the index.
-    pub fn finish(self) -> Result<()> {
+    /// Writes and fsyncs the shard file, then the index (with each block's CRC32C).
+    pub fn finish(mut self) -> Result<()> {
         let shard = self.staging.join(shard_file_name(self.rank));
         let headers: Vec<TensorHeader> = self
             .blocks
@@ -155,13 +159,19 @@ impl ShardWriter {
                 shape: b.tensor.shape().to_vec(),
             })
             .collect();
+        let mut checksums = vec![0u32; self.blocks.len()];
         write_streaming(&shard, &headers, &BTreeMap::new(), |i| {
             let block = &self.blocks[i];
-            block.tensor.to_bytes().map_err(|source| Error::Tensor {
+            let bytes = block.tensor.to_bytes().map_err(|source| Error::Tensor {
                 name: block.indexed.name.clone(),
                 source,
-            })
+            })?;
+            checksums[i] = crc32c::crc32c(&bytes);
+            Ok(bytes)
         })?;
+        for (block, checksum) in self.blocks.iter_mut().zip(checksums) {
+            block.indexed.crc32c = Some(checksum);
+        }
         let index: Vec<&IndexedBlock> = self.blocks.iter().map(|b| &b.indexed).collect();
         let path = self.staging.join(index_file_name(self.rank));
         let bytes = serde_json::to_vec_pretty(&index).map_err(|source| Error::Json {
@@ -284,6 +294,7 @@ impl CheckpointDir {
                     file: shard_file_name(rank),
                     key: indexed.key,
                     block: indexed.block,
+                    crc32c: indexed.crc32c,
                 });
             }
         }

@@ -7,9 +7,14 @@
 //! ranks, and when one rank fails it stops the others and reports the failed rank and how it
 //! ended.
 //!
-//! The rendezvous store is hosted by global rank 0 (that is what `init_from_env` does); the
-//! launcher picks the port (a free one by default) and checks that a given port is free on
-//! node 0 before any rank starts.
+//! Node 0's launcher hosts the rendezvous store (as torchrun's agent does); it picks the port
+//! (a free one by default) and checks that a given port is free before any rank starts.
+//!
+//! Every connection of the job (Store and mesh) is authenticated with a per-job secret
+//! (`hypershard_collectives::auth`): the launcher takes it from `HYPERSHARD_JOB_SECRET_FILE` or
+//! `HYPERSHARD_JOB_SECRET` when set (multi-node jobs must set the same one on every node), and
+//! otherwise, on a single node, generates a fresh random one and hands it to the ranks in
+//! `HYPERSHARD_JOB_SECRET`. It never prints it.
 
 mod output;
 mod port;
@@ -25,6 +30,7 @@ pub use output::Sink;
 pub use port::{check_port_free, free_port};
 pub use signal::{SIGINT, SIGKILL, SIGTERM, SignalLatch, signal_group};
 
+use hypershard_collectives::auth::{JobSecret, SECRET_ENV, SECRET_FILE_ENV};
 use hypershard_collectives::store::TcpStoreServer;
 use hypershard_collectives::{Error as CollectivesError, IoAction};
 
@@ -152,32 +158,65 @@ fn exit_kind(status: ExitStatus) -> ExitKind {
     }
 }
 
+/// The job's secret and whether the ranks still need to be given it.
+struct LaunchSecret {
+    secret: Option<JobSecret>,
+    /// Set when the launcher generated the secret: the ranks get it in [`SECRET_ENV`].
+    generated: bool,
+}
+
+/// The secret of the job: the one in the environment, else (single node) a fresh one, else
+/// none (a multi-node job without one runs unauthenticated, with a warning).
+fn launch_secret(config: &LaunchConfig) -> Result<LaunchSecret> {
+    if let Some(secret) = JobSecret::from_env()? {
+        return Ok(LaunchSecret {
+            secret: Some(secret),
+            generated: false,
+        });
+    }
+    if config.nnodes == 1 {
+        return Ok(LaunchSecret {
+            secret: Some(JobSecret::generate()?),
+            generated: true,
+        });
+    }
+    tracing::warn!(
+        "neither {SECRET_ENV} nor {SECRET_FILE_ENV} is set: this multi-node job's connections \
+         are not authenticated (set the same secret on every node)"
+    );
+    Ok(LaunchSecret {
+        secret: None,
+        generated: false,
+    })
+}
+
 /// Runs the job's ranks on this node until all have exited. Returns `Ok` when every rank
 /// exited with status 0, [`Error::RankFailed`] naming the first rank that did not (after
 /// stopping the others: SIGTERM, then SIGKILL after `stop_timeout`), and
 /// [`Error::Interrupted`] when SIGINT/SIGTERM arrived (forwarded to every rank).
 pub fn launch(config: &LaunchConfig) -> Result<LaunchReport> {
     config.validate()?;
+    let LaunchSecret { secret, generated } = launch_secret(config)?;
     // Node 0's launcher hosts the job's store, as torchrun's agent does, so the store outlives
     // any one rank (rank 0 included) and every rank connects to it as a client. Binding the
     // server is also the port check, and with no port given the OS picks a free one, so there
     // is no window between probing a port and using it.
     let (store_server, master_port) = if config.node_rank == 0 {
         let wanted = config.master_port.unwrap_or(0);
-        let server = TcpStoreServer::bind((config.master_addr.as_str(), wanted)).map_err(
-            |error| match error {
-                CollectivesError::Io {
-                    action: IoAction::Bind,
-                    source,
-                    ..
-                } if wanted != 0 => Error::PortInUse {
-                    addr: config.master_addr.clone(),
-                    port: wanted,
-                    source,
-                },
-                other => Error::from(other),
-            },
-        )?;
+        let server =
+            TcpStoreServer::bind_with_secret((config.master_addr.as_str(), wanted), secret.clone())
+                .map_err(|error| match error {
+                    CollectivesError::Io {
+                        action: IoAction::Bind,
+                        source,
+                        ..
+                    } if wanted != 0 => Error::PortInUse {
+                        addr: config.master_addr.clone(),
+                        port: wanted,
+                        source,
+                    },
+                    other => Error::from(other),
+                })?;
         let port = server.local_addr().port();
         (Some(server), port)
     } else {
@@ -210,7 +249,11 @@ pub fn launch(config: &LaunchConfig) -> Result<LaunchReport> {
             .env("MASTER_ADDR", &config.master_addr)
             .env("MASTER_PORT", master_port.to_string())
             .env(hypershard_collectives::tcp::AGENT_STORE_VAR, "True")
-            .envs(config.extra_env.iter().map(|(k, v)| (k, v)))
+            .envs(config.extra_env.iter().map(|(k, v)| (k, v)));
+        if generated && let Some(text) = secret.as_ref().and_then(JobSecret::expose_text) {
+            command.env(SECRET_ENV, text).env_remove(SECRET_FILE_ENV);
+        }
+        command
             .stdin(if owns_terminal {
                 Stdio::inherit()
             } else {
@@ -257,6 +300,7 @@ pub fn launch(config: &LaunchConfig) -> Result<LaunchReport> {
         world_size,
         master_port,
         node_rank = config.node_rank,
+        authenticated = secret.is_some(),
         "launched ranks"
     );
 
@@ -299,26 +343,40 @@ fn supervise(
             }
             kill_at.get_or_insert(Instant::now() + stop_timeout);
         }
-        for index in 0..ranks.len() {
-            if ranks[index].exited.is_some() {
+        // Every rank that failed since the last poll. When one rank dies, its peers fail
+        // within milliseconds (PeerLost), usually before the next poll, so one poll can see
+        // several failures; the root cause is the rank killed by a signal (nobody else has
+        // signalled anyone yet), else the lowest failed rank.
+        let mut failed: Option<(usize, ExitKind)> = None;
+        for process in ranks.iter_mut() {
+            if process.exited.is_some() {
                 continue;
             }
-            let rank = ranks[index].rank;
-            let status = ranks[index]
+            let rank = process.rank;
+            let status = process
                 .child
                 .try_wait()
                 .map_err(|source| Error::Wait { rank, source })?;
             let Some(status) = status else { continue };
-            ranks[index].exited = Some(status);
-            if !status.success() && reason.is_none() {
+            process.exited = Some(status);
+            if !status.success() {
                 let kind = exit_kind(status);
-                tracing::info!(rank, status = %kind, "rank failed; stopping the others");
-                reason = Some(StopReason::RankFailed { rank, status: kind });
-                for process in ranks.iter().filter(|p| p.exited.is_none()) {
-                    signal_group(process.child.id(), SIGTERM);
+                let by_signal = matches!(kind, ExitKind::Signal(_));
+                let earlier_by_signal = matches!(failed, Some((_, ExitKind::Signal(_))));
+                if failed.is_none() || (by_signal && !earlier_by_signal) {
+                    failed = Some((rank, kind));
                 }
-                kill_at = Some(Instant::now() + stop_timeout);
             }
+        }
+        if let Some((rank, kind)) = failed
+            && reason.is_none()
+        {
+            tracing::info!(rank, status = %kind, "rank failed; stopping the others");
+            reason = Some(StopReason::RankFailed { rank, status: kind });
+            for process in ranks.iter().filter(|p| p.exited.is_none()) {
+                signal_group(process.child.id(), SIGTERM);
+            }
+            kill_at = Some(Instant::now() + stop_timeout);
         }
         if ranks.iter().all(|p| p.exited.is_some()) {
             return Ok(reason);

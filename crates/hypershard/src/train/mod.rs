@@ -5,6 +5,7 @@
 //! [`run_rank`] over the tcp backend.
 
 mod config;
+mod fault;
 mod optimizer;
 mod plot;
 mod report;
@@ -14,6 +15,7 @@ mod worker;
 pub use config::{
     LrSchedule, MODEL_PRESETS, MeshSpec, ModelConfig, ModelShape, OptimConfig, TrainConfig,
 };
+pub use fault::{FAULT_ENV, Fault, FaultPoint};
 pub use optimizer::{Moments, ShardedAdamW};
 pub use plot::plot_losses;
 pub use report::{LossRecord, Reporter, ReporterConfig, TrainSummary, print_summary, read_losses};

@@ -8,6 +8,7 @@ use hypershard_fsdp::DataParallelMesh;
 use hypershard_mesh::shard_span;
 use hypershard_nn::Module;
 
+use super::fault::{Fault, FaultPoint};
 use super::optimizer::{Moments, ShardedAdamW, moment_tensor, moment_values};
 use crate::checkpoint::{Block, BlockSpec, Checkpoint, CheckpointDir, CommitInfo, ShardWriter};
 use crate::error::{Error, Result};
@@ -98,6 +99,15 @@ fn global_shape<'a>(ctx: &'a ShardContext<'_>, name: &str) -> Result<&'a Vec<usi
         })
 }
 
+/// What [`save`] writes besides the tensors, and the fault it may fire (tests only).
+#[derive(Debug)]
+pub struct SaveOptions {
+    /// Step, world size, model configuration and resume state.
+    pub info: CommitInfo,
+    /// A [`FaultPoint::Checkpoint`] fault to fire after this rank's shard is written.
+    pub fault: Option<Fault>,
+}
+
 /// Saves the model's and optimizer's local shards as the checkpoint of `step`. Collective
 /// over the world: rank 0 prepares and commits, every rank writes its shard in between.
 pub fn save(
@@ -105,8 +115,9 @@ pub fn save(
     root: &CheckpointDir,
     module: &dyn Module,
     optimizer: &ShardedAdamW,
-    info: CommitInfo,
+    options: SaveOptions,
 ) -> Result<()> {
+    let SaveOptions { info, fault } = options;
     let rank = ctx.world.rank();
     if rank == 0 {
         root.prepare_staging(info.step)?;
@@ -169,6 +180,7 @@ pub fn save(
         return Err(error);
     }
     writer.finish()?;
+    Fault::maybe_fire(fault.as_ref(), FaultPoint::Checkpoint, info.step, rank);
     ctx.world.barrier()?;
     if rank == 0 {
         root.commit(info)?;

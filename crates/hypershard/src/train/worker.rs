@@ -14,9 +14,10 @@ use hypershard_tensor::{DType, Tensor};
 use serde_json::json;
 
 use super::config::TrainConfig;
+use super::fault::{Fault, FaultPoint};
 use super::optimizer::ShardedAdamW;
 use super::report::{LossRecord, Reporter, ReporterConfig, TrainSummary};
-use super::shards::{ShardContext, global_shapes, load, save};
+use super::shards::{SaveOptions, ShardContext, global_shapes, load, save};
 use crate::checkpoint::{Checkpoint, CheckpointDir, CommitInfo};
 use crate::data::{BatchLayout, Batcher, DataOrder, MicroBatch, TokenData, Tokenizer, load_tokens};
 use crate::error::{Error, Result};
@@ -40,6 +41,10 @@ struct Trainer {
     shapes: std::collections::BTreeMap<String, Vec<usize>>,
     batcher: Batcher,
     eval: Option<Batcher>,
+    /// The fault `HYPERSHARD_FAULT` arms (reliability tests), if any.
+    fault: Option<Fault>,
+    /// The step being trained (where a fault fires).
+    step: u64,
 }
 
 fn ids_tensor(name: &str, ids: &[u32], shape: &[usize]) -> Result<Tensor> {
@@ -122,6 +127,8 @@ impl Trainer {
             shapes,
             batcher,
             eval,
+            fault: Fault::from_env(),
+            step: 0,
         })
     }
 
@@ -157,7 +164,14 @@ impl Trainer {
     fn micro_loss(&mut self, batch: &MicroBatch, scale: f64, backward: bool) -> Result<f64> {
         let ids = ids_tensor("input ids", &batch.inputs, &[batch.rows, batch.cols])?;
         let targets = ids_tensor("targets", &batch.targets, &[batch.rows * batch.cols])?;
+        let (fault, rank) = (self.fault.as_ref(), self.world.rank());
+        if backward {
+            Fault::maybe_fire(fault, FaultPoint::Forward, self.step, rank);
+        }
         let logits = self.model.forward(&ids)?;
+        if backward {
+            Fault::maybe_fire(fault, FaultPoint::Backward, self.step, rank);
+        }
         let vocab = self.config.model.vocab_size;
         let flat = logits
             .view(&[batch.rows * batch.cols, vocab])
@@ -210,6 +224,7 @@ impl Trainer {
 
     fn train_step(&mut self, step: u64) -> Result<f64> {
         let _span = tracing::info_span!("train.step", step).entered();
+        self.step = step;
         let lr = self.config.optim.lr_at(step, self.config.steps);
         self.model.zero_grad()?;
         let accum = self.config.grad_accum;
@@ -271,12 +286,15 @@ impl Trainer {
             }),
         };
         let root = CheckpointDir::new(checkpoint_root(&self.config.out));
+        let fault = self
+            .fault
+            .filter(|f| f.point == FaultPoint::Checkpoint && f.step == steps_done);
         save(
             &self.shard_context(),
             &root,
             &self.model,
             &self.optimizer,
-            info,
+            SaveOptions { info, fault },
         )
     }
 }

@@ -1,0 +1,95 @@
+//! Authenticated connections with real processes: `hypershard launch` generates a job secret,
+//! hands it to the ranks, and the job's Store refuses a client without it (or with a wrong
+//! one) while the job carries on.
+
+use std::net::TcpListener;
+use std::path::PathBuf;
+use std::process::{Command, Stdio};
+use std::time::{Duration, Instant};
+
+use hypershard_collectives::auth::JobSecret;
+use hypershard_collectives::store::TcpStore;
+use hypershard_collectives::{Error, ProtocolViolation};
+
+fn hypershard() -> PathBuf {
+    PathBuf::from(env!("CARGO_BIN_EXE_hypershard"))
+}
+
+fn allreduce_example() -> PathBuf {
+    let path = hypershard()
+        .parent()
+        .expect("binary has a parent directory") // invariant: an absolute file path.
+        .join("examples")
+        .join("allreduce");
+    assert!(path.exists(), "example not built at {}", path.display());
+    path
+}
+
+#[test]
+fn strangers_are_refused_by_the_store_and_the_job_carries_on() {
+    let dir = std::env::temp_dir().join(format!("hypershard-security-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    std::fs::create_dir_all(&dir).unwrap();
+    let port = TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port();
+    let child = Command::new(hypershard())
+        .args(["launch", "--nproc-per-node", "2", "--master-port"])
+        .arg(port.to_string())
+        .arg("--")
+        .arg(allreduce_example())
+        .env("HYPERSHARD_EXAMPLE_READY_DIR", &dir)
+        .env("HYPERSHARD_TIMEOUT", "20")
+        .env_remove("HYPERSHARD_JOB_SECRET")
+        .env_remove("HYPERSHARD_JOB_SECRET_FILE")
+        .stdin(Stdio::null())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let deadline = Instant::now() + Duration::from_secs(60);
+    while !(dir.join("ready-0").exists() && dir.join("ready-1").exists()) {
+        assert!(Instant::now() < deadline, "the ranks never got ready");
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    // The job is up and its Store is listening; a client with no secret and one with a guess
+    // are both refused.
+    let guess = JobSecret::from_bytes(b"0123456789abcdef".to_vec()).unwrap();
+    for secret in [None, Some(guess)] {
+        let result = TcpStore::connect_with_secret(
+            ("127.0.0.1", port),
+            Duration::from_secs(5),
+            secret.clone(),
+        );
+        assert!(
+            matches!(
+                result,
+                Err(Error::Protocol {
+                    violation: ProtocolViolation::AuthenticationFailed,
+                    ..
+                })
+            ),
+            "secret {secret:?}: {result:?}"
+        );
+    }
+    std::fs::write(dir.join("go"), b"").unwrap();
+    let output = child.wait_with_output().unwrap();
+    let stdout = String::from_utf8_lossy(&output.stdout);
+    let stderr = String::from_utf8_lossy(&output.stderr);
+    assert!(output.status.success(), "{stdout}\n{stderr}");
+    for rank in 0..2 {
+        let line = format!("[rank {rank}] rank {rank} of 2 local {rank} sum 3");
+        assert!(stdout.lines().any(|l| l == line), "{stdout}");
+    }
+    // The launcher logged both refusals with the stranger's address, and never the secret.
+    let refusals = stderr
+        .lines()
+        .filter(|l| l.contains("refused a client that does not hold the job secret"))
+        .filter(|l| l.contains("127.0.0.1:"))
+        .count();
+    assert_eq!(refusals, 2, "{stderr}");
+    assert!(!stderr.contains("HYPERSHARD_JOB_SECRET="), "{stderr}");
+    std::fs::remove_dir_all(&dir).unwrap();
+}
