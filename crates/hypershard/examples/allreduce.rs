@@ -33,7 +33,11 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     }
     if let Some(dir) = std::env::var_os("HYPERSHARD_EXAMPLE_READY_DIR") {
         let dir = std::path::PathBuf::from(dir);
-        std::fs::write(dir.join(format!("ready-{}", env.rank)), b"")?;
+        // The file holds the rank's pid, so a test can watch the process.
+        std::fs::write(
+            dir.join(format!("ready-{}", env.rank)),
+            std::process::id().to_string(),
+        )?;
         let deadline = std::time::Instant::now() + std::time::Duration::from_secs(60);
         while !dir.join("go").exists() {
             if std::time::Instant::now() > deadline {

@@ -1,6 +1,6 @@
-//! Authenticated connections with real processes: `hypershard launch` generates a job secret,
-//! hands it to the ranks, and the job's Store refuses a client without it (or with a wrong
-//! one) while the job carries on.
+//! `hypershard launch` with real processes: it generates a job secret, hands it to the ranks,
+//! and the job's Store refuses a client without it (or with a wrong one) while the job
+//! carries on; and when the launcher (the Store's host) dies, its ranks die with it.
 
 use std::net::TcpListener;
 use std::path::PathBuf;
@@ -91,5 +91,59 @@ fn strangers_are_refused_by_the_store_and_the_job_carries_on() {
         .count();
     assert_eq!(refusals, 2, "{stderr}");
     assert!(!stderr.contains("HYPERSHARD_JOB_SECRET="), "{stderr}");
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
+#[test]
+fn when_the_launcher_hosting_the_store_is_killed_its_ranks_die_too() {
+    let dir = std::env::temp_dir().join(format!("hypershard-orphans-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    std::fs::create_dir_all(&dir).unwrap();
+    let mut child = Command::new(hypershard())
+        .args(["launch", "--nproc-per-node", "2", "--"])
+        .arg(allreduce_example())
+        .env("HYPERSHARD_EXAMPLE_READY_DIR", &dir)
+        .env("HYPERSHARD_TIMEOUT", "20")
+        .stdin(Stdio::null())
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .spawn()
+        .unwrap();
+    let deadline = Instant::now() + Duration::from_secs(60);
+    let pids: Vec<String> = loop {
+        let read: Vec<Option<String>> = (0..2)
+            .map(|r| std::fs::read_to_string(dir.join(format!("ready-{r}"))).ok())
+            .collect();
+        if read
+            .iter()
+            .all(|p| p.as_ref().is_some_and(|p| !p.is_empty()))
+        {
+            break read.into_iter().flatten().collect();
+        }
+        assert!(Instant::now() < deadline, "the ranks never got ready");
+        std::thread::sleep(Duration::from_millis(20));
+    };
+    // SIGKILL cannot be forwarded: the ranks must notice on their own (PR_SET_PDEATHSIG).
+    child.kill().unwrap();
+    child.wait().unwrap();
+    let deadline = Instant::now() + Duration::from_secs(10);
+    for pid in &pids {
+        // A rank that died is reaped by init; its /proc entry goes away (or turns zombie).
+        let status = PathBuf::from(format!("/proc/{pid}/status"));
+        loop {
+            let alive = std::fs::read_to_string(&status).is_ok_and(|s| {
+                !s.lines()
+                    .any(|l| l.starts_with("State:") && l.contains('Z'))
+            });
+            if !alive {
+                break;
+            }
+            assert!(
+                Instant::now() < deadline,
+                "rank pid {pid} outlived its launcher by 10 s"
+            );
+            std::thread::sleep(Duration::from_millis(20));
+        }
+    }
     std::fs::remove_dir_all(&dir).unwrap();
 }

@@ -158,6 +158,35 @@ fn exit_kind(status: ExitStatus) -> ExitKind {
     }
 }
 
+/// Makes the rank receive SIGKILL when the launcher dies (Linux `PR_SET_PDEATHSIG`), so a
+/// launcher killed by SIGKILL (which it cannot forward) takes its ranks with it instead of
+/// leaving them orphaned, waiting on a Store that no longer exists.
+fn die_with_launcher(command: &mut Command) {
+    let launcher = std::process::id();
+    // SAFETY: the closure runs in the forked child before exec, where only async-signal-safe
+    // calls are allowed: prctl(2), getppid(2) and raise(3) are, and the closure allocates
+    // nothing and touches no lock.
+    unsafe {
+        command.pre_exec(move || {
+            if libc::prctl(
+                libc::PR_SET_PDEATHSIG,
+                libc::SIGKILL as libc::c_ulong,
+                0,
+                0,
+                0,
+            ) != 0
+            {
+                return Err(std::io::Error::last_os_error());
+            }
+            // The launcher may have died between fork and prctl; then nobody will signal us.
+            if u32::try_from(libc::getppid()).ok() != Some(launcher) {
+                libc::raise(libc::SIGKILL);
+            }
+            Ok(())
+        });
+    }
+}
+
 /// The job's secret and whether the ranks still need to be given it.
 struct LaunchSecret {
     secret: Option<JobSecret>,
@@ -250,6 +279,7 @@ pub fn launch(config: &LaunchConfig) -> Result<LaunchReport> {
             .env("MASTER_PORT", master_port.to_string())
             .env(hypershard_collectives::tcp::AGENT_STORE_VAR, "True")
             .envs(config.extra_env.iter().map(|(k, v)| (k, v)));
+        die_with_launcher(&mut command);
         if generated && let Some(text) = secret.as_ref().and_then(JobSecret::expose_text) {
             command.env(SECRET_ENV, text).env_remove(SECRET_FILE_ENV);
         }
