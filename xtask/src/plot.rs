@@ -200,13 +200,14 @@ pub fn plot_bars(path: &Path, chart: &BarChart) -> Result<bool, String> {
     let height = 140 + (n * groups) as u32 * 22;
     let root = SVGBackend::new(path, (900, height.max(320))).into_drawing_area();
     root.fill(&WHITE).map_err(|e| fail(&e))?;
-    // Category i sits at y = n - 1 - i, so the first category is at the top.
+    // Category i sits at y = n - 1 - i, so the first category is at the top; the value axis
+    // runs to 1.5 × the longest bar so the legend (upper right) covers no bar.
     let mut plot = ChartBuilder::on(&root)
         .caption(&chart.title, ("sans-serif", 20))
         .margin(16)
         .x_label_area_size(40)
         .y_label_area_size(20 + 7 * longest)
-        .build_cartesian_2d(0.0..x_max * 1.15, -0.5f64..(n as f64 - 0.5))
+        .build_cartesian_2d(0.0..x_max * 1.5, -0.5f64..(n as f64 - 0.5))
         .map_err(|e| fail(&e))?;
     let categories = chart.categories.clone();
     plot.configure_mesh()
@@ -241,7 +242,7 @@ pub fn plot_bars(path: &Path, chart: &BarChart) -> Result<bool, String> {
             .legend(move |(x, y)| Rectangle::new([(x, y - 5), (x + 14, y + 5)], color.filled()));
     }
     plot.configure_series_labels()
-        .position(SeriesLabelPosition::LowerRight)
+        .position(SeriesLabelPosition::UpperRight)
         .background_style(WHITE.mix(0.8))
         .border_style(BLACK)
         .draw()
