@@ -3,7 +3,12 @@
 //!
 //! ```text
 //! bench-fsdp [--steps 20] [--warmup 5] [--fusion-reps 30] [--fusion-embd 128] [--no-torch]
+//!            [--quick]
 //! ```
+//!
+//! `--quick` is the CI smoke (`cargo xtask bench --quick`): 2 timed steps after 1 warm-up per
+//! mode and 2 fusion repetitions; the numbers mean nothing, the run checks that every mode
+//! still trains. Later flags override its choices.
 //!
 //! Step = zero_grad + forward + backward + SGD step (lr 0.01) with MSE loss on
 //! 8 × (Linear(1024, 1024) + ReLU), fp32, batch 32 per rank — the model and step of
@@ -78,6 +83,11 @@ fn parse_args() -> Result<Args, String> {
             "--fusion-reps" => args.fusion_reps = value("--fusion-reps")?,
             "--fusion-embd" => args.fusion_embd = value("--fusion-embd")?,
             "--no-torch" => args.torch = false,
+            "--quick" => {
+                args.steps = 2;
+                args.warmup = 1;
+                args.fusion_reps = 2;
+            }
             other => return Err(format!("unknown flag {other}")),
         }
     }
