@@ -28,6 +28,8 @@ mod engine;
 mod env;
 mod error;
 pub mod local;
+#[doc(hidden)]
+pub mod fuzzing;
 #[cfg(feature = "nccl")]
 pub mod nccl;
 mod op;

@@ -195,8 +195,16 @@ fn read_bytes(r: &mut impl Read, limit: usize) -> std::result::Result<Vec<u8>, R
             got: len as u64,
         }));
     }
-    let mut buf = vec![0u8; len];
-    r.read_exact(&mut buf)?;
+    // Grow with the bytes that actually arrive rather than trusting the claim: a client
+    // that announces a capped-but-large value and sends nothing costs nothing.
+    let mut buf = Vec::with_capacity(len.min(64 << 10));
+    let got = r.by_ref().take(len as u64).read_to_end(&mut buf)?;
+    if got != len {
+        return Err(ReadFailure::Io(io::Error::new(
+            io::ErrorKind::UnexpectedEof,
+            format!("connection closed after {got} of {len} announced bytes"),
+        )));
+    }
     Ok(buf)
 }
 
@@ -542,7 +550,13 @@ fn wait_sliced(
     let deadline = Instant::now() + timeout;
     loop {
         let left = deadline.saturating_duration_since(Instant::now());
-        match store.wait(keys, left.min(POLL)) {
+        // A stopping server does not wait at all.
+        let slice = if stop.load(Ordering::SeqCst) {
+            Duration::ZERO
+        } else {
+            left.min(POLL)
+        };
+        match store.wait(keys, slice) {
             Err(Error::StoreTimeout { keys, .. }) if !left.is_zero() && left > POLL => {
                 if stop.load(Ordering::SeqCst) {
                     return Err(Error::StoreTimeout {
@@ -560,6 +574,36 @@ fn wait_sliced(
             other => return other,
         }
     }
+}
+
+/// Serves the requests encoded in `input` (what an authenticated client would send) against
+/// a fresh in-memory store, as the server does but without a socket and without waiting
+/// (blocking requests time out at once); returns how many requests were served before the
+/// bytes ran out or broke the protocol. For the fuzz targets and property tests: arbitrary
+/// input must end in a typed refusal, never a panic or an allocation beyond the caps.
+pub(crate) fn serve_bytes(input: &[u8]) -> usize {
+    let store = MemoryStore::new();
+    let stop = AtomicBool::new(true);
+    let mut reader = io::Cursor::new(input);
+    let mut served = 0;
+    while let Ok(opcode) = read_u8(&mut reader) {
+        if handle_request(opcode, &mut reader, &store, &stop).is_err() {
+            break;
+        }
+        served += 1;
+    }
+    served
+}
+
+/// Checks a hello's first eight bytes (magic and version) as the server does; for the fuzz
+/// targets.
+pub(crate) fn check_hello_bytes(input: &[u8]) -> bool {
+    let mut prefix = [0u8; 8];
+    match input.get(..8) {
+        Some(bytes) => prefix.copy_from_slice(bytes),
+        None => return false,
+    }
+    check_hello_prefix(&prefix).is_ok()
 }
 
 /// Reads one request's fields, runs it, and encodes the reply.

@@ -23,7 +23,7 @@ pub(crate) mod descriptor;
 mod doubling;
 mod frame;
 mod halving;
-mod handshake;
+pub(crate) mod handshake;
 mod launch;
 mod link;
 mod mesh;
