@@ -90,24 +90,26 @@ pub fn tensor_to_padded_buffer(tensor: &Tensor, len: usize) -> Result<Buffer> {
 
 /// Copies `tensor`'s elements, row-major, into `out` (exactly `tensor.nbytes()` bytes).
 fn write_elements(tensor: &Tensor, out: &mut [u8]) -> Result<()> {
-    let contiguous = tensor.contiguous()?;
-    macro_rules! copy_as {
+    with_bytes(&tensor.contiguous()?, |bytes| out.copy_from_slice(bytes))
+}
+
+/// Runs `f` on the bytes of a contiguous tensor (bool is read through a copy).
+pub(crate) fn with_bytes<R>(tensor: &Tensor, f: impl FnOnce(&[u8]) -> R) -> Result<R> {
+    macro_rules! bytes_as {
         ($t:ty) => {
-            contiguous.with_data(|xs: &[$t]| out.copy_from_slice(bytemuck::cast_slice(xs)))?
+            tensor.with_data(|xs: &[$t]| f(bytemuck::cast_slice(xs)))?
         };
     }
-    match contiguous.dtype() {
-        DType::F32 => copy_as!(f32),
-        DType::F64 => copy_as!(f64),
-        DType::BF16 => copy_as!(half::bf16),
-        DType::F16 => copy_as!(half::f16),
-        DType::I32 => copy_as!(i32),
-        DType::I64 => copy_as!(i64),
-        DType::U8 => copy_as!(u8),
-        // Bool has no element type to borrow as; its bytes are 0/1 already.
-        DType::Bool => out.copy_from_slice(&contiguous.to_bytes()?),
-    }
-    Ok(())
+    Ok(match tensor.dtype() {
+        DType::F32 => bytes_as!(f32),
+        DType::F64 => bytes_as!(f64),
+        DType::BF16 => bytes_as!(half::bf16),
+        DType::F16 => bytes_as!(half::f16),
+        DType::I32 => bytes_as!(i32),
+        DType::I64 => bytes_as!(i64),
+        DType::U8 => bytes_as!(u8),
+        DType::Bool => f(&tensor.to_bytes()?),
+    })
 }
 
 /// A collectives buffer lent to a tensor as its storage.

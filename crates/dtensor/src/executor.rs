@@ -70,6 +70,24 @@ impl InFlight {
     }
 }
 
+/// Row counts (along the dim moved to the front) of a dim-major collective.
+struct Rows {
+    /// Rows of the send buffer (this rank's rows, padded).
+    send: usize,
+    /// Rows of the output buffer.
+    output: usize,
+    /// Leading output rows that are real data (the rest is padding).
+    keep: usize,
+}
+
+/// A packed send buffer and what to do with the collective's output.
+struct DimMajorSend {
+    input: Buffer,
+    /// Elements of the output buffer.
+    output_len: usize,
+    unpack: Unpack,
+}
+
 /// What issuing one step gave.
 enum Issued {
     /// A local step: the new local tensor.
@@ -185,23 +203,14 @@ impl RedistributeWork {
             StepKind::AllGather { tensor_dim } => {
                 let extent = self.parent_extent(step.mesh_dim, tensor_dim)?;
                 let chunk = chunk_size(extent, n)?;
-                let (major, permute_back) = to_front(local, &[tensor_dim])?;
-                let rest: Vec<usize> = major.shape()[1..].to_vec();
-                let block = chunk * rest.iter().product::<usize>();
-                let input = pack_padded(self.mesh.pool(), major, chunk)?;
-                let output = Buffer::zeros(wire_dtype(dtype), n * block);
-                let mut buffer_shape = vec![n * chunk];
-                buffer_shape.extend_from_slice(&rest);
-                Ok(Issued::InFlight(InFlight::Pair {
-                    work: comm.all_gather_async(input, output),
-                    unpack: Unpack {
-                        buffer_shape,
-                        keep: vec![(0, extent)],
-                        permute_back,
-                        dtype,
-                    },
-                    pool: self.mesh.pool().clone(),
-                }))
+                let rows = Rows {
+                    send: chunk,
+                    output: n * chunk,
+                    keep: extent,
+                };
+                let send = self.dim_major_send(local, tensor_dim, rows)?;
+                let output = Buffer::zeros(wire_dtype(dtype), send.output_len);
+                Ok(self.pair(comm.all_gather_async(send.input, output), send.unpack))
             }
             StepKind::AllReduce { op } => {
                 let shape = local.shape().to_vec();
@@ -217,23 +226,15 @@ impl RedistributeWork {
                 let extent = local.shape()[tensor_dim];
                 let chunk = chunk_size(extent, n)?;
                 let mine = shard_span(extent, n, k)?.len;
-                let (major, permute_back) = to_front(local, &[tensor_dim])?;
-                let rest: Vec<usize> = major.shape()[1..].to_vec();
-                let block = chunk * rest.iter().product::<usize>();
-                let input = pack_padded(self.mesh.pool(), major, n * chunk)?;
-                let output = Buffer::zeros(wire_dtype(dtype), block);
-                let mut buffer_shape = vec![chunk];
-                buffer_shape.extend_from_slice(&rest);
-                Ok(Issued::InFlight(InFlight::Pair {
-                    work: comm.reduce_scatter_async(input, output, wire_op(op)),
-                    unpack: Unpack {
-                        buffer_shape,
-                        keep: vec![(0, mine)],
-                        permute_back,
-                        dtype,
-                    },
-                    pool: self.mesh.pool().clone(),
-                }))
+                let rows = Rows {
+                    send: n * chunk,
+                    output: chunk,
+                    keep: mine,
+                };
+                let send = self.dim_major_send(local, tensor_dim, rows)?;
+                let output = Buffer::zeros(wire_dtype(dtype), send.output_len);
+                let work = comm.reduce_scatter_async(send.input, output, wire_op(op));
+                Ok(self.pair(work, send.unpack))
             }
             StepKind::AllToAll { from_dim, to_dim } => {
                 self.issue_all_to_all(&comm, step.mesh_dim, local, from_dim, to_dim)
@@ -298,16 +299,46 @@ impl RedistributeWork {
         let mine = shard_span(to_extent, n, k)?.len;
         let mut buffer_shape = vec![n * from_chunk, to_chunk];
         buffer_shape.extend_from_slice(&rest);
-        Ok(Issued::InFlight(InFlight::Pair {
-            work: comm.all_to_all_async(input, output),
+        let unpack = Unpack {
+            buffer_shape,
+            keep: vec![(0, from_extent), (1, mine)],
+            permute_back,
+            dtype,
+        };
+        Ok(self.pair(comm.all_to_all_async(input, output), unpack))
+    }
+
+    /// A two-buffer collective in flight, its send buffer going back to this mesh's pool.
+    fn pair(&self, work: Work<BufferPair>, unpack: Unpack) -> Issued {
+        Issued::InFlight(InFlight::Pair {
+            work,
+            unpack,
+            pool: self.mesh.pool().clone(),
+        })
+    }
+
+    /// The send side of a collective over `tensor_dim` (all-gather, reduce-scatter): the
+    /// local tensor moved dim-major and packed (moved, lent or copied, padded) to
+    /// `rows.send` rows, and how the output of `rows.output` rows becomes the new local
+    /// tensor.
+    fn dim_major_send(&self, local: Tensor, tensor_dim: usize, rows: Rows) -> Result<DimMajorSend> {
+        let dtype = local.dtype();
+        let (major, permute_back) = to_front(local, &[tensor_dim])?;
+        let rest: Vec<usize> = major.shape()[1..].to_vec();
+        let row_elems: usize = rest.iter().product();
+        let input = pack_padded(self.mesh.pool(), major, rows.send)?;
+        let mut buffer_shape = vec![rows.output];
+        buffer_shape.extend_from_slice(&rest);
+        Ok(DimMajorSend {
+            input,
+            output_len: rows.output * row_elems,
             unpack: Unpack {
                 buffer_shape,
-                keep: vec![(0, from_extent), (1, mine)],
+                keep: vec![(0, rows.keep)],
                 permute_back,
                 dtype,
             },
-            pool: self.mesh.pool().clone(),
-        }))
+        })
     }
 }
 

@@ -21,9 +21,11 @@ use std::sync::mpsc::{SyncSender, sync_channel};
 use std::sync::{Mutex, OnceLock, PoisonError};
 
 use hypershard_collectives::{Buffer, DType as WireDType, HostBuffer as WireBuffer};
-use hypershard_tensor::{DType, Tensor};
+use hypershard_tensor::Tensor;
 
-use crate::bridge::{lend_buffer, reclaim_buffer, staging_into_buffer, staging_tensor, wire_dtype};
+use crate::bridge::{
+    lend_buffer, reclaim_buffer, staging_into_buffer, staging_tensor, wire_dtype, with_bytes,
+};
 use crate::error::Result;
 
 /// At most this many idle send buffers are kept.
@@ -142,25 +144,6 @@ impl WirePool {
             .unwrap_or_else(PoisonError::into_inner)
             .len()
     }
-}
-
-/// Runs `f` on the bytes of a contiguous tensor (bool is read through a copy).
-fn with_bytes<R>(tensor: &Tensor, f: impl FnOnce(&[u8]) -> R) -> Result<R> {
-    macro_rules! bytes_as {
-        ($t:ty) => {
-            tensor.with_data(|xs: &[$t]| f(bytemuck::cast_slice(xs)))?
-        };
-    }
-    Ok(match tensor.dtype() {
-        DType::F32 => bytes_as!(f32),
-        DType::F64 => bytes_as!(f64),
-        DType::BF16 => bytes_as!(half::bf16),
-        DType::F16 => bytes_as!(half::f16),
-        DType::I32 => bytes_as!(i32),
-        DType::I64 => bytes_as!(i64),
-        DType::U8 => bytes_as!(u8),
-        DType::Bool => f(&tensor.to_bytes()?),
-    })
 }
 
 /// What the collective does with its send buffer, which decides whether it may be lent.
@@ -297,6 +280,7 @@ pub(crate) fn pack_all_to_all(
 #[cfg(test)]
 mod tests {
     use super::*;
+    use hypershard_tensor::DType;
 
     #[test]
     fn padded_packs_from_the_pool_zero_their_padding() -> Result<()> {

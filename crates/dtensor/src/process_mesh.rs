@@ -193,6 +193,16 @@ impl ProcessMesh {
         for &dim in dims {
             dim_comms.push(self.dim_comm(dim)?.clone());
         }
+        self.derived(mesh, dim_comms)
+    }
+
+    /// A mesh derived from this one (`select`, `flatten`): the same rank, root communicator,
+    /// plan cache and send-buffer pool, over `mesh` with one communicator per dim of it.
+    fn derived(
+        &self,
+        mesh: DeviceMesh,
+        dim_comms: Vec<Arc<dyn Communicator>>,
+    ) -> Result<ProcessMesh> {
         let coordinate = mesh.coordinate_of(self.inner.rank)?;
         Ok(ProcessMesh {
             inner: Arc::new(Inner {
@@ -247,19 +257,7 @@ impl ProcessMesh {
                 dim_comms.push(comm.clone());
             }
         }
-        let coordinate = flat.coordinate_of(self.inner.rank)?;
-        let mesh = ProcessMesh {
-            inner: Arc::new(Inner {
-                mesh: flat,
-                rank: self.inner.rank,
-                coordinate,
-                root: self.inner.root.clone(),
-                dim_comms,
-                flattened: Mutex::new(Vec::new()),
-                plans: self.inner.plans.clone(),
-                pool: self.inner.pool.clone(),
-            }),
-        };
+        let mesh = self.derived(flat, dim_comms)?;
         self.inner
             .flattened
             .lock()
