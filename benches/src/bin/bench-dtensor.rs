@@ -26,8 +26,10 @@
 //! `t0`) and allocates its output inside the timed region, as any caller must; the DTensor
 //! side starts from the local tensor, so its extra time is exactly what DTensor adds. Both
 //! sides free their buffers after the clock stops. What DTensor adds:
-//! planning (cached after the first call), packing the shard into a padded send buffer,
-//! unpacking (a view for dim 0, a permuting copy otherwise). Overhead = median(DTensor) /
+//! planning (cached after the first call), handing the shard to the collective (lent
+//! copy-on-write for all-gather and reduce-scatter, which only read their input; packed into
+//! a pooled send buffer for the all-to-all), unpacking (a view for dim 0, a permuting copy
+//! otherwise). Overhead = median(DTensor) /
 //! median(bare) - 1. A third column times the bare collective including the copy of the
 //! local tensor into its send buffer (what a caller of the bare collective pays when its data
 //! lives in a tensor it keeps), which separates DTensor's own cost from that copy. A fourth

@@ -155,6 +155,12 @@ impl DTensor {
     /// The same global tensor laid out as `placements`. Collective over the mesh dims whose
     /// placement changes (see `docs/redistribute.md` for which collective each transition
     /// issues). A no-op returns a clone that shares the local tensor.
+    ///
+    /// The source is left as it is. When its local tensor lives in collective memory (it came
+    /// out of a collective or a factory), needs no padding and the collective only reads its
+    /// input (all-gather, reduce-scatter), the memory is lent to the collective without a copy;
+    /// a write to the source before the collective is done goes to a private copy, so the
+    /// collective always sends the values of the call. Otherwise the data is copied once.
     pub fn redistribute(&self, placements: &[Placement]) -> Result<DTensor> {
         let span = tracing::debug_span!(
             "dtensor.redistribute",

@@ -15,6 +15,9 @@
 //!   [`to_local`](DTensor::to_local), [`full_tensor`](DTensor::full_tensor).
 //! - Redistribute: [`DTensor::redistribute`] and [`DTensor::redistribute_async`], and the
 //!   consuming [`DTensor::into_redistribute`] (sends a local tensor it owns without a copy).
+//!   A borrowing redistribute lends a source in collective memory to an all-gather or
+//!   reduce-scatter copy-on-write instead of copying it ([`bridge::lend_buffer`]); see
+//!   `docs/redistribute.md`, "What is copied".
 //!   The [`planner`] is pure (placements × placements → steps, cached per mesh); the executor
 //!   is the only code that issues collectives for it. Send buffers are pooled per mesh
 //!   ([`ProcessMesh::release_buffers`]).
