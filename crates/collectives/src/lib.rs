@@ -28,6 +28,8 @@ mod engine;
 mod env;
 mod error;
 pub mod local;
+#[cfg(feature = "mpi")]
+pub mod mpi;
 #[doc(hidden)]
 pub mod fuzzing;
 #[cfg(feature = "nccl")]
@@ -46,6 +48,7 @@ pub use counter::{CommCounter, CounterSnapshot, OpCount};
 pub use dtype::{DType, Element};
 pub use engine::{AbortFlag, JobContext, JobSpec, ProgressEngine};
 pub use env::LaunchEnv;
+pub use error::{MpiInitProblem, MpiQuantity};
 pub use error::{DeviceLibrary, Unavailable};
 pub use error::{EnvExpectation, Error, IoAction, ProtocolViolation, Result, SecretProblem};
 pub use op::{
