@@ -307,6 +307,58 @@ fn waiting_for(peer: Option<usize>) -> String {
         .unwrap_or_default()
 }
 
+fn op_prefix(op: Option<OpKind>) -> String {
+    op.map(|op| format!("{op}: ")).unwrap_or_default()
+}
+
+/// Why MPI could not be initialised for the MPI backend.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum MpiInitProblem {
+    /// MPI was already initialised (by this backend or by other code) and cannot be again.
+    AlreadyInitialized,
+    /// The MPI library does not provide `MPI_THREAD_MULTIPLE`, which the backend needs because
+    /// every communicator (and every split) runs its ops on its own progress thread.
+    ThreadLevel {
+        /// The level the library provided (`single`, `funneled` or `serialized`).
+        provided: &'static str,
+    },
+}
+
+impl fmt::Display for MpiInitProblem {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            MpiInitProblem::AlreadyInitialized => f.write_str("MPI is already initialised"),
+            MpiInitProblem::ThreadLevel { provided } => write!(
+                f,
+                "the MPI library provides thread level {provided}, but MPI_THREAD_MULTIPLE is required"
+            ),
+        }
+    }
+}
+
+/// Which quantity of an MPI call overflowed the C `int` MPI takes.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum MpiQuantity {
+    /// An element count.
+    Count,
+    /// A block displacement (the sum of the counts before a block).
+    Displacement,
+    /// A point-to-point tag (MPI's `MPI_TAG_UB`).
+    Tag,
+}
+
+impl fmt::Display for MpiQuantity {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(match self {
+            MpiQuantity::Count => "element count",
+            MpiQuantity::Displacement => "displacement",
+            MpiQuantity::Tag => "tag",
+        })
+    }
+}
+
 fn during(op: Option<OpKind>) -> String {
     op.map(|op| format!("{op}: ")).unwrap_or_default()
 }
@@ -576,6 +628,8 @@ pub enum EnvExpectation {
     NonEmpty,
     /// A transport name: `auto`, `tcp` or `shm`.
     TransportName,
+    /// A backend name: `tcp`, `mpi` or `nccl` (`HYPERSHARD_BACKEND`).
+    BackendName,
 }
 
 impl fmt::Display for EnvExpectation {
@@ -587,6 +641,7 @@ impl fmt::Display for EnvExpectation {
             EnvExpectation::Port => "a TCP port (1-65535)",
             EnvExpectation::NonEmpty => "a non-empty string",
             EnvExpectation::TransportName => "one of auto, tcp, shm",
+            EnvExpectation::BackendName => "one of tcp, mpi, nccl",
         })
     }
 }
