@@ -12,6 +12,7 @@ mod bench;
 mod plot;
 mod report;
 mod results;
+mod soak;
 
 use std::process::{Command, ExitCode};
 
@@ -93,6 +94,7 @@ fn main() -> ExitCode {
     let result = match args.first().map(String::as_str) {
         Some("ci") => ci(),
         Some("bench") => bench_command(&args[1..]),
+        Some("soak") => soak::soak(&args[1..]),
         Some(other) => Err(format!("unknown xtask command `{other}`; known: ci, bench")),
         None => Err(
             "usage: cargo xtask <ci | bench [SUITE] [--quick] [--compare-pytorch] [ARGS...]>"
