@@ -105,9 +105,13 @@ fn flatten(rows: &[Value]) -> (Vec<String>, Vec<Vec<(String, String)>>) {
         let mut flat = Vec::new();
         for (key, value) in fields {
             match value {
+                // Nested timing statistics keep their median and minimum: the maximum and
+                // the repetition count would double the table's width for little.
                 Value::Object(inner) => {
                     for (inner_key, inner_value) in inner {
-                        flat.push((format!("{key}.{inner_key}"), cell_text(inner_value)));
+                        if inner_key != "max_s" && inner_key != "reps" {
+                            flat.push((format!("{key}.{inner_key}"), cell_text(inner_value)));
+                        }
                     }
                 }
                 // A row's `label` (what a plot's bar says) repeats its other columns.
@@ -382,7 +386,7 @@ mod tests {
     fn tables_take_the_union_of_fields_and_flatten_one_level() {
         let rows: Vec<Value> = serde_json::from_str(
             r#"[{"mode":"fsdp","median_ms":12.5},
-                {"mode":"single","gemm":{"median_s":0.5},"note":"a|b"}]"#,
+                {"mode":"single","gemm":{"median_s":0.5,"max_s":0.9,"reps":7},"note":"a|b"}]"#,
         )
         .expect("json");
         let table = markdown_table(&rows);
