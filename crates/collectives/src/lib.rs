@@ -28,10 +28,10 @@ mod engine;
 mod env;
 mod error;
 pub mod local;
-#[cfg(feature = "mpi")]
-pub mod mpi;
 #[doc(hidden)]
 pub mod fuzzing;
+#[cfg(feature = "mpi")]
+pub mod mpi;
 #[cfg(feature = "nccl")]
 pub mod nccl;
 mod op;
@@ -47,10 +47,15 @@ pub use config::{CommConfig, DEFAULT_TIMEOUT, TIMEOUT_ENV, parse_seconds};
 pub use counter::{CommCounter, CounterSnapshot, OpCount};
 pub use dtype::{DType, Element};
 pub use engine::{AbortFlag, JobContext, JobSpec, ProgressEngine};
-pub use env::LaunchEnv;
-pub use error::{MpiInitProblem, MpiQuantity};
+pub use env::{
+    BACKEND_ENV, BackendChoice, DEFAULT_MASTER_PORT, DefaultWorld, LaunchEnv, Launcher,
+    init_default_from_env,
+};
 pub use error::{DeviceLibrary, Unavailable};
-pub use error::{EnvExpectation, Error, IoAction, ProtocolViolation, Result, SecretProblem};
+pub use error::{
+    EnvExpectation, Error, IoAction, MpiInitProblem, MpiQuantity, ProtocolViolation, Result,
+    SecretProblem,
+};
 pub use op::{
     AllToAllCounts, Argument, BufferPair, BufferRole, Knob, OpKind, ReduceOp, block_offsets,
 };

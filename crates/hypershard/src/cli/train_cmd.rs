@@ -282,8 +282,9 @@ fn run_worker(args: &TrainArgs) -> Result<(), Error> {
         .or_else(|| std::env::var_os(OUT_ENV).map(PathBuf::from))
         .unwrap_or_else(fresh_out_dir);
     let config = build_config(args, out)?;
-    let tcp = collectives::tcp::TcpConfig::default();
-    let world = collectives::tcp::init_from_env(&tcp)?;
+    // HYPERSHARD_BACKEND (tcp by default, or mpi) picks the backend; the world keeps the TCP
+    // store alive when there is one.
+    let world = collectives::init_default_from_env()?;
     let comm: Arc<dyn collectives::Communicator> = world.comm.clone();
     let summary = run_rank(config, Arc::clone(&comm))?;
     // Rank 0 hosts the store: keep it up until every rank is done with it.
