@@ -9,6 +9,7 @@
 //!   `target/bench/<suite>.json`. `cargo xtask bench --list` lists the suites.
 
 mod bench;
+mod gpu_check;
 mod plot;
 mod report;
 mod results;
@@ -95,6 +96,7 @@ fn main() -> ExitCode {
         Some("ci") => ci(),
         Some("bench") => bench_command(&args[1..]),
         Some("soak") => soak::soak(&args[1..]),
+        Some("gpu-check") => gpu_check::gpu_check(&args[1..]),
         Some(other) => Err(format!("unknown xtask command `{other}`; known: ci, bench")),
         None => Err(
             "usage: cargo xtask <ci | bench [SUITE] [--quick] [--compare-pytorch] [ARGS...]>"
