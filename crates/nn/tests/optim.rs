@@ -255,3 +255,38 @@ fn clipping_scales_to_max_norm_and_returns_total_norm() {
         vec![12.0 * coef]
     );
 }
+
+#[test]
+fn plain_sgd_steps_in_place_in_f32_and_bf16() {
+    for dtype in [DType::F32, DType::BF16] {
+        let data = Tensor::from_vec(vec![1.0f64, -2.0, 0.5], &[3])
+            .and_then(|t| t.to_dtype(dtype))
+            .expect("tensor");
+        let storage_before = data.clone();
+        let mut p = Parameter::new("w", data);
+        p.grad = Some(
+            Tensor::from_vec(vec![0.5f64, 1.0, -2.0], &[3])
+                .and_then(|t| t.to_dtype(dtype))
+                .expect("grad"),
+        );
+        let mut sgd = Sgd::new(SgdConfig {
+            lr: 0.25,
+            ..SgdConfig::default()
+        })
+        .expect("sgd");
+        sgd.step_param("w", &mut p).expect("step");
+        // Exact in binary: 1 - 0.125, -2 - 0.25, 0.5 + 0.5.
+        let after = p.data().and_then(|d| Ok(d.to_f64_vec()?)).expect("f64");
+        assert_eq!(after, vec![0.875, -2.25, 1.0], "{dtype:?}");
+        // In place: the tensor seen before the step shares the storage.
+        assert_eq!(
+            storage_before.to_f64_vec().expect("f64"),
+            vec![0.875, -2.25, 1.0]
+        );
+        p.grad = Some(Tensor::zeros(&[2], dtype).expect("grad"));
+        assert!(matches!(
+            sgd.step_param("w", &mut p),
+            Err(Error::ShapeMismatch { .. })
+        ));
+    }
+}

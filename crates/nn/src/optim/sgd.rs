@@ -82,6 +82,30 @@ impl Sgd {
 
     /// Steps one parameter, keeping its state under `name`.
     pub fn step_param(&mut self, name: &str, param: &mut Parameter) -> Result<()> {
+        if self.config.momentum == 0.0 && self.config.weight_decay == 0.0 {
+            // Plain SGD: `p -= lr · g` in place, in the dtype's compute precision with one
+            // rounding (as torch's f32 kernel), without the f64 round trip of the general path.
+            let Some(grad) = &param.grad else {
+                return Ok(());
+            };
+            let data = param.data()?;
+            if data.shape() != grad.shape() {
+                return Err(Error::ShapeMismatch {
+                    op: "Sgd::step",
+                    lhs: data.shape().to_vec(),
+                    rhs: grad.shape().to_vec(),
+                });
+            }
+            if data.dtype() != grad.dtype() {
+                return Err(Error::DTypeMismatch {
+                    op: "Sgd::step",
+                    lhs: data.dtype(),
+                    rhs: grad.dtype(),
+                });
+            }
+            data.axpy(-self.config.lr, grad)?;
+            return Ok(());
+        }
         let Some(inputs) = step_inputs("Sgd::step", param)? else {
             return Ok(());
         };
