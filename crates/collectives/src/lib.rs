@@ -27,9 +27,9 @@ mod dtype;
 mod engine;
 mod env;
 mod error;
-pub mod local;
 #[doc(hidden)]
 pub mod fuzzing;
+pub mod local;
 #[cfg(feature = "mpi")]
 pub mod mpi;
 #[cfg(feature = "nccl")]
