@@ -1,4 +1,5 @@
-//! Store requests of an authenticated client: served or refused, never a panic or an allocation beyond the caps.
+//! Store requests of an authenticated client: served or refused, never a panic or an allocation
+//! beyond the caps.
 #![no_main]
 
 use hypershard_collectives::fuzzing::store_requests;
