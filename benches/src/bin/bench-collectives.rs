@@ -3,7 +3,7 @@
 //! thread per rank), with the NCCL-tests conventions of `bench_gloo.py`, the PyTorch peer.
 //!
 //! ```text
-//! bench-collectives [--backend tcp|local] [--world 2,4] [--sizes 4K,64K,1M,16M,64M]
+//! bench-collectives [--backend tcp|local|mpi] [--world 2,4] [--sizes 4K,64K,1M,16M,64M]
 //!                   [--ops all_reduce,all_gather,reduce_scatter,broadcast] [--json [PATH]]
 //!                   [--target-s 2.0] [--warmup 5] [--min-iters 7] [--max-iters 200]
 //!                   [--segment-bytes N] [--all-reduce auto|ring|doubling|halving-doubling]
@@ -31,6 +31,10 @@
 //! With `--backend tcp` the binary re-executes itself once per rank with the torchrun
 //! variables (`RANK`, `WORLD_SIZE`, `MASTER_ADDR`, `MASTER_PORT`) plus `HYPERSHARD_BENCH_RANK`
 //! set; rank 0 hosts the store and prints its rows to stdout, which the parent collects.
+//! With `--backend mpi` (a build with the `mpi` feature of hypershard-benches, which needs Open
+//! MPI) the parent runs `mpirun -np N` on itself instead, and each rank joins
+//! `MPI_COMM_WORLD` through the MPI backend (docs/clusters.md); rank 0 prints the rows the same
+//! way. `mpirun` comes from `$HYPERSHARD_MPIRUN` or the `PATH`.
 //! `--gloo` reads a CSV written by `bench_gloo.py --csv` and prints the ratios of this run to it.
 
 use std::collections::BTreeMap;
@@ -102,6 +106,7 @@ impl Op {
 enum Backend {
     Tcp,
     Local,
+    Mpi,
 }
 
 impl Backend {
@@ -109,6 +114,7 @@ impl Backend {
         match self {
             Backend::Tcp => "tcp",
             Backend::Local => "local",
+            Backend::Mpi => "mpi",
         }
     }
 }
@@ -186,7 +192,15 @@ fn parse_args(raw: Vec<String>) -> Result<Options, String> {
                 options.backend = match value()?.as_str() {
                     "tcp" => Backend::Tcp,
                     "local" => Backend::Local,
-                    other => return Err(format!("unknown backend `{other}` (tcp, local)")),
+                    "mpi" if cfg!(feature = "mpi") => Backend::Mpi,
+                    "mpi" => {
+                        return Err("`--backend mpi` needs a build with the `mpi` feature \
+                                    (cargo xtask bench collectives builds without it; run \
+                                    cargo run --release -p hypershard-benches --features mpi \
+                                    --bin bench-collectives -- --backend mpi ...)"
+                            .to_string());
+                    }
+                    other => return Err(format!("unknown backend `{other}` (tcp, local, mpi)")),
                 }
             }
             "--world" => {
@@ -443,7 +457,7 @@ fn run_rank(comm: &dyn Communicator, options: &Options) -> BenchResult<Vec<Row>>
                     _ => options.backend.name().to_string(),
                 },
                 ranks_as: match options.backend {
-                    Backend::Tcp => "processes",
+                    Backend::Tcp | Backend::Mpi => "processes",
                     Backend::Local => "threads",
                 }
                 .to_string(),
@@ -479,13 +493,60 @@ fn round(value: f64, digits: i32) -> f64 {
 /// A rank process (`--backend tcp`): joins the world from the torchrun variables, runs the
 /// cells, and (rank 0) prints the rows for the parent.
 fn rank_process(options: &Options) -> BenchResult<()> {
-    let world = init_from_env(&options.tcp).map_err(|e| format!("rendezvous: {e}"))?;
-    let rows = run_rank(world.comm.as_ref(), options)?;
+    let rows = match options.backend {
+        Backend::Mpi => mpi_rank_rows(options)?,
+        _ => {
+            let world = init_from_env(&options.tcp).map_err(|e| format!("rendezvous: {e}"))?;
+            run_rank(world.comm.as_ref(), options)?
+        }
+    };
     for row in rows {
         let line = serde_json::to_string(&row).map_err(|e| e.to_string())?;
         println!("{ROW_PREFIX}{line}");
     }
     Ok(())
+}
+
+/// The cells of one MPI rank, on `MPI_COMM_WORLD`.
+#[cfg(feature = "mpi")]
+fn mpi_rank_rows(options: &Options) -> BenchResult<Vec<Row>> {
+    let comm = hypershard_collectives::mpi::MpiCommunicator::world(
+        hypershard_collectives::CommConfig::default(),
+    )
+    .map_err(|e| format!("MPI world: {e}"))?;
+    run_rank(&comm, options)
+}
+
+/// Without the `mpi` feature `--backend mpi` is refused while parsing; this is never reached.
+#[cfg(not(feature = "mpi"))]
+fn mpi_rank_rows(_options: &Options) -> BenchResult<Vec<Row>> {
+    Err("this build has no MPI backend (feature `mpi`)".to_string())
+}
+
+/// Runs `mpirun -np world` on this binary and collects rank 0's rows (rank 0 is the only rank
+/// that prints rows, so every row line comes from it whatever `mpirun` does with the others'
+/// output).
+fn run_mpi_world(options: &Options, world: usize) -> BenchResult<Vec<Row>> {
+    let exe = std::env::current_exe().map_err(|e| format!("own path: {e}"))?;
+    let mpirun = std::env::var_os("HYPERSHARD_MPIRUN").unwrap_or_else(|| "mpirun".into());
+    let output = Command::new(&mpirun)
+        .args(["--oversubscribe", "--allow-run-as-root", "-np"])
+        .arg(world.to_string())
+        .args(["-x", RANK_VAR])
+        .arg(&exe)
+        .args(&options.raw)
+        .env(RANK_VAR, "mpi")
+        .stderr(Stdio::inherit())
+        .output()
+        .map_err(|e| format!("{}: {e}", mpirun.to_string_lossy()))?;
+    if !output.status.success() {
+        return Err(format!("mpirun world {world}: {}", output.status));
+    }
+    String::from_utf8_lossy(&output.stdout)
+        .lines()
+        .filter_map(|line| line.strip_prefix(ROW_PREFIX))
+        .map(|json| serde_json::from_str(json).map_err(|e| format!("rank 0 row: {e}")))
+        .collect()
 }
 
 /// Spawns `world` rank processes of this binary and collects rank 0's rows.
@@ -707,6 +768,7 @@ fn run(options: &Options) -> BenchResult<()> {
         rows.extend(match options.backend {
             Backend::Tcp => run_tcp_world(options, world)?,
             Backend::Local => run_local_world(options, world)?,
+            Backend::Mpi => run_mpi_world(options, world)?,
         });
     }
     print_table(&rows, gloo.as_ref());
