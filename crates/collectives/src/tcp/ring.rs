@@ -58,7 +58,22 @@ impl<'a> RingPhase<'_, 'a> {
     fn run<'b>(
         &self,
         first: &[u8],
+        target: impl FnMut(usize, Option<&'b mut [u8]>) -> Result<Target<'b>>,
+    ) -> Result<()>
+    where
+        'a: 'b,
+    {
+        self.run_with(first, target, |_| Ok(()))
+    }
+
+    /// [`RingPhase::run`], calling `sent(range)` right after each segment of `first` (bytes
+    /// `range` of it) is handed to the socket: work done there overlaps the kernel moving
+    /// the segments still queued, instead of delaying the first send.
+    fn run_with<'b>(
+        &self,
+        first: &[u8],
         mut target: impl FnMut(usize, Option<&'b mut [u8]>) -> Result<Target<'b>>,
+        mut sent: impl FnMut(Range<usize>) -> Result<()>,
     ) -> Result<()>
     where
         'a: 'b,
@@ -75,7 +90,14 @@ impl<'a> RingPhase<'_, 'a> {
             ));
         }
         if self.steps > 0 {
-            link.send_data(right, dtype, tag(self.tag_base), first)?;
+            let segment = link.segment_bytes(dtype);
+            let mut at = 0;
+            while at < first.len() {
+                let end = (at + segment).min(first.len());
+                link.send_data(right, dtype, tag(self.tag_base), &first[at..end])?;
+                sent(at..end)?;
+                at = end;
+            }
         }
         for s in 0..self.steps {
             // invariant: step s was posted (two ahead, or in the first loop above).
@@ -213,26 +235,49 @@ fn reduce_scatter_from_input(
     })
 }
 
-/// Ring all-gather in place: this rank's own block of `work` is filled; afterwards every
-/// block is. Step `s` sends block `rank - s` and receives block `rank - s - 1`.
+/// Ring all-gather in place: this rank's own block of `work` is filled (`own` is `None`), or
+/// is filled from `own` while it is sent; afterwards every block is. Step `s` sends block
+/// `rank - s` and receives block `rank - s - 1`.
+///
+/// With `own`, step 0 sends straight from it and copies each segment into the output right
+/// after handing it to the socket, so the copy of this rank's block overlaps the transfer
+/// instead of preceding it.
 fn ring_all_gather(
     link: &Link<'_>,
     dtype: DType,
     work: &mut [u8],
     blocks: &[Range<usize>],
     tag_base: usize,
+    own: Option<&[u8]>,
 ) -> Result<()> {
     let n = link.size();
     let mut parts = split_blocks(work, blocks);
-    let first = take_block(&mut parts, link.rank(), link.op)?;
+    let mine = take_block(&mut parts, link.rank(), link.op)?.buffer;
     let phase = RingPhase {
         link,
         mode: PostMode::Copy(dtype),
         steps: n.saturating_sub(1),
         tag_base,
     };
-    phase.run(first.buffer, |s, _| {
-        take_block(&mut parts, link.left(s + 1), link.op)
+    let next = |s: usize, _| take_block(&mut parts, link.left(s + 1), link.op);
+    let Some(own) = own else {
+        return phase.run(mine, next);
+    };
+    if own.len() != mine.len() {
+        return Err(Error::LengthMismatch {
+            op: link.op,
+            role: crate::op::BufferRole::Input,
+            expected: mine.len() / dtype.size_bytes(),
+            got: own.len() / dtype.size_bytes(),
+        });
+    }
+    if n == 1 {
+        mine.copy_from_slice(own);
+        return Ok(());
+    }
+    phase.run_with(own, next, |range| {
+        mine[range.clone()].copy_from_slice(&own[range]);
+        Ok(())
     })
 }
 
@@ -296,7 +341,7 @@ pub(crate) fn all_reduce(
     let blocks = byte_blocks(&counts, dtype);
     ring_reduce_scatter(&link, &plan, work, &blocks)?;
     plan.finish(&mut work[blocks[link.rank()].clone()])?;
-    ring_all_gather(&link, dtype, work, &blocks, size)?;
+    ring_all_gather(&link, dtype, work, &blocks, size, None)?;
     Ok(Buffer::Host(host))
 }
 
@@ -313,7 +358,6 @@ pub(crate) fn all_gather(
         OpKind::AllGather
     };
     let link = Link::collective(inner, ctx, kind);
-    let rank = link.rank();
     let args::Pair {
         faults,
         desc,
@@ -326,8 +370,7 @@ pub(crate) fn all_gather(
     link.open(desc, faults)?;
     let blocks = byte_blocks(&counts, dtype);
     let work = output.as_bytes_mut();
-    work[blocks[rank].clone()].copy_from_slice(input.as_bytes());
-    ring_all_gather(&link, dtype, work, &blocks, 0)?;
+    ring_all_gather(&link, dtype, work, &blocks, 0, Some(input.as_bytes()))?;
     Ok(BufferPair {
         input: Buffer::Host(input),
         output: Buffer::Host(output),
