@@ -27,15 +27,22 @@
 //! side starts from the local tensor, so its extra time is exactly what DTensor adds. Both
 //! sides free their buffers after the clock stops. What DTensor adds:
 //! planning (cached after the first call), handing the shard to the collective (lent
-//! copy-on-write for all-gather and reduce-scatter, which only read their input; packed into
-//! a pooled send buffer for the all-to-all), unpacking (a view for dim 0, a permuting copy
-//! otherwise). Overhead = median(DTensor) /
+//! copy-on-write for all-gather and reduce-scatter, which only read their input; for the
+//! all-to-all, lent or moved too and read in place by the strided all-to-all when no padding
+//! is needed, else packed into a pooled send buffer), unpacking (a view for dim 0, a
+//! permuting copy otherwise). Overhead = median(DTensor) /
 //! median(bare) - 1. A third column times the bare collective including the copy of the
 //! local tensor into its send buffer (what a caller of the bare collective pays when its data
 //! lives in a tensor it keeps), which separates DTensor's own cost from that copy. A fourth
 //! times `into_redistribute` of a fresh source made before the clock (the consuming form,
 //! which takes its input by value like the bare collective: a factory tensor lives in
-//! collective memory and is sent without a copy when it needs no padding). Results go to `target/bench/dtensor.json` and stdout (markdown).
+//! collective memory and is sent without a copy when it needs no padding). A fifth times the
+//! bare collective into an output buffer kept from its previous repetition (warm memory, no
+//! allocation in the clock): the collective alone, the floor for both sides. DTensor takes its
+//! outputs from its buffer pool when one of the right size is idle (a consumed source or a
+//! spent send buffer), so its figures can beat the cold-output bare side; "vs warm" compares
+//! them with the floor instead. Results go to `target/bench/dtensor.json` and stdout
+//! (markdown).
 
 use std::process::ExitCode;
 use std::sync::{Arc, Barrier};
@@ -172,9 +179,15 @@ struct Row {
     bare_with_copy: TimingStats,
     dtensor: TimingStats,
     dtensor_by_value: TimingStats,
+    /// The bare collective into a warm output buffer (reused across repetitions).
+    bare_warm_output: TimingStats,
     overhead_pct: f64,
     overhead_vs_copy_pct: f64,
     by_value_overhead_pct: f64,
+    /// `redistribute` over the warm-output bare collective, minus 1, in percent.
+    overhead_vs_warm_pct: f64,
+    /// `into_redistribute` over the warm-output bare collective, minus 1, in percent.
+    by_value_vs_warm_pct: f64,
 }
 
 fn tcp_world(size: usize) -> Result<Vec<Arc<dyn Communicator>>, String> {
@@ -211,27 +224,33 @@ fn bare_input(local: &Tensor) -> Result<Buffer, String> {
 
 /// Runs the bare collective; the buffers it hands back are returned so that they are freed
 /// after the clock stops (the DTensor side also keeps its output past the clock).
+/// Runs the bare collective, into `output` when one is given (a warm buffer of the right
+/// size) or into a fresh one allocated here, inside the caller's clock.
 fn run_bare(
     transition: Transition,
     comm: &Arc<dyn Communicator>,
     input: Buffer,
+    output: Option<Buffer>,
 ) -> Result<BufferPair, String> {
     let n = comm.size();
     let len = input.len();
+    let out_len = match transition {
+        Transition::ShardToReplicate => len * n,
+        Transition::PartialToShard => len / n,
+        Transition::ShardToShard => len,
+    };
+    let output = output.unwrap_or_else(|| Buffer::zeros(WireDType::F32, out_len));
     let result = match transition {
-        Transition::ShardToReplicate => {
-            comm.all_gather(input, Buffer::zeros(WireDType::F32, len * n))
-        }
-        Transition::PartialToShard => {
-            comm.reduce_scatter(input, Buffer::zeros(WireDType::F32, len / n), ReduceOp::Sum)
-        }
-        Transition::ShardToShard => comm.all_to_all(input, Buffer::zeros(WireDType::F32, len)),
+        Transition::ShardToReplicate => comm.all_gather(input, output),
+        Transition::PartialToShard => comm.reduce_scatter(input, output, ReduceOp::Sum),
+        Transition::ShardToShard => comm.all_to_all(input, output),
     };
     result.map_err(|e| e.to_string())
 }
 
-/// Per repetition: bare, bare including the input copy, DTensor, DTensor by value.
-type Samples = [Vec<Duration>; 4];
+/// Per repetition: bare, bare including the input copy, DTensor, DTensor by value, bare into
+/// a warm output.
+type Samples = [Vec<Duration>; 5];
 
 /// Times one transition on one rank; returns (bare, dtensor) per repetition, each the max over
 /// the ranks.
@@ -251,14 +270,17 @@ fn rank_main(
             .map_err(|e| e.to_string())?;
         Ok(Duration::from_secs_f64(secs[0]))
     };
+    // The warm-output side's output, kept from one repetition to the next (the first, a
+    // warm-up, faults it in).
+    let mut warm: Option<Buffer> = None;
     for rep in 0..args.warmup + args.reps {
-        let mut times = [Duration::ZERO; 4];
+        let mut times = [Duration::ZERO; 5];
         // Rotate which side goes first, so warm caches and drift favour none.
-        for turn in 0..4 {
-            let side = (rep + turn) % 4;
-            // Inputs made before the clock starts: the bare side's send buffer, the by-value
+        for turn in 0..5 {
+            let side = (rep + turn) % 5;
+            // Inputs made before the clock starts: the bare sides' send buffer, the by-value
             // side's fresh source (a factory tensor, which lives in collective memory).
-            let input = (side == 0)
+            let input = (side == 0 || side == 4)
                 .then(|| bare_input(source.to_local()))
                 .transpose()?;
             let owned = if side == 3 {
@@ -269,6 +291,12 @@ fn rank_main(
             comm.barrier().map_err(|e| e.to_string())?;
             let t0 = Instant::now();
             match (side, owned) {
+                (4, _) => {
+                    let input = input.ok_or("the warm side's input is made before the clock")?;
+                    let kept = run_bare(transition, &comm, input, warm.take())?;
+                    times[4] = max_over_ranks(t0.elapsed())?;
+                    warm = Some(kept.output);
+                }
                 (0 | 1, _) => {
                     // Side 1 pays for building its send buffer from the tensor, as a caller
                     // of the bare collective holding its data in a tensor would.
@@ -276,7 +304,7 @@ fn rank_main(
                         Some(input) => input,
                         None => bare_input(source.to_local())?,
                     };
-                    let kept = run_bare(transition, &comm, input)?;
+                    let kept = run_bare(transition, &comm, input, None)?;
                     times[side] = max_over_ranks(t0.elapsed())?;
                     drop(kept);
                 }
@@ -356,8 +384,9 @@ fn bench_world(world: usize, args: &Args, round: Round) -> Result<Vec<Row>, Stri
     args.transitions
         .iter()
         .zip(rank0)
-        .map(|(&t, [bare, bare_copy, dtensor, by_value])| {
+        .map(|(&t, [bare, bare_copy, dtensor, by_value, warm])| {
             let bare = TimingStats::from_samples(&bare).ok_or("no samples")?;
+            let bare_warm_output = TimingStats::from_samples(&warm).ok_or("no samples")?;
             let bare_with_copy = TimingStats::from_samples(&bare_copy).ok_or("no samples")?;
             let dtensor = TimingStats::from_samples(&dtensor).ok_or("no samples")?;
             let dtensor_by_value = TimingStats::from_samples(&by_value).ok_or("no samples")?;
@@ -372,6 +401,10 @@ fn bench_world(world: usize, args: &Args, round: Round) -> Result<Vec<Row>, Stri
                 overhead_pct: (dtensor.median_s / bare.median_s - 1.0) * 100.0,
                 overhead_vs_copy_pct: (dtensor.median_s / bare_with_copy.median_s - 1.0) * 100.0,
                 by_value_overhead_pct: (dtensor_by_value.median_s / bare.median_s - 1.0) * 100.0,
+                overhead_vs_warm_pct: (dtensor.median_s / bare_warm_output.median_s - 1.0) * 100.0,
+                by_value_vs_warm_pct: (dtensor_by_value.median_s / bare_warm_output.median_s - 1.0)
+                    * 100.0,
+                bare_warm_output,
                 dtensor_by_value,
                 bare,
                 bare_with_copy,
@@ -406,15 +439,15 @@ fn main() -> ExitCode {
         }
     }
     println!(
-        "| round | load | world | transition | bare collective | MiB | bare (ms) | bare + input copy (ms) | `redistribute` (ms) | vs bare | `into_redistribute` (ms) | vs bare |"
+        "| round | load | world | transition | bare collective | MiB | bare (ms) | bare + input copy (ms) | bare, warm output (ms) | `redistribute` (ms) | vs bare | vs warm | `into_redistribute` (ms) | vs bare | vs warm |"
     );
     println!(
-        "|------:|-----:|------:|------------|-----------------|----:|----------:|-----------------------:|--------------------:|--------:|-------------------------:|--------:|"
+        "|------:|-----:|------:|------------|-----------------|----:|----------:|-----------------------:|-----------------------:|--------------------:|--------:|--------:|-------------------------:|--------:|--------:|"
     );
     for row in &rows {
         let load = row.load_1m.map_or("?".to_string(), |l| format!("{l:.1}"));
         println!(
-            "| {} | {} | {} | `{}` | {} | {} | {:.1} | {:.1} | {:.1} | {:+.1}% | {:.1} | {:+.1}% |",
+            "| {} | {} | {} | `{}` | {} | {} | {:.1} | {:.1} | {:.1} | {:.1} | {:+.1}% | {:+.1}% | {:.1} | {:+.1}% | {:+.1}% |",
             row.round,
             load,
             row.world,
@@ -423,10 +456,13 @@ fn main() -> ExitCode {
             row.bytes >> 20,
             row.bare.median_s * 1e3,
             row.bare_with_copy.median_s * 1e3,
+            row.bare_warm_output.median_s * 1e3,
             row.dtensor.median_s * 1e3,
             row.overhead_pct,
+            row.overhead_vs_warm_pct,
             row.dtensor_by_value.median_s * 1e3,
             row.by_value_overhead_pct,
+            row.by_value_vs_warm_pct,
         );
     }
     match write_json("dtensor", &rows) {

@@ -8,7 +8,7 @@ use crate::buffer::{Buffer, HostBuffer};
 use crate::dtype::DType;
 use crate::local::group::Desc;
 use crate::local::ops::Faults;
-use crate::op::{AllToAllCounts, BufferRole, OpKind, ReduceOp};
+use crate::op::{AllToAllCounts, BufferRole, OpKind, ReduceOp, StridedBlocks};
 use crate::reduce::ReducePlan;
 
 /// The checked arguments of a one-buffer op (all-reduce, broadcast, reduce).
@@ -316,5 +316,47 @@ pub(crate) fn all_to_all(
             plan: None,
         },
         counts,
+    }
+}
+
+/// Strided all-to-all ([`StridedBlocks`]): the plain all-to-all of the packed blocks, so its
+/// descriptor is the plain form's (a peer may run either), and the rows must fit in the input
+/// (else a length fault naming the extent they need) with one block offset per rank.
+pub(crate) fn all_to_all_strided(
+    place: Place,
+    input: Buffer,
+    output: Buffer,
+    blocks: &StridedBlocks,
+) -> AllToAll {
+    let kind = OpKind::AllToAll;
+    let (mut faults, input, output) = pair(kind, input, output);
+    let dtype = input.dtype();
+    faults.dtype(BufferRole::Output, dtype, output.dtype());
+    let size = place.size;
+    faults.length(BufferRole::SendCounts, size, blocks.offsets.len());
+    let extent = blocks.extent().unwrap_or(usize::MAX);
+    if extent > input.len() {
+        faults.length(BufferRole::Input, extent, input.len());
+    }
+    let block = blocks.block_len();
+    let total = block.saturating_mul(size);
+    faults.length(BufferRole::Output, total, output.len());
+    let mut desc = Desc::new(kind);
+    desc.dtype = Some(dtype);
+    desc.len = Some(total);
+    AllToAll {
+        pair: Pair {
+            faults,
+            desc,
+            input,
+            output,
+            dtype,
+            counts: Vec::new(),
+            plan: None,
+        },
+        counts: AllToAllCounts {
+            send: vec![block; size],
+            recv: vec![block; size],
+        },
     }
 }

@@ -2,11 +2,11 @@
 
 use std::sync::Arc;
 
-use crate::buffer::Buffer;
+use crate::buffer::{Buffer, HostBuffer};
 use crate::config::CommConfig;
 use crate::dtype::Element;
 use crate::error::Result;
-use crate::op::{AllToAllCounts, BufferPair, ReduceOp};
+use crate::op::{AllToAllCounts, BufferPair, ReduceOp, StridedBlocks};
 use crate::work::Work;
 
 /// A group of `size()` ranks that run collectives together; this handle is rank `rank()`.
@@ -106,6 +106,26 @@ pub trait Communicator: Send + Sync {
         output: Buffer,
         counts: AllToAllCounts,
     ) -> Work<BufferPair>;
+
+    /// [`Communicator::all_to_all_async`] whose send blocks are read as strided rows of
+    /// `input` (see [`StridedBlocks`]), so a caller holding a row-major matrix need not cut
+    /// each peer's columns into a send buffer first. It is the same op on the wire (kind
+    /// [`OpKind::AllToAll`](crate::OpKind::AllToAll), issued in stream order like any other)
+    /// and fills `output` (`size × rows × width` elements) exactly as the plain form does with
+    /// the packed blocks. A layout whose rows do not fit in `input` fails the op on every rank.
+    ///
+    /// This default packs the blocks on the caller's thread and runs the plain form; the
+    /// `input` handed back is then the packed copy. A backend that reads the rows in place
+    /// (tcp) hands `input` itself back.
+    fn all_to_all_strided_async(
+        &self,
+        input: Buffer,
+        output: Buffer,
+        blocks: StridedBlocks,
+    ) -> Work<BufferPair> {
+        let packed = pack_strided(input, &blocks, self.size());
+        self.all_to_all_async(packed, output)
+    }
 
     /// Sends `buffer` to rank `peer` with a `tag`; hands the buffer back once the transport has
     /// taken its contents. A send never waits for the matching receive to be posted, so a pair
@@ -209,6 +229,16 @@ pub trait Communicator: Send + Sync {
         self.all_to_all_v_async(input, output, counts).wait()
     }
 
+    /// Blocking [`Communicator::all_to_all_strided_async`].
+    fn all_to_all_strided(
+        &self,
+        input: Buffer,
+        output: Buffer,
+        blocks: StridedBlocks,
+    ) -> Result<BufferPair> {
+        self.all_to_all_strided_async(input, output, blocks).wait()
+    }
+
     /// Blocking [`Communicator::send_async`].
     fn send(&self, buffer: Buffer, peer: usize, tag: u32) -> Result<Buffer> {
         self.send_async(buffer, peer, tag).wait()
@@ -223,6 +253,34 @@ pub trait Communicator: Send + Sync {
     fn barrier(&self) -> Result<()> {
         self.barrier_async().wait()
     }
+}
+
+/// The packed send buffer of a strided all-to-all (`size` blocks of `blocks.block_len()`
+/// elements). When the rows do not fit in `input` (or `input` is not host memory), an empty
+/// buffer of its dtype is handed on instead: its length disagrees with every peer's in phase
+/// 0, so the op fails on every rank rather than sending the wrong bytes.
+fn pack_strided(input: Buffer, blocks: &StridedBlocks, size: usize) -> Buffer {
+    let dtype = input.dtype();
+    let total = blocks.block_len().checked_mul(size);
+    let fits =
+        blocks.extent().is_some_and(|extent| extent <= input.len()) && blocks.offsets.len() == size;
+    let host = match input {
+        Buffer::Host(host) if fits && total.is_some() => host,
+        _ => return Buffer::zeros(dtype, 0),
+    };
+    let Some(total) = total else {
+        return Buffer::zeros(dtype, 0);
+    };
+    let mut packed = HostBuffer::zeros(dtype, total);
+    let element = dtype.size_bytes();
+    let block_bytes = blocks.block_len() * element;
+    if block_bytes > 0 {
+        let out = packed.as_bytes_mut();
+        for (peer, chunk) in out.chunks_mut(block_bytes).enumerate() {
+            blocks.copy_packed(host.as_bytes(), element, peer, 0, chunk);
+        }
+    }
+    Buffer::Host(packed)
 }
 
 /// Typed conveniences over any communicator (`Vec<T>` in, `Vec<T>` out), blanket-implemented

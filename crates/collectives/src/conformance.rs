@@ -18,7 +18,7 @@ use crate::buffer::{Buffer, HostBuffer};
 use crate::communicator::Communicator;
 use crate::dtype::DType;
 use crate::error::Error;
-use crate::op::{AllToAllCounts, BufferRole, OpKind, ReduceOp, block_offsets};
+use crate::op::{AllToAllCounts, BufferRole, OpKind, ReduceOp, StridedBlocks, block_offsets};
 
 /// What the suite covers.
 #[derive(Clone, Debug)]
@@ -605,6 +605,53 @@ impl Checker<'_> {
         self.expect(case, &pair.output, dtype, total, |i| expected[i])
     }
 
+    /// The strided all-to-all: every rank holds `n` rows of `size × width` columns plus
+    /// three gap columns, and sends peer `j` the `width` columns at an offset that is shifted
+    /// (and, for the narrow case, reversed), so offsets, widths and strides all matter.
+    fn all_to_all_strided(&mut self, dtype: DType, n: usize) -> Check {
+        let size = self.size;
+        // Narrow rows (two elements, reversed peer order) and a few wide ones (640
+        // elements: wide enough in bytes for a backend to send them in place).
+        self.all_to_all_strided_rows(dtype, n, 2, |j| (size - 1 - j) * 2 + 1)?;
+        self.all_to_all_strided_rows(dtype, n.min(3), 640, |j| j * 640 + 2)
+    }
+
+    /// One strided all-to-all of `n` rows of `width` elements per block, block `j` at column
+    /// `offset(j)` of rows `size × width + 3` elements long. Element `i` of rank `r`'s input
+    /// is `(5r + i) mod 97`: a period that no width, offset or stride here divides, so a row
+    /// read from the wrong place shows (every dtype holds these integers exactly).
+    fn all_to_all_strided_rows(
+        &mut self,
+        dtype: DType,
+        n: usize,
+        width: usize,
+        offset: impl Fn(usize) -> usize,
+    ) -> Check {
+        let case = self.case(OpKind::AllToAll, dtype, None, n * width);
+        let (rank, size) = (self.rank, self.size);
+        let stride = size * width + 3;
+        let offsets: Vec<usize> = (0..size).map(offset).collect();
+        let blocks = StridedBlocks {
+            rows: n,
+            width,
+            stride,
+            offsets: offsets.clone(),
+        };
+        let strided_value = |r: usize, i: usize| ((5 * r + i) % 97) as f64;
+        let input = buffer(dtype, n * stride, |i| strided_value(rank, i));
+        let block = n * width;
+        let pair = self
+            .comm
+            .all_to_all_strided(input, Buffer::zeros(dtype, size * block), blocks)
+            .map_err(self.comm_err(case))?;
+        // Element k of the block from rank i is rank i's row k / width, column
+        // offsets[rank] + k % width.
+        self.expect(case, &pair.output, dtype, size * block, |k| {
+            let (from, k) = (k / block.max(1), k % block.max(1));
+            strided_value(from, (k / width) * stride + offsets[rank] + k % width)
+        })
+    }
+
     fn send_recv(&mut self, dtype: DType, n: usize) -> Check {
         let case = self.case(OpKind::Send, dtype, None, n);
         let (rank, size) = (self.rank, self.size);
@@ -652,6 +699,7 @@ pub fn run_all(
             checker.scatter(dtype, n)?;
             checker.all_to_all(dtype, n)?;
             checker.all_to_all_v(dtype, n)?;
+            checker.all_to_all_strided(dtype, n)?;
             if checker.size > 1 {
                 checker.send_recv(dtype, n)?;
             }
@@ -910,6 +958,24 @@ pub fn check_mismatched_arguments(comm: &dyn Communicator) -> Result<usize, Conf
             });
         }
     }
+    expect(&mut checker, case, ExpectedError::LengthMismatch, result)?;
+    // Rank 0's strided rows run one element past its input: every rank fails (rank 0 on its
+    // input, the others on rank 0's), and none sends the wrong bytes.
+    let blocks = StridedBlocks {
+        rows: 3,
+        width: 2,
+        stride: 2 * size,
+        offsets: (0..size).map(|j| 2 * j).collect(),
+    };
+    let in_len = if rank == 0 { 6 * size - 1 } else { 6 * size };
+    let case = checker.case(OpKind::AllToAll, DType::F32, None, in_len);
+    let result = comm
+        .all_to_all_strided(
+            buffer(DType::F32, in_len, |i| value(rank, i)),
+            Buffer::zeros(DType::F32, 6 * size),
+            blocks,
+        )
+        .map(drop);
     expect(&mut checker, case, ExpectedError::LengthMismatch, result)?;
     // The group is still usable.
     checker.all_reduce(DType::F32, ReduceOp::Sum, 7)?;

@@ -8,7 +8,7 @@ use crate::buffer::Buffer;
 use crate::communicator::Communicator;
 use crate::config::CommConfig;
 use crate::error::Result;
-use crate::op::{AllToAllCounts, BufferPair, OpKind, ReduceOp};
+use crate::op::{AllToAllCounts, BufferPair, OpKind, ReduceOp, StridedBlocks};
 use crate::work::Work;
 
 /// Calls and bytes of one op kind.
@@ -202,6 +202,21 @@ impl Communicator for CommCounter {
     ) -> Work<BufferPair> {
         self.record(OpKind::AllToAllV, input.byte_len());
         self.inner.all_to_all_v_async(input, output, counts)
+    }
+
+    fn all_to_all_strided_async(
+        &self,
+        input: Buffer,
+        output: Buffer,
+        blocks: StridedBlocks,
+    ) -> Work<BufferPair> {
+        // Counted as the all-to-all it is, with the bytes of the packed blocks it sends.
+        let packed = blocks.block_len().saturating_mul(self.inner.size());
+        self.record(
+            OpKind::AllToAll,
+            packed.saturating_mul(input.dtype().size_bytes()),
+        );
+        self.inner.all_to_all_strided_async(input, output, blocks)
     }
 
     fn send_async(&self, buffer: Buffer, peer: usize, tag: u32) -> Work<Buffer> {

@@ -57,7 +57,8 @@ pub use error::{
     SecretProblem,
 };
 pub use op::{
-    AllToAllCounts, Argument, BufferPair, BufferRole, Knob, OpKind, ReduceOp, block_offsets,
+    AllToAllCounts, Argument, BufferPair, BufferRole, Knob, OpKind, ReduceOp, StridedBlocks,
+    block_offsets,
 };
 pub use store::{MemoryStore, PrefixStore, Store};
 pub use work::{Completer, WaitOutcome, Work};

@@ -279,6 +279,93 @@ pub fn block_offsets(counts: &[usize]) -> Vec<usize> {
         .collect()
 }
 
+/// The send side of [`all_to_all_strided`](crate::Communicator::all_to_all_strided_async):
+/// where each peer's block lies in the input, as rows read in place.
+///
+/// Block `j` (the one rank `j` receives) is `rows` rows of `width` elements; row `r` of it
+/// starts at element `offsets[j] + r * stride` of the input. On the wire and in every
+/// rank's output this is exactly the plain [`all_to_all`](crate::Communicator::all_to_all_async)
+/// of the packed blocks (`size × rows × width` elements), so ranks may mix the two forms.
+/// The usual case is a column split of a row-major matrix: `rows` rows of `stride` columns,
+/// peer `j` getting columns `offsets[j]..offsets[j] + width`.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct StridedBlocks {
+    /// Rows in every block.
+    pub rows: usize,
+    /// Elements in every row.
+    pub width: usize,
+    /// Elements from the start of one row to the start of the next.
+    pub stride: usize,
+    /// The first element of each peer's block, indexed by peer rank.
+    pub offsets: Vec<usize>,
+}
+
+impl StridedBlocks {
+    /// The elements of one packed block (`rows × width`).
+    pub fn block_len(&self) -> usize {
+        self.rows.saturating_mul(self.width)
+    }
+
+    /// The smallest input length (in elements) that holds every row of every block; 0 when
+    /// the blocks are empty. `None` when it overflows `usize`.
+    pub fn extent(&self) -> Option<usize> {
+        if self.block_len() == 0 {
+            return Some(0);
+        }
+        self.offsets.iter().try_fold(0usize, |most, &offset| {
+            let last = (self.rows - 1).checked_mul(self.stride)?;
+            let end = offset.checked_add(last)?.checked_add(self.width)?;
+            Some(most.max(end))
+        })
+    }
+
+    /// Copies bytes `from..from + dst.len()` of block `peer`, packed, out of `input` (the
+    /// input's bytes, elements of `element` bytes) into `dst`. The caller has checked that
+    /// the input holds [`StridedBlocks::extent`] elements and that the range lies within the
+    /// packed block, so every row read is in bounds.
+    pub(crate) fn copy_packed(
+        &self,
+        input: &[u8],
+        element: usize,
+        peer: usize,
+        from: usize,
+        dst: &mut [u8],
+    ) {
+        let mut done = 0;
+        for piece in self.packed_pieces(input, element, peer, from, dst.len()) {
+            dst[done..done + piece.len()].copy_from_slice(piece);
+            done += piece.len();
+        }
+    }
+
+    /// The pieces of `input` (rows, or parts of rows) that make up bytes `from..from + len`
+    /// of block `peer`, packed, in order: their concatenation is that range. Same
+    /// preconditions as [`StridedBlocks::copy_packed`].
+    pub(crate) fn packed_pieces<'i>(
+        &self,
+        input: &'i [u8],
+        element: usize,
+        peer: usize,
+        from: usize,
+        len: usize,
+    ) -> impl Iterator<Item = &'i [u8]> + use<'i> {
+        let row_bytes = self.width * element;
+        let (base, stride) = (self.offsets[peer] * element, self.stride * element);
+        let mut at = from;
+        let end = if row_bytes == 0 { from } else { from + len };
+        std::iter::from_fn(move || {
+            if at >= end {
+                return None;
+            }
+            let (row, within) = (at / row_bytes, at % row_bytes);
+            let take = (row_bytes - within).min(end - at);
+            let start = base + row * stride + within;
+            at += take;
+            Some(&input[start..start + take])
+        })
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -287,6 +374,50 @@ mod tests {
     fn offsets_are_prefix_sums() {
         assert_eq!(block_offsets(&[2, 0, 3]), vec![0, 2, 2]);
         assert!(block_offsets(&[]).is_empty());
+    }
+
+    #[test]
+    fn strided_blocks_pack_rows_in_place_across_row_boundaries() {
+        // A 3 x 7 matrix of u16 (element j holds j), columns split 2 / 2 / 2 over three peers
+        // with column 6 left out: block j is rows 0..3 of columns 2j..2j + 2.
+        let input: Vec<u8> = (0u16..21).flat_map(u16::to_le_bytes).collect();
+        let blocks = StridedBlocks {
+            rows: 3,
+            width: 2,
+            stride: 7,
+            offsets: vec![0, 2, 4],
+        };
+        assert_eq!(blocks.block_len(), 6);
+        assert_eq!(blocks.extent(), Some(4 + 2 * 7 + 2));
+        for peer in 0..3 {
+            let expected: Vec<u8> = (0..3)
+                .flat_map(|row| (0..2).map(move |col| (row * 7 + 2 * peer + col) as u16))
+                .flat_map(u16::to_le_bytes)
+                .collect();
+            // Whole, and in pieces of 3 bytes (so pieces start mid-element and mid-row).
+            let mut whole = vec![0u8; 12];
+            blocks.copy_packed(&input, 2, peer, 0, &mut whole);
+            assert_eq!(whole, expected, "peer {peer}");
+            let mut pieces = vec![0u8; 12];
+            for (index, piece) in pieces.chunks_mut(3).enumerate() {
+                blocks.copy_packed(&input, 2, peer, index * 3, piece);
+            }
+            assert_eq!(pieces, expected, "peer {peer}");
+        }
+        let empty = StridedBlocks {
+            rows: 0,
+            width: 4,
+            stride: 9,
+            offsets: vec![5, 7],
+        };
+        assert_eq!(empty.extent(), Some(0));
+        let huge = StridedBlocks {
+            rows: 3,
+            width: 1,
+            stride: usize::MAX,
+            offsets: vec![0],
+        };
+        assert_eq!(huge.extent(), None);
     }
 
     #[test]

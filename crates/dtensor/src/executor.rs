@@ -9,11 +9,13 @@
 
 use std::sync::Arc;
 
-use hypershard_collectives::{Buffer, BufferPair, Communicator, Work};
+use hypershard_collectives::{Buffer, BufferPair, Communicator, StridedBlocks, Work};
 use hypershard_mesh::{Placement, ReduceOp, chunk_size, shard_span};
 use hypershard_tensor::{DType, Tensor};
 
-use crate::bridge::{buffer_to_tensor, staging_tensor, wire_dtype, wire_op};
+use crate::bridge::{
+    buffer_to_tensor, lend_buffer, reclaim_buffer, staging_tensor, wire_dtype, wire_op,
+};
 use crate::dtensor::DTensor;
 use crate::error::Result;
 use crate::pack::{AllToAllLayout, InputUse, WirePool, pack_all_to_all, pack_padded, pack_whole};
@@ -209,7 +211,7 @@ impl RedistributeWork {
                     keep: extent,
                 };
                 let send = self.dim_major_send(local, tensor_dim, rows)?;
-                let output = Buffer::zeros(wire_dtype(dtype), send.output_len);
+                let output = self.mesh.pool().output(wire_dtype(dtype), send.output_len);
                 Ok(self.pair(comm.all_gather_async(send.input, output), send.unpack))
             }
             StepKind::AllReduce { op } => {
@@ -232,7 +234,7 @@ impl RedistributeWork {
                     keep: mine,
                 };
                 let send = self.dim_major_send(local, tensor_dim, rows)?;
-                let output = Buffer::zeros(wire_dtype(dtype), send.output_len);
+                let output = self.mesh.pool().output(wire_dtype(dtype), send.output_len);
                 let work = comm.reduce_scatter_async(send.input, output, wire_op(op));
                 Ok(self.pair(work, send.unpack))
             }
@@ -285,6 +287,50 @@ impl RedistributeWork {
         let spans = (0..n)
             .map(|peer| shard_span(to_extent, n, peer).map(|s| (s.offset, s.len)))
             .collect::<std::result::Result<Vec<_>, _>>()?;
+        let mine = shard_span(to_extent, n, k)?.len;
+        let mut buffer_shape = vec![n * from_chunk, to_chunk];
+        buffer_shape.extend_from_slice(&rest);
+        let unpack = Unpack {
+            buffer_shape,
+            keep: vec![(0, from_extent), (1, mine)],
+            permute_back,
+            dtype,
+        };
+        // Without padding (this rank holds a whole chunk of rows and every peer's span is a
+        // whole chunk), each peer's block is a set of equal rows of the dim-major tensor:
+        // the collective reads them in place from the tensor's own memory (moved, or lent
+        // copy-on-write), so nothing is packed.
+        let held = major.shape()[0];
+        let even = held == from_chunk && spans.iter().all(|&(_, len)| len == to_chunk);
+        let major = if even && major.is_contiguous() {
+            let source = match reclaim_buffer(major)? {
+                Ok(buffer) => Ok(buffer),
+                Err(major) => lend_buffer(&major).ok_or(major),
+            };
+            match source {
+                Ok(input) => {
+                    let rest_elems: usize = rest.iter().product();
+                    let blocks = StridedBlocks {
+                        rows: held,
+                        width: to_chunk * rest_elems,
+                        stride: to_extent * rest_elems,
+                        offsets: spans
+                            .iter()
+                            .map(|&(offset, _)| offset * rest_elems)
+                            .collect(),
+                    };
+                    let output = self
+                        .mesh
+                        .pool()
+                        .output(wire_dtype(dtype), n * blocks.block_len());
+                    let work = comm.all_to_all_strided_async(input, output, blocks);
+                    return Ok(self.pair(work, unpack));
+                }
+                Err(major) => major,
+            }
+        } else {
+            major
+        };
         let layout = AllToAllLayout {
             peers: n,
             from_chunk,
@@ -295,16 +341,7 @@ impl RedistributeWork {
         // A consumed source is used up once packed: keep its memory for the next send buffer
         // rather than freeing it while the collective waits.
         self.mesh.pool().retire(major)?;
-        let output = Buffer::zeros(wire_dtype(dtype), input.len());
-        let mine = shard_span(to_extent, n, k)?.len;
-        let mut buffer_shape = vec![n * from_chunk, to_chunk];
-        buffer_shape.extend_from_slice(&rest);
-        let unpack = Unpack {
-            buffer_shape,
-            keep: vec![(0, from_extent), (1, mine)],
-            permute_back,
-            dtype,
-        };
+        let output = self.mesh.pool().output(wire_dtype(dtype), input.len());
         Ok(self.pair(comm.all_to_all_async(input, output), unpack))
     }
 

@@ -93,6 +93,14 @@ impl WirePool {
         }
     }
 
+    /// A buffer for the output of a collective that writes every element of it (all-gather,
+    /// reduce-scatter and all-to-all outputs, padding included): an idle buffer of that size
+    /// when the pool has one, so the output lands in warm memory instead of faulting in a
+    /// fresh allocation; otherwise a fresh zeroed one. Its stale bytes are all overwritten.
+    pub(crate) fn output(&self, dtype: WireDType, len: usize) -> Buffer {
+        Buffer::Host(self.take(dtype, len).buffer)
+    }
+
     /// Keeps a send buffer that a collective handed back, within the pool's limits. A lent
     /// buffer whose owner still holds the memory is let go: it is the owner's tensor, not
     /// spare memory.

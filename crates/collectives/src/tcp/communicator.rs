@@ -14,13 +14,13 @@ use super::config::{AllReduceAlgorithm, BroadcastAlgorithm, TcpConfig};
 use super::mesh::Mesh;
 use super::transport::Transport;
 use super::{alltoall, barrier, broadcast, p2p, ring, rooted, split};
-use crate::buffer::HostBuffer;
+use crate::buffer::{Buffer, HostBuffer};
 use crate::communicator::Communicator;
 use crate::config::CommConfig;
 use crate::dtype::DType;
 use crate::engine::{JobContext, JobSpec, ProgressEngine};
 use crate::error::Result;
-use crate::op::OpKind;
+use crate::op::{BufferPair, OpKind, StridedBlocks};
 use crate::store::Store;
 use crate::work::Work;
 
@@ -260,6 +260,22 @@ impl Communicator for TcpCommunicator {
         recv: p2p::recv,
         barrier: barrier::barrier,
         split: split::split,
+    }
+
+    fn all_to_all_strided_async(
+        &self,
+        input: Buffer,
+        output: Buffer,
+        blocks: StridedBlocks,
+    ) -> Work<BufferPair> {
+        // The bytes this rank sends, as for the plain all-to-all of the packed blocks.
+        let bytes = blocks
+            .block_len()
+            .saturating_mul(self.size())
+            .saturating_mul(input.dtype().size_bytes());
+        self.submit(OpKind::AllToAll, bytes, move |inner, ctx| {
+            alltoall::all_to_all_strided(inner, ctx, input, output, blocks)
+        })
     }
 
     fn abort(&self) {

@@ -317,6 +317,30 @@ impl<'a> Link<'a> {
             .map_err(|e| self.group_view(e))
     }
 
+    /// Sends one data frame whose payload is the concatenation of `parts` to group rank
+    /// `peer` in vectored writes (the pieces are never copied together), and returns
+    /// `Ok(true)`; returns `Ok(false)` without sending for a peer reached through shared
+    /// memory, whose channel takes one contiguous payload (the caller packs it instead).
+    pub(crate) fn send_parts(
+        &self,
+        peer: usize,
+        dtype: DType,
+        tag: u32,
+        parts: &[&[u8]],
+    ) -> Result<bool> {
+        let world = self.world(peer)?;
+        if self.shm(world, FrameKind::Data).is_some() {
+            return Ok(false);
+        }
+        let bytes = parts.iter().map(|part| part.len()).sum();
+        let header = self.header(FrameKind::Data, dtype, tag, bytes);
+        self.inner
+            .transport
+            .send_parts(self.op, world, header, parts)
+            .map_err(|e| self.group_view(e))?;
+        Ok(true)
+    }
+
     /// Waits for one frame from group rank `peer`.
     pub(crate) fn recv_frame(
         &self,

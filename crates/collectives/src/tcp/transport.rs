@@ -322,8 +322,21 @@ impl Transport {
     /// itself goes straight into the mailbox. `header.payload_bytes` must equal
     /// `payload.len()` and stay within the cap, so the receiver never sees a frame it refuses.
     pub fn send(&self, op: OpKind, peer: usize, header: FrameHeader, payload: &[u8]) -> Result<()> {
+        self.send_parts(op, peer, header, &[payload])
+    }
+
+    /// [`Transport::send`] of a payload given as consecutive `parts` (their concatenation is
+    /// the payload), written together with the header in vectored writes, so a payload that
+    /// lies in pieces (rows of a strided block) is never copied together first.
+    pub(crate) fn send_parts(
+        &self,
+        op: OpKind,
+        peer: usize,
+        header: FrameHeader,
+        parts: &[&[u8]],
+    ) -> Result<()> {
         self.check_peer(op, peer)?;
-        let len = payload.len() as u64;
+        let len = parts.iter().map(|part| part.len() as u64).sum::<u64>();
         if header.payload_bytes != len {
             return Err(Error::Protocol {
                 peer: Some(peer),
@@ -350,7 +363,7 @@ impl Transport {
                 peer,
                 Frame {
                     header,
-                    payload: payload.to_vec(),
+                    payload: parts.concat(),
                 },
             );
             return Ok(());
@@ -363,7 +376,11 @@ impl Transport {
             .unwrap_or_else(std::sync::PoisonError::into_inner);
         // Header and payload leave in one vectored write, so a small frame is one segment on
         // the wire (with TCP_NODELAY a separate header write would be its own packet).
-        let written = write_all_vectored(&mut *stream, &[&header.encode(), payload]);
+        let encoded = header.encode();
+        let mut slices: Vec<&[u8]> = Vec::with_capacity(parts.len() + 1);
+        slices.push(&encoded);
+        slices.extend_from_slice(parts);
+        let written = write_all_vectored(&mut *stream, &slices);
         if written.is_err() {
             // A failed write leaves the stream mid-frame, so the connection is unusable.
             let _ = stream.shutdown(Shutdown::Both);

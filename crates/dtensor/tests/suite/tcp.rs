@@ -110,3 +110,61 @@ fn nested_transitions_on_a_two_by_two_tcp_mesh() {
         ],
     );
 }
+
+/// `S(0) -> S(1)` from collective memory (a staging tensor, as factories and collectives
+/// make): where a rank holds a whole chunk of rows and the columns split evenly, it sends its
+/// columns straight from its rows (the strided all-to-all), otherwise it packs; ranks of both
+/// kinds mix in one op ([11, 6]: the last of three ranks holds 3 rows, not 4). Borrowing and
+/// consuming forms, a 3-d tensor, and one all-to-all each time.
+#[test]
+fn shard_to_shard_from_collective_memory_reads_rows_in_place() {
+    use hypershard_dtensor::bridge::staging_tensor;
+    let shapes: &'static [&'static [usize]] = &[&[12, 6], &[11, 6], &[6, 9, 5]];
+    let out = on_comms(tcp_world(3), &[3], &[], move |ctx| {
+        let coordinate = ctx.mesh.coordinate().to_vec();
+        let mut rows = Vec::new();
+        for &shape in shapes {
+            let full = full_tensor(shape);
+            let expected = expected_local(&full, &[3], &[S0], &coordinate);
+            for consume in [false, true] {
+                let local = staging_tensor(expected.shape(), expected.dtype())?;
+                local.copy_from(&expected)?;
+                let x = DTensor::from_local(local, &ctx.mesh, &[S0], Some(shape))?;
+                ctx.reset();
+                let y = if consume {
+                    x.into_redistribute(&[S1])?
+                } else {
+                    let y = x.redistribute(&[S1])?;
+                    // The source is untouched by the in-place read.
+                    assert_eq!(Snapshot::of(x.to_local()), Snapshot::of(&expected));
+                    y
+                };
+                let counts = ctx.counts();
+                rows.push((
+                    shape,
+                    Snapshot::of(y.to_local()),
+                    Snapshot::of(&y.full_tensor()?),
+                    counts,
+                ));
+            }
+        }
+        Ok((coordinate, rows))
+    });
+    for (coordinate, rows) in out {
+        for (shape, local, y_full, counts) in rows {
+            let full = full_tensor(shape);
+            assert_eq!(y_full, Snapshot::of(&full), "{shape:?}");
+            let expected = expected_local(&full, &[3], &[S1], &coordinate);
+            assert_eq!(
+                local,
+                Snapshot::of(&expected),
+                "{shape:?} at {coordinate:?}"
+            );
+            let issued: Vec<OpKind> = counts
+                .iter()
+                .flat_map(|(&op, &n)| std::iter::repeat_n(op, n as usize))
+                .collect();
+            assert_eq!(issued, vec![OpKind::AllToAll], "{shape:?}");
+        }
+    }
+}
