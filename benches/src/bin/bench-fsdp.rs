@@ -3,8 +3,10 @@
 //!
 //! ```text
 //! bench-fsdp [--steps 20] [--warmup 5] [--fusion-reps 30] [--fusion-embd 128] [--no-torch]
-//!            [--quick]
+//!            [--modes single,fsdp,hsdp,fusion] [--quick]
 //! ```
+//!
+//! `--modes` picks which parts run (default: all four); profiling one mode alone is its use.
 //!
 //! `--quick` is the CI smoke (`cargo xtask bench --quick`): 2 timed steps after 1 warm-up per
 //! mode and 2 fusion repetitions; the numbers mean nothing, the run checks that every mode
@@ -59,6 +61,15 @@ struct Args {
     fusion_reps: usize,
     fusion_embd: usize,
     torch: bool,
+    modes: Vec<String>,
+}
+
+const ALL_MODES: [&str; 4] = ["single", "fsdp", "hsdp", "fusion"];
+
+impl Args {
+    fn wants(&self, mode: &str) -> bool {
+        self.modes.iter().any(|m| m == mode)
+    }
 }
 
 fn parse_args() -> Result<Args, String> {
@@ -68,6 +79,7 @@ fn parse_args() -> Result<Args, String> {
         fusion_reps: 30,
         fusion_embd: 128,
         torch: true,
+        modes: ALL_MODES.iter().map(|m| m.to_string()).collect(),
     };
     let mut it = std::env::args().skip(1);
     while let Some(flag) = it.next() {
@@ -83,6 +95,16 @@ fn parse_args() -> Result<Args, String> {
             "--fusion-reps" => args.fusion_reps = value("--fusion-reps")?,
             "--fusion-embd" => args.fusion_embd = value("--fusion-embd")?,
             "--no-torch" => args.torch = false,
+            "--modes" => {
+                let list = it.next().ok_or("--modes needs a value")?;
+                args.modes = list.split(',').map(str::to_string).collect();
+                if let Some(bad) = args.modes.iter().find(|m| !ALL_MODES.contains(&m.as_str())) {
+                    return Err(format!(
+                        "--modes: unknown mode {bad} (modes: {})",
+                        ALL_MODES.join(",")
+                    ));
+                }
+            }
             "--quick" => {
                 args.steps = 2;
                 args.warmup = 1;
@@ -453,6 +475,10 @@ fn run_torch(args: &Args) -> Result<Option<BTreeMap<String, f64>>, BoxError> {
     };
     let mut medians = BTreeMap::new();
     for mode in ["single", "fsdp2", "hsdp"] {
+        let ours = if mode == "fsdp2" { "fsdp" } else { mode };
+        if !args.wants(ours) {
+            continue;
+        }
         let csv = std::env::temp_dir().join(format!("bench-fsdp-torch-{mode}.csv"));
         let output = Command::new(&python)
             .arg(&script)
@@ -498,7 +524,6 @@ fn run_torch(args: &Args) -> Result<Option<BTreeMap<String, f64>>, BoxError> {
             }
         }
         if let Some(v) = best {
-            let ours = if mode == "fsdp2" { "fsdp" } else { mode };
             medians.insert(ours.to_string(), v);
         }
     }
@@ -506,21 +531,32 @@ fn run_torch(args: &Args) -> Result<Option<BTreeMap<String, f64>>, BoxError> {
 }
 
 fn run(args: &Args) -> Result<(), BoxError> {
-    let mut rows = vec![run_single(args)?];
-    println!("single: {:.1} ms", rows[0].median_ms);
-    rows.push(run_sharded(args, vec![2])?);
-    println!("fsdp w2: {:.1} ms", rows[1].median_ms);
-    rows.push(run_sharded(args, vec![2, 2])?);
-    println!("hsdp 2x2: {:.1} ms", rows[2].median_ms);
+    let mut rows = Vec::new();
+    if args.wants("single") {
+        rows.push(run_single(args)?);
+        println!("single: {:.1} ms", rows[rows.len() - 1].median_ms);
+    }
+    if args.wants("fsdp") {
+        rows.push(run_sharded(args, vec![2])?);
+        println!("fsdp w2: {:.1} ms", rows[rows.len() - 1].median_ms);
+    }
+    if args.wants("hsdp") {
+        rows.push(run_sharded(args, vec![2, 2])?);
+        println!("hsdp 2x2: {:.1} ms", rows[rows.len() - 1].median_ms);
+    }
 
-    let (fused, numel) = run_fusion(args, true)?;
-    let (unfused, _) = run_fusion(args, false)?;
-    let speedup = unfused.median_s / fused.median_s;
-    println!(
-        "GPT block ({numel} params, 12 tensors) at world 2: fused {:.2} ms, per-parameter {:.2} ms ({speedup:.2}x)",
-        fused.median_s * 1e3,
-        unfused.median_s * 1e3
-    );
+    let mut fusion = None;
+    if args.wants("fusion") {
+        let (fused, numel) = run_fusion(args, true)?;
+        let (unfused, _) = run_fusion(args, false)?;
+        let speedup = unfused.median_s / fused.median_s;
+        println!(
+            "GPT block ({numel} params, 12 tensors) at world 2: fused {:.2} ms, per-parameter {:.2} ms ({speedup:.2}x)",
+            fused.median_s * 1e3,
+            unfused.median_s * 1e3
+        );
+        fusion = Some((fused, unfused, numel, speedup));
+    }
 
     if let Some(torch) = run_torch(args)? {
         for row in &mut rows {
@@ -543,19 +579,24 @@ fn run(args: &Args) -> Result<(), BoxError> {
             row.peak_rss_mib
         );
     }
-    let fusion_rows = [
-        ("fusion_fused", fused, Some(speedup)),
-        ("fusion_per_param", unfused, None),
-    ]
-    .map(|(mode, stats, fused_speedup)| FusionRow {
-        mode: mode.to_string(),
-        world: 2,
-        median_ms: stats.median_s * 1e3,
-        peak_rss_mib: peak_rss_mib(),
-        params: 12,
-        numel,
-        fused_speedup,
-    });
+    let fusion_rows: Vec<FusionRow> = fusion
+        .map(|(fused, unfused, numel, speedup)| {
+            [
+                ("fusion_fused", fused, Some(speedup)),
+                ("fusion_per_param", unfused, None),
+            ]
+            .map(|(mode, stats, fused_speedup)| FusionRow {
+                mode: mode.to_string(),
+                world: 2,
+                median_ms: stats.median_s * 1e3,
+                peak_rss_mib: peak_rss_mib(),
+                params: 12,
+                numel,
+                fused_speedup,
+            })
+            .to_vec()
+        })
+        .unwrap_or_default();
     let mut json: Vec<serde_json::Value> = rows
         .iter()
         .map(serde_json::to_value)

@@ -107,6 +107,13 @@ pub(crate) fn write_bytes(tensor: &Tensor, elem_offset: usize, bytes: &[u8]) -> 
     }
 }
 
+/// Sets every element of the contiguous `tensor` to zero bits (0 in every dtype), whatever
+/// its stale contents (`scale_(0.0)` would keep a NaN).
+pub(crate) fn fill_zero(tensor: &Tensor) -> Result<()> {
+    let bytes = vec![0u8; tensor.nbytes()];
+    write_bytes(tensor, 0, &bytes)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -124,6 +131,10 @@ mod tests {
             write_bytes(&view, 1, &[0u8; 12]),
             Err(FsdpError::BufferLength { .. })
         ));
+        // Zeroing a view with a NaN in it clears only the view.
+        view.copy_from(&Tensor::from_vec(vec![f32::NAN, 5.0, 6.0], &[3])?)?;
+        fill_zero(&view)?;
+        assert_eq!(flat.to_vec::<f32>()?, vec![0.0; 6]);
         // A strided (transposed) source is read in row-major order.
         let m = Tensor::from_vec(vec![1.0f32, 2.0, 3.0, 4.0], &[2, 2])?.transpose(0, 1)?;
         let bytes = with_bytes(&m, |b| b.to_vec())?;

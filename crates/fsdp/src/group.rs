@@ -13,8 +13,8 @@ use hypershard_collectives::{Buffer, BufferPair, Communicator, ReduceOp, Work};
 use hypershard_nn::Module;
 use hypershard_tensor::{DType, Tensor};
 
-use crate::bridge::{comm_dtype, tensor_from_buffer};
-use crate::bucket::{BucketItem, BucketPlan, plan_buckets};
+use crate::bridge::{comm_dtype, fill_zero};
+use crate::bucket::{BucketItem, BucketPlan, SlotWriter, plan_buckets};
 use crate::build::post_forward_policy;
 use crate::config::{CommFusionPolicy, GradReduceOp, MixedPrecisionPolicy, ReshardAfterForward};
 use crate::error::{FsdpError, Result};
@@ -64,8 +64,9 @@ struct PendingGather {
 pub(crate) struct PendingReduce {
     reduce_scatters: Vec<Work<BufferPair>>,
     replicate_all_reduces: Vec<Work<Buffer>>,
-    /// The tensor each reduced gradient is added into, by parameter index.
-    targets: HashMap<usize, Tensor>,
+    /// The tensor each reduced gradient lands in, by parameter index, and whether it is new
+    /// (stale pooled memory the reduced shard is copied over) rather than added into.
+    targets: HashMap<usize, (Tensor, bool)>,
 }
 
 /// The parameters of one unit and everything needed to move them.
@@ -279,11 +280,12 @@ impl ParamGroup {
         };
         let _span = tracing::debug_span!("fsdp.unshard", unit = %self.unit, post_forward).entered();
         let world = comm.size();
+        let pool = self.mesh.pool();
         let mut works = Vec::with_capacity(plan.len());
         for bucket in plan {
             let dtype = buffer_dtype(bucket.dtype, &self.unit)?;
-            let mut input = Buffer::zeros(dtype, bucket.per_rank);
-            let bytes = host_bytes_mut(&mut input, "unshard copy-in")?;
+            let mut input = pool.take(dtype, bucket.per_rank);
+            let mut writer = SlotWriter::new(host_bytes_mut(&mut input, "unshard copy-in")?);
             let size = bucket.dtype.size_of();
             for (&member, &offset) in bucket.members.iter().zip(&bucket.offsets) {
                 let param = &self.params[member];
@@ -302,18 +304,22 @@ impl ParamGroup {
                                 expected: &[ShardedState::ShardedPostForward],
                                 actual: param.state,
                             })?;
-                    bytes[start..start + slot_len].copy_from_slice(&saved[..slot_len]);
+                    writer
+                        .region(start, slot_len, "unshard copy-in")?
+                        .copy_from_slice(&saved[..slot_len]);
                 } else {
                     param.assert_state(&self.unit, "unshard", &[ShardedState::Sharded])?;
                     let slot_len = param.layout.slot_numel()? * size;
                     param.layout.pack(
                         &param.sharded,
                         bucket.dtype,
-                        &mut bytes[start..start + slot_len],
+                        writer.region(start, slot_len, "unshard copy-in")?,
                     )?;
                 }
             }
-            let output = Buffer::zeros(dtype, bucket.per_rank * world);
+            writer.finish();
+            // The output is overwritten in full by the all-gather.
+            let output = pool.take(dtype, bucket.per_rank * world);
             works.push(comm.all_gather_async(input, output));
         }
         self.pending_gather = Some(PendingGather {
@@ -350,8 +356,10 @@ impl ParamGroup {
         } else {
             self.gather_plan.clone()
         };
+        let pool = self.mesh.pool().clone();
         for (bucket, work) in plan.iter().zip(pending.works) {
             let pair = work.wait()?;
+            pool.give(pair.input);
             let output = pair.output;
             let size = bucket.dtype.size_of();
             let numels: Vec<usize> = bucket
@@ -361,11 +369,10 @@ impl ParamGroup {
                 .collect();
             // With zero_copy the bucket's parameters are views into one flat storage, freed
             // together on reshard; otherwise each parameter owns its storage.
+            // Every element of the unsharded storage is written by the copy-out below, so it
+            // comes from the pool without a zero-fill; it returns there on reshard.
             let flat = if self.fusion.zero_copy && bucket.members.len() > 1 {
-                Some(Tensor::zeros(
-                    &[numels.iter().sum::<usize>()],
-                    bucket.dtype,
-                )?)
+                Some(pool.tensor(&[numels.iter().sum::<usize>()], bucket.dtype)?)
             } else {
                 None
             };
@@ -383,7 +390,7 @@ impl ParamGroup {
                 };
                 if layout.dim == 0 && bucket.offsets[0] == 0 {
                     check_len(&output, bucket.per_rank * layout.world, "unshard copy-out")?;
-                    let flat = tensor_from_buffer(output, bucket.dtype)?;
+                    let flat = pool.adopt(output, bucket.dtype)?;
                     let param = &mut self.params[member];
                     param.unsharded = Some(flat.narrow(0, 0, numels[0])?.view(&layout.shape)?);
                     param.post_forward = None;
@@ -409,7 +416,7 @@ impl ParamGroup {
                 check_len(&output, bucket.per_rank * world, "unshard copy-out")?;
                 let full = match &flat {
                     Some(flat) => flat.narrow(0, flat_offset, numel)?.view(&layout.shape)?,
-                    None => Tensor::zeros(&layout.shape, bucket.dtype)?,
+                    None => pool.tensor(&layout.shape, bucket.dtype)?,
                 };
                 flat_offset += numel;
                 let slot_len = layout.slot_numel()? * size;
@@ -421,6 +428,7 @@ impl ParamGroup {
                 param.post_forward = None;
                 param.state = ShardedState::Unsharded;
             }
+            pool.give(output);
         }
         Ok(())
     }
@@ -554,7 +562,9 @@ impl ParamGroup {
     pub fn discard_pending_gather(&mut self) -> Result<()> {
         if let Some(pending) = self.pending_gather.take() {
             for work in pending.works {
-                work.wait()?;
+                let pair = work.wait()?;
+                self.mesh.pool().give(pair.input);
+                self.mesh.pool().give(pair.output);
             }
         }
         // A post-forward shard whose backward never ran would go stale once the optimizer
@@ -640,24 +650,30 @@ impl ParamGroup {
         Ok(pending)
     }
 
-    /// The tensor the reduced gradient of parameter `index` is added into.
-    fn grad_target(&mut self, index: usize) -> Result<Tensor> {
+    /// The tensor the reduced gradient of parameter `index` lands in, and whether it is new.
+    ///
+    /// An existing gradient is added into. A new one is zeros, or, with `fresh_ok` (the
+    /// caller copies the reduced shard over every element), stale pooled memory, which saves
+    /// the zero-fill and the read of the add.
+    fn grad_target(&mut self, index: usize, fresh_ok: bool) -> Result<(Tensor, bool)> {
+        let pool = self.mesh.pool().clone();
         let param = &mut self.params[index];
         let shape = param.sharded.shape().to_vec();
-        if self.mp.fp32_main_grad {
-            let target = match &param.main_grad {
-                Some(t) => t.clone(),
-                None => Tensor::zeros(&shape, DType::F32)?,
-            };
-            param.main_grad = Some(target.clone());
-            return Ok(target);
-        }
-        let target = match &param.sharded_grad {
-            Some(t) => t.clone(),
-            None => Tensor::zeros(&shape, param.orig_dtype)?,
+        let (existing, dtype) = if self.mp.fp32_main_grad {
+            (&mut param.main_grad, DType::F32)
+        } else {
+            (&mut param.sharded_grad, param.orig_dtype)
         };
-        param.sharded_grad = Some(target.clone());
-        Ok(target)
+        if let Some(t) = existing {
+            return Ok((t.clone(), false));
+        }
+        let (target, fresh) = if fresh_ok {
+            (pool.tensor(&shape, dtype)?, true)
+        } else {
+            (Tensor::zeros(&shape, dtype)?, false)
+        };
+        *existing = Some(target.clone());
+        Ok((target, fresh))
     }
 
     fn issue_reductions(&mut self, grads: &[Option<Tensor>]) -> Result<PendingReduce> {
@@ -666,35 +682,44 @@ impl ParamGroup {
         let shard_world = shard_comm.size();
         let mut reduce_scatters = Vec::with_capacity(self.reduce_plan.len());
         let op = self.reduce_scatter_op();
+        let pool = self.mesh.pool().clone();
+        // New gradients may skip their zero-fill when the reduced shard is copied over them
+        // in this backward's finish; a deferred HSDP all-reduce leaves them untouched, so
+        // they must be zeros then.
+        let fresh_ok = self.mesh.replicate().is_none() || self.controls.requires_all_reduce;
         for bucket_index in 0..self.reduce_plan.len() {
             let bucket = self.reduce_plan[bucket_index].clone();
             let dtype = buffer_dtype(bucket.dtype, &self.unit)?;
             let size = bucket.dtype.size_of();
-            let mut input = Buffer::zeros(dtype, bucket.per_rank * shard_world);
+            let mut input = pool.take(dtype, bucket.per_rank * shard_world);
             {
-                let bytes = host_bytes_mut(&mut input, "reduce-scatter copy-in")?;
-                for (&member, &offset) in bucket.members.iter().zip(&bucket.offsets) {
-                    let param = &self.params[member];
-                    let Some(grad) = &grads[member] else {
-                        continue;
-                    };
-                    let slot_len = param.layout.slot_numel()? * size;
-                    for rank in 0..shard_world {
+                // Rank-major order, so the regions come in increasing order; slots of
+                // parameters without a gradient are zeroed by the writer.
+                let mut writer =
+                    SlotWriter::new(host_bytes_mut(&mut input, "reduce-scatter copy-in")?);
+                for rank in 0..shard_world {
+                    for (&member, &offset) in bucket.members.iter().zip(&bucket.offsets) {
+                        let param = &self.params[member];
+                        let Some(grad) = &grads[member] else {
+                            continue;
+                        };
+                        let slot_len = param.layout.slot_numel()? * size;
                         let start = (rank * bucket.per_rank + offset) * size;
                         param.layout.pack_from_full(
                             grad,
                             rank,
                             bucket.dtype,
-                            &mut bytes[start..start + slot_len],
+                            writer.region(start, slot_len, "reduce-scatter copy-in")?,
                         )?;
                     }
                 }
+                writer.finish();
             }
             for &member in &bucket.members {
-                let target = self.grad_target(member)?;
+                let target = self.grad_target(member, fresh_ok)?;
                 targets.insert(member, target);
             }
-            let output = Buffer::zeros(dtype, bucket.per_rank);
+            let output = pool.take(dtype, bucket.per_rank);
             reduce_scatters.push(shard_comm.reduce_scatter_async(input, output, op));
         }
         let mut replicate_all_reduces = Vec::with_capacity(self.replicate_plan.len());
@@ -707,9 +732,10 @@ impl ParamGroup {
             let bucket = self.replicate_plan[bucket_index].clone();
             let dtype = buffer_dtype(bucket.dtype, &self.unit)?;
             let size = bucket.dtype.size_of();
-            let mut buffer = Buffer::zeros(dtype, bucket.per_rank);
+            let mut buffer = pool.take(dtype, bucket.per_rank);
             {
-                let bytes = host_bytes_mut(&mut buffer, "all-reduce copy-in")?;
+                let mut writer =
+                    SlotWriter::new(host_bytes_mut(&mut buffer, "all-reduce copy-in")?);
                 for (&member, &offset) in bucket.members.iter().zip(&bucket.offsets) {
                     let param = &self.params[member];
                     let Some(grad) = &grads[member] else {
@@ -717,13 +743,16 @@ impl ParamGroup {
                     };
                     let slot_len = param.layout.slot_numel()? * size;
                     let start = offset * size;
-                    param
-                        .layout
-                        .pack(grad, bucket.dtype, &mut bytes[start..start + slot_len])?;
+                    param.layout.pack(
+                        grad,
+                        bucket.dtype,
+                        writer.region(start, slot_len, "all-reduce copy-in")?,
+                    )?;
                 }
+                writer.finish();
             }
             for &member in &bucket.members {
-                let target = self.grad_target(member)?;
+                let target = self.grad_target(member, false)?;
                 targets.insert(member, target);
             }
             replicate_all_reduces.push(self.mesh.world().all_reduce_async(buffer, all_reduce_op));
@@ -746,9 +775,12 @@ impl ParamGroup {
             replicate_all_reduces,
             targets,
         } = pending;
+        let pool = self.mesh.pool().clone();
         let mut outputs = Vec::with_capacity(reduce_scatters.len());
         for work in reduce_scatters {
-            outputs.push(work.wait()?.output);
+            let pair = work.wait()?;
+            pool.give(pair.input);
+            outputs.push(pair.output);
         }
         let replicate = self.mesh.replicate().cloned();
         let all_reduce_op = self.replicate_all_reduce_op();
@@ -760,6 +792,12 @@ impl ParamGroup {
                     add_buffers(&mut output, &partial, bucket.dtype)?;
                 }
                 if !self.controls.requires_all_reduce {
+                    // Nothing lands in the gradients this time; new ones must read as zeros.
+                    for member in &bucket.members {
+                        if let Some((target, true)) = targets.get(member) {
+                            fill_zero(target)?;
+                        }
+                    }
                     self.partial_outputs[bucket_index] = Some(output);
                     continue;
                 }
@@ -772,15 +810,17 @@ impl ParamGroup {
                 let param = &self.params[member];
                 let slot_len = param.layout.slot_numel()? * size;
                 let start = offset * size;
-                let shard = param.layout.unpack(
-                    &bytes[start..start + slot_len],
-                    shard_rank,
-                    bucket.dtype,
-                )?;
-                if let Some(target) = targets.get(&member) {
-                    add_cast(target, &shard)?;
+                if let Some((target, fresh)) = targets.get(&member) {
+                    param.layout.unpack_shard_into(
+                        &bytes[start..start + slot_len],
+                        shard_rank,
+                        bucket.dtype,
+                        target,
+                        !fresh,
+                    )?;
                 }
             }
+            pool.give(output);
         }
         for (bucket_index, work) in replicate_all_reduces.into_iter().enumerate() {
             let buffer = work.wait()?;
@@ -792,13 +832,17 @@ impl ParamGroup {
                 let param = &self.params[member];
                 let slot_len = param.layout.slot_numel()? * size;
                 let start = offset * size;
-                let full = param
-                    .layout
-                    .unpack(&bytes[start..start + slot_len], 0, bucket.dtype)?;
-                if let Some(target) = targets.get(&member) {
-                    add_cast(target, &full)?;
+                if let Some((target, fresh)) = targets.get(&member) {
+                    param.layout.unpack_shard_into(
+                        &bytes[start..start + slot_len],
+                        0,
+                        bucket.dtype,
+                        target,
+                        !fresh,
+                    )?;
                 }
             }
+            pool.give(buffer);
         }
         Ok(())
     }
@@ -815,16 +859,6 @@ impl ParamGroup {
             *partial = None;
         }
     }
-}
-
-/// `target += source`, casting `source` to `target`'s dtype.
-fn add_cast(target: &Tensor, source: &Tensor) -> Result<()> {
-    if source.dtype() == target.dtype() {
-        target.add_(source)?;
-    } else {
-        target.add_(&source.to_dtype(target.dtype())?)?;
-    }
-    Ok(())
 }
 
 /// `acc += other` elementwise for two host buffers of one dtype.

@@ -57,7 +57,8 @@ impl ShardLayout {
     }
 
     /// Writes `shard` (shard `index`'s values, any dtype) cast to `dtype` into `slot`, the
-    /// zeroed bytes of one padded slot.
+    /// bytes of one padded slot, all of which are written: the padding becomes zeros, so a
+    /// recycled buffer carries no stale bytes.
     pub fn pack(&self, shard: &Tensor, dtype: DType, slot: &mut [u8]) -> Result<()> {
         let cast;
         let shard = if shard.dtype() == dtype {
@@ -68,12 +69,20 @@ impl ShardLayout {
         };
         if self.dim == 0 {
             // Dim-0 padding sits at the end of the slot, so the shard's bytes go first.
-            with_bytes(shard, |bytes| slot[..bytes.len()].copy_from_slice(bytes))?;
+            let written = with_bytes(shard, |bytes| {
+                slot[..bytes.len()].copy_from_slice(bytes);
+                bytes.len()
+            })?;
+            slot[written..].fill(0);
         } else {
             let padded = Tensor::zeros(&self.padded_shape()?, dtype)?;
             let len = shard.shape()[self.dim];
             padded.narrow(self.dim, 0, len)?.copy_from(shard)?;
-            with_bytes(&padded, |bytes| slot[..bytes.len()].copy_from_slice(bytes))?;
+            let written = with_bytes(&padded, |bytes| {
+                slot[..bytes.len()].copy_from_slice(bytes);
+                bytes.len()
+            })?;
+            slot[written..].fill(0);
         }
         Ok(())
     }
@@ -112,6 +121,54 @@ impl ShardLayout {
         }
     }
 
+    /// Writes shard `index` from its padded slot (of `dtype`) into `target`, a tensor of the
+    /// shard's shape: copied over it (`accumulate = false`, every element is written) or added
+    /// into it, cast to `target`'s dtype either way.
+    ///
+    /// A dim-0 shard of `target`'s own dtype is read straight from the slot bytes (one pass,
+    /// no temporary tensor); other cases unpack a temporary first.
+    pub fn unpack_shard_into(
+        &self,
+        slot: &[u8],
+        index: usize,
+        dtype: DType,
+        target: &Tensor,
+        accumulate: bool,
+    ) -> Result<()> {
+        let shape = self.shard_shape(index)?;
+        let direct = self.dim == 0
+            && dtype == target.dtype()
+            && target.is_contiguous()
+            && target.shape() == shape.as_slice();
+        if direct {
+            let bytes = &slot[..target.numel() * dtype.size_of()];
+            if !accumulate {
+                return write_bytes(target, 0, bytes);
+            }
+            if dtype == DType::F32 {
+                target.with_data_mut::<f32, _>(|values| {
+                    for (value, chunk) in values.iter_mut().zip(bytes.chunks_exact(4)) {
+                        let mut raw = [0u8; 4];
+                        raw.copy_from_slice(chunk);
+                        *value += f32::from_ne_bytes(raw);
+                    }
+                })?;
+                return Ok(());
+            }
+        }
+        let shard = self.unpack(slot, index, dtype)?;
+        if accumulate {
+            if shard.dtype() == target.dtype() {
+                target.add_(&shard)?;
+            } else {
+                target.add_(&shard.to_dtype(target.dtype())?)?;
+            }
+        } else {
+            target.copy_from(&shard)?;
+        }
+        Ok(())
+    }
+
     /// Writes shard `index` from its padded slot into its place in the contiguous `full`
     /// (whose dtype is the slot's).
     pub fn unpack_into_full(&self, slot: &[u8], index: usize, full: &Tensor) -> Result<()> {
@@ -143,11 +200,25 @@ mod tests {
             let slot_bytes = layout.slot_numel().unwrap() * 4;
             let rebuilt = Tensor::zeros(&[rows, cols], DType::F32).unwrap();
             for r in 0..world {
-                let mut slot = vec![0u8; slot_bytes];
+                // A recycled slot full of stale bytes: packing overwrites all of it.
+                let mut slot = vec![0xA5u8; slot_bytes];
                 layout.pack_from_full(&full, r, DType::F32, &mut slot).unwrap();
+                let mut fresh = vec![0u8; slot_bytes];
+                layout.pack_from_full(&full, r, DType::F32, &mut fresh).unwrap();
+                prop_assert_eq!(&slot, &fresh);
                 let shard = layout.unpack(&slot, r, DType::F32).unwrap();
                 prop_assert_eq!(shard.shape(), &layout.shard_shape(r).unwrap()[..]);
                 layout.unpack_into_full(&slot, r, &rebuilt).unwrap();
+                // Copying into a shard-shaped target, then adding: twice the shard, in f32
+                // (direct for dim 0) and into an f64 target (through a cast).
+                for target_dtype in [DType::F32, DType::F64] {
+                    let target = Tensor::full(&layout.shard_shape(r).unwrap(), 9.0, target_dtype).unwrap();
+                    layout.unpack_shard_into(&slot, r, DType::F32, &target, false).unwrap();
+                    prop_assert_eq!(target.to_f64_vec().unwrap(), shard.to_f64_vec().unwrap());
+                    layout.unpack_shard_into(&slot, r, DType::F32, &target, true).unwrap();
+                    let doubled: Vec<f64> = shard.to_f64_vec().unwrap().iter().map(|v| 2.0 * v).collect();
+                    prop_assert_eq!(target.to_f64_vec().unwrap(), doubled);
+                }
             }
             prop_assert_eq!(rebuilt.to_vec::<f32>().unwrap(), full.to_vec::<f32>().unwrap());
         }

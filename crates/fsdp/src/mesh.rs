@@ -7,6 +7,7 @@ use hypershard_collectives::Communicator;
 use hypershard_dtensor::ProcessMesh;
 use hypershard_mesh::DeviceMesh;
 
+use crate::bucket::BufferPool;
 use crate::error::{FsdpError, Result};
 
 /// A 1-d (FSDP: shard over dim 0) or 2-d (HSDP: replicate over dim 0, shard over dim 1) mesh
@@ -23,6 +24,8 @@ pub struct DataParallelMesh {
     replicate: Option<Arc<dyn Communicator>>,
     /// Sub-groups of the shard group for `reshard_after_forward = int`, made on first use.
     post_forward: Mutex<BTreeMap<usize, Arc<dyn Communicator>>>,
+    /// The communication buffers every unit over this mesh recycles.
+    pool: Arc<BufferPool>,
 }
 
 impl DataParallelMesh {
@@ -70,6 +73,7 @@ impl DataParallelMesh {
             shard,
             replicate,
             post_forward: Mutex::new(BTreeMap::new()),
+            pool: Arc::new(BufferPool::default()),
         }))
     }
 
@@ -124,6 +128,11 @@ impl DataParallelMesh {
     /// This rank's index in the shard group.
     pub fn shard_rank(&self) -> usize {
         self.shard.rank()
+    }
+
+    /// The pool of communication buffers shared by every unit over this mesh.
+    pub(crate) fn pool(&self) -> &Arc<BufferPool> {
+        &self.pool
     }
 
     /// The group of `size` consecutive shard ranks this rank belongs to, for resharding to a
