@@ -73,10 +73,13 @@ pub(crate) fn plan_buckets(items: &[BucketItem], fused: bool, cap_bytes: usize) 
     plans
 }
 
-/// The pool keeps at most this many times the largest buffer it was asked for, in bytes.
-const POOL_CAP_FACTOR: usize = 4;
-/// The pool keeps at most this many buffers.
-const POOL_MAX_BUFFERS: usize = 16;
+/// The pool keeps at most this many times the largest buffer it was asked for, in bytes:
+/// room for the sharded gradients of a step (handed back together by `zero_grad`) next to
+/// the gather and reduce buffers of the two units in flight.
+const POOL_CAP_FACTOR: usize = 8;
+/// The pool keeps at most this many buffers (a unit of many small parameters returns one
+/// storage per parameter on reshard).
+const POOL_MAX_BUFFERS: usize = 64;
 
 /// A per-rank cache of host communication buffers, shared by every unit of one mesh.
 ///
@@ -320,9 +323,9 @@ mod tests {
         assert_eq!(pool.hits_and_misses(), (1, 2));
         pool.give(b);
         pool.give(c);
-        // A buffer larger than 4 x the largest request is never kept.
-        pool.give(Buffer::zeros(CommDType::F32, 401));
-        let d = pool.take(CommDType::F32, 401);
+        // A buffer larger than 8 x the largest request is never kept.
+        pool.give(Buffer::zeros(CommDType::F32, 801));
+        let d = pool.take(CommDType::F32, 801);
         assert_eq!(pool.hits_and_misses(), (1, 3));
         // A buffer another handle still shares is not kept (writing it would copy).
         let shared = Buffer::zeros(CommDType::F32, 8);
@@ -331,12 +334,13 @@ mod tests {
         drop(other);
         let _e = pool.take(CommDType::F32, 8);
         assert_eq!(pool.hits_and_misses(), (1, 4));
-        // The byte bound (4 x 401 f32) drops the oldest buffers first.
-        for _ in 0..5 {
-            pool.give(Buffer::zeros(CommDType::F32, 400));
+        // The byte bound (8 x 801 f32) drops the oldest buffers first.
+        for _ in 0..9 {
+            pool.give(Buffer::zeros(CommDType::F32, 800));
         }
         let inner = pool.lock();
-        assert!(inner.cached_bytes <= 4 * 401 * 4, "{}", inner.cached_bytes);
+        assert!(inner.cached_bytes <= 8 * 801 * 4, "{}", inner.cached_bytes);
+        assert_eq!(inner.free.len(), 8);
         assert_eq!(
             inner.cached_bytes,
             inner.free.iter().map(Buffer::byte_len).sum::<usize>()

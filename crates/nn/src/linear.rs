@@ -4,7 +4,7 @@ use hypershard_tensor::{DType, RandomInit, Tensor};
 
 use crate::elementwise::check_float;
 use crate::kernels::{
-    add_row, build, load, store, sum_rows, with_float, with_values, with_values2,
+    Float, add_row, build, load, store, sum_rows, with_float, with_values, with_values2,
 };
 use crate::linalg::{GemmShape, MatmulOptions, gemm_into};
 use crate::module::{ParamVisitor, ParamVisitorMut, join_name};
@@ -177,7 +177,15 @@ impl Module for Linear {
         let y = with_float!("Linear::forward", weight.dtype(), F => {
             let bias = bias.map(load::<F>).transpose()?;
             build::<F>(&out_shape, weight.dtype(), |y| {
-                with_values2::<F, _>(&x, weight, |xs, ws| gemm_into(xs, ws, shape, y))??;
+                with_values2::<F, _>(&x, weight, |xs, ws| {
+                    // Few rows (a small batch): the packing-free kernel reads the weight in
+                    // place; otherwise the general GEMM.
+                    if F::small_gemm_nt(xs, ws, rows, self.in_features, self.out_features, y) {
+                        Ok(())
+                    } else {
+                        gemm_into(xs, ws, shape, y)
+                    }
+                })??;
                 if let Some(bias) = &bias {
                     add_row(y, bias);
                 }
@@ -220,7 +228,13 @@ impl Module for Linear {
             // dx = gy · W, [N, out] · [out, in].
             let dx_shape = GemmShape::new(rows, n_out, n_in, MatmulOptions::default())?;
             let grad_input = build::<F>(input.shape(), dtype, |dx| {
-                with_values::<F, _>(weight, |ws| gemm_into(&g, ws, dx_shape, dx))?
+                with_values::<F, _>(weight, |ws| {
+                    if F::small_gemm_nn(&g, ws, rows, n_out, n_in, dx) {
+                        Ok(())
+                    } else {
+                        gemm_into(&g, ws, dx_shape, dx)
+                    }
+                })?
             })?;
             let grad_weight = if weight_wants_grad {
                 // dW = gyᵀ · x, [out, N] · [N, in].

@@ -8,6 +8,7 @@
 //! a bf16 layer accumulates in f32 as torch's CPU kernels do.
 
 pub(crate) mod math;
+pub(crate) mod small_gemm;
 
 use std::iter::Sum;
 use std::ops::{Add, AddAssign, Div, Mul, MulAssign, Neg, Sub, SubAssign};
@@ -55,6 +56,32 @@ pub(crate) trait Float:
     fn sqrt(self) -> Self;
     /// The larger of two values (NaN-ignoring, as `f32::max`).
     fn max(self, other: Self) -> Self;
+
+    /// `C[m, n] = A[m, k] · B[n, k]ᵀ` (row-major, `C` overwritten) by a packing-free kernel
+    /// for few rows, if this type has one and it takes the shape; returns whether it ran (see
+    /// [`small_gemm`]). The caller falls back to the general GEMM otherwise.
+    fn small_gemm_nt(
+        _a: &[Self],
+        _b: &[Self],
+        _m: usize,
+        _k: usize,
+        _n: usize,
+        _c: &mut [Self],
+    ) -> bool {
+        false
+    }
+
+    /// `C[m, n] = A[m, k] · B[k, n]` by the same kernels (see [`Float::small_gemm_nt`]).
+    fn small_gemm_nn(
+        _a: &[Self],
+        _b: &[Self],
+        _m: usize,
+        _k: usize,
+        _n: usize,
+        _c: &mut [Self],
+    ) -> bool {
+        false
+    }
 
     /// `C = A · B` through matrixmultiply's `sgemm` / `dgemm` with `alpha = 1`, `beta = 0`;
     /// `[row, col]` element strides for `A` and `B`, row stride for `C` (column stride 1).
@@ -108,6 +135,12 @@ impl Float for f32 {
     #[inline]
     fn max(self, other: Self) -> Self {
         f32::max(self, other)
+    }
+    fn small_gemm_nt(a: &[Self], b: &[Self], m: usize, k: usize, n: usize, c: &mut [Self]) -> bool {
+        small_gemm::gemm_nt(a, b, m, k, n, c)
+    }
+    fn small_gemm_nn(a: &[Self], b: &[Self], m: usize, k: usize, n: usize, c: &mut [Self]) -> bool {
+        small_gemm::gemm_nn(a, b, m, k, n, c)
     }
     unsafe fn gemm_raw(
         m: usize,

@@ -1,0 +1,456 @@
+//! Packing-free f32 GEMM kernels for products with few rows: a `Linear` layer on a small
+//! batch (`[32, 1024] · [1024, 1024]ᵀ` in the FSDP benchmark).
+//!
+//! matrixmultiply copies ("packs") both operands into panel order before its micro-kernel
+//! runs. That pays off when each packed panel is reused by many rows; with 32 rows and a
+//! 1024 × 1024 weight it is not: a profile of the benchmark's single-rank step showed 25% of
+//! the time in packing against 23% in the multiply itself. These kernels read both operands
+//! where they lie, keep a block of 4 × 4 (or 4 × 64) results in AVX-512 registers and touch
+//! every weight element once per block of 4 rows.
+//!
+//! Two shapes, both over row-major, contiguous operands:
+//! - [`gemm_nt`]: `C[m, n] = A[m, k] · B[n, k]ᵀ` (forward: `x · Wᵀ`), dot products along `k`;
+//! - [`gemm_nn`]: `C[m, n] = A[m, k] · B[k, n]` (input gradient: `dy · W`), rows of `B` scaled
+//!   and summed.
+//!
+//! Each entry point returns `false`, doing nothing, when the CPU lacks AVX-512F, the shape is
+//! outside the kernels' range (`m` ≥ [`MAX_ROWS`] or an empty dim) or a slice length does not
+//! match the shape; the caller then uses the general GEMM.
+
+#[cfg(target_arch = "x86_64")]
+use std::arch::x86_64::{
+    __m512, __mmask16, _mm512_fmadd_ps, _mm512_loadu_ps, _mm512_mask_storeu_ps,
+    _mm512_maskz_loadu_ps, _mm512_reduce_add_ps, _mm512_set1_ps, _mm512_setzero_ps,
+};
+
+/// Products with at least this many rows go to the packing GEMM, whose packed panels are
+/// reused often enough there to pay for themselves (and which splits rows over threads).
+pub(crate) const MAX_ROWS: usize = 64;
+
+/// Whether the kernels can run on this CPU.
+pub(crate) fn available() -> bool {
+    #[cfg(target_arch = "x86_64")]
+    {
+        std::arch::is_x86_feature_detected!("avx512f")
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    {
+        false
+    }
+}
+
+/// Whether `(m, k, n)` with these slice lengths is a product the kernels take.
+fn fits(m: usize, k: usize, n: usize, a: usize, b: usize, c: usize) -> bool {
+    let sizes_ok = m > 0 && m < MAX_ROWS && k > 0 && n > 0;
+    sizes_ok
+        && m.checked_mul(k) == Some(a)
+        && k.checked_mul(n) == Some(b)
+        && m.checked_mul(n) == Some(c)
+        && available()
+}
+
+/// `C = A · Bᵀ` for row-major `A[m, k]`, `B[n, k]`, `C[m, n]` (overwritten). Returns whether
+/// it ran (see the module docs for when it declines).
+pub(crate) fn gemm_nt(a: &[f32], b: &[f32], m: usize, k: usize, n: usize, c: &mut [f32]) -> bool {
+    if !fits(m, k, n, a.len(), b.len(), c.len()) {
+        return false;
+    }
+    #[cfg(target_arch = "x86_64")]
+    {
+        // SAFETY: `fits` checked that the CPU has AVX-512F, which is all the function's
+        // `target_feature` needs; the slice lengths were checked against the shape too.
+        unsafe { nt_avx512(a, b, m, k, n, c) };
+        true
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    {
+        false
+    }
+}
+
+/// `C = A · B` for row-major `A[m, k]`, `B[k, n]`, `C[m, n]` (overwritten). Returns whether it
+/// ran (see the module docs for when it declines).
+pub(crate) fn gemm_nn(a: &[f32], b: &[f32], m: usize, k: usize, n: usize, c: &mut [f32]) -> bool {
+    if !fits(m, k, n, a.len(), b.len(), c.len()) {
+        return false;
+    }
+    #[cfg(target_arch = "x86_64")]
+    {
+        // SAFETY: as in `gemm_nt`: AVX-512F is present and the lengths match the shape.
+        unsafe { nn_avx512(a, b, m, k, n, c) };
+        true
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    {
+        false
+    }
+}
+
+/// The mask of the first `len` (< 16 is the interesting case) lanes.
+#[cfg(target_arch = "x86_64")]
+fn lanes(len: usize) -> __mmask16 {
+    if len >= 16 {
+        0xFFFF
+    } else {
+        ((1u32 << len) - 1) as __mmask16
+    }
+}
+
+/// Blocks of 4 rows of `A` by 4 rows of `B`, then the ragged edges one row at a time.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f")]
+fn nt_avx512(a: &[f32], b: &[f32], m: usize, k: usize, n: usize, c: &mut [f32]) {
+    // Outer loop over `B`'s rows: a 4-row block of the weight (16 KiB at k = 1024) stays in
+    // L1 while every row block of `A` (in L2) passes over it, so the weight streams from
+    // memory once.
+    let mut j = 0;
+    while j < n {
+        let cols = (n - j).min(4);
+        let mut i = 0;
+        while i < m {
+            let rows = (m - i).min(4);
+            match (rows, cols) {
+                (4, 4) => nt_block::<4, 4>(a, b, k, n, i, j, c),
+                (4, _) => {
+                    for jj in j..j + cols {
+                        nt_block::<4, 1>(a, b, k, n, i, jj, c);
+                    }
+                }
+                (_, 4) => {
+                    for ii in i..i + rows {
+                        nt_block::<1, 4>(a, b, k, n, ii, j, c);
+                    }
+                }
+                _ => {
+                    for ii in i..i + rows {
+                        for jj in j..j + cols {
+                            nt_block::<1, 1>(a, b, k, n, ii, jj, c);
+                        }
+                    }
+                }
+            }
+            i += rows;
+        }
+        j += cols;
+    }
+}
+
+/// `C[i..i+R, j..j+C]` as dot products of rows of `A` and `B` along `k`, 16 lanes at a time
+/// with a masked tail.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f")]
+#[allow(clippy::too_many_arguments)]
+fn nt_block<const R: usize, const C: usize>(
+    a: &[f32],
+    b: &[f32],
+    k: usize,
+    ldc: usize,
+    i: usize,
+    j: usize,
+    c: &mut [f32],
+) {
+    // Slicing checks the block's bounds once; the hot loop then reads through pointers at
+    // offsets below `R * k` and `C * k`.
+    let a_rows = &a[i * k..(i + R) * k];
+    let b_rows = &b[j * k..(j + C) * k];
+    let (ap, bp) = (a_rows.as_ptr(), b_rows.as_ptr());
+    let mut acc = [[_mm512_setzero_ps(); C]; R];
+    let full = k / 16 * 16;
+    let mut p = 0;
+    while p < full {
+        let mut bv = [_mm512_setzero_ps(); C];
+        for (cc, v) in bv.iter_mut().enumerate() {
+            // SAFETY: `cc < C` and `p + 16 <= full <= k`, so the 16 elements from
+            // `cc * k + p` lie inside `b_rows` (length `C * k`).
+            *v = unsafe { _mm512_loadu_ps(bp.add(cc * k + p)) };
+        }
+        for (r, row_acc) in acc.iter_mut().enumerate() {
+            // SAFETY: as above, inside `a_rows` (length `R * k`).
+            let av = unsafe { _mm512_loadu_ps(ap.add(r * k + p)) };
+            for (slot, &bvec) in row_acc.iter_mut().zip(&bv) {
+                *slot = _mm512_fmadd_ps(av, bvec, *slot);
+            }
+        }
+        p += 16;
+    }
+    if p < k {
+        let len = k - p;
+        let mask = lanes(len);
+        let mut bv = [_mm512_setzero_ps(); C];
+        for (cc, v) in bv.iter_mut().enumerate() {
+            let start = cc * k + p;
+            *v = load(&b_rows[start..start + len], mask);
+        }
+        for (r, row_acc) in acc.iter_mut().enumerate() {
+            let start = r * k + p;
+            let av = load(&a_rows[start..start + len], mask);
+            for (slot, &bvec) in row_acc.iter_mut().zip(&bv) {
+                *slot = _mm512_fmadd_ps(av, bvec, *slot);
+            }
+        }
+    }
+    for (r, row_acc) in acc.iter().enumerate() {
+        let out = &mut c[(i + r) * ldc + j..(i + r) * ldc + j + C];
+        for (o, &v) in out.iter_mut().zip(row_acc) {
+            *o = _mm512_reduce_add_ps(v);
+        }
+    }
+}
+
+/// Loads `src` (1 to 16 elements; `mask` has exactly that many low bits set) into a vector,
+/// zeros in the other lanes.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f")]
+#[inline]
+fn load(src: &[f32], mask: __mmask16) -> __m512 {
+    if src.len() == 16 {
+        // SAFETY: `src` holds 16 readable f32s; the load has no alignment requirement.
+        unsafe { _mm512_loadu_ps(src.as_ptr()) }
+    } else {
+        // SAFETY: `mask` selects only the first `src.len()` lanes, and masked-off lanes are
+        // neither read nor allowed to fault, so only elements of `src` are touched.
+        unsafe { _mm512_maskz_loadu_ps(mask, src.as_ptr()) }
+    }
+}
+
+/// Stores the first `dst.len()` (1 to 16) lanes of `v` into `dst`.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f")]
+#[inline]
+fn store(dst: &mut [f32], v: __m512) {
+    // SAFETY: the mask selects exactly the first `dst.len()` lanes (at most 16), so only
+    // elements of `dst` are written; masked-off lanes never fault.
+    unsafe { _mm512_mask_storeu_ps(dst.as_mut_ptr(), lanes(dst.len()), v) }
+}
+
+/// Rows of `B` per pass of [`nn_avx512`]: a `KC × 64` piece of a column panel (16 KiB at
+/// `KC = 64`) stays in L2 while every row block of `A` uses it. Without this, the rows of a
+/// panel, `n` floats apart (4 KiB for n = 1024), all map to the same few cache sets, and the
+/// panel fell out of cache between row blocks.
+const KC: usize = 64;
+
+/// Column panels of 64 (then 16, then a masked remainder), `KC` rows of `B` at a time, by
+/// blocks of 4 rows of `A`; the partial sums of `C` are stored and reloaded between passes.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f")]
+fn nn_avx512(a: &[f32], b: &[f32], m: usize, k: usize, n: usize, c: &mut [f32]) {
+    let mut j = 0;
+    while j < n {
+        let width = if n - j >= 64 { 64 } else { (n - j).min(16) };
+        let mut p0 = 0;
+        while p0 < k {
+            let p1 = (p0 + KC).min(k);
+            let mut i = 0;
+            while i < m {
+                let rows = (m - i).min(4);
+                let block = NnBlock {
+                    i,
+                    j,
+                    width,
+                    p0,
+                    p1,
+                };
+                match (rows, width) {
+                    (4, 64) => nn_block::<4, 4>(a, b, k, n, block, c),
+                    (4, _) => nn_block::<4, 1>(a, b, k, n, block, c),
+                    (_, 64) => {
+                        for ii in i..i + rows {
+                            nn_block::<1, 4>(a, b, k, n, NnBlock { i: ii, ..block }, c);
+                        }
+                    }
+                    _ => {
+                        for ii in i..i + rows {
+                            nn_block::<1, 1>(a, b, k, n, NnBlock { i: ii, ..block }, c);
+                        }
+                    }
+                }
+                i += rows;
+            }
+            p0 = p1;
+        }
+        j += width;
+    }
+}
+
+/// Which piece of `C` one [`nn_block`] call updates: rows from `i`, columns `j..j+width`,
+/// summing over `p0..p1`.
+#[cfg(target_arch = "x86_64")]
+#[derive(Clone, Copy)]
+struct NnBlock {
+    i: usize,
+    j: usize,
+    width: usize,
+    p0: usize,
+    p1: usize,
+}
+
+/// `C[i..i+R, j..j+width]` (`width` = 16·V, or less than 16 with V = 1) plus (from the
+/// second pass on) the sum over `p0..p1` of `A[i+r, p] · B[p, j..j+width]`.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f")]
+fn nn_block<const R: usize, const V: usize>(
+    a: &[f32],
+    b: &[f32],
+    k: usize,
+    n: usize,
+    block: NnBlock,
+    c: &mut [f32],
+) {
+    let NnBlock {
+        i,
+        j,
+        width,
+        p0,
+        p1,
+    } = block;
+    let lane_count = |v: usize| width.saturating_sub(v * 16).min(16);
+    let masks: [__mmask16; V] = std::array::from_fn(|v| lanes(lane_count(v)));
+    // The first pass starts from zero, later ones from the partial sums in `C`.
+    let mut acc = [[_mm512_setzero_ps(); V]; R];
+    if p0 > 0 {
+        for (r, row_acc) in acc.iter_mut().enumerate() {
+            let row = (i + r) * n + j;
+            for (v, slot) in row_acc.iter_mut().enumerate() {
+                let len = lane_count(v);
+                *slot = load(&c[row + v * 16..row + v * 16 + len], masks[v]);
+            }
+        }
+    }
+    // One bounds check per block: rows `i..i+R` of `A` and rows `p0..p1` of the panel
+    // `[j, j+width)` of `B`, whose last element is at `(p1-1)·n + j + width - 1`.
+    let a_rows = &a[i * k..(i + R) * k];
+    let b_panel = &b[p0 * n + j..(p1 - 1) * n + j + width];
+    let (ap, bp) = (a_rows.as_ptr(), b_panel.as_ptr());
+    let full_vectors = width == 16 * V;
+    for p in p0..p1 {
+        let mut bv = [_mm512_setzero_ps(); V];
+        for (v, slot) in bv.iter_mut().enumerate() {
+            let offset = (p - p0) * n + v * 16;
+            *slot = if full_vectors {
+                // SAFETY: `offset + 16 <= (p1-1-p0)·n + 16·V = b_panel.len()` as `p < p1`
+                // and `v < V`, so the 16 elements are inside `b_panel`.
+                unsafe { _mm512_loadu_ps(bp.add(offset)) }
+            } else {
+                // SAFETY: the mask selects the first `width - 16v` (< 16) lanes, all inside
+                // `b_panel` for row `p`; masked-off lanes are not read and cannot fault.
+                unsafe { _mm512_maskz_loadu_ps(masks[v], bp.add(offset)) }
+            };
+        }
+        for (r, row_acc) in acc.iter_mut().enumerate() {
+            // SAFETY: `r < R` and `p < p1 <= k`, so `r * k + p < a_rows.len()`.
+            let av = _mm512_set1_ps(unsafe { *ap.add(r * k + p) });
+            for (slot, &bvec) in row_acc.iter_mut().zip(&bv) {
+                *slot = _mm512_fmadd_ps(av, bvec, *slot);
+            }
+        }
+    }
+    for (r, row_acc) in acc.iter().enumerate() {
+        let row = (i + r) * n + j;
+        for (v, &value) in row_acc.iter().enumerate() {
+            let len = lane_count(v);
+            store(&mut c[row + v * 16..row + v * 16 + len], value);
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Deterministic values in [-1, 1).
+    fn values(len: usize, seed: u64) -> Vec<f32> {
+        (0..len as u64)
+            .map(|i| {
+                let x = (i.wrapping_mul(0x9E37_79B9_7F4A_7C15) ^ seed)
+                    .wrapping_mul(0xBF58_476D_1CE4_E5B9);
+                ((x >> 40) as f32 / (1u64 << 24) as f32) * 2.0 - 1.0
+            })
+            .collect()
+    }
+
+    /// `A · op(B)` in f64, row-major.
+    fn reference(
+        a: &[f32],
+        b: &[f32],
+        m: usize,
+        k: usize,
+        n: usize,
+        b_transposed: bool,
+    ) -> Vec<f64> {
+        let mut c = vec![0.0f64; m * n];
+        for i in 0..m {
+            for j in 0..n {
+                let mut sum = 0.0f64;
+                for p in 0..k {
+                    let bv = if b_transposed {
+                        b[j * k + p]
+                    } else {
+                        b[p * n + j]
+                    };
+                    sum += f64::from(a[i * k + p]) * f64::from(bv);
+                }
+                c[i * n + j] = sum;
+            }
+        }
+        c
+    }
+
+    fn assert_close(got: &[f32], want: &[f64], k: usize, what: &str) {
+        assert_eq!(got.len(), want.len());
+        // Each result is a sum of k products of magnitude < 1: f32 rounding stays far below
+        // k · 2⁻²⁰.
+        let tol = k as f64 * 1e-6;
+        for (index, (&g, &w)) in got.iter().zip(want).enumerate() {
+            assert!(
+                (f64::from(g) - w).abs() <= tol,
+                "{what}: [{index}] {g} vs {w}"
+            );
+        }
+    }
+
+    #[test]
+    fn kernels_match_a_reference_on_ragged_shapes() {
+        // Row counts around the 4-row blocks, inner sizes around the 16-lane vectors, column
+        // counts around the 4-column (nt) and 16/64-column (nn) panels.
+        let shapes = [
+            (1, 1, 1),
+            (3, 17, 5),
+            (4, 16, 4),
+            (5, 33, 67),
+            (32, 1024, 130),
+            (63, 7, 81),
+            (8, 100, 64),
+            (6, 200, 70),
+        ];
+        for &(m, k, n) in &shapes {
+            let a = values(m * k, 1);
+            let b = values(n * k, 2);
+            let mut c = vec![f32::NAN; m * n];
+            let ran = gemm_nt(&a, &b, m, k, n, &mut c);
+            assert_eq!(ran, available(), "nt {m}x{k}x{n}");
+            if ran {
+                assert_close(&c, &reference(&a, &b, m, k, n, true), k, "nt");
+            }
+            let mut c = vec![f32::NAN; m * n];
+            let ran = gemm_nn(&a, &b, m, k, n, &mut c);
+            assert_eq!(ran, available(), "nn {m}x{k}x{n}");
+            if ran {
+                assert_close(&c, &reference(&a, &b, m, k, n, false), k, "nn");
+            }
+        }
+    }
+
+    #[test]
+    fn out_of_range_shapes_are_declined_untouched() {
+        let a = values(64 * 2, 3);
+        let b = values(2 * 3, 4);
+        let mut c = vec![7.0f32; 64 * 3];
+        // 64 rows is the packing GEMM's job.
+        assert!(!gemm_nt(&a, &b, 64, 2, 3, &mut c));
+        assert!(!gemm_nn(&a, &b, 64, 2, 3, &mut c));
+        // Lengths that do not match the shape, and an empty inner dim.
+        assert!(!gemm_nt(&a[..10], &b[..5], 5, 2, 3, &mut c[..15]));
+        assert!(!gemm_nn(&[], &[], 5, 0, 3, &mut c[..15]));
+        assert!(c.iter().all(|&v| v == 7.0));
+    }
+}
