@@ -73,10 +73,8 @@ pub(crate) fn plan_buckets(items: &[BucketItem], fused: bool, cap_bytes: usize) 
     plans
 }
 
-/// The pool keeps at most this many times the largest buffer it was asked for, in bytes:
-/// room for the sharded gradients of a step (handed back together by `zero_grad`) next to
-/// the gather and reduce buffers of the two units in flight.
-const POOL_CAP_FACTOR: usize = 8;
+/// The pool keeps at least room for this many times the largest buffer it was asked for.
+const POOL_CAP_FACTOR: usize = 4;
 /// The pool keeps at most this many buffers (a unit of many small parameters returns one
 /// storage per parameter on reshard).
 const POOL_MAX_BUFFERS: usize = 64;
@@ -90,9 +88,11 @@ const POOL_MAX_BUFFERS: usize = 64;
 /// this pool and are handed out again for the next request of the same dtype and length.
 ///
 /// A reused buffer holds stale bytes, so every user writes all of it (see [`SlotWriter`]).
-/// The pool is bounded: at most [`POOL_MAX_BUFFERS`] buffers and at most
-/// [`POOL_CAP_FACTOR`] × the largest requested buffer in bytes (FSDP2's caching allocator
-/// plays the same part, with no bound). The oldest buffers are dropped first.
+/// The pool is bounded: at most [`POOL_MAX_BUFFERS`] buffers, and at most as many bytes as
+/// its users ever held from it at once (or [`POOL_CAP_FACTOR`] × the largest request, if
+/// more), so pooled and live memory together stay within twice the peak the training loop
+/// needs anyway. FSDP2's caching allocator plays the same part, with no bound. The oldest
+/// buffers are dropped first.
 #[derive(Debug, Default)]
 pub(crate) struct BufferPool {
     inner: Mutex<PoolInner>,
@@ -103,6 +103,9 @@ struct PoolInner {
     free: Vec<Buffer>,
     cached_bytes: usize,
     largest_request: usize,
+    /// Bytes handed out and not yet given back, and the most there ever were.
+    outstanding: usize,
+    peak_outstanding: usize,
     hits: usize,
     misses: usize,
 }
@@ -119,6 +122,8 @@ impl BufferPool {
         {
             let mut inner = self.lock();
             inner.largest_request = inner.largest_request.max(bytes);
+            inner.outstanding = inner.outstanding.saturating_add(bytes);
+            inner.peak_outstanding = inner.peak_outstanding.max(inner.outstanding);
             if let Some(index) = inner
                 .free
                 .iter()
@@ -137,13 +142,17 @@ impl BufferPool {
     /// Keeps `buffer` for a later [`take`](Self::take), or drops it when it is not host
     /// memory, is still shared with another handle (writing it would copy), or does not fit.
     pub fn give(&self, buffer: Buffer) {
+        let bytes = buffer.byte_len();
+        let mut inner = self.lock();
+        inner.outstanding = inner.outstanding.saturating_sub(bytes);
         let keep = buffer.as_host().is_ok_and(|h| !h.is_shared()) && !buffer.is_empty();
         if !keep {
             return;
         }
-        let bytes = buffer.byte_len();
-        let mut inner = self.lock();
-        let cap = inner.largest_request.saturating_mul(POOL_CAP_FACTOR);
+        let cap = inner
+            .largest_request
+            .saturating_mul(POOL_CAP_FACTOR)
+            .max(inner.peak_outstanding);
         if bytes > cap {
             return;
         }
@@ -323,9 +332,10 @@ mod tests {
         assert_eq!(pool.hits_and_misses(), (1, 2));
         pool.give(b);
         pool.give(c);
-        // A buffer larger than 8 x the largest request is never kept.
-        pool.give(Buffer::zeros(CommDType::F32, 801));
-        let d = pool.take(CommDType::F32, 801);
+        // A buffer larger than 4 x the largest request (and than the peak held) is never
+        // kept.
+        pool.give(Buffer::zeros(CommDType::F32, 401));
+        let d = pool.take(CommDType::F32, 401);
         assert_eq!(pool.hits_and_misses(), (1, 3));
         // A buffer another handle still shares is not kept (writing it would copy).
         let shared = Buffer::zeros(CommDType::F32, 8);
@@ -334,13 +344,24 @@ mod tests {
         drop(other);
         let _e = pool.take(CommDType::F32, 8);
         assert_eq!(pool.hits_and_misses(), (1, 4));
-        // The byte bound (8 x 801 f32) drops the oldest buffers first.
-        for _ in 0..9 {
-            pool.give(Buffer::zeros(CommDType::F32, 800));
+        // The byte bound (4 x 401 f32, above the peak held so far) drops the oldest buffers
+        // first.
+        for _ in 0..5 {
+            pool.give(Buffer::zeros(CommDType::F32, 400));
+        }
+        {
+            let inner = pool.lock();
+            assert!(inner.cached_bytes <= 4 * 401 * 4, "{}", inner.cached_bytes);
+            assert_eq!(inner.free.len(), 4);
+        }
+        // Holding 10 buffers of 400 at once raises the bound to that peak: all 10 are kept
+        // when they come back (a step's gradients, handed back together by zero_grad).
+        let held: Vec<Buffer> = (0..10).map(|_| pool.take(CommDType::F32, 400)).collect();
+        for buffer in held {
+            pool.give(buffer);
         }
         let inner = pool.lock();
-        assert!(inner.cached_bytes <= 8 * 801 * 4, "{}", inner.cached_bytes);
-        assert_eq!(inner.free.len(), 8);
+        assert_eq!(inner.free.len(), 10);
         assert_eq!(
             inner.cached_bytes,
             inner.free.iter().map(Buffer::byte_len).sum::<usize>()

@@ -4,7 +4,7 @@ use std::f64::consts::{FRAC_1_SQRT_2, PI};
 
 use hypershard_tensor::Tensor;
 
-use crate::kernels::{Float, build, with_float, with_values, with_values2};
+use crate::kernels::{Float, build_overwrite, with_float, with_values, with_values2};
 use crate::module::{ParamVisitor, ParamVisitorMut};
 use crate::{Error, Module, Result};
 
@@ -185,7 +185,7 @@ impl Pointwise for Silu {
 /// `f(x)` for every element of `input`, in the compute type of its dtype.
 fn apply<P: Pointwise>(op: &'static str, f: &P, input: &Tensor) -> Result<Tensor> {
     with_float!(op, input.dtype(), F => {
-        build::<F>(input.shape(), input.dtype(), |out| {
+        build_overwrite::<F>(input.shape(), input.dtype(), |out| {
             with_values::<F, _>(input, |xs| f.values(xs, out))
         })
     })
@@ -213,7 +213,7 @@ fn apply_grad<P: Pointwise>(
         });
     }
     with_float!(op, input.dtype(), F => {
-        build::<F>(input.shape(), input.dtype(), |out| {
+        build_overwrite::<F>(input.shape(), input.dtype(), |out| {
             with_values2::<F, _>(input, grad, |xs, gs| f.grads(xs, gs, out))
         })
     })

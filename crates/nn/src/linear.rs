@@ -4,7 +4,7 @@ use hypershard_tensor::{DType, RandomInit, Tensor};
 
 use crate::elementwise::check_float;
 use crate::kernels::{
-    Float, add_row, build, load, store, sum_rows, with_float, with_values, with_values2,
+    Float, add_row, build_overwrite, load, store, sum_rows, with_float, with_values, with_values2,
 };
 use crate::linalg::{GemmShape, MatmulOptions, gemm_into};
 use crate::module::{ParamVisitor, ParamVisitorMut, join_name};
@@ -176,7 +176,7 @@ impl Module for Linear {
         let bias = self.bias.as_ref().map(Parameter::data).transpose()?;
         let y = with_float!("Linear::forward", weight.dtype(), F => {
             let bias = bias.map(load::<F>).transpose()?;
-            build::<F>(&out_shape, weight.dtype(), |y| {
+            build_overwrite::<F>(&out_shape, weight.dtype(), |y| {
                 with_values2::<F, _>(&x, weight, |xs, ws| {
                     // Few rows (a small batch): the packing-free kernel reads the weight in
                     // place; otherwise the general GEMM.
@@ -227,7 +227,7 @@ impl Module for Linear {
             let g = load::<F>(&gy)?;
             // dx = gy · W, [N, out] · [out, in].
             let dx_shape = GemmShape::new(rows, n_out, n_in, MatmulOptions::default())?;
-            let grad_input = build::<F>(input.shape(), dtype, |dx| {
+            let grad_input = build_overwrite::<F>(input.shape(), dtype, |dx| {
                 with_values::<F, _>(weight, |ws| {
                     if F::small_gemm_nn(&g, ws, rows, n_out, n_in, dx) {
                         Ok(())
@@ -243,7 +243,7 @@ impl Module for Linear {
                     transpose_b: false,
                 };
                 let dw_shape = GemmShape::new(n_out, rows, n_in, options)?;
-                Some(build::<F>(&[n_out, n_in], dtype, |dw| {
+                Some(build_overwrite::<F>(&[n_out, n_in], dtype, |dw| {
                     with_values::<F, _>(&x, |xs| gemm_into(&g, xs, dw_shape, dw))?
                 })?)
             } else {

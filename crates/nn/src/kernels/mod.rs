@@ -8,6 +8,7 @@
 //! a bf16 layer accumulates in f32 as torch's CPU kernels do.
 
 pub(crate) mod math;
+pub(crate) mod recycle;
 pub(crate) mod small_gemm;
 
 use std::iter::Sum;
@@ -345,6 +346,21 @@ pub(crate) fn build<F: Float>(
     } else {
         Ok(t.to_dtype(dtype)?)
     }
+}
+
+/// [`build`] for a `fill` that writes every element: large outputs of `F`'s own dtype get
+/// recycled storage (see [`recycle`]) instead of a fresh zeroed allocation.
+pub(crate) fn build_overwrite<F: Float>(
+    shape: &[usize],
+    dtype: DType,
+    fill: impl FnOnce(&mut [F]) -> Result<()>,
+) -> Result<Tensor> {
+    if dtype != F::COMPUTE_DTYPE {
+        return build::<F>(shape, dtype, fill);
+    }
+    let t = recycle::tensor(shape, dtype)?;
+    t.with_data_mut::<F, _>(fill)??;
+    Ok(t)
 }
 
 /// `dst[i] += src[i]`, a loop the compiler vectorises.
