@@ -8,8 +8,10 @@
 //! 2. **lent**: the tensor is collective memory that others still view (a borrowing
 //!    redistribute keeps its source) and the op only reads its input (all-gather,
 //!    reduce-scatter): a copy-on-write share of that memory is the send buffer
-//!    ([`lend_buffer`]);
-//! 3. **copied** otherwise (padding, a strided source, an all-to-all's per-peer blocks, an
+//!    ([`lend_buffer`]). An all-to-all without padding takes its source in one of these two
+//!    ways and reads each peer's block as rows in place
+//!    (`Communicator::all_to_all_strided`, see the executor), so it packs nothing;
+//! 3. **copied** otherwise (padding, a strided source, an all-to-all that needs padding, an
 //!    all-reduce that works in place, memory from elsewhere). Contiguous data is copied as whole
 //!    rows of bytes (`memcpy`), never element by element, into a send buffer from a
 //!    [`WirePool`]: send buffers come back from the collective (`BufferPair::input`) and are
