@@ -73,6 +73,11 @@ pub(crate) fn plan_buckets(items: &[BucketItem], fused: bool, cap_bytes: usize) 
     plans
 }
 
+/// A dim-0 parameter of at least this many bytes at the start of a bucket becomes a view
+/// into the all-gather output (compacted in place) instead of being copied out; below it the
+/// copy is cheap and the parameter gets storage of its exact size.
+pub(crate) const COMPACT_MIN_BYTES: usize = 64 << 10;
+
 /// The pool keeps at least room for this many times the largest buffer it was asked for.
 const POOL_CAP_FACTOR: usize = 4;
 /// The pool keeps at most this many buffers (a unit of many small parameters returns one

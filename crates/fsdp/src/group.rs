@@ -398,11 +398,35 @@ impl ParamGroup {
                     continue;
                 }
             }
+            // A large dim-0 parameter at the start of every rank block need not be copied:
+            // after the other members are copied out, it is compacted in place and becomes a
+            // view into the output (see `ShardLayout::compact_in_place`).
+            let first = bucket.members[0];
+            let first_layout = if pending.post_forward {
+                self.params[first]
+                    .post_layout
+                    .clone()
+                    .unwrap_or_else(|| self.params[first].layout.clone())
+            } else {
+                self.params[first].layout.clone()
+            };
+            let compact = flat.is_none()
+                && bucket.offsets[0] == 0
+                && first_layout.dim == 0
+                && numels[0] * size >= crate::bucket::COMPACT_MIN_BYTES;
+            let mut output = output;
             let bytes = host_bytes(&output, "unshard copy-out")?;
             let mut flat_offset = 0;
-            for ((&member, &offset), &numel) in
-                bucket.members.iter().zip(&bucket.offsets).zip(&numels)
+            for (position, ((&member, &offset), &numel)) in bucket
+                .members
+                .iter()
+                .zip(&bucket.offsets)
+                .zip(&numels)
+                .enumerate()
             {
+                if compact && position == 0 {
+                    continue;
+                }
                 let param = &mut self.params[member];
                 let layout = if pending.post_forward {
                     param
@@ -424,6 +448,35 @@ impl ParamGroup {
                     let start = (rank * bucket.per_rank + offset) * size;
                     layout.unpack_into_full(&bytes[start..start + slot_len], rank, &full)?;
                 }
+                param.unsharded = Some(full);
+                param.post_forward = None;
+                param.state = ShardedState::Unsharded;
+            }
+            if compact {
+                check_len(
+                    &output,
+                    bucket.per_rank * first_layout.world,
+                    "unshard copy-out",
+                )?;
+                let bytes = host_bytes_mut(&mut output, "unshard copy-out")?;
+                if first_layout.compact_in_place(bytes, bucket.per_rank * size, size)? {
+                    let flat = pool.adopt(output, bucket.dtype)?;
+                    let param = &mut self.params[first];
+                    param.unsharded =
+                        Some(flat.narrow(0, 0, numels[0])?.view(&first_layout.shape)?);
+                    param.post_forward = None;
+                    param.state = ShardedState::Unsharded;
+                    continue;
+                }
+                // Not a prefix layout: copy it out like the others.
+                let full = pool.tensor(&first_layout.shape, bucket.dtype)?;
+                let slot_len = first_layout.slot_numel()? * size;
+                let bytes = host_bytes(&output, "unshard copy-out")?;
+                for rank in 0..first_layout.world {
+                    let start = rank * bucket.per_rank * size;
+                    first_layout.unpack_into_full(&bytes[start..start + slot_len], rank, &full)?;
+                }
+                let param = &mut self.params[first];
                 param.unsharded = Some(full);
                 param.post_forward = None;
                 param.state = ShardedState::Unsharded;

@@ -121,6 +121,52 @@ impl ShardLayout {
         }
     }
 
+    /// Turns an all-gather output whose every rank block starts with this parameter's slot
+    /// (`bytes`: `world` blocks of `block_bytes`) into the unsharded parameter in place: the
+    /// slots of ranks 1.. are moved down to follow rank 0's, after which the parameter's
+    /// `numel` elements are the buffer's prefix. Rank 0's piece, usually half or more of the
+    /// parameter, is not copied at all. Returns `false`, leaving `bytes` alone, when the shard
+    /// dim is not 0 or the shards are not a prefix of the padded slots (a short shard before
+    /// a longer one, which `torch.chunk` never makes).
+    ///
+    /// Other members of the blocks are overwritten, so the caller copies them out first.
+    pub fn compact_in_place(
+        &self,
+        bytes: &mut [u8],
+        block_bytes: usize,
+        element: usize,
+    ) -> Result<bool> {
+        if self.dim != 0 {
+            return Ok(false);
+        }
+        let padded = self.span(0)?.padded_len;
+        for index in 0..self.world {
+            let span = self.span(index)?;
+            if span.len > 0 && span.offset != index * padded {
+                return Ok(false);
+            }
+        }
+        let slot = self.slot_numel()? * element;
+        let fits = block_bytes >= slot
+            && block_bytes
+                .checked_mul(self.world)
+                .is_some_and(|total| total <= bytes.len());
+        if !fits {
+            return Err(crate::error::FsdpError::BufferLength {
+                op: "unshard compaction",
+                expected: block_bytes.saturating_mul(self.world),
+                actual: bytes.len(),
+            });
+        }
+        // Moving down in rank order never overwrites a slot not yet moved: slot `r` lands
+        // in `[r·slot, (r+1)·slot)`, below block `r+1`'s start `(r+1)·block_bytes`.
+        for index in 1..self.world {
+            let from = index * block_bytes;
+            bytes.copy_within(from..from + slot, index * slot);
+        }
+        Ok(true)
+    }
+
     /// Writes shard `index` from its padded slot (of `dtype`) into `target`, a tensor of the
     /// shard's shape: copied over it (`accumulate = false`, every element is written) or added
     /// into it, cast to `target`'s dtype either way.
@@ -222,5 +268,51 @@ mod tests {
             }
             prop_assert_eq!(rebuilt.to_vec::<f32>().unwrap(), full.to_vec::<f32>().unwrap());
         }
+    }
+
+    #[test]
+    fn compaction_leaves_the_parameter_as_the_prefix() -> Result<()> {
+        // 7 rows of 3 over 4 ranks (chunks of 2: 2, 2, 2, 1), each rank block holding the
+        // slot followed by 5 bytes of another member.
+        for (rows, world) in [(7usize, 4usize), (8, 2), (1, 3), (5, 4)] {
+            let layout = ShardLayout {
+                shape: vec![rows, 3],
+                dim: 0,
+                world,
+            };
+            let full = Tensor::from_vec((0..rows * 3).map(|v| v as f32).collect(), &[rows, 3])?;
+            let slot = layout.slot_numel()? * 4;
+            let block = slot + 20;
+            let mut bytes = vec![0xEEu8; block * world];
+            for r in 0..world {
+                layout.pack_from_full(
+                    &full,
+                    r,
+                    DType::F32,
+                    &mut bytes[r * block..r * block + slot],
+                )?;
+            }
+            assert!(layout.compact_in_place(&mut bytes, block, 4)?);
+            let rebuilt = Tensor::from_bytes(&bytes[..rows * 3 * 4], &[rows, 3], DType::F32)?;
+            assert_eq!(
+                rebuilt.to_vec::<f32>()?,
+                full.to_vec::<f32>()?,
+                "{rows} rows, world {world}"
+            );
+        }
+        // Dim-1 shards are not a prefix; a block shorter than the slot is an error.
+        let dim1 = ShardLayout {
+            shape: vec![2, 4],
+            dim: 1,
+            world: 2,
+        };
+        assert!(!dim1.compact_in_place(&mut [0u8; 64], 32, 4)?);
+        let dim0 = ShardLayout {
+            shape: vec![4, 2],
+            dim: 0,
+            world: 2,
+        };
+        assert!(dim0.compact_in_place(&mut [0u8; 24], 12, 4).is_err());
+        Ok(())
     }
 }
