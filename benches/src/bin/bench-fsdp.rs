@@ -17,7 +17,8 @@
 //! `shared/bench/pytorch/bench_fsdp2.py`. Modes: `single` (one rank, no fully_shard), `fsdp`
 //! (world 2) and `hsdp` (2 × 2). Ranks are **threads of this process**, each with its own
 //! tcp communicator over 127.0.0.1 and a one-thread compute pool (torch runs one intra-op
-//! thread per rank). Each step starts after a barrier and is timed as the max over ranks; the
+//! thread per rank); `HYPERSHARD_TRANSPORT=shm` (or `auto`) moves the bulk data through the
+//! tcp backend's shared-memory transport instead, and the JSON records which. Each step starts after a barrier and is timed as the max over ranks; the
 //! median over `--steps` steps after `--warmup` is reported. `peak_rss_mib` is this process's
 //! VmHWM after the mode ran, so for threads it covers every rank of the world together.
 //!
@@ -261,6 +262,9 @@ struct Row {
     min_ms: f64,
     peak_rss_mib: f64,
     backend: &'static str,
+    /// `HYPERSHARD_TRANSPORT` as the tcp backend read it (`tcp` when unset): `shm` or `auto`
+    /// move bulk data through shared memory between these co-located ranks.
+    transport: String,
     ranks_as: &'static str,
     #[serde(skip_serializing_if = "Option::is_none")]
     torch_median_ms: Option<f64>,
@@ -287,6 +291,11 @@ fn run_single(args: &Args) -> Result<Row, BoxError> {
     Ok(row("single", 1, stats))
 }
 
+/// The transport the tcp communicators use, from `HYPERSHARD_TRANSPORT` (default tcp).
+fn transport() -> String {
+    std::env::var("HYPERSHARD_TRANSPORT").unwrap_or_else(|_| "tcp".to_string())
+}
+
 fn row(mode: &str, world: usize, stats: TimingStats) -> Row {
     Row {
         mode: mode.to_string(),
@@ -295,6 +304,7 @@ fn row(mode: &str, world: usize, stats: TimingStats) -> Row {
         min_ms: stats.min_s * 1e3,
         peak_rss_mib: peak_rss_mib(),
         backend: "tcp",
+        transport: transport(),
         ranks_as: "threads",
         torch_median_ms: None,
         ratio_vs_torch: None,
@@ -337,9 +347,21 @@ fn run_sharded(args: &Args, mesh_shape: Vec<usize>) -> Result<Row, BoxError> {
 }
 
 /// A unit whose "compute" is nothing: forward is the identity and backward gives every
-/// parameter a gradient of ones, so only FSDP's collectives and copies are timed.
+/// parameter a ready-made gradient of ones (built once, handed out as shared handles), so
+/// only FSDP's collectives and copies are timed.
 struct ParamBag {
     params: Vec<Parameter>,
+    grads: Vec<Tensor>,
+}
+
+impl ParamBag {
+    fn new(params: Vec<Parameter>) -> Result<Self, BoxError> {
+        let grads = params
+            .iter()
+            .map(|p| Ok(Tensor::ones(p.data()?.shape(), DType::F32)?))
+            .collect::<Result<_, BoxError>>()?;
+        Ok(ParamBag { params, grads })
+    }
 }
 
 impl Module for ParamBag {
@@ -350,9 +372,10 @@ impl Module for ParamBag {
         Ok(input.clone())
     }
     fn backward(&mut self, grad_output: &Tensor) -> hypershard_nn::Result<Tensor> {
-        for p in &mut self.params {
-            let shape = p.data()?.shape().to_vec();
-            p.accumulate_grad(Tensor::ones(&shape, DType::F32)?)?;
+        // FSDP only reads the gradient it takes off the parameter (it is packed into the
+        // reduce-scatter input), so one tensor serves every repetition.
+        for (p, g) in self.params.iter_mut().zip(&self.grads) {
+            p.accumulate_grad(g.clone())?;
         }
         Ok(grad_output.clone())
     }
@@ -418,9 +441,7 @@ fn run_fusion(args: &Args, fused: bool) -> Result<(TimingStats, usize), BoxError
         };
         // The bag is a nested unit under a parameterless root, so it reshards after forward
         // and its backward all-gathers again, as every non-root unit does.
-        let bag = ParamBag {
-            params: gpt_block_params(embd)?,
-        };
+        let bag = ParamBag::new(gpt_block_params(embd)?)?;
         let unit = fully_shard(Box::new(bag), config.clone()).map_err(|r| r.error)?;
         let mut root = fully_shard(Box::new(Sequential::new(vec![Box::new(unit)])), config)
             .map_err(|r| r.error)?;
@@ -449,6 +470,7 @@ struct FusionRow {
     params: usize,
     numel: usize,
     fused_speedup: Option<f64>,
+    transport: String,
 }
 
 /// The PyTorch median step (ms, max over ranks) per mode, from `bench_fsdp2.py --csv`.
@@ -593,6 +615,7 @@ fn run(args: &Args) -> Result<(), BoxError> {
                 params: 12,
                 numel,
                 fused_speedup,
+                transport: transport(),
             })
             .to_vec()
         })
