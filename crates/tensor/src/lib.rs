@@ -55,6 +55,8 @@
 #![deny(missing_docs)]
 
 mod copy;
+#[cfg(feature = "cuda")]
+pub mod cuda;
 mod dtype;
 mod error;
 mod io;

@@ -1,0 +1,433 @@
+//! The crate's CUDA kernels: source (`kernels.cu`), their NVRTC build, and launch geometry.
+//!
+//! The source is compiled once per device on the first launch ([`CudaDevice::kernels`]),
+//! for the device's own compute capability, with `--fmad=false --ftz=false` so that the
+//! device rounds exactly as the CPU ops do. NVRTC is called through cudarc's `result` layer
+//! rather than its safe wrapper, whose `Drop` unwraps the destroy call and could panic.
+
+use std::collections::HashMap;
+use std::ffi::CString;
+
+use cudarc::driver::{CudaFunction, LaunchConfig};
+use cudarc::nvrtc::Ptx;
+
+use super::device::CudaDevice;
+use super::error::{CudaError, CudaResult, Unavailable, driver, nvrtc};
+
+/// The kernel source, kept in the crate.
+pub(crate) const SOURCE: &str = include_str!("kernels.cu");
+
+/// Every kernel the source defines (`extern "C"` names).
+pub(crate) const KERNEL_NAMES: &[&str] = &[
+    "cast_f32_bf16",
+    "cast_bf16_f32",
+    "cast_f32_f16",
+    "cast_f16_f32",
+    "cast_bf16_f16",
+    "cast_f16_bf16",
+    "cast_f32_f64",
+    "cast_f64_f32",
+    "add_f32",
+    "axpy_f32",
+    "scale_f32",
+    "add_bf16",
+    "axpy_bf16",
+    "scale_bf16",
+    "add_f16",
+    "axpy_f16",
+    "scale_f16",
+    "add_f64",
+    "axpy_f64",
+    "scale_f64",
+    "copy_in_b1",
+    "copy_out_b1",
+    "copy_in_b2",
+    "copy_out_b2",
+    "copy_in_b4",
+    "copy_out_b4",
+    "copy_in_b8",
+    "copy_out_b8",
+];
+
+/// Threads per block of every elementwise launch.
+pub(crate) const BLOCK: u32 = 256;
+
+/// The most blocks along x: the grid-stride loops cover any length with this many, and it
+/// keeps the grid far below the hardware limit (2³¹ − 1).
+pub(crate) const MAX_GRID_X: usize = 65_535;
+
+/// The most blocks along y (the hardware limit); one block row per part of a flat copy.
+pub(crate) const MAX_GRID_Y: usize = 65_535;
+
+/// The compiled module's functions, by name.
+pub(crate) struct Kernels {
+    functions: HashMap<&'static str, CudaFunction>,
+}
+
+/// Destroys an NVRTC program on every path out of [`compile`], ignoring (never panicking on)
+/// a failed destroy.
+struct Program(cudarc::nvrtc::sys::nvrtcProgram);
+
+impl Drop for Program {
+    fn drop(&mut self) {
+        // SAFETY: the program was created by `create_program` and is destroyed only here, once.
+        // Exercised by every kernel build (`tests/cuda.rs`, device tests).
+        let _ = unsafe { cudarc::nvrtc::result::destroy_program(self.0) };
+    }
+}
+
+/// The NVRTC options for a device of compute capability `major.minor`.
+pub(crate) fn compile_options(major: i32, minor: i32) -> Vec<String> {
+    vec![
+        format!("--gpu-architecture=compute_{major}{minor}"),
+        "--fmad=false".to_string(),
+        "--ftz=false".to_string(),
+        "--prec-div=true".to_string(),
+        "--prec-sqrt=true".to_string(),
+    ]
+}
+
+/// Compiles `source` to PTX text.
+fn compile(op: &'static str, source: &str, options: Vec<String>) -> CudaResult<String> {
+    let compile_error = |code: i32, log: String, options: &[String]| CudaError::Compile {
+        op,
+        code,
+        options: options.to_vec(),
+        log,
+    };
+    let source = CString::new(source)
+        .map_err(|_| compile_error(-1, "the source holds a NUL byte".to_string(), &options))?;
+    let name = c"hypershard_tensor_kernels.cu";
+    let program = Program(
+        cudarc::nvrtc::result::create_program(&source, Some(name))
+            .map_err(nvrtc(op, "nvrtcCreateProgram"))?,
+    );
+    // SAFETY: `program.0` is a live program (destroyed only by `Program`'s drop, after this
+    // function). Exercised by every kernel build (device tests in `tests/cuda.rs`).
+    let compiled = unsafe { cudarc::nvrtc::result::compile_program(program.0, &options) };
+    if let Err(error) = compiled {
+        // SAFETY: as above; the log exists once compilation has been attempted.
+        let log = unsafe { cudarc::nvrtc::result::get_program_log(program.0) }
+            .map(|raw| c_chars_to_string(&raw))
+            .unwrap_or_else(|_| "(no log)".to_string());
+        return Err(compile_error(error.0 as i32, log, &options));
+    }
+    // SAFETY: as above; the program compiled, so its PTX exists.
+    let ptx =
+        unsafe { cudarc::nvrtc::result::get_ptx(program.0) }.map_err(nvrtc(op, "nvrtcGetPTX"))?;
+    let text = c_chars_to_string(&ptx);
+    if text.contains('\0') {
+        return Err(compile_error(
+            -1,
+            "NVRTC's PTX holds a NUL byte".to_string(),
+            &options,
+        ));
+    }
+    Ok(text)
+}
+
+/// A NUL-terminated C string (as NVRTC returns logs and PTX) as text, without the NULs at the
+/// end.
+pub(crate) fn c_chars_to_string(raw: &[std::ffi::c_char]) -> String {
+    let bytes: Vec<u8> = raw.iter().map(|&c| c as u8).collect();
+    let end = bytes.iter().rposition(|&b| b != 0).map_or(0, |i| i + 1);
+    String::from_utf8_lossy(&bytes[..end]).into_owned()
+}
+
+impl Kernels {
+    /// Checks that NVRTC is present, compiles [`SOURCE`] for `device` and loads every kernel.
+    pub(crate) fn build(op: &'static str, device: &CudaDevice) -> CudaResult<Kernels> {
+        // SAFETY: `is_culib_present` only tries `dlopen` on NVRTC's names and drops the
+        // handles; it touches no CUDA state. Tested by `tests/cuda.rs` on a GPU machine (the
+        // first kernel launch).
+        if !unsafe { cudarc::nvrtc::sys::is_culib_present() } {
+            return Err(CudaError::Unavailable {
+                reason: Unavailable::LibraryNotFound {
+                    library: "libnvrtc",
+                    tried: cudarc::get_lib_name_candidates("nvrtc"),
+                },
+            });
+        }
+        let (major, minor) = device.compute_capability()?;
+        let ptx = compile(op, SOURCE, compile_options(major, minor))?;
+        let module = device
+            .context()
+            .load_module(Ptx::from_src(ptx))
+            .map_err(driver(op, "cuModuleLoadData"))?;
+        let mut functions = HashMap::with_capacity(KERNEL_NAMES.len());
+        for &name in KERNEL_NAMES {
+            let function = module
+                .load_function(name)
+                .map_err(driver(op, "cuModuleGetFunction"))?;
+            functions.insert(name, function);
+        }
+        Ok(Kernels { functions })
+    }
+
+    /// The kernel `name` (one of [`KERNEL_NAMES`]).
+    pub(crate) fn function(
+        &self,
+        op: &'static str,
+        name: &'static str,
+    ) -> CudaResult<&CudaFunction> {
+        // Every name the crate asks for is in KERNEL_NAMES (a unit test checks the source
+        // defines them all); a miss would be a bug here, reported rather than panicked on.
+        self.functions.get(name).ok_or(CudaError::Call {
+            op,
+            library: super::error::Library::Driver,
+            call: "cuModuleGetFunction",
+            code: 500, // CUDA_ERROR_NOT_FOUND
+        })
+    }
+}
+
+/// The grid of an elementwise launch over `n` elements with `rows` block rows (1, or the
+/// number of parts of a flat copy); `None` when there is nothing to do (a zero-size grid is
+/// an invalid launch).
+pub(crate) fn launch_config(
+    op: &'static str,
+    n: usize,
+    rows: usize,
+) -> CudaResult<Option<LaunchConfig>> {
+    if rows > MAX_GRID_Y {
+        return Err(CudaError::TooLarge {
+            op,
+            what: "grid rows",
+            value: rows,
+            max: MAX_GRID_Y,
+        });
+    }
+    if n == 0 || rows == 0 {
+        return Ok(None);
+    }
+    let blocks = n.div_ceil(BLOCK as usize).min(MAX_GRID_X);
+    // Both fit in u32: MAX_GRID_X and MAX_GRID_Y are below 2¹⁶.
+    Ok(Some(LaunchConfig {
+        grid_dim: (blocks as u32, rows as u32, 1),
+        block_dim: (BLOCK, 1, 1),
+        shared_mem_bytes: 0,
+    }))
+}
+
+/// Errors unless a tensor of `got` elements has exactly `needed` (the check a launch makes on
+/// every buffer it is given, before the FFI call).
+pub(crate) fn check_len(
+    op: &'static str,
+    role: &'static str,
+    needed: usize,
+    got: usize,
+) -> CudaResult<()> {
+    if got == needed {
+        Ok(())
+    } else {
+        Err(CudaError::LengthMismatch {
+            op,
+            role,
+            expected: needed,
+            got,
+            unit: "elements",
+        })
+    }
+}
+
+/// Checks the parts of a flat copy: as many offsets as parts, every part `[offset, offset +
+/// len)` inside the flat buffer of `capacity` elements, and, when `disjoint` (the parts are
+/// written into the flat buffer), no two overlapping. Returns the largest part length.
+pub(crate) fn check_parts(
+    op: &'static str,
+    capacity: usize,
+    lens: &[usize],
+    offsets: &[usize],
+    disjoint: bool,
+) -> CudaResult<usize> {
+    if lens.len() != offsets.len() {
+        return Err(CudaError::LengthMismatch {
+            op,
+            role: "offsets",
+            expected: lens.len(),
+            got: offsets.len(),
+            unit: "elements",
+        });
+    }
+    for (part, (&len, &offset)) in lens.iter().zip(offsets).enumerate() {
+        let end = offset.checked_add(len);
+        if end.is_none_or(|end| end > capacity) {
+            return Err(CudaError::OutOfBounds {
+                op,
+                part,
+                offset,
+                len,
+                capacity,
+            });
+        }
+    }
+    if disjoint {
+        let mut order: Vec<usize> = (0..lens.len()).filter(|&p| lens[p] > 0).collect();
+        order.sort_by_key(|&p| offsets[p]);
+        for pair in order.windows(2) {
+            let (first, second) = (pair[0], pair[1]);
+            if offsets[first] + lens[first] > offsets[second] {
+                return Err(CudaError::OverlappingParts { op, first, second });
+            }
+        }
+    }
+    Ok(lens.iter().copied().max().unwrap_or(0))
+}
+
+/// The kernel name suffix of the flat copies for elements of `size` bytes.
+pub(crate) fn copy_width(size: usize) -> Option<&'static str> {
+    match size {
+        1 => Some("b1"),
+        2 => Some("b2"),
+        4 => Some("b4"),
+        8 => Some("b8"),
+        _ => None,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_source_defines_every_kernel_name() {
+        // The names come from macros, so look for the macro invocation or the literal name.
+        for &name in KERNEL_NAMES {
+            let defined = SOURCE.contains(&format!("void {name}("))
+                || match name.split_once('_') {
+                    Some(("cast", pair)) => {
+                        let (from, to) = pair.split_once('_').unwrap();
+                        SOURCE.contains(&format!("CAST({from}, "))
+                            && SOURCE.contains(&format!(", {to}, "))
+                    }
+                    Some(("add" | "axpy" | "scale", ty)) => {
+                        SOURCE.contains(&format!("ARITH({ty}, "))
+                    }
+                    Some(("copy", rest)) => {
+                        let width = rest.rsplit('_').next().unwrap();
+                        SOURCE.contains(&format!("FLAT_COPY({width}, "))
+                    }
+                    _ => false,
+                };
+            assert!(defined, "{name} is not defined in kernels.cu");
+        }
+        // Nothing in the source may need a header NVRTC does not ship by default.
+        assert!(!SOURCE.contains("#include"));
+        assert!(!SOURCE.contains('\0'));
+    }
+
+    #[test]
+    fn launch_geometry_covers_every_length() {
+        assert!(launch_config("t", 0, 1).unwrap().is_none());
+        assert!(launch_config("t", 5, 0).unwrap().is_none());
+        let one = launch_config("t", 1, 1).unwrap().unwrap();
+        assert_eq!(one.grid_dim, (1, 1, 1));
+        assert_eq!(one.block_dim, (BLOCK, 1, 1));
+        let exact = launch_config("t", 2 * BLOCK as usize, 3).unwrap().unwrap();
+        assert_eq!(exact.grid_dim, (2, 3, 1));
+        let ragged = launch_config("t", 2 * BLOCK as usize + 1, 1)
+            .unwrap()
+            .unwrap();
+        assert_eq!(ragged.grid_dim.0, 3);
+        // Past the cap the grid-stride loop takes over: the grid stays at the cap.
+        let huge = launch_config("t", usize::MAX, 1).unwrap().unwrap();
+        assert_eq!(huge.grid_dim.0 as usize, MAX_GRID_X);
+        for n in [
+            1usize,
+            255,
+            256,
+            257,
+            1 << 20,
+            (MAX_GRID_X * BLOCK as usize) + 1,
+        ] {
+            let cfg = launch_config("t", n, 1).unwrap().unwrap();
+            let threads = cfg.grid_dim.0 as usize * BLOCK as usize;
+            // Either one thread per element, or the capped grid (grid-stride covers the rest).
+            assert!(threads >= n || cfg.grid_dim.0 as usize == MAX_GRID_X);
+            assert!(threads < n + BLOCK as usize || cfg.grid_dim.0 as usize == MAX_GRID_X);
+        }
+        assert!(matches!(
+            launch_config("t", 10, MAX_GRID_Y + 1),
+            Err(CudaError::TooLarge {
+                what: "grid rows",
+                ..
+            })
+        ));
+    }
+
+    #[test]
+    fn parts_must_fit_and_not_overlap_when_written() {
+        assert_eq!(
+            check_parts("t", 10, &[3, 4, 3], &[0, 3, 7], true).unwrap(),
+            4
+        );
+        assert_eq!(check_parts("t", 0, &[], &[], true).unwrap(), 0);
+        // Empty parts may sit anywhere up to the end, even at the same offset as another.
+        assert_eq!(
+            check_parts("t", 10, &[0, 5, 0], &[10, 5, 5], true).unwrap(),
+            5
+        );
+        assert!(matches!(
+            check_parts("t", 10, &[3, 4], &[0, 7], true),
+            Err(CudaError::OutOfBounds {
+                part: 1,
+                offset: 7,
+                len: 4,
+                capacity: 10,
+                ..
+            })
+        ));
+        assert!(matches!(
+            check_parts("t", 10, &[1], &[usize::MAX], false),
+            Err(CudaError::OutOfBounds { part: 0, .. })
+        ));
+        assert!(matches!(
+            check_parts("t", 10, &[4, 3], &[0, 3], true),
+            Err(CudaError::OverlappingParts {
+                first: 0,
+                second: 1,
+                ..
+            })
+        ));
+        // Reading overlapping parts out of a flat buffer is fine.
+        assert_eq!(check_parts("t", 10, &[4, 3], &[0, 3], false).unwrap(), 4);
+        assert!(matches!(
+            check_parts("t", 10, &[4, 3], &[0], true),
+            Err(CudaError::LengthMismatch {
+                role: "offsets",
+                expected: 2,
+                got: 1,
+                ..
+            })
+        ));
+    }
+
+    #[test]
+    fn lengths_and_widths() {
+        assert!(check_len("t", "x", 3, 3).is_ok());
+        assert!(matches!(
+            check_len("t", "x", 3, 4),
+            Err(CudaError::LengthMismatch {
+                expected: 3,
+                got: 4,
+                ..
+            })
+        ));
+        assert_eq!(copy_width(2), Some("b2"));
+        assert_eq!(copy_width(8), Some("b8"));
+        assert_eq!(copy_width(3), None);
+    }
+
+    #[test]
+    fn options_and_c_strings() {
+        let options = compile_options(9, 0);
+        assert_eq!(options[0], "--gpu-architecture=compute_90");
+        assert!(options.contains(&"--fmad=false".to_string()));
+        let raw: Vec<std::ffi::c_char> = b"ptx text\0\0"
+            .iter()
+            .map(|&b| b as std::ffi::c_char)
+            .collect();
+        assert_eq!(c_chars_to_string(&raw), "ptx text");
+        assert_eq!(c_chars_to_string(&[]), "");
+    }
+}

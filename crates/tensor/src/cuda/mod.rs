@@ -1,0 +1,50 @@
+//! CUDA device tensors (feature `cuda`): device storage, host ↔ device copies, pinned host
+//! buffers for offload, the kernels FSDP needs, and matmul through cuBLAS.
+//!
+//! Everything goes through cudarc 0.19 with dynamic loading, so the feature builds on machines
+//! without CUDA; libcuda, libnvrtc and libcublas are opened at run time, and a missing one is
+//! [`CudaError::Unavailable`], never a panic (cudarc's loader panics on the first call into a
+//! missing library, so each is probed with `is_culib_present` first).
+//!
+//! The CPU [`Tensor`](crate::Tensor) is untouched: a [`CudaTensor`] is a separate type (dense,
+//! contiguous, owning its memory), and the two meet only through explicit copies.
+//!
+//! * [`CudaDevice::new`] opens a device (one per ordinal per process, shared) with a stream of
+//!   its own; every operation of its tensors is ordered on that stream.
+//! * [`CudaTensor`]: `zeros`, `from_host`/`from_bytes`, `to_host`/`copy_to_host_bytes`,
+//!   `copy_from_host`, `copy_from`, `try_clone`, `reshape`; [`PinnedBuffer`] with
+//!   `copy_to_pinned`/`copy_from_pinned` (asynchronous on the stream).
+//! * Kernels, compiled from CUDA C kept in the crate (`kernels.cu`) by NVRTC on first use:
+//!   [`CudaTensor::to_dtype`]/[`CudaTensor::cast_into`] (f32 ↔ bf16, f32 ↔ f16, bf16 ↔ f16,
+//!   f32 ↔ f64), [`CudaTensor::add_`], [`CudaTensor::axpy_`], [`CudaTensor::scale_`],
+//!   [`copy_in`] and [`copy_out`] (many tensors into / out of one flat buffer at offsets, one
+//!   launch). Results round exactly as the CPU ops do.
+//! * [`matmul`] and [`gemm`] through `cublasGemmEx` (f32, bf16, f16; f32 accumulation),
+//!   row-major, with optional transposes (see [`blas`]'s docs for the convention).
+//!
+//! ```no_run
+//! use hypershard_tensor::cuda::{CudaDevice, CudaTensor, matmul};
+//! use hypershard_tensor::{DType, Tensor};
+//! let device = CudaDevice::new(0)?;
+//! let a = CudaTensor::from_host(&device, &Tensor::ones(&[2, 3], DType::F32)?)?;
+//! let b = CudaTensor::from_host(&device, &Tensor::ones(&[3, 4], DType::F32)?)?;
+//! let c = matmul(&a, &b)?.to_host()?;
+//! assert_eq!(c.to_vec::<f32>()?, vec![3.0; 8]);
+//! # Ok::<(), hypershard_tensor::cuda::CudaError>(())
+//! ```
+
+pub mod blas;
+mod device;
+mod error;
+mod kernels;
+mod ops;
+mod tensor;
+
+pub use blas::{Transpose, gemm, matmul};
+pub use device::{CudaDevice, device_count, probe};
+pub use error::{CudaError, CudaResult, Library, Unavailable};
+pub use ops::{copy_in, copy_out};
+pub use tensor::{CudaTensor, PinnedBuffer};
+
+/// The CUDA C source of the crate's kernels, as NVRTC compiles it.
+pub const KERNEL_SOURCE: &str = kernels::SOURCE;
