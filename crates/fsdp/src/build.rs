@@ -73,58 +73,22 @@ pub(crate) fn post_forward_policy(
     }
 }
 
-/// Checks the config and module and computes every parameter of the new unit; then writes
-/// the shards into the module. Nothing in the module changes unless everything succeeded.
-pub(crate) fn build_group(
+/// Computes the parameters of one member module of a new unit (appended to `params`),
+/// without changing the module.
+fn member_params(
     module: &mut dyn Module,
     config: &FullyShardConfig,
-    id: usize,
-) -> Result<GroupParts> {
-    if module
-        .as_any_mut()
-        .is_some_and(|any| any.is::<FsdpModule>())
-    {
-        return Err(FsdpError::AlreadySharded);
-    }
-    if let Some(both) = config
-        .ignored_params
-        .intersection(&config.replicate_params)
-        .next()
-    {
-        return Err(FsdpError::IgnoredAndReplicated {
-            param: both.clone(),
-        });
-    }
-    let mut all_names = BTreeSet::new();
-    module.visit_params("", &mut |name, _| {
-        all_names.insert(name.to_string());
-        Ok(())
-    })?;
-    for (list, names) in [
-        ("ignored_params", &config.ignored_params),
-        ("replicate_params", &config.replicate_params),
-    ] {
-        let unknown = names.iter().find(|entry| {
-            let single = BTreeSet::from([(*entry).clone()]);
-            !all_names.iter().any(|name| named_by(&single, name))
-        });
-        if let Some(unknown) = unknown {
-            return Err(FsdpError::UnknownParam {
-                list,
-                param: unknown.clone(),
-            });
-        }
-    }
+    member: usize,
+    post_size: Option<usize>,
+    params: &mut Vec<FsdpParam>,
+) -> Result<()> {
     let mut nested = BTreeSet::new();
     nested_unit_names(module, "", &mut nested)?;
-    let (post_forward, post_size) =
-        post_forward_policy(config.reshard_after_forward, config.mesh.shard_world())?;
 
     let mesh = config.mesh.clone();
     let shard_world = mesh.shard_world();
     let shard_rank = mesh.shard_rank();
     let mp = config.mp_policy;
-    let mut params: Vec<FsdpParam> = Vec::new();
     let mut failure: Option<FsdpError> = None;
     module.visit_params("", &mut |name, param| {
         if failure.is_some() || nested.contains(name) {
@@ -214,6 +178,7 @@ pub(crate) fn build_group(
         }
         params.push(FsdpParam {
             name: name.to_string(),
+            member,
             role,
             layout,
             post_layout,
@@ -235,13 +200,93 @@ pub(crate) fn build_group(
     if let Some(error) = failure {
         return Err(error);
     }
+    Ok(())
+}
+
+/// Checks the config and the modules and computes every parameter of the new unit; then
+/// writes the shards into the modules. Nothing in any module changes unless everything
+/// succeeded. `modules` holds one module for `fully_shard` and the list of
+/// `fully_shard_group`, whose refusals name the member they concern.
+pub(crate) fn build_group(
+    modules: &mut [Box<dyn Module>],
+    config: &FullyShardConfig,
+    id: usize,
+) -> Result<GroupParts> {
+    if modules.is_empty() {
+        return Err(FsdpError::EmptyGroup);
+    }
+    let grouped = modules.len() > 1;
+    let for_member = |member: usize, error: FsdpError| {
+        if grouped {
+            FsdpError::GroupMember {
+                member,
+                source: Box::new(error),
+            }
+        } else {
+            error
+        }
+    };
+    for (member, module) in modules.iter_mut().enumerate() {
+        if module
+            .as_any_mut()
+            .is_some_and(|any| any.is::<FsdpModule>())
+        {
+            return Err(for_member(member, FsdpError::AlreadySharded));
+        }
+    }
+    if let Some(both) = config
+        .ignored_params
+        .intersection(&config.replicate_params)
+        .next()
+    {
+        return Err(FsdpError::IgnoredAndReplicated {
+            param: both.clone(),
+        });
+    }
+    // An entry must name a parameter of some member (one config serves every member).
+    let mut all_names = BTreeSet::new();
+    for module in modules.iter() {
+        module.visit_params("", &mut |name, _| {
+            all_names.insert(name.to_string());
+            Ok(())
+        })?;
+    }
+    for (list, names) in [
+        ("ignored_params", &config.ignored_params),
+        ("replicate_params", &config.replicate_params),
+    ] {
+        let unknown = names.iter().find(|entry| {
+            let single = BTreeSet::from([(*entry).clone()]);
+            !all_names.iter().any(|name| named_by(&single, name))
+        });
+        if let Some(unknown) = unknown {
+            return Err(FsdpError::UnknownParam {
+                list,
+                param: unknown.clone(),
+            });
+        }
+    }
+    let (post_forward, post_size) =
+        post_forward_policy(config.reshard_after_forward, config.mesh.shard_world())?;
+    let mesh = config.mesh.clone();
+    let mp = config.mp_policy;
+    let mut params: Vec<FsdpParam> = Vec::new();
+    for (member, module) in modules.iter_mut().enumerate() {
+        member_params(module.as_mut(), config, member, post_size, &mut params)
+            .map_err(|error| for_member(member, error))?;
+    }
 
     let fusion = config.comm_fusion;
     let plan = |select: &dyn Fn(&FsdpParam) -> Option<BucketItem>| -> Vec<BucketPlan> {
         let items: Vec<BucketItem> = params.iter().filter_map(select).collect();
         plan_buckets(&items, fusion.enabled, fusion.bucket_bytes)
     };
-    let index_of = |p: &FsdpParam| params.iter().position(|q| q.name == p.name).unwrap_or(0);
+    let index_of = |p: &FsdpParam| {
+        params
+            .iter()
+            .position(|q| q.member == p.member && q.name == p.name)
+            .unwrap_or(0)
+    };
     let gather_plan = plan(&|p| {
         (p.role == ParamRole::Sharded).then(|| BucketItem {
             index: index_of(p),
@@ -277,24 +322,29 @@ pub(crate) fn build_group(
         None => None,
     };
 
-    // Hand the shards to the module; the full tensors are dropped with the old data.
-    let names: std::collections::HashMap<&str, usize> = params
-        .iter()
-        .enumerate()
-        .map(|(i, p)| (p.name.as_str(), i))
-        .collect();
-    module.visit_params_mut("", &mut |name, slot| {
-        if let Some(&index) = names.get(name) {
-            slot.data = Some(params[index].sharded.clone());
-            slot.grad = None;
-        }
-        Ok(())
-    })?;
+    // Hand the shards to the modules; the full tensors are dropped with the old data.
+    for (member, module) in modules.iter_mut().enumerate() {
+        let names: std::collections::HashMap<&str, usize> = params
+            .iter()
+            .enumerate()
+            .filter(|(_, p)| p.member == member)
+            .map(|(i, p)| (p.name.as_str(), i))
+            .collect();
+        module.visit_params_mut("", &mut |name, slot| {
+            if let Some(&index) = names.get(name) {
+                slot.data = Some(params[index].sharded.clone());
+                slot.grad = None;
+            }
+            Ok(())
+        })?;
+    }
+    let kinds: Vec<&str> = modules.iter().map(|m| m.kind()).collect();
 
     Ok(GroupParts {
         id,
-        unit: format!("{}#{id}", module.kind()),
+        unit: format!("{}#{id}", kinds.join("+")),
         params,
+        members: modules.len(),
         mesh,
         post_forward_comm,
         post_forward,

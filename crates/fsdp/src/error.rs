@@ -163,6 +163,34 @@ pub enum FsdpError {
         /// The length found.
         actual: usize,
     },
+    /// `fully_shard_group` was given no modules.
+    #[error("fully_shard_group needs at least one module")]
+    EmptyGroup,
+    /// `fully_shard_group` refused one of its modules (e.g. one already wrapped, or in
+    /// another group).
+    #[error("fully_shard_group: module {member} of the list: {source}")]
+    GroupMember {
+        /// The position of the refused module in the list.
+        member: usize,
+        /// Why it was refused.
+        source: Box<FsdpError>,
+    },
+    /// A member of a `fully_shard_group` unit ran its forward or backward out of order
+    /// (forwards run in list order, backwards in reverse list order after a full forward).
+    #[error(
+        "unit `{unit}`: member {member}'s {op} ran out of order (expected member {expected:?} next)"
+    )]
+    GroupOrder {
+        /// The unit.
+        unit: String,
+        /// `"forward"` or `"backward"`.
+        op: &'static str,
+        /// The member that ran.
+        member: usize,
+        /// The member whose `op` should run next, or `None` when no member's `op` may run now
+        /// (a backward before a complete forward, or a forward while a backward is half done).
+        expected: Option<usize>,
+    },
     /// An FSDP hook failed in a nested unit; the root reports the first such error.
     #[error("a nested fully_shard hook failed and its error was already taken")]
     NestedHookFailed,

@@ -74,8 +74,19 @@ pub(crate) struct ParamGroup {
     pub id: usize,
     pub unit: String,
     pub params: Vec<FsdpParam>,
-    /// Parameter index by name relative to the wrapped module.
-    pub by_name: HashMap<String, usize>,
+    /// Per member, parameter index by name relative to that member's module.
+    pub by_name: Vec<HashMap<String, usize>>,
+    /// The number of modules sharing the unit (1 unless built by `fully_shard_group`).
+    pub members: usize,
+    /// The member whose forward runs next (groups run them in list order).
+    forward_next: usize,
+    /// The member whose backward runs next (reverse list order), once a forward completed.
+    backward_next: Option<usize>,
+    /// Unsharded gradients the group's members handed over in this backward, by parameter
+    /// index, reduced together after the last member's backward.
+    collected: Vec<Option<Tensor>>,
+    /// The tensors reduced gradients land in, made at each member's post-backward.
+    targets: HashMap<usize, (Tensor, bool)>,
     pub mesh: Arc<DataParallelMesh>,
     pub post_forward_comm: Option<Arc<dyn Communicator>>,
     pub post_forward: PostForward,
@@ -102,6 +113,7 @@ pub(crate) struct GroupParts {
     pub id: usize,
     pub unit: String,
     pub params: Vec<FsdpParam>,
+    pub members: usize,
     pub mesh: Arc<DataParallelMesh>,
     pub post_forward_comm: Option<Arc<dyn Communicator>>,
     pub post_forward: PostForward,
@@ -148,18 +160,23 @@ fn check_len(buffer: &Buffer, expected: usize, op: &'static str) -> Result<()> {
 
 impl ParamGroup {
     pub fn new(parts: GroupParts) -> Self {
-        let by_name = parts
-            .params
-            .iter()
-            .enumerate()
-            .map(|(i, p)| (p.name.clone(), i))
-            .collect();
+        let mut by_name: Vec<HashMap<String, usize>> = vec![HashMap::new(); parts.members];
+        for (i, p) in parts.params.iter().enumerate() {
+            if let Some(map) = by_name.get_mut(p.member) {
+                map.insert(p.name.clone(), i);
+            }
+        }
         let partial_outputs = parts.reduce_plan.iter().map(|_| None).collect();
         ParamGroup {
             id: parts.id,
             unit: parts.unit,
             params: parts.params,
             by_name,
+            members: parts.members,
+            forward_next: 0,
+            backward_next: None,
+            collected: Vec::new(),
+            targets: HashMap::new(),
             mesh: parts.mesh,
             post_forward_comm: parts.post_forward_comm,
             post_forward: parts.post_forward,
@@ -486,11 +503,14 @@ impl ParamGroup {
         Ok(())
     }
 
-    /// Makes the module hold the unsharded parameters (stashing the sharded gradients).
-    pub fn install(&mut self, module: &mut dyn Module) -> Result<()> {
+    /// Makes member `member`'s module hold its unsharded parameters (stashing the sharded
+    /// gradients). A unit of one module has the single member 0.
+    pub fn install(&mut self, module: &mut dyn Module, member: usize) -> Result<()> {
         let unit = self.unit.clone();
         let mut seen = vec![false; self.params.len()];
-        let by_name = &self.by_name;
+        let Some(by_name) = self.by_name.get(member) else {
+            return Ok(());
+        };
         let params = &mut self.params;
         let mut failure: Option<FsdpError> = None;
         module.visit_params_mut("", &mut |name, slot| {
@@ -529,43 +549,38 @@ impl ParamGroup {
         if let Some(error) = failure {
             return Err(error);
         }
-        self.check_seen(&seen)
+        self.check_seen(&seen, member)
     }
 
-    fn check_seen(&self, seen: &[bool]) -> Result<()> {
-        match seen.iter().position(|s| !s) {
-            Some(missing) => Err(FsdpError::ParamMissing {
+    /// Fails with `ParamMissing` for the first parameter of `member` the visit did not see.
+    fn check_seen(&self, seen: &[bool], member: usize) -> Result<()> {
+        let missing = self
+            .params
+            .iter()
+            .zip(seen)
+            .find(|(p, seen)| p.member == member && !**seen);
+        match missing {
+            Some((param, _)) => Err(FsdpError::ParamMissing {
                 unit: self.unit.clone(),
-                param: self.params[missing].name.clone(),
+                param: param.name.clone(),
             }),
             None => Ok(()),
         }
     }
 
-    /// Makes the module hold the shards again and frees the unsharded parameters; with
-    /// `to_post_forward`, keeps the larger post-forward shard for backward first.
-    pub fn reshard(&mut self, module: &mut dyn Module, to_post_forward: bool) -> Result<()> {
-        let to_post_forward = to_post_forward && self.post_forward == PostForward::ToGroup;
-        if to_post_forward {
-            let group_rank =
-                self.mesh.shard_rank() % self.post_forward_comm.as_ref().map_or(1, |c| c.size());
-            for param in &mut self.params {
-                if param.role != ParamRole::Sharded || param.state != ShardedState::Unsharded {
-                    continue;
-                }
-                let (Some(layout), Some(full)) = (&param.post_layout, &param.unsharded) else {
-                    continue;
-                };
-                let mut slot = vec![0u8; layout.slot_numel()? * param.param_dtype.size_of()];
-                layout.pack_from_full(full, group_rank, param.param_dtype, &mut slot)?;
-                param.post_forward = Some(slot);
-            }
-        }
-        let unit = self.unit.clone();
-        let by_name = &self.by_name;
+    /// Whether any member's module holds an unsharded parameter.
+    pub fn any_installed(&self) -> bool {
+        self.params.iter().any(|p| p.installed)
+    }
+
+    /// Makes member `member`'s module hold its shards again. The unsharded parameters stay
+    /// alive in the group until [`release`](Self::release).
+    pub fn uninstall(&mut self, module: &mut dyn Module, member: usize) -> Result<()> {
+        let Some(by_name) = self.by_name.get(member) else {
+            return Ok(());
+        };
         let params = &mut self.params;
         let mut seen = vec![false; params.len()];
-        let mut failure: Option<FsdpError> = None;
         module.visit_params_mut("", &mut |name, slot| {
             let Some(&index) = by_name.get(name) else {
                 return Ok(());
@@ -591,11 +606,29 @@ impl ParamGroup {
             param.installed = false;
             Ok(())
         })?;
-        if let Some(error) = failure.take() {
-            return Err(error);
+        self.check_seen(&seen, member)
+    }
+
+    /// Frees the unsharded parameters, which no module may hold any more; with
+    /// `to_post_forward` (and `reshard_after_forward = int`), keeps the larger post-forward
+    /// shard for backward first.
+    pub fn release(&mut self, to_post_forward: bool) -> Result<()> {
+        let to_post_forward = to_post_forward && self.post_forward == PostForward::ToGroup;
+        if to_post_forward {
+            let group_rank =
+                self.mesh.shard_rank() % self.post_forward_comm.as_ref().map_or(1, |c| c.size());
+            for param in &mut self.params {
+                if param.role != ParamRole::Sharded || param.state != ShardedState::Unsharded {
+                    continue;
+                }
+                let (Some(layout), Some(full)) = (&param.post_layout, &param.unsharded) else {
+                    continue;
+                };
+                let mut slot = vec![0u8; layout.slot_numel()? * param.param_dtype.size_of()];
+                layout.pack_from_full(full, group_rank, param.param_dtype, &mut slot)?;
+                param.post_forward = Some(slot);
+            }
         }
-        let _ = &unit;
-        self.check_seen(&seen)?;
         for param in &mut self.params {
             if param.state != ShardedState::Unsharded {
                 continue;
@@ -606,6 +639,22 @@ impl ParamGroup {
             } else {
                 ShardedState::Sharded
             };
+        }
+        Ok(())
+    }
+
+    /// Makes member `member`'s module hold its shards again and, once no member holds an
+    /// unsharded parameter, frees them (see [`release`](Self::release)). For a unit of one
+    /// module this is the whole reshard.
+    pub fn reshard(
+        &mut self,
+        module: &mut dyn Module,
+        member: usize,
+        to_post_forward: bool,
+    ) -> Result<()> {
+        self.uninstall(module, member)?;
+        if !self.any_installed() {
+            self.release(to_post_forward)?;
         }
         Ok(())
     }
@@ -646,18 +695,85 @@ impl ParamGroup {
         }
     }
 
-    /// After the wrapped module's backward: collects the unsharded gradients and either keeps
-    /// them (no gradient sync) or issues the reduce-scatters (and the replicate-parameter
-    /// all-reduce), returning them in flight; then reshards when asked.
-    pub fn post_backward(&mut self, module: &mut dyn Module) -> Result<Option<PendingReduce>> {
-        let _span = tracing::debug_span!("fsdp.post_backward", unit = %self.unit).entered();
+    /// Checks that member `member`'s forward may run now (a group runs its members'
+    /// forwards in list order; a unit of one module always may).
+    pub fn check_forward_order(&self, member: usize) -> Result<()> {
+        if self.members == 1 {
+            return Ok(());
+        }
+        // A new forward may not start while a backward is half done: the gradients the
+        // earlier members already handed over would be mixed with the new step's.
+        let backward_half_done = self
+            .backward_next
+            .is_some_and(|next| next + 1 < self.members);
+        let expected = if member != self.forward_next {
+            Some(self.forward_next)
+        } else if member == 0 && backward_half_done {
+            None
+        } else {
+            return Ok(());
+        };
+        Err(FsdpError::GroupOrder {
+            unit: self.unit.clone(),
+            op: "forward",
+            member,
+            expected,
+        })
+    }
+
+    /// Records that member `member`'s forward finished; returns whether it was the last.
+    pub fn forward_done(&mut self, member: usize) -> bool {
+        if self.members == 1 {
+            return true;
+        }
+        let last = member + 1 == self.members;
+        self.forward_next = if last { 0 } else { member + 1 };
+        if last {
+            self.backward_next = Some(member);
+        }
+        last
+    }
+
+    /// Checks that member `member`'s backward may run now (a group runs its members'
+    /// backwards in reverse list order, after a complete forward).
+    pub fn check_backward_order(&self, member: usize) -> Result<()> {
+        if self.members == 1 || self.backward_next == Some(member) {
+            return Ok(());
+        }
+        Err(FsdpError::GroupOrder {
+            unit: self.unit.clone(),
+            op: "backward",
+            member,
+            expected: self.backward_next,
+        })
+    }
+
+    /// After member `member`'s wrapped backward: takes its unsharded gradients. The member
+    /// whose backward runs last (member 0, the whole module of a one-module unit) then either
+    /// keeps every member's gradients (no gradient sync) or issues the reduce-scatters (and
+    /// the replicate-parameter all-reduce), returning them in flight. Each member's module
+    /// gets its shards back when asked (`reshard_after_backward`), and the unsharded
+    /// parameters are freed once no member holds them.
+    pub fn post_backward(
+        &mut self,
+        module: &mut dyn Module,
+        member: usize,
+    ) -> Result<Option<PendingReduce>> {
+        let _span = tracing::debug_span!("fsdp.post_backward", unit = %self.unit, member).entered();
         let sync = self.controls.requires_gradient_sync;
         let reshard = self.controls.reshard_after_backward;
+        if self.members > 1 {
+            self.backward_next = member.checked_sub(1);
+        }
         // Take every unsharded gradient off the module, adding what earlier unsynchronised
-        // micro-steps left.
-        let mut grads: Vec<Option<Tensor>> = vec![None; self.params.len()];
+        // micro-steps left; earlier members of a group left theirs in `collected`.
+        let mut grads = std::mem::take(&mut self.collected);
+        grads.resize(self.params.len(), None);
+        let mut taken = Vec::new();
         {
-            let by_name = &self.by_name;
+            let Some(by_name) = self.by_name.get(member) else {
+                return Ok(None);
+            };
             let params = &mut self.params;
             module.visit_params_mut("", &mut |name, slot| {
                 let Some(&index) = by_name.get(name) else {
@@ -667,6 +783,7 @@ impl ParamGroup {
                 if !param.installed || !param.requires_grad {
                     return Ok(());
                 }
+                taken.push(index);
                 let mut grad = slot.grad.take();
                 if let Some(acc) = param.unsharded_grad_accum.take() {
                     grad = Some(match grad {
@@ -686,6 +803,24 @@ impl ParamGroup {
                 Ok(())
             })?;
         }
+        if sync {
+            // The tensors the reduced shards land in are made now, while this member's
+            // module still holds the unsharded parameters, so that resharding hands them to
+            // the module as its `grad` (a group's earlier members cannot be reached later).
+            let fresh_ok = self.mesh.replicate().is_none() || self.controls.requires_all_reduce;
+            for index in taken {
+                let fresh = fresh_ok && self.params[index].role == ParamRole::Sharded;
+                let target = self.grad_target(index, fresh)?;
+                self.targets.insert(index, target);
+            }
+        }
+        if reshard {
+            self.uninstall(module, member)?;
+        }
+        if member != 0 {
+            self.collected = grads;
+            return Ok(None);
+        }
         let pending = if sync {
             self.reduce_in_flight = true;
             Some(self.issue_reductions(&grads)?)
@@ -697,8 +832,8 @@ impl ParamGroup {
             }
             None
         };
-        if reshard {
-            self.reshard(module, false)?;
+        if reshard && !self.any_installed() {
+            self.release(false)?;
         }
         Ok(pending)
     }
@@ -769,7 +904,10 @@ impl ParamGroup {
                 writer.finish();
             }
             for &member in &bucket.members {
-                let target = self.grad_target(member, fresh_ok)?;
+                let target = match self.targets.remove(&member) {
+                    Some(target) => target,
+                    None => self.grad_target(member, fresh_ok)?,
+                };
                 targets.insert(member, target);
             }
             let output = pool.take(dtype, bucket.per_rank);
@@ -805,7 +943,10 @@ impl ParamGroup {
                 writer.finish();
             }
             for &member in &bucket.members {
-                let target = self.grad_target(member, false)?;
+                let target = match self.targets.remove(&member) {
+                    Some(target) => target,
+                    None => self.grad_target(member, false)?,
+                };
                 targets.insert(member, target);
             }
             replicate_all_reduces.push(self.mesh.world().all_reduce_async(buffer, all_reduce_op));
@@ -911,6 +1052,8 @@ impl ParamGroup {
         for partial in &mut self.partial_outputs {
             *partial = None;
         }
+        self.collected.clear();
+        self.targets.clear();
     }
 }
 

@@ -46,6 +46,9 @@ pub use config::{
 };
 pub use error::{FsdpError, Result};
 pub use mesh::DataParallelMesh;
-pub use module::{FsdpModule, Rejected, UnitHandle, fully_shard, fully_shard_children, has_params};
+pub use module::{
+    FsdpModule, Rejected, RejectedGroup, UnitHandle, fully_shard, fully_shard_children,
+    fully_shard_group, has_params,
+};
 pub use param::{FsdpParamInfo, ShardedState, TrainingState};
 pub use reshard_load::SavedShard;

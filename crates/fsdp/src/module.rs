@@ -27,6 +27,8 @@ static NEXT_UNIT_ID: AtomicUsize = AtomicUsize::new(0);
 pub struct FsdpModule {
     inner: Box<dyn Module>,
     group: Arc<Mutex<ParamGroup>>,
+    /// Which module of the group `inner` is (0 for a unit of one module).
+    member: usize,
     id: usize,
     schedule: Option<Arc<Schedule>>,
     is_root: bool,
@@ -87,6 +89,7 @@ impl From<Rejected> for FsdpError {
 #[derive(Clone)]
 pub struct UnitHandle {
     id: usize,
+    member: usize,
     group: Arc<Mutex<ParamGroup>>,
 }
 
@@ -96,9 +99,10 @@ impl UnitHandle {
         self.id
     }
 
-    /// The unit's managed parameters and their states.
+    /// The unit's managed parameters and their states (for a member of a group, those of
+    /// its own module).
     pub fn params(&self) -> Vec<FsdpParamInfo> {
-        param_infos(&lock(&self.group))
+        param_infos(&lock(&self.group), self.member)
     }
 
     /// The unit's training state.
@@ -133,10 +137,11 @@ impl std::fmt::Debug for UnitHandle {
     }
 }
 
-fn param_infos(group: &ParamGroup) -> Vec<FsdpParamInfo> {
+fn param_infos(group: &ParamGroup, member: usize) -> Vec<FsdpParamInfo> {
     group
         .params
         .iter()
+        .filter(|p| p.member == member)
         .map(|p| FsdpParamInfo {
             name: p.name.clone(),
             global_shape: if p.role == ParamRole::Replicated {
@@ -162,10 +167,11 @@ pub fn fully_shard(
     config: FullyShardConfig,
 ) -> std::result::Result<FsdpModule, Rejected> {
     let id = NEXT_UNIT_ID.fetch_add(1, Ordering::Relaxed);
-    match build_group(module.as_mut(), &config, id) {
+    match build_group(std::slice::from_mut(&mut module), &config, id) {
         Ok(parts) => Ok(FsdpModule {
             inner: module,
             group: Arc::new(Mutex::new(ParamGroup::new(parts))),
+            member: 0,
             id,
             schedule: None,
             is_root: false,
@@ -173,6 +179,94 @@ pub fn fully_shard(
             last_dtypes: None,
         }),
         Err(error) => Err(Rejected { error, module }),
+    }
+}
+
+/// Modules `fully_shard_group` refused, handed back unchanged with the reason.
+pub struct RejectedGroup {
+    /// Why ([`FsdpError::GroupMember`] names the module concerned).
+    pub error: FsdpError,
+    /// The modules, unchanged and in their order.
+    pub modules: Vec<Box<dyn Module>>,
+}
+
+impl std::fmt::Debug for RejectedGroup {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let kinds: Vec<&str> = self.modules.iter().map(|m| m.kind()).collect();
+        f.debug_struct("RejectedGroup")
+            .field("error", &self.error)
+            .field("modules", &kinds)
+            .finish()
+    }
+}
+
+impl std::fmt::Display for RejectedGroup {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(
+            f,
+            "fully_shard_group refused {} modules: {}",
+            self.modules.len(),
+            self.error
+        )
+    }
+}
+
+impl std::error::Error for RejectedGroup {
+    fn source(&self) -> Option<&(dyn std::error::Error + 'static)> {
+        Some(&self.error)
+    }
+}
+
+impl From<Box<RejectedGroup>> for FsdpError {
+    fn from(rejected: Box<RejectedGroup>) -> Self {
+        rejected.error
+    }
+}
+
+/// Wraps a list of modules as **one** unit (FSDP2's `fully_shard([m1, m2])`): their
+/// parameters share one `ParamGroup`, so one all-gather per bucket serves them all, and one
+/// reduce-scatter per bucket reduces their gradients. Returns one [`FsdpModule`] per module,
+/// in order, to put back where each module lived.
+///
+/// The members' forwards must run in list order, once each per step: the all-gather runs at
+/// the first member's pre-forward, the parameters are resharded after the last member's
+/// forward, and the gradients of every member are reduced after the first member's backward
+/// (the last to run; backwards run in reverse list order). Anything else gives
+/// [`FsdpError::GroupOrder`]. Between its hooks a member's module holds its shards; the
+/// group keeps the unsharded parameters until the last member is done with them.
+///
+/// A module that is already a unit (wrapped, or a member of another group) is refused with
+/// [`FsdpError::GroupMember`] wrapping [`FsdpError::AlreadySharded`]; an empty list with
+/// [`FsdpError::EmptyGroup`]. On refusal the modules come back unchanged (boxed, because
+/// the list makes the refusal large).
+pub fn fully_shard_group(
+    mut modules: Vec<Box<dyn Module>>,
+    config: FullyShardConfig,
+) -> std::result::Result<Vec<FsdpModule>, Box<RejectedGroup>> {
+    let ids: Vec<usize> = modules
+        .iter()
+        .map(|_| NEXT_UNIT_ID.fetch_add(1, Ordering::Relaxed))
+        .collect();
+    match build_group(&mut modules, &config, ids.first().copied().unwrap_or(0)) {
+        Ok(parts) => {
+            let group = Arc::new(Mutex::new(ParamGroup::new(parts)));
+            Ok(modules
+                .into_iter()
+                .zip(ids)
+                .enumerate()
+                .map(|(member, (inner, id))| FsdpModule {
+                    inner,
+                    group: group.clone(),
+                    member,
+                    id,
+                    schedule: None,
+                    is_root: false,
+                    mp: config.mp_policy,
+                    last_dtypes: None,
+                })
+                .collect())
+        }
+        Err(error) => Err(Box::new(RejectedGroup { error, modules })),
     }
 }
 
@@ -268,6 +362,7 @@ impl FsdpModule {
     pub fn handle(&self) -> UnitHandle {
         UnitHandle {
             id: self.id,
+            member: self.member,
             group: self.group.clone(),
         }
     }
@@ -288,9 +383,15 @@ impl FsdpModule {
         self.is_root
     }
 
-    /// This unit's managed parameters.
+    /// This unit's managed parameters (for a member of a group, those of its own module).
     pub fn params(&self) -> Vec<FsdpParamInfo> {
-        param_infos(&lock(&self.group))
+        param_infos(&lock(&self.group), self.member)
+    }
+
+    /// The position of this unit's module in its `fully_shard_group` list (0 for a unit of
+    /// one module).
+    pub fn member(&self) -> usize {
+        self.member
     }
 
     /// This unit's training state.
@@ -301,7 +402,7 @@ impl FsdpModule {
     /// The fp32 main gradient of this unit's parameter `name` (with `fp32_main_grad`).
     pub fn main_grad(&self, name: &str) -> Option<Tensor> {
         let group = lock(&self.group);
-        let index = *group.by_name.get(name)?;
+        let index = *group.by_name.get(self.member)?.get(name)?;
         group.params[index].main_grad.clone()
     }
 
@@ -391,12 +492,14 @@ impl FsdpModule {
     pub fn unshard(&mut self) -> Result<()> {
         let mut group = lock(&self.group);
         group.wait_unshard()?;
-        group.install(self.inner.as_mut())
+        group.install(self.inner.as_mut(), self.member)
     }
 
-    /// Frees this unit's unsharded parameters; the module holds the shards again.
+    /// Frees this unit's unsharded parameters; the module holds the shards again. For a
+    /// member of a group, its module gets its shards back now, and the group's unsharded
+    /// parameters are freed once no member holds them.
     pub fn reshard(&mut self) -> Result<()> {
-        lock(&self.group).reshard(self.inner.as_mut(), false)
+        lock(&self.group).reshard(self.inner.as_mut(), self.member, false)
     }
 
     /// Drops every gradient: the module's (`Parameter::grad`) and those the units keep
@@ -410,6 +513,11 @@ impl FsdpModule {
     /// The shared group of this unit.
     pub(crate) fn group_arc(&self) -> &Arc<Mutex<ParamGroup>> {
         &self.group
+    }
+
+    /// The member index of this unit's module in its group.
+    pub(crate) fn member_index(&self) -> usize {
+        self.member
     }
 
     /// This rank in the world communicator of the unit's mesh.
@@ -440,7 +548,7 @@ impl FsdpModule {
         let mut meshes: Vec<Arc<crate::mesh::DataParallelMesh>> = Vec::new();
         let mut sharded: std::collections::HashMap<String, usize> =
             std::collections::HashMap::new();
-        let mut record = |path: &str, group: &ParamGroup| {
+        let mut record = |path: &str, group: &ParamGroup, member: usize| {
             let index = match meshes.iter().position(|m| Arc::ptr_eq(m, &group.mesh)) {
                 Some(index) => index,
                 None => {
@@ -448,13 +556,17 @@ impl FsdpModule {
                     meshes.len() - 1
                 }
             };
-            for param in group.params.iter().filter(|p| p.role == ParamRole::Sharded) {
+            for param in group
+                .params
+                .iter()
+                .filter(|p| p.member == member && p.role == ParamRole::Sharded)
+            {
                 sharded.insert(hypershard_nn::join_name(path, &param.name), index);
             }
         };
-        record("", &lock(&self.group));
+        record("", &lock(&self.group), self.member);
         walk_units_with_path(self.inner.as_mut(), "", &mut |path, unit| {
-            record(path, &lock(&unit.group));
+            record(path, &lock(&unit.group), unit.member);
         })?;
         let mut sums = vec![0.0f64; meshes.len()];
         let mut local = 0.0f64;
@@ -574,9 +686,11 @@ impl FsdpModule {
         }
         let explicit = {
             let mut group = lock(&self.group);
+            group.check_forward_order(self.member)?;
             group.training = TrainingState::Forward;
+            // A group's later members find the parameters the first member gathered.
             group.wait_unshard()?;
-            group.install(self.inner.as_mut())?;
+            group.install(self.inner.as_mut(), self.member)?;
             group.forward_prefetch.clone()
         };
         schedule.record_pre_forward(self.id);
@@ -594,12 +708,22 @@ impl FsdpModule {
         let output = self.inner.forward(&x)?;
         {
             let mut group = lock(&self.group);
+            let last = group.forward_done(self.member);
             // The root keeps its parameters: backward starts with it (FSDP2's heuristic).
             if !self.is_root {
-                match group.post_forward {
-                    PostForward::Reshard => group.reshard(self.inner.as_mut(), false)?,
-                    PostForward::ToGroup => group.reshard(self.inner.as_mut(), true)?,
-                    PostForward::Keep => {}
+                let to_post_forward = match group.post_forward {
+                    PostForward::Reshard => Some(false),
+                    PostForward::ToGroup => Some(true),
+                    PostForward::Keep => None,
+                };
+                if let Some(to_post_forward) = to_post_forward {
+                    // A group frees the parameters after its last member's forward; each
+                    // earlier member's module gets its shards back at once.
+                    if last {
+                        group.reshard(self.inner.as_mut(), self.member, to_post_forward)?;
+                    } else {
+                        group.uninstall(self.inner.as_mut(), self.member)?;
+                    }
                 }
             }
             group.training = TrainingState::Idle;
@@ -615,9 +739,10 @@ impl FsdpModule {
     fn backward_hooks(&mut self, schedule: &Schedule, grad_output: &Tensor) -> Result<Tensor> {
         let explicit = {
             let mut group = lock(&self.group);
+            group.check_backward_order(self.member)?;
             group.training = TrainingState::PreBackward;
             group.wait_unshard()?;
-            group.install(self.inner.as_mut())?;
+            group.install(self.inner.as_mut(), self.member)?;
             group.backward_prefetch.clone()
         };
         let targets = match explicit {
@@ -636,7 +761,7 @@ impl FsdpModule {
         let (pending, last) = {
             let mut group = lock(&self.group);
             group.training = TrainingState::PostBackward;
-            let pending = group.post_backward(self.inner.as_mut())?;
+            let pending = group.post_backward(self.inner.as_mut(), self.member)?;
             group.training = TrainingState::Idle;
             (pending, group.controls.is_last_backward)
         };

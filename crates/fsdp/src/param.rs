@@ -43,8 +43,11 @@ pub(crate) enum ParamRole {
 /// One managed parameter.
 #[derive(Debug)]
 pub(crate) struct FsdpParam {
-    /// The name relative to the wrapped module.
+    /// The name relative to the wrapped module (its member's module, for a group).
     pub name: String,
+    /// Which module of the unit holds it: 0 for a unit of one module, the position in the
+    /// list for `fully_shard_group`.
+    pub member: usize,
     pub role: ParamRole,
     /// The layout over the shard group (a one-shard layout for replicated parameters).
     pub layout: ShardLayout,

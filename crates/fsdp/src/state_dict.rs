@@ -26,9 +26,12 @@ impl FsdpModule {
     /// Every parameter managed by this unit or a unit below it, by full dotted name.
     pub(crate) fn managed_params(&mut self) -> Result<BTreeMap<String, ManagedParam>> {
         let mut out = BTreeMap::new();
-        let mut record = |path: &str, group: &Arc<Mutex<ParamGroup>>| {
+        let mut record = |path: &str, group: &Arc<Mutex<ParamGroup>>, member: usize| {
             let guard = lock(group);
             for (index, param) in guard.params.iter().enumerate() {
+                if param.member != member {
+                    continue;
+                }
                 out.insert(
                     hypershard_nn::join_name(path, &param.name),
                     ManagedParam {
@@ -38,8 +41,10 @@ impl FsdpModule {
                 );
             }
         };
-        record("", self.group_arc());
-        self.walk_nested_with_path(&mut |path, unit| record(path, unit.group_arc()))?;
+        record("", self.group_arc(), self.member_index());
+        self.walk_nested_with_path(&mut |path, unit| {
+            record(path, unit.group_arc(), unit.member_index())
+        })?;
         Ok(out)
     }
 
