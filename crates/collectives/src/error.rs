@@ -524,6 +524,31 @@ pub enum ProtocolViolation {
     /// The peer did not prove that it holds the job secret (its HMAC proof was wrong: it has
     /// another secret, or none while we have one, or the other way round).
     AuthenticationFailed,
+    /// A frame failed its CRC32C check (per-frame checksums, `TcpConfig::frame_checksum`):
+    /// the bytes that arrived are not the bytes the peer sent.
+    ChecksumFailed {
+        /// The frame's kind, group, sequence number and tag, from its header (whose own
+        /// checksum held); `None` when the header itself failed its checksum, so none of its
+        /// fields can be trusted.
+        frame: Option<crate::tcp::MailboxKey>,
+        /// The checksum the sender put on the wire.
+        sent: u32,
+        /// The checksum of the bytes that arrived.
+        computed: u32,
+    },
+    /// The two ends of a mesh connection disagree on per-frame CRC32C checksums
+    /// (`TcpConfig::frame_checksum` / `HYPERSHARD_CRC32C`), so neither could read the other's
+    /// frames; every rank must choose alike.
+    ChecksumSettingMismatch {
+        /// The rank that reports the error.
+        rank: u64,
+        /// Whether it has frame checksums on.
+        ours: bool,
+        /// The rank at the other end of the connection.
+        peer: u64,
+        /// Whether that rank has them on.
+        theirs: bool,
+    },
 }
 
 impl fmt::Display for ProtocolViolation {
@@ -561,6 +586,36 @@ impl fmt::Display for ProtocolViolation {
             }
             ProtocolViolation::AuthenticationFailed => {
                 f.write_str("authentication failed (the peer does not hold this job's secret)")
+            }
+            ProtocolViolation::ChecksumFailed {
+                frame,
+                sent,
+                computed,
+            } => {
+                match frame {
+                    Some(key) => write!(
+                        f,
+                        "CRC32C mismatch in a {:?} frame (group {}, seq {}, tag {})",
+                        key.kind, key.group, key.seq, key.tag
+                    )?,
+                    None => f.write_str("CRC32C mismatch in a frame header")?,
+                }
+                write!(f, ": sent {sent:#010x}, computed {computed:#010x}")
+            }
+            ProtocolViolation::ChecksumSettingMismatch {
+                rank,
+                ours,
+                peer,
+                theirs,
+            } => {
+                let state = |on: bool| if on { "on" } else { "off" };
+                write!(
+                    f,
+                    "rank {rank} has per-frame CRC32C checksums {} but rank {peer} has them {}; \
+                     set TcpConfig::frame_checksum (or HYPERSHARD_CRC32C) alike on every rank",
+                    state(*ours),
+                    state(*theirs)
+                )
             }
         }
     }
@@ -630,6 +685,8 @@ pub enum EnvExpectation {
     TransportName,
     /// A backend name: `tcp`, `mpi` or `nccl` (`HYPERSHARD_BACKEND`).
     BackendName,
+    /// A switch: `1`, `true`, `on`, `yes` or `0`, `false`, `off`, `no` (`HYPERSHARD_CRC32C`).
+    Switch,
 }
 
 impl fmt::Display for EnvExpectation {
@@ -642,6 +699,7 @@ impl fmt::Display for EnvExpectation {
             EnvExpectation::NonEmpty => "a non-empty string",
             EnvExpectation::TransportName => "one of auto, tcp, shm",
             EnvExpectation::BackendName => "one of tcp, mpi, nccl",
+            EnvExpectation::Switch => "one of 1, true, on, yes, 0, false, off, no",
         })
     }
 }

@@ -4,13 +4,16 @@
 
 use std::io::{self, Read, Write};
 
-use crate::tcp::FrameHeader;
+use crate::tcp::{FrameHeader, decode_frame, encode_frame};
 
 /// The payload cap the frame target decodes under.
 pub const FRAME_CAP: u64 = 1 << 20;
 
-/// Decodes `bytes` (its first 36) as a frame header; `true` when accepted.
+/// Decodes `bytes` (its first 36) as a frame header; `true` when accepted. It also runs
+/// [`checked_frame`] over the whole input, so the `frame_header` fuzz target covers the
+/// checksummed whole-frame decoder as well.
 pub fn frame_header(bytes: &[u8]) -> bool {
+    checked_frame(bytes);
     let mut header = [0u8; crate::tcp::FRAME_HEADER_BYTES];
     let Some(prefix) = bytes.get(..header.len()) else {
         return false;
@@ -24,6 +27,25 @@ pub fn frame_header(bytes: &[u8]) -> bool {
             true
         }
         Err(_) => false,
+    }
+}
+
+/// Decodes `bytes` as one whole frame with CRC32C checksums ([`decode_frame`]); `true` when
+/// accepted. An accepted frame is within the cap and re-encodes to exactly `bytes` (so its
+/// checksums were right); anything else is a typed protocol error naming the peer.
+pub fn checked_frame(bytes: &[u8]) -> bool {
+    match decode_frame(bytes, 0, FRAME_CAP, true) {
+        Ok((header, payload)) => {
+            assert!(header.payload_bytes <= FRAME_CAP, "cap not enforced");
+            assert_eq!(
+                encode_frame(&header, payload, true),
+                bytes,
+                "decode/encode disagree"
+            );
+            true
+        }
+        Err(crate::Error::Protocol { peer: Some(0), .. }) => false,
+        Err(other) => panic!("an untyped refusal: {other:?}"),
     }
 }
 
@@ -63,10 +85,16 @@ pub fn mesh_acceptor(input: &[u8]) -> bool {
         acceptor_rank: 0,
         // invariant: a non-empty secret is always accepted.
         secret: Some(crate::auth::JobSecret::from_bytes(b"fuzz".to_vec()).expect("non-empty")),
+        frame_checksum: false,
     };
     let admitted = crate::tcp::handshake::accept_hello(&mut peer, &expect).is_ok();
-    // The acceptor answers at most one challenge and one status byte, whatever it is sent.
-    assert!(peer.written <= 1 + 32 + 32 + 1, "wrote {}", peer.written);
+    // The acceptor answers at most one challenge and one status byte (a checksum refusal, the
+    // longest, adds its flags word), whatever it is sent.
+    assert!(
+        peer.written <= 1 + 32 + 32 + 1 + 8,
+        "wrote {}",
+        peer.written
+    );
     admitted
 }
 
@@ -128,6 +156,38 @@ mod tests {
         #[test]
         fn arbitrary_frame_headers_never_panic(input in proptest::collection::vec(any::<u8>(), 36)) {
             frame_header(&input);
+        }
+
+        /// Arbitrary bytes are never accepted as a checksummed frame (the chance that random
+        /// bytes carry a valid magic, header and two CRC32C words is nil), and never panic.
+        #[test]
+        fn arbitrary_checked_frames_are_refused(input in proptest::collection::vec(any::<u8>(), 0..200)) {
+            prop_assert!(!checked_frame(&input));
+        }
+
+        /// A valid checksummed frame with one byte changed is always refused; unchanged, it
+        /// is accepted.
+        #[test]
+        fn a_checked_frame_with_one_byte_changed_is_refused(
+            payload in proptest::collection::vec(any::<u8>(), 0..300),
+            seq in any::<u64>(),
+            at in any::<proptest::sample::Index>(),
+            flip in 1u8..=255,
+        ) {
+            let header = crate::tcp::FrameHeader {
+                kind: crate::tcp::FrameKind::Data,
+                dtype: crate::DType::U8,
+                group: 1,
+                seq,
+                tag: 2,
+                root: 0,
+                payload_bytes: payload.len() as u64,
+            };
+            let mut wire = encode_frame(&header, &payload, true);
+            prop_assert!(checked_frame(&wire));
+            let at = at.index(wire.len());
+            wire[at] ^= flip;
+            prop_assert!(!checked_frame(&wire));
         }
     }
 }

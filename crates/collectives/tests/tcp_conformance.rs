@@ -330,7 +330,8 @@ fn stray_clients_on_a_ranks_port_are_refused_and_the_world_still_works() {
     let mut hello = Vec::new();
     hello.extend_from_slice(&MESH_MAGIC.to_le_bytes());
     hello.extend_from_slice(&MESH_PROTOCOL_VERSION.to_le_bytes());
-    for word in [7u64, 1, SIZE as u64] {
+    // Token, rank, world size, flags (no frame checksums, like the world's default).
+    for word in [7u64, 1, SIZE as u64, 0] {
         hello.extend_from_slice(&word.to_le_bytes());
     }
     foreign.write_all(&hello).unwrap();

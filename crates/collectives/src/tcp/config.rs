@@ -3,7 +3,13 @@
 use std::net::{IpAddr, Ipv4Addr};
 use std::time::Duration;
 
+use crate::error::{EnvExpectation, Error, Result};
 use crate::shm::{DEFAULT_RING_BYTES, TransportPolicy};
+
+/// The environment variable that overrides [`TcpConfig::frame_checksum`] in
+/// [`Mesh::establish`](super::Mesh::establish) (and so in `TcpCommunicator::connect`,
+/// `rendezvous_from_env` and `init_from_env`): `1`, `true`, `on` or `0`, `false`, `off`.
+pub const CRC32C_VAR: &str = "HYPERSHARD_CRC32C";
 
 /// The default [`TcpConfig::small_all_reduce_bytes`] (see docs/collectives.md, "Measured
 /// defaults").
@@ -95,6 +101,17 @@ pub struct TcpConfig {
     /// The data capacity of each shared-memory ring (one per ordered pair of co-located
     /// ranks), rounded up to a multiple of 64 bytes, at least 256.
     pub shm_ring_bytes: usize,
+    /// Whether every TCP frame carries CRC32C checksums: one of its header (checked before the
+    /// header is trusted) and one of header and payload (checked before the frame is
+    /// delivered); a mismatch fails the op with
+    /// [`ProtocolViolation::ChecksumFailed`](crate::ProtocolViolation::ChecksumFailed). Off by
+    /// default (TCP's own checksum and the link's CRC already catch most corruption; this
+    /// catches what slips past them, at the cost measured in docs/benchmarks.md, "CRC32C
+    /// cost"). The mesh handshake carries the setting and refuses a peer that differs with
+    /// [`ProtocolViolation::ChecksumSettingMismatch`](crate::ProtocolViolation::ChecksumSettingMismatch).
+    /// [`CRC32C_VAR`] (`HYPERSHARD_CRC32C`) overrides it. Shared-memory channels carry no
+    /// checksums (docs/collectives.md, "Frame checksums").
+    pub frame_checksum: bool,
 }
 
 impl Default for TcpConfig {
@@ -111,6 +128,7 @@ impl Default for TcpConfig {
             tree_broadcast_bytes: DEFAULT_TREE_BROADCAST_BYTES,
             transport: TransportPolicy::Tcp,
             shm_ring_bytes: DEFAULT_RING_BYTES,
+            frame_checksum: false,
         }
     }
 }
@@ -156,5 +174,63 @@ impl TcpConfig {
     pub fn with_broadcast(mut self, algorithm: BroadcastAlgorithm) -> Self {
         self.broadcast = algorithm;
         self
+    }
+
+    /// The same config with per-frame CRC32C checksums on or off.
+    pub fn with_frame_checksum(mut self, on: bool) -> Self {
+        self.frame_checksum = on;
+        self
+    }
+
+    /// [`TcpConfig::frame_checksum`] after the [`CRC32C_VAR`] override: the variable's value
+    /// when it is set (an unparsable one is [`Error::InvalidEnv`]), the config's otherwise.
+    pub fn frame_checksum_from_env(&self) -> Result<bool> {
+        match std::env::var(CRC32C_VAR) {
+            Ok(text) => parse_switch(&text).ok_or(Error::InvalidEnv {
+                variable: CRC32C_VAR,
+                value: text,
+                expected: EnvExpectation::Switch,
+            }),
+            Err(std::env::VarError::NotPresent) => Ok(self.frame_checksum),
+            Err(std::env::VarError::NotUnicode(raw)) => Err(Error::InvalidEnv {
+                variable: CRC32C_VAR,
+                value: raw.to_string_lossy().into_owned(),
+                expected: EnvExpectation::Switch,
+            }),
+        }
+    }
+}
+
+/// Parses an on/off switch: `1`, `true`, `on`, `yes` or `0`, `false`, `off`, `no` (any case,
+/// surrounding blanks ignored).
+pub(crate) fn parse_switch(text: &str) -> Option<bool> {
+    match text.trim().to_ascii_lowercase().as_str() {
+        "1" | "true" | "on" | "yes" => Some(true),
+        "0" | "false" | "off" | "no" => Some(false),
+        _ => None,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn switches_parse_and_garbage_does_not() {
+        for on in ["1", "true", "ON", " yes "] {
+            assert_eq!(parse_switch(on), Some(true), "{on}");
+        }
+        for off in ["0", "False", "off", "no"] {
+            assert_eq!(parse_switch(off), Some(false), "{off}");
+        }
+        for bad in ["", "2", "enable", "crc"] {
+            assert_eq!(parse_switch(bad), None, "{bad}");
+        }
+        assert!(!TcpConfig::default().frame_checksum);
+        assert!(
+            TcpConfig::default()
+                .with_frame_checksum(true)
+                .frame_checksum
+        );
     }
 }

@@ -7,8 +7,9 @@ use std::time::{Duration, Instant};
 
 use super::config::TcpConfig;
 use super::handshake::{
-    ACCEPTED, ACCEPTOR_LABEL, CHALLENGE, CONNECTOR_LABEL, Expectation, Hello, HelloFailure,
-    REFUSED_AUTH, REFUSED_RANK, REFUSED_TOKEN, REFUSED_VERSION, Transcript, accept_hello,
+    ACCEPTED, ACCEPTOR_LABEL, CHALLENGE, CONNECTOR_LABEL, Expectation, FLAG_FRAME_CHECKSUM, Hello,
+    HelloFailure, REFUSED_AUTH, REFUSED_CHECKSUM, REFUSED_RANK, REFUSED_TOKEN, REFUSED_VERSION,
+    Transcript, accept_hello,
 };
 use crate::auth::{self, JobSecret, NONCE_BYTES, PROOF_BYTES};
 use crate::error::{Error, IoAction, ProtocolViolation, Result};
@@ -18,11 +19,13 @@ use crate::store::Store;
 const HELLO_TIMEOUT: Duration = Duration::from_secs(5);
 
 /// A full mesh: `peer(p)` is the connection to rank `p` (none for this rank itself). Every
-/// stream has `TCP_NODELAY` set and no read timeout.
+/// stream has `TCP_NODELAY` set and no read timeout. Every connection agreed on the frame
+/// checksum setting ([`Mesh::frame_checksum`]) in its handshake.
 #[derive(Debug)]
 pub struct Mesh {
     rank: usize,
     peers: Vec<Option<TcpStream>>,
+    frame_checksum: bool,
 }
 
 /// The store key under which `rank` publishes its listener's address.
@@ -44,7 +47,8 @@ impl Mesh {
     /// every rank must call it with the same store, world size and job token. Every
     /// connection is authenticated with the job secret of this process's environment
     /// ([`JobSecret::from_env`]: `HYPERSHARD_JOB_SECRET` or `HYPERSHARD_JOB_SECRET_FILE`;
-    /// none set: no authentication).
+    /// none set: no authentication), and the frame checksum setting is
+    /// [`TcpConfig::frame_checksum_from_env`] (`HYPERSHARD_CRC32C` over the config's).
     pub fn establish(
         store: &dyn Store,
         rank: usize,
@@ -52,12 +56,18 @@ impl Mesh {
         config: &TcpConfig,
     ) -> Result<Mesh> {
         let secret = JobSecret::from_env()?;
-        Mesh::establish_with_secret(store, rank, world_size, config, secret.as_ref())
+        let config = config
+            .clone()
+            .with_frame_checksum(config.frame_checksum_from_env()?);
+        Mesh::establish_with_secret(store, rank, world_size, &config, secret.as_ref())
     }
 
-    /// [`Mesh::establish`] with the job secret given (`None`: no authentication). Both ends
-    /// of every connection prove they hold it (HMAC-SHA256 challenge-response); a connection
-    /// that cannot is refused, logged with its remote address, and does not count.
+    /// [`Mesh::establish`] with the job secret given (`None`: no authentication) and the
+    /// config taken as it is (no environment override). Both ends of every connection prove
+    /// they hold the secret (HMAC-SHA256 challenge-response); a connection that cannot is
+    /// refused, logged with its remote address, and does not count. Both ends must have the
+    /// same [`TcpConfig::frame_checksum`]: a member of the job that differs fails the
+    /// rendezvous of both with [`ProtocolViolation::ChecksumSettingMismatch`].
     pub fn establish_with_secret(
         store: &dyn Store,
         rank: usize,
@@ -100,7 +110,11 @@ impl Mesh {
                 .set_nodelay(true)
                 .map_err(io_error(IoAction::SocketOption, None))?;
         }
-        Ok(Mesh { rank, peers })
+        Ok(Mesh {
+            rank,
+            peers,
+            frame_checksum: config.frame_checksum,
+        })
     }
 
     /// This rank.
@@ -116,6 +130,11 @@ impl Mesh {
     /// The connection to `peer`; `None` for this rank itself or an out-of-range rank.
     pub fn peer(&self, peer: usize) -> Option<&TcpStream> {
         self.peers.get(peer).and_then(Option::as_ref)
+    }
+
+    /// Whether every frame on this mesh carries CRC32C checksums (agreed with every peer).
+    pub fn frame_checksum(&self) -> bool {
+        self.frame_checksum
     }
 
     /// The connections, by peer rank (`None` at this rank's own slot).
@@ -166,6 +185,7 @@ fn connect_to(
         job_token: config.job_token,
         rank: rank as u64,
         world_size: world_size as u64,
+        frame_checksum: config.frame_checksum,
     };
     let hello_bytes = hello.encode();
     let connector_nonce = auth::fresh_nonce()?;
@@ -233,6 +253,19 @@ fn connect_to(
             })
         }
         REFUSED_RANK => Some(ProtocolViolation::BadRank { rank: rank as u64 }),
+        REFUSED_CHECKSUM => {
+            // The refusing rank follows the code with its flags.
+            let mut theirs = [0u8; 8];
+            stream
+                .read_exact(&mut theirs)
+                .map_err(io_error(IoAction::Read, Some(peer)))?;
+            Some(ProtocolViolation::ChecksumSettingMismatch {
+                rank: rank as u64,
+                ours: config.frame_checksum,
+                peer: peer as u64,
+                theirs: u64::from_le_bytes(theirs) & FLAG_FRAME_CHECKSUM != 0,
+            })
+        }
         other => Some(ProtocolViolation::UnexpectedFrame {
             expected: ACCEPTED,
             got: other,
@@ -312,6 +345,7 @@ fn accept_higher(
                     world_size: world_size as u64,
                     acceptor_rank: rank as u64,
                     secret: secret.cloned(),
+                    frame_checksum: config.frame_checksum,
                 };
                 let spawned = thread::Builder::new()
                     .name(format!("hypershard-tcp-hello-{rank}"))
@@ -376,6 +410,17 @@ fn admit(outcome: HelloOutcome, peers: &mut [Option<TcpStream>], rank: usize) ->
         }
         Err(HelloFailure::Violation(violation)) => {
             tracing::warn!(rank, %from, %violation, "tcp mesh: refused a connection");
+        }
+        Err(HelloFailure::Settings { peer, violation }) => {
+            // An authenticated member of this job that cannot share the mesh with us: no
+            // later connection can fix that, so the rendezvous fails now instead of at its
+            // deadline.
+            tracing::warn!(rank, %from, peer, %violation, "tcp mesh: a peer's settings differ");
+            return Err(Error::Protocol {
+                // invariant: accept_hello checked the rank against the world size.
+                peer: Some(usize::try_from(peer).unwrap_or(usize::MAX)),
+                violation,
+            });
         }
         Err(HelloFailure::Io(e)) => {
             tracing::warn!(rank, %from, error = %e, "tcp mesh: a connection failed during its hello");
@@ -474,6 +519,7 @@ mod tests {
             job_token: 0,
             rank: 1,
             world_size: 2,
+            frame_checksum: false,
         };
         raw.write_all(&hello.encode()).unwrap();
         raw.write_all(&[0u8; NONCE_BYTES]).unwrap();
@@ -600,6 +646,7 @@ mod tests {
             job_token: 0,
             rank: 1,
             world_size: 2,
+            frame_checksum: false,
         }
         .encode();
         hello[4..8].copy_from_slice(&99u32.to_le_bytes());

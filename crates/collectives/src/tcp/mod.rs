@@ -38,11 +38,14 @@ mod world;
 
 pub use communicator::{BACKEND, TcpCommunicator};
 pub use config::{
-    AllReduceAlgorithm, BroadcastAlgorithm, DEFAULT_HALVING_DOUBLING_BYTES, DEFAULT_SEGMENT_BYTES,
-    DEFAULT_SMALL_ALL_REDUCE_BYTES, DEFAULT_TREE_BROADCAST_BYTES, TcpConfig,
+    AllReduceAlgorithm, BroadcastAlgorithm, CRC32C_VAR, DEFAULT_HALVING_DOUBLING_BYTES,
+    DEFAULT_SEGMENT_BYTES, DEFAULT_SMALL_ALL_REDUCE_BYTES, DEFAULT_TREE_BROADCAST_BYTES, TcpConfig,
 };
-pub use frame::{FRAME_HEADER_BYTES, FRAME_MAGIC, FrameHeader, FrameKind};
-pub use handshake::{MESH_MAGIC, MESH_PROTOCOL_VERSION};
+pub use frame::{
+    FRAME_CHECKSUM_BYTES, FRAME_HEADER_BYTES, FRAME_MAGIC, FrameHeader, FrameKind, decode_frame,
+    encode_frame, header_checksum,
+};
+pub use handshake::{FLAG_FRAME_CHECKSUM, MESH_MAGIC, MESH_PROTOCOL_VERSION};
 pub use launch::{AGENT_STORE_VAR, Rendezvous, agent_hosts_store, rendezvous_from_env};
 pub use mesh::Mesh;
 pub use transport::{Frame, MailboxKey, Transport, WaitBudget};

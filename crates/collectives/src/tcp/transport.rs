@@ -8,6 +8,17 @@
 //! deadline passes. Sends write the whole frame under the peer's writer lock and never wait
 //! for the receiver to ask for it: the kernel buffers and the remote reader thread drain the
 //! socket, so two ranks that both send before receiving cannot deadlock.
+//!
+//! With frame checksums on (agreed by the mesh handshake, [`Mesh::frame_checksum`]), each
+//! frame also carries the CRC32C of its header right after it and the CRC32C of header and
+//! payload after the payload (the layout of [`encode_frame`](super::frame::encode_frame)).
+//! The reader checks the header's word before decoding the header, and folds the payload into
+//! the running CRC as it lands (a staging chunk at a time, while it is still in cache), then
+//! checks the trailer before the frame counts as received: a mismatch is delivered to this
+//! rank's waiters as [`ProtocolViolation::ChecksumFailed`] and costs the sender its
+//! connection, like any other protocol violation. A payload read straight into a posted
+//! buffer (or combined into it) is never counted as filled when its trailer fails; the op
+//! fails, so what the buffer holds then is unspecified, as after any failed op.
 
 use std::collections::{HashMap, VecDeque};
 use std::io::{self, Read, Write};
@@ -16,7 +27,10 @@ use std::sync::{Arc, Condvar, Mutex, MutexGuard};
 use std::thread::{self, JoinHandle};
 use std::time::{Duration, Instant};
 
-use super::frame::{FRAME_HEADER_BYTES, FrameHeader, FrameKind};
+use super::frame::{
+    FRAME_CHECKSUM_BYTES, FRAME_HEADER_BYTES, FrameHeader, FrameKind, check_header, check_trailer,
+    header_checksum,
+};
 use super::mesh::Mesh;
 use crate::error::{Error, IoAction, ProtocolViolation, Result};
 use crate::op::OpKind;
@@ -226,6 +240,8 @@ impl Shared {
 pub struct Transport {
     rank: usize,
     max_payload: u64,
+    /// Whether frames to and from peers carry CRC32C checksums.
+    checksum: bool,
     writers: Vec<Option<Mutex<TcpStream>>>,
     pub(super) shared: Arc<Shared>,
     readers: Vec<JoinHandle<()>>,
@@ -241,18 +257,22 @@ fn io_error(action: IoAction, peer: usize) -> impl FnOnce(io::Error) -> Error {
 
 impl Transport {
     /// Starts one reader thread per peer of `mesh`. Frames whose payload exceeds
-    /// `max_payload` bytes are protocol violations and cost the sender its connection.
+    /// `max_payload` bytes are protocol violations and cost the sender its connection. Frames
+    /// carry CRC32C checksums when the mesh agreed on them ([`Mesh::frame_checksum`]).
     pub fn start(mesh: Mesh, max_payload: u64) -> Result<Transport> {
         let rank = mesh.rank();
-        Transport::from_streams(rank, mesh.into_peers(), max_payload)
+        let checksum = mesh.frame_checksum();
+        Transport::from_streams(rank, mesh.into_peers(), max_payload, checksum)
     }
 
     /// Starts a transport over already-connected streams (`streams[p]` leads to rank `p`,
-    /// `None` for `rank` itself).
+    /// `None` for `rank` itself), with frame checksums when `checksum` (both ends of every
+    /// stream must agree).
     pub(crate) fn from_streams(
         rank: usize,
         streams: Vec<Option<TcpStream>>,
         max_payload: u64,
+        checksum: bool,
     ) -> Result<Transport> {
         let shared = Arc::new(Shared::default());
         let mut writers = Vec::with_capacity(streams.len());
@@ -272,6 +292,7 @@ impl Transport {
         let mut transport = Transport {
             rank,
             max_payload,
+            checksum,
             writers,
             shared: Arc::clone(&shared),
             readers: Vec::new(),
@@ -280,7 +301,14 @@ impl Transport {
             let shared = Arc::clone(&shared);
             let spawned = thread::Builder::new()
                 .name(format!("hypershard-tcp-rx-{rank}-from-{peer}"))
-                .spawn(move || read_frames(reader, peer, max_payload, &shared));
+                .spawn(move || {
+                    let limits = ReadLimits {
+                        peer,
+                        max_payload,
+                        checksum,
+                    };
+                    read_frames(reader, limits, &shared)
+                });
             match spawned {
                 Ok(handle) => readers.push(handle),
                 Err(source) => {
@@ -305,6 +333,11 @@ impl Transport {
     /// The number of ranks.
     pub fn world_size(&self) -> usize {
         self.writers.len()
+    }
+
+    /// Whether frames to and from peers carry CRC32C checksums.
+    pub fn frame_checksum(&self) -> bool {
+        self.checksum
     }
 
     fn check_peer(&self, op: OpKind, peer: usize) -> Result<()> {
@@ -371,15 +404,29 @@ impl Transport {
         if self.shared.lock().lost.contains_key(&peer) {
             return Err(Error::PeerLost { op, peer });
         }
+        // Header and payload leave in one vectored write, so a small frame is one segment on
+        // the wire (with TCP_NODELAY a separate header write would be its own packet). The
+        // checksums are computed before the writer lock is taken.
+        let encoded = header.encode();
+        let words = self.checksum.then(|| {
+            let head = header_checksum(&encoded);
+            let tail = parts
+                .iter()
+                .fold(head, |crc, part| crc32c::crc32c_append(crc, part));
+            (head.to_le_bytes(), tail.to_le_bytes())
+        });
+        let mut slices: Vec<&[u8]> = Vec::with_capacity(parts.len() + 3);
+        slices.push(&encoded);
+        if let Some((head, _)) = &words {
+            slices.push(head);
+        }
+        slices.extend_from_slice(parts);
+        if let Some((_, tail)) = &words {
+            slices.push(tail);
+        }
         let mut stream = writer
             .lock()
             .unwrap_or_else(std::sync::PoisonError::into_inner);
-        // Header and payload leave in one vectored write, so a small frame is one segment on
-        // the wire (with TCP_NODELAY a separate header write would be its own packet).
-        let encoded = header.encode();
-        let mut slices: Vec<&[u8]> = Vec::with_capacity(parts.len() + 1);
-        slices.push(&encoded);
-        slices.extend_from_slice(parts);
         let written = write_all_vectored(&mut *stream, &slices);
         if written.is_err() {
             // A failed write leaves the stream mid-frame, so the connection is unusable.
@@ -521,12 +568,70 @@ pub(super) fn wait_error(state: &State, budget: &WaitBudget, peer: usize) -> Opt
     None
 }
 
+/// What a reader thread knows about its connection: the peer, the payload cap, and whether
+/// frames carry checksums.
+#[derive(Clone, Copy, Debug)]
+struct ReadLimits {
+    peer: usize,
+    max_payload: u64,
+    checksum: bool,
+}
+
+/// How reading a frame's payload (and, with checksums, its trailer) ended.
+enum PayloadRead {
+    /// Every byte arrived and, with checksums, the trailer matched.
+    Whole,
+    /// The connection failed mid-frame.
+    Closed,
+    /// The trailer did not match what arrived.
+    Corrupt(ProtocolViolation),
+}
+
+/// Reads `dst.len()` bytes; with a running checksum (`crc`), a staging chunk at a time, each
+/// folded into the checksum right after it lands (while it is still in cache).
+fn read_summed(stream: &mut TcpStream, dst: &mut [u8], crc: &mut Option<u32>) -> bool {
+    match crc {
+        None => stream.read_exact(dst).is_ok(),
+        Some(running) => {
+            for chunk in dst.chunks_mut(STAGING_BYTES) {
+                if stream.read_exact(chunk).is_err() {
+                    return false;
+                }
+                *running = crc32c::crc32c_append(*running, chunk);
+            }
+            true
+        }
+    }
+}
+
+/// With checksums (`crc` is the running CRC32C of header and payload), reads the frame's
+/// trailer and compares; without, there is nothing to read.
+fn read_trailer(
+    stream: &mut TcpStream,
+    header: &FrameHeader,
+    crc: Option<u32>,
+    peer: usize,
+) -> PayloadRead {
+    let Some(computed) = crc else {
+        return PayloadRead::Whole;
+    };
+    let mut word = [0u8; FRAME_CHECKSUM_BYTES];
+    if stream.read_exact(&mut word).is_err() {
+        return PayloadRead::Closed;
+    }
+    match check_trailer(header, u32::from_le_bytes(word), computed, peer) {
+        Ok(()) => PayloadRead::Whole,
+        Err(Error::Protocol { violation, .. }) => PayloadRead::Corrupt(violation),
+        Err(_) => PayloadRead::Closed,
+    }
+}
+
 /// What [`read_into_posted`] did with a frame's payload.
 enum DirectRead {
     /// Read into a posted destination.
     Done,
-    /// The connection failed mid-payload.
-    Failed,
+    /// The connection failed mid-payload, or the frame failed its checksum.
+    Failed(LossCause),
     /// Nobody posted a destination that fits: read it into the mailbox as usual.
     NotPosted,
 }
@@ -535,7 +640,8 @@ enum DirectRead {
 /// if there is one that fits it exactly as [`Link::recv_data`](super::link::Link) would accept
 /// it (same dtype, whole elements, within what is still missing) and no earlier frame for the
 /// key is still queued in the mailbox (frames must land in order). Anything else goes to the
-/// mailbox, where the waiter finds and judges it.
+/// mailbox, where the waiter finds and judges it. With checksums (`crc` is the header's
+/// CRC32C) the payload only counts as filled once the trailer matched.
 fn read_into_posted(
     stream: &mut TcpStream,
     peer: usize,
@@ -543,6 +649,7 @@ fn read_into_posted(
     len: usize,
     shared: &Shared,
     staging: &mut Staging,
+    mut crc: Option<u32>,
 ) -> DirectRead {
     let slot = (peer, MailboxKey::of(header));
     let target = {
@@ -575,29 +682,36 @@ fn read_into_posted(
     // is posted, and nobody writes them meanwhile; `offset + len` is within them, as above.
     let own = own.map(|own| unsafe { std::slice::from_raw_parts(own.0.add(offset), len) });
     let read = match reduce {
-        None => stream.read_exact(dst).is_ok(),
-        Some(plan) => read_and_combine(stream, &plan, dst, own, staging),
+        None => read_summed(stream, dst, &mut crc),
+        Some(plan) => read_and_combine(stream, &plan, dst, own, staging, &mut crc),
     };
+    let outcome = if read {
+        read_trailer(stream, header, crc, peer)
+    } else {
+        PayloadRead::Closed
+    };
+    let whole = matches!(outcome, PayloadRead::Whole);
     {
         let mut state = shared.lock();
         if let Some(post) = state.posted.get_mut(&slot) {
             post.writing = false;
-            if read {
+            if whole {
                 post.filled += len;
             }
         }
     }
     shared.arrived.notify_all();
-    if read {
-        DirectRead::Done
-    } else {
-        DirectRead::Failed
+    match outcome {
+        PayloadRead::Whole => DirectRead::Done,
+        PayloadRead::Closed => DirectRead::Failed(LossCause::Closed),
+        PayloadRead::Corrupt(violation) => DirectRead::Failed(LossCause::Protocol(violation)),
     }
 }
 
 /// Reads `dst.len()` bytes from `stream` a staging buffer at a time and combines each piece
 /// into `dst` (`dst ⊕= piece`, or `dst = own ⊕ piece` when `own` is given, of `dst`'s
-/// length). Returns whether every byte arrived (the combine itself cannot fail: `dst` is
+/// length), folding each piece into the running checksum `crc` (when there is one) before it
+/// is combined. Returns whether every byte arrived (the combine itself cannot fail: `dst` is
 /// whole elements, checked by the caller, and the staging size is a multiple of 8).
 fn read_and_combine(
     stream: &mut TcpStream,
@@ -605,11 +719,15 @@ fn read_and_combine(
     dst: &mut [u8],
     own: Option<&[u8]>,
     staging: &mut Staging,
+    crc: &mut Option<u32>,
 ) -> bool {
     for (index, acc) in dst.chunks_mut(STAGING_BYTES).enumerate() {
         let incoming = staging.bytes(acc.len());
         if stream.read_exact(incoming).is_err() {
             return false;
+        }
+        if let Some(running) = crc {
+            *running = crc32c::crc32c_append(*running, incoming);
         }
         let combined = match own {
             None => plan.combine(acc, incoming),
@@ -629,46 +747,90 @@ fn read_and_combine(
     true
 }
 
-/// The body of a reader thread: files frames from `peer` until the connection ends.
-fn read_frames(mut stream: TcpStream, peer: usize, max_payload: u64, shared: &Shared) {
+/// Reads one frame header from `stream` and, with checksums, its CRC32C word, which is
+/// checked before the header is decoded. `Ok(None)`: the connection ended.
+fn read_header(
+    stream: &mut TcpStream,
+    limits: ReadLimits,
+) -> std::result::Result<Option<(FrameHeader, Option<u32>)>, Error> {
+    // One read for header and word together: the word is part of the header on the wire.
+    let mut bytes = [0u8; FRAME_HEADER_BYTES + FRAME_CHECKSUM_BYTES];
+    let wire = if limits.checksum {
+        &mut bytes[..]
+    } else {
+        &mut bytes[..FRAME_HEADER_BYTES]
+    };
+    if stream.read_exact(wire).is_err() {
+        return Ok(None);
+    }
+    let mut header_bytes = [0u8; FRAME_HEADER_BYTES];
+    header_bytes.copy_from_slice(&bytes[..FRAME_HEADER_BYTES]);
+    let crc = if limits.checksum {
+        let mut word = [0u8; FRAME_CHECKSUM_BYTES];
+        word.copy_from_slice(&bytes[FRAME_HEADER_BYTES..]);
+        Some(check_header(
+            &header_bytes,
+            u32::from_le_bytes(word),
+            limits.peer,
+        )?)
+    } else {
+        None
+    };
+    let header = FrameHeader::decode(&header_bytes, limits.peer, limits.max_payload)?;
+    Ok(Some((header, crc)))
+}
+
+/// The body of a reader thread: files frames from `limits.peer` until the connection ends.
+fn read_frames(mut stream: TcpStream, limits: ReadLimits, shared: &Shared) {
+    let peer = limits.peer;
     let mut staging = Staging::new();
-    loop {
-        let mut header_bytes = [0u8; FRAME_HEADER_BYTES];
-        if stream.read_exact(&mut header_bytes).is_err() {
-            shared.mark_lost(peer, LossCause::Closed);
-            return;
+    // A frame that breaks the protocol (a bad header, a failed checksum) ends the connection:
+    // after it the stream position, or the peer, cannot be trusted.
+    let fail = |stream: &TcpStream, cause: LossCause| {
+        if matches!(cause, LossCause::Protocol(_)) {
+            let _ = stream.shutdown(Shutdown::Both);
         }
-        let header = match FrameHeader::decode(&header_bytes, peer, max_payload) {
-            Ok(header) => header,
+        shared.mark_lost(peer, cause);
+    };
+    loop {
+        let (header, mut crc) = match read_header(&mut stream, limits) {
+            Ok(Some(read)) => read,
+            Ok(None) => return fail(&stream, LossCause::Closed),
             Err(error) => {
                 let cause = match error {
                     Error::Protocol { violation, .. } => LossCause::Protocol(violation),
                     _ => LossCause::Closed,
                 };
-                // After a bad header the stream position is unknown, so the connection ends.
-                let _ = stream.shutdown(Shutdown::Both);
-                shared.mark_lost(peer, cause);
-                return;
+                return fail(&stream, cause);
             }
         };
         // invariant: decode checked payload_bytes <= max_payload, which the caller chose as an
         // allocatable size, so it fits in usize on every supported target.
         let len = usize::try_from(header.payload_bytes).unwrap_or(usize::MAX);
-        match read_into_posted(&mut stream, peer, &header, len, shared, &mut staging) {
+        match read_into_posted(&mut stream, peer, &header, len, shared, &mut staging, crc) {
             DirectRead::Done => continue,
-            DirectRead::Failed => {
-                shared.mark_lost(peer, LossCause::Closed);
-                return;
-            }
+            DirectRead::Failed(cause) => return fail(&stream, cause),
             DirectRead::NotPosted => {}
         }
         let mut payload = shared.payload_buffer(len);
-        if stream.read_exact(&mut payload).is_err() {
-            // A frame cut short is never delivered: waiters see the peer as lost instead.
-            shared.mark_lost(peer, LossCause::Closed);
-            return;
+        let outcome = if read_summed(&mut stream, &mut payload, &mut crc) {
+            read_trailer(&mut stream, &header, crc, peer)
+        } else {
+            PayloadRead::Closed
+        };
+        match outcome {
+            PayloadRead::Whole => shared.deliver(peer, Frame { header, payload }),
+            // A frame cut short, or one whose bytes are not what was sent, is never
+            // delivered: waiters see the peer as lost (or its violation) instead.
+            PayloadRead::Closed => {
+                shared.recycle(payload);
+                return fail(&stream, LossCause::Closed);
+            }
+            PayloadRead::Corrupt(violation) => {
+                shared.recycle(payload);
+                return fail(&stream, LossCause::Protocol(violation));
+            }
         }
-        shared.deliver(peer, Frame { header, payload });
     }
 }
 
@@ -695,10 +857,21 @@ pub(super) mod tests {
     }
 
     pub(in crate::tcp) fn transports(n: usize, max_payload: u64) -> Vec<Transport> {
+        transports_with(n, max_payload, false)
+    }
+
+    /// [`transports`] with frame checksums on or off.
+    pub(in crate::tcp) fn transports_with(
+        n: usize,
+        max_payload: u64,
+        checksum: bool,
+    ) -> Vec<Transport> {
         stream_mesh(n)
             .into_iter()
             .enumerate()
-            .map(|(rank, streams)| Transport::from_streams(rank, streams, max_payload).unwrap())
+            .map(|(rank, streams)| {
+                Transport::from_streams(rank, streams, max_payload, checksum).unwrap()
+            })
             .collect()
     }
 
@@ -859,7 +1032,7 @@ pub(super) mod tests {
     fn an_oversized_or_garbage_frame_is_a_protocol_error() {
         let mut mesh = stream_mesh(2);
         let mut raw = mesh[1][0].take().unwrap();
-        let receiver = Transport::from_streams(0, std::mem::take(&mut mesh[0]), 64).unwrap();
+        let receiver = Transport::from_streams(0, std::mem::take(&mut mesh[0]), 64, false).unwrap();
         raw.write_all(&header(0, 0, 65).encode()).unwrap();
         let error = receiver
             .recv(&budget(5_000), 1, MailboxKey::of(&header(0, 0, 0)))
@@ -880,7 +1053,7 @@ pub(super) mod tests {
     fn a_frame_cut_short_is_never_delivered() {
         let mut mesh = stream_mesh(2);
         let mut raw = mesh[1][0].take().unwrap();
-        let receiver = Transport::from_streams(0, std::mem::take(&mut mesh[0]), 64).unwrap();
+        let receiver = Transport::from_streams(0, std::mem::take(&mut mesh[0]), 64, false).unwrap();
         raw.write_all(&header(0, 0, 10).encode()).unwrap();
         raw.write_all(&[1, 2, 3]).unwrap();
         drop(raw);
@@ -943,5 +1116,159 @@ pub(super) mod tests {
             "{peer_view:?}"
         );
         assert!(started.elapsed() < Duration::from_secs(3));
+    }
+
+    #[test]
+    fn checksummed_frames_arrive_whole_through_the_mailbox_and_posts() {
+        let ranks = transports_with(2, 1 << 20, true);
+        assert!(ranks[0].frame_checksum() && ranks[1].frame_checksum());
+        // A frame larger than a staging chunk, so the running checksum spans several chunks.
+        let long: Vec<u8> = (0..(STAGING_BYTES + 4097))
+            .map(|i| (i % 241) as u8)
+            .collect();
+        let len = long.len() as u64;
+        ranks[0]
+            .send(OpKind::AllGather, 1, header(0, 1, len), &long)
+            .unwrap();
+        let frame = ranks[1]
+            .recv(&budget(5_000), 0, MailboxKey::of(&header(0, 1, 0)))
+            .unwrap();
+        assert_eq!(frame.payload, long);
+        // In pieces (vectored), and an empty payload.
+        let (a, b) = long.split_at(1000);
+        ranks[1]
+            .send_parts(OpKind::AllGather, 0, header(1, 2, len), &[a, b])
+            .unwrap();
+        ranks[1]
+            .send(OpKind::Barrier, 0, header(2, 3, 0), &[])
+            .unwrap();
+        let parts = ranks[0]
+            .recv(&budget(5_000), 1, MailboxKey::of(&header(1, 2, 0)))
+            .unwrap();
+        assert_eq!(parts.payload, long);
+        let empty = ranks[0]
+            .recv(&budget(5_000), 1, MailboxKey::of(&header(2, 3, 0)))
+            .unwrap();
+        assert!(empty.payload.is_empty());
+    }
+
+    /// Rank 0 of a two-rank world with checksums, and the raw socket of its peer.
+    fn checksummed_receiver() -> (Transport, TcpStream) {
+        let mut mesh = stream_mesh(2);
+        let raw = mesh[1][0].take().unwrap();
+        let receiver =
+            Transport::from_streams(0, std::mem::take(&mut mesh[0]), 1 << 10, true).unwrap();
+        (receiver, raw)
+    }
+
+    #[test]
+    fn a_corrupted_payload_is_a_checksum_error_naming_the_frame_and_never_delivered() {
+        let (receiver, mut raw) = checksummed_receiver();
+        let sent = header(5, 9, 8);
+        let mut wire = super::super::frame::encode_frame(&sent, &[1, 2, 3, 4, 5, 6, 7, 8], true);
+        wire[FRAME_HEADER_BYTES + FRAME_CHECKSUM_BYTES + 3] ^= 0x04;
+        raw.write_all(&wire).unwrap();
+        let started = Instant::now();
+        let error = receiver
+            .recv(&budget(5_000), 1, MailboxKey::of(&header(5, 9, 0)))
+            .unwrap_err();
+        let expected = MailboxKey::of(&sent);
+        match error {
+            Error::Protocol {
+                peer: Some(1),
+                violation:
+                    ProtocolViolation::ChecksumFailed {
+                        frame: Some(key),
+                        sent,
+                        computed,
+                    },
+            } => {
+                assert_eq!(key, expected);
+                assert_eq!((key.kind, key.seq, key.tag), (FrameKind::Data, 5, 9));
+                assert_ne!(sent, computed);
+            }
+            other => panic!("{other:?}"),
+        }
+        assert!(started.elapsed() < Duration::from_secs(3));
+        // The connection is shut, so the sender sees this rank as gone.
+        let mut byte = [0u8; 1];
+        raw.set_read_timeout(Some(Duration::from_secs(5))).unwrap();
+        assert_eq!(raw.read(&mut byte).unwrap(), 0);
+    }
+
+    #[test]
+    fn a_corrupted_header_is_caught_before_its_length_is_used() {
+        let (receiver, mut raw) = checksummed_receiver();
+        // The length field says 4 bytes, but one flipped bit makes it 4 + 2^20: without the
+        // header's word the reader would wait for a megabyte that never comes (or refuse it
+        // as too large); with it, the header is refused at once.
+        let mut wire = super::super::frame::encode_frame(&header(0, 0, 4), &[7; 4], true);
+        wire[30] ^= 0x10;
+        raw.write_all(&wire).unwrap();
+        let error = receiver
+            .recv(&budget(5_000), 1, MailboxKey::of(&header(0, 0, 0)))
+            .unwrap_err();
+        assert!(
+            matches!(
+                error,
+                Error::Protocol {
+                    peer: Some(1),
+                    violation: ProtocolViolation::ChecksumFailed { frame: None, .. }
+                }
+            ),
+            "{error:?}"
+        );
+    }
+
+    #[test]
+    fn a_corrupted_frame_into_a_posted_buffer_is_never_counted_as_filled() {
+        use crate::tcp::posted::{PostMode, PostTarget, PostedOutcome, PostedRecv};
+        for reduce in [false, true] {
+            let (receiver, mut raw) = checksummed_receiver();
+            let mut dst = vec![0u8; 16];
+            let key = MailboxKey::of(&header(3, 1, 0));
+            let mode = if reduce {
+                PostMode::Reduce(
+                    crate::reduce::ReducePlan::new(crate::ReduceOp::Sum, DType::U8, 2).unwrap(),
+                )
+            } else {
+                PostMode::Copy(DType::U8)
+            };
+            let target = PostTarget {
+                len: dst.len(),
+                buffer: &mut dst,
+                own: None,
+            };
+            let posted = PostedRecv::post_prefix(&receiver, (1, key), mode, target);
+            // A good first half, then a corrupted second half.
+            raw.write_all(&super::super::frame::encode_frame(
+                &header(3, 1, 8),
+                &[1; 8],
+                true,
+            ))
+            .unwrap();
+            let mut bad = super::super::frame::encode_frame(&header(3, 1, 8), &[2; 8], true);
+            let last = bad.len() - 1;
+            bad[last] ^= 0xff;
+            raw.write_all(&bad).unwrap();
+            let mut seen = 0;
+            let outcome = posted.wait(&budget(5_000), |range| {
+                seen += range.len();
+                Ok(())
+            });
+            assert!(
+                matches!(
+                    outcome,
+                    Err(Error::Protocol {
+                        violation: ProtocolViolation::ChecksumFailed { frame: Some(_), .. },
+                        ..
+                    })
+                ),
+                "reduce {reduce}: {outcome:?}"
+            );
+            assert!(!matches!(outcome, Ok(PostedOutcome::Complete)));
+            // Only the frame whose trailer held was handed on.
+            assert_eq!(seen, 8, "reduce {reduce}");
+        }
     }
 }
