@@ -4,6 +4,9 @@
 //! absent ordinal is `Unavailable` even where the driver exists, and on a machine without a
 //! usable GPU opening device 0 is `Unavailable` too.
 //!
+//! Always: the kernel source compiles with NVRTC when libnvrtc is loadable (no GPU needed);
+//! with `HYPERSHARD_TEST_NVRTC=1` (or `HYPERSHARD_TEST_GPU=1`) it must be.
+//!
 //! With `HYPERSHARD_TEST_GPU=1`: the device must be there (else this FAILS, loudly), and every
 //! device operation is checked against the CPU tensor ops on closed-form inputs f(i): round
 //! trips of every dtype (pageable and pinned), each cast and elementwise kernel bit for bit,
@@ -14,12 +17,14 @@
 use std::process::ExitCode;
 
 use hypershard_tensor::cuda::{
-    CudaDevice, CudaError, CudaTensor, PinnedBuffer, Transpose, Unavailable, copy_in, copy_out,
-    device_count, gemm, matmul, probe,
+    CudaDevice, CudaError, CudaTensor, KERNEL_NAMES, PinnedBuffer, Transpose, Unavailable,
+    compile_kernels, copy_in, copy_out, device_count, gemm, matmul, probe,
 };
 use hypershard_tensor::{DType, Tensor};
 
 const GPU_ENV: &str = "HYPERSHARD_TEST_GPU";
+/// Asks for the NVRTC compile check (libnvrtc must then be loadable; no GPU needed).
+const NVRTC_ENV: &str = "HYPERSHARD_TEST_NVRTC";
 
 type Outcome = Result<(), String>;
 
@@ -122,6 +127,37 @@ fn creation_reports_unavailability() -> Outcome {
             }
             Err(other) => return Err(format!("expected Unavailable for device 0, got {other}")),
             Ok(device) => return Err(format!("no devices reported, yet {device:?} opened")),
+        }
+    }
+    Ok(())
+}
+
+/// The kernel source compiles with NVRTC (no GPU needed) for Ampere and Hopper, and the PTX
+/// defines every kernel; without libnvrtc, `Unavailable` (a failure when it was asked for).
+fn kernels_compile(asked: bool) -> Outcome {
+    for (major, minor) in [(8, 0), (9, 0)] {
+        match compile_kernels(major, minor) {
+            Ok(ptx) => {
+                for name in KERNEL_NAMES {
+                    ensure(ptx.contains(&format!(".entry {name}(")), || {
+                        format!("the PTX for sm_{major}{minor} has no entry {name}")
+                    })?;
+                }
+                ensure(ptx.contains(&format!(".target sm_{major}{minor}")), || {
+                    format!("the PTX is not for sm_{major}{minor}")
+                })?;
+            }
+            Err(CudaError::Unavailable {
+                reason:
+                    Unavailable::LibraryNotFound {
+                        library: "libnvrtc",
+                        ..
+                    },
+            }) if !asked => {
+                println!("cuda: libnvrtc is not loadable here, so the kernels were not compiled");
+                return Ok(());
+            }
+            Err(other) => return Err(other.to_string()),
         }
     }
     Ok(())
@@ -586,6 +622,8 @@ fn main() -> ExitCode {
         creation_reports_unavailability(),
     );
     let asked = std::env::var(GPU_ENV).is_ok_and(|v| v == "1");
+    let nvrtc_asked = asked || std::env::var(NVRTC_ENV).is_ok_and(|v| v == "1");
+    tally.check("kernels_compile", kernels_compile(nvrtc_asked));
     match CudaDevice::new(0) {
         Ok(device) => {
             println!(

@@ -17,8 +17,8 @@ use super::error::{CudaError, CudaResult, Unavailable, driver, nvrtc};
 /// The kernel source, kept in the crate.
 pub(crate) const SOURCE: &str = include_str!("kernels.cu");
 
-/// Every kernel the source defines (`extern "C"` names).
-pub(crate) const KERNEL_NAMES: &[&str] = &[
+/// Every kernel the source defines (its `extern "C"` names).
+pub const KERNEL_NAMES: &[&str] = &[
     "cast_f32_bf16",
     "cast_bf16_f32",
     "cast_f32_f16",
@@ -126,6 +126,32 @@ fn compile(op: &'static str, source: &str, options: Vec<String>) -> CudaResult<S
     Ok(text)
 }
 
+/// Checks that NVRTC is present and compiles [`SOURCE`] for compute capability `major.minor`.
+fn compile_for(op: &'static str, major: i32, minor: i32) -> CudaResult<String> {
+    // SAFETY: `is_culib_present` only tries `dlopen` on NVRTC's names and drops the handles;
+    // it touches no CUDA state. Tested by `tests/cuda.rs` (`kernels_compile`), with and without
+    // libnvrtc.
+    if !unsafe { cudarc::nvrtc::sys::is_culib_present() } {
+        return Err(CudaError::Unavailable {
+            reason: Unavailable::LibraryNotFound {
+                library: "libnvrtc",
+                tried: cudarc::get_lib_name_candidates("nvrtc"),
+            },
+        });
+    }
+    compile(op, SOURCE, compile_options(major, minor))
+}
+
+/// Compiles the crate's kernels to PTX for compute capability `major.minor` with NVRTC, as
+/// the first launch on a device does, and returns the PTX text.
+///
+/// It needs libnvrtc but no GPU or driver, so a machine with only NVRTC installed (pip's
+/// `nvidia-cuda-nvrtc-cu12`) can check that the source compiles; without libnvrtc it is
+/// [`CudaError::Unavailable`].
+pub fn compile_kernels(major: i32, minor: i32) -> CudaResult<String> {
+    compile_for("cuda::compile_kernels", major, minor)
+}
+
 /// A NUL-terminated C string (as NVRTC returns logs and PTX) as text, without the NULs at the
 /// end.
 pub(crate) fn c_chars_to_string(raw: &[std::ffi::c_char]) -> String {
@@ -135,21 +161,10 @@ pub(crate) fn c_chars_to_string(raw: &[std::ffi::c_char]) -> String {
 }
 
 impl Kernels {
-    /// Checks that NVRTC is present, compiles [`SOURCE`] for `device` and loads every kernel.
+    /// Compiles [`SOURCE`] for `device` (see [`compile_kernels`]) and loads every kernel.
     pub(crate) fn build(op: &'static str, device: &CudaDevice) -> CudaResult<Kernels> {
-        // SAFETY: `is_culib_present` only tries `dlopen` on NVRTC's names and drops the
-        // handles; it touches no CUDA state. Tested by `tests/cuda.rs` on a GPU machine (the
-        // first kernel launch).
-        if !unsafe { cudarc::nvrtc::sys::is_culib_present() } {
-            return Err(CudaError::Unavailable {
-                reason: Unavailable::LibraryNotFound {
-                    library: "libnvrtc",
-                    tried: cudarc::get_lib_name_candidates("nvrtc"),
-                },
-            });
-        }
         let (major, minor) = device.compute_capability()?;
-        let ptx = compile(op, SOURCE, compile_options(major, minor))?;
+        let ptx = compile_for(op, major, minor)?;
         let module = device
             .context()
             .load_module(Ptx::from_src(ptx))
