@@ -41,33 +41,61 @@ pub(crate) struct AllToAll {
     pub(crate) counts: AllToAllCounts,
 }
 
-/// Where an op runs: the group's size and this rank in it.
+/// Where an op runs: the group's size, this rank in it, and the backend's habits that the
+/// checks must respect.
 #[derive(Clone, Copy)]
 pub(crate) struct Place {
     pub(crate) size: usize,
     pub(crate) rank: usize,
+    /// The backend's name, for the error a device buffer gets.
+    pub(crate) backend: &'static str,
+    /// The dtype a reduction over a given buffer dtype is computed in: the identity for
+    /// backends that accumulate bf16/f16 in f32 inside each step, f32 for MPI, which reduces
+    /// a staged f32 copy (MPI has no half-precision sum).
+    pub(crate) reduce_dtype: fn(DType) -> DType,
 }
 
-fn single(kind: OpKind, buffer: Buffer) -> (Faults, HostBuffer, Desc) {
+impl Place {
+    /// A place whose reductions run in the buffer's own dtype.
+    pub(crate) fn new(size: usize, rank: usize, backend: &'static str) -> Self {
+        Place {
+            size,
+            rank,
+            backend,
+            reduce_dtype: std::convert::identity,
+        }
+    }
+
+    fn plan(&self, faults: &mut Faults, op: ReduceOp, dtype: DType) -> Option<ReducePlan> {
+        faults.plan(op, (self.reduce_dtype)(dtype), self.size)
+    }
+}
+
+fn single(place: Place, kind: OpKind, buffer: Buffer) -> (Faults, HostBuffer, Desc) {
     let mut faults = Faults::new(kind);
-    let host = faults.host(buffer);
+    let host = faults.host(buffer, place.backend);
     let mut desc = Desc::new(kind);
     desc.dtype = Some(host.dtype());
     desc.len = Some(host.len());
     (faults, host, desc)
 }
 
-fn pair(kind: OpKind, input: Buffer, output: Buffer) -> (Faults, HostBuffer, HostBuffer) {
+fn pair(
+    place: Place,
+    kind: OpKind,
+    input: Buffer,
+    output: Buffer,
+) -> (Faults, HostBuffer, HostBuffer) {
     let mut faults = Faults::new(kind);
-    let input = faults.host(input);
-    let output = faults.host(output);
+    let input = faults.host(input, place.backend);
+    let output = faults.host(output, place.backend);
     (faults, input, output)
 }
 
 /// All-reduce: any buffer; the reduce op must exist for its dtype.
 pub(crate) fn all_reduce(place: Place, buffer: Buffer, op: ReduceOp) -> Single {
-    let (mut faults, host, mut desc) = single(OpKind::AllReduce, buffer);
-    let plan = faults.plan(op, host.dtype(), place.size);
+    let (mut faults, host, mut desc) = single(place, OpKind::AllReduce, buffer);
+    let plan = place.plan(&mut faults, op, host.dtype());
     desc.reduce = Some(op);
     Single {
         faults,
@@ -79,7 +107,7 @@ pub(crate) fn all_reduce(place: Place, buffer: Buffer, op: ReduceOp) -> Single {
 
 /// Broadcast: the root must be a rank of the group.
 pub(crate) fn broadcast(place: Place, buffer: Buffer, root: usize) -> Single {
-    let (mut faults, host, mut desc) = single(OpKind::Broadcast, buffer);
+    let (mut faults, host, mut desc) = single(place, OpKind::Broadcast, buffer);
     faults.rank(root, place.size);
     desc.root = Some(root);
     Single {
@@ -92,9 +120,9 @@ pub(crate) fn broadcast(place: Place, buffer: Buffer, root: usize) -> Single {
 
 /// Reduce: a valid root and a reduce op that exists for the dtype.
 pub(crate) fn reduce(place: Place, buffer: Buffer, root: usize, op: ReduceOp) -> Single {
-    let (mut faults, host, mut desc) = single(OpKind::Reduce, buffer);
+    let (mut faults, host, mut desc) = single(place, OpKind::Reduce, buffer);
     faults.rank(root, place.size);
-    let plan = faults.plan(op, host.dtype(), place.size);
+    let plan = place.plan(&mut faults, op, host.dtype());
     desc.root = Some(root);
     desc.reduce = Some(op);
     Single {
@@ -146,7 +174,7 @@ pub(crate) fn all_gather(
     } else {
         OpKind::AllGather
     };
-    let (mut faults, input, output) = pair(kind, input, output);
+    let (mut faults, input, output) = pair(place, kind, input, output);
     let dtype = input.dtype();
     faults.dtype(BufferRole::Output, dtype, output.dtype());
     let mut desc = Desc::new(kind);
@@ -186,10 +214,10 @@ pub(crate) fn reduce_scatter(
     } else {
         OpKind::ReduceScatter
     };
-    let (mut faults, input, output) = pair(kind, input, output);
+    let (mut faults, input, output) = pair(place, kind, input, output);
     let dtype = input.dtype();
     faults.dtype(BufferRole::Output, dtype, output.dtype());
-    let plan = faults.plan(op, dtype, place.size);
+    let plan = place.plan(&mut faults, op, dtype);
     let mut desc = Desc::new(kind);
     desc.dtype = Some(dtype);
     desc.reduce = Some(op);
@@ -218,7 +246,7 @@ pub(crate) fn reduce_scatter(
 /// Gather: the root's output holds `size` input-sized blocks.
 pub(crate) fn gather(place: Place, input: Buffer, output: Buffer, root: usize) -> Pair {
     let kind = OpKind::Gather;
-    let (mut faults, input, output) = pair(kind, input, output);
+    let (mut faults, input, output) = pair(place, kind, input, output);
     faults.rank(root, place.size);
     let (dtype, n) = (input.dtype(), input.len());
     if place.rank == root {
@@ -231,7 +259,7 @@ pub(crate) fn gather(place: Place, input: Buffer, output: Buffer, root: usize) -
 /// Scatter: the root's input holds `size` output-sized blocks.
 pub(crate) fn scatter(place: Place, input: Buffer, output: Buffer, root: usize) -> Pair {
     let kind = OpKind::Scatter;
-    let (mut faults, input, output) = pair(kind, input, output);
+    let (mut faults, input, output) = pair(place, kind, input, output);
     faults.rank(root, place.size);
     let (dtype, n) = (output.dtype(), output.len());
     if place.rank == root {
@@ -279,7 +307,7 @@ pub(crate) fn all_to_all(
     } else {
         OpKind::AllToAll
     };
-    let (mut faults, input, output) = pair(kind, input, output);
+    let (mut faults, input, output) = pair(place, kind, input, output);
     let dtype = input.dtype();
     faults.dtype(BufferRole::Output, dtype, output.dtype());
     let mut desc = Desc::new(kind);
@@ -329,7 +357,7 @@ pub(crate) fn all_to_all_strided(
     blocks: &StridedBlocks,
 ) -> AllToAll {
     let kind = OpKind::AllToAll;
-    let (mut faults, input, output) = pair(kind, input, output);
+    let (mut faults, input, output) = pair(place, kind, input, output);
     let dtype = input.dtype();
     faults.dtype(BufferRole::Output, dtype, output.dtype());
     let size = place.size;

@@ -65,8 +65,9 @@ impl Faults {
         }
     }
 
-    /// The host memory of `buffer`; a device buffer becomes a fault and an empty placeholder.
-    pub(crate) fn host(&mut self, buffer: Buffer) -> HostBuffer {
+    /// The host memory of `buffer`; a device buffer becomes a fault naming `backend` and an
+    /// empty placeholder.
+    pub(crate) fn host(&mut self, buffer: Buffer, backend: &'static str) -> HostBuffer {
         let dtype = buffer.dtype();
         let location = buffer.location();
         match buffer.into_host() {
@@ -76,7 +77,7 @@ impl Faults {
                 self.add(Error::UnsupportedBuffer {
                     op,
                     location,
-                    backend: super::BACKEND,
+                    backend,
                 });
                 HostBuffer::zeros(dtype, 0)
             }
@@ -169,10 +170,7 @@ pub(crate) fn block(n: usize, size: usize, r: usize) -> (usize, usize) {
 
 /// The group's size and this rank in it, for the shared argument checks.
 fn place(inner: &Inner) -> args::Place {
-    args::Place {
-        size: inner.group.size(),
-        rank: inner.rank,
-    }
+    args::Place::new(inner.group.size(), inner.rank, super::BACKEND)
 }
 
 fn empty_post() -> Arc<Post> {

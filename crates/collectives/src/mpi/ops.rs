@@ -14,47 +14,27 @@ use super::types::{
     int_blocks, movement_type, mpi_op, reduce_type, stage, staged_zeros, staging_dtype, to_int,
     unstage,
 };
+use crate::args;
 use crate::buffer::{Buffer, HostBuffer};
 use crate::engine::JobContext;
 use crate::error::{Error, MpiQuantity, Result};
 use crate::local::group::Desc;
 use crate::local::ops::Faults;
-use crate::op::{AllToAllCounts, BufferPair, BufferRole, OpKind, ReduceOp};
+use crate::op::{AllToAllCounts, BufferPair, OpKind, ReduceOp};
 use crate::reduce::ReducePlan;
 
 /// The backend's name in errors and [`Communicator::backend`](crate::Communicator::backend).
 pub(crate) const BACKEND: &str = "mpi";
 
-/// The host memory of `buffer`; device memory becomes a fault and an empty placeholder.
-pub(crate) fn host_of(faults: &mut Faults, buffer: Buffer) -> HostBuffer {
-    let dtype = buffer.dtype();
-    let location = buffer.location();
-    match buffer.into_host() {
-        Ok(host) => host,
-        Err(_) => {
-            let op = faults.op;
-            faults.add(Error::UnsupportedBuffer {
-                op,
-                location,
-                backend: BACKEND,
-            });
-            HostBuffer::zeros(dtype, 0)
-        }
+/// Where an op runs, for the argument checks every backend shares (`crate::args`):
+/// reductions are planned in the staging dtype (f32 for bf16/f16), which is what MPI reduces.
+fn place(inner: &Inner) -> args::Place {
+    args::Place {
+        size: inner.size,
+        rank: inner.rank,
+        backend: BACKEND,
+        reduce_dtype: staging_dtype,
     }
-}
-
-/// The plan of a reduction, computed in the staging dtype (f32 for bf16/f16).
-fn plan_of(
-    faults: &mut Faults,
-    op: ReduceOp,
-    dtype: crate::dtype::DType,
-    size: usize,
-) -> Option<ReducePlan> {
-    if !dtype.is_float() && matches!(op, ReduceOp::Avg | ReduceOp::PreMulSum(_)) {
-        faults.add(Error::UnsupportedOp { op, dtype });
-        return None;
-    }
-    faults.plan(op, staging_dtype(dtype), size)
 }
 
 /// Which reducing MPI call to make.
@@ -180,14 +160,12 @@ pub(crate) fn all_reduce(
     buffer: Buffer,
     op: ReduceOp,
 ) -> Result<Buffer> {
-    let kind = OpKind::AllReduce;
-    let mut faults = Faults::new(kind);
-    let host = host_of(&mut faults, buffer);
-    let plan = plan_of(&mut faults, op, host.dtype(), inner.size);
-    let mut desc = Desc::new(kind);
-    desc.dtype = Some(host.dtype());
-    desc.len = Some(host.len());
-    desc.reduce = Some(op);
+    let args::Single {
+        faults,
+        desc,
+        host,
+        plan,
+    } = args::all_reduce(place(inner), buffer, op);
     agree(inner, ctx, desc, faults)?;
     // invariant: a failed plan is a posted fault, and agree returned it above.
     let plan = plan.ok_or(Error::UnsupportedOp {
@@ -215,17 +193,13 @@ pub(crate) fn reduce(
     root: usize,
     op: ReduceOp,
 ) -> Result<Buffer> {
-    let kind = OpKind::Reduce;
-    let mut faults = Faults::new(kind);
-    let host = host_of(&mut faults, buffer);
-    faults.rank(root, inner.size);
-    let (dtype, n) = (host.dtype(), host.len());
-    let plan = plan_of(&mut faults, op, dtype, inner.size);
-    let mut desc = Desc::new(kind);
-    desc.dtype = Some(dtype);
-    desc.len = Some(n);
-    desc.root = Some(root);
-    desc.reduce = Some(op);
+    let args::Single {
+        faults,
+        desc,
+        host,
+        plan,
+    } = args::reduce(place(inner), buffer, root, op);
+    let dtype = host.dtype();
     agree(inner, ctx, desc, faults)?;
     // invariant: a failed plan is a posted fault, and agree returned it above.
     let plan = plan.ok_or(Error::UnsupportedOp { op, dtype })?;
@@ -258,45 +232,25 @@ pub(crate) fn reduce_scatter(
     counts: Option<Vec<usize>>,
     op: ReduceOp,
 ) -> Result<BufferPair> {
-    let kind = if counts.is_some() {
-        OpKind::ReduceScatterV
-    } else {
-        OpKind::ReduceScatter
-    };
-    let (size, rank) = (inner.size, inner.rank);
-    let mut faults = Faults::new(kind);
-    let input = host_of(&mut faults, input);
-    let output = host_of(&mut faults, output);
-    let dtype = input.dtype();
-    faults.dtype(BufferRole::Output, dtype, output.dtype());
-    let plan = plan_of(&mut faults, op, dtype, size);
-    let mut desc = Desc::new(kind);
-    desc.dtype = Some(dtype);
-    desc.reduce = Some(op);
-    let call = match &counts {
-        Some(counts) => {
-            faults.length(BufferRole::Counts, size, counts.len());
-            if counts.len() == size {
-                faults.length(BufferRole::Input, counts.iter().sum(), input.len());
-                faults.length(BufferRole::Output, counts[rank], output.len());
-            }
-            desc.counts = Some(counts.clone());
-            None
-        }
-        None => {
-            faults.length(BufferRole::Input, size * output.len(), input.len());
-            desc.len = Some(input.len());
-            Some(ReduceCall::ScatterBlock)
-        }
-    };
+    // The uneven form needs MPI_Ireduce_scatter's count array; the even one the block call.
+    let uneven = counts.is_some();
+    let args::Pair {
+        faults,
+        desc,
+        input,
+        output,
+        dtype,
+        counts,
+        plan,
+    } = args::reduce_scatter(place(inner), input, output, counts, op);
+    let kind = desc.op;
     agree(inner, ctx, desc, faults)?;
     // invariant: a failed plan is a posted fault, and agree returned it above.
     let plan = plan.ok_or(Error::UnsupportedOp { op, dtype })?;
-    let call = match (call, counts) {
-        (Some(call), _) => call,
-        (None, Some(counts)) => ReduceCall::Scatter(int_blocks(kind, &counts)?.counts),
-        // invariant: `call` is None only when counts were given.
-        (None, None) => ReduceCall::ScatterBlock,
+    let call = if uneven {
+        ReduceCall::Scatter(int_blocks(kind, &counts)?.counts)
+    } else {
+        ReduceCall::ScatterBlock
     };
     let send = contribution(&plan, &input)?;
     let output = reduce_into(
@@ -322,38 +276,19 @@ pub(crate) fn all_gather(
     output: Buffer,
     counts: Option<Vec<usize>>,
 ) -> Result<BufferPair> {
-    let kind = if counts.is_some() {
-        OpKind::AllGatherV
-    } else {
-        OpKind::AllGather
-    };
-    let (size, rank) = (inner.size, inner.rank);
-    let mut faults = Faults::new(kind);
-    let input = host_of(&mut faults, input);
-    let output = host_of(&mut faults, output);
-    let dtype = input.dtype();
-    faults.dtype(BufferRole::Output, dtype, output.dtype());
-    let mut desc = Desc::new(kind);
-    desc.dtype = Some(dtype);
-    let counts = match counts {
-        Some(counts) => {
-            faults.length(BufferRole::Counts, size, counts.len());
-            if counts.len() == size {
-                faults.length(BufferRole::Input, counts[rank], input.len());
-                faults.length(BufferRole::Output, counts.iter().sum(), output.len());
-            }
-            desc.counts = Some(counts.clone());
-            counts
-        }
-        None => {
-            faults.length(BufferRole::Output, size * input.len(), output.len());
-            desc.len = Some(input.len());
-            vec![input.len(); size]
-        }
-    };
+    let args::Pair {
+        faults,
+        desc,
+        input,
+        output,
+        dtype,
+        counts,
+        ..
+    } = args::all_gather(place(inner), input, output, counts);
+    let kind = desc.op;
     agree(inner, ctx, desc, faults)?;
     let blocks = int_blocks(kind, &counts)?;
-    let own = blocks.counts[rank];
+    let own = blocks.counts[inner.rank];
     let datatype = movement_type(dtype);
     let (input, output, _) = raw::run(
         ctx,
@@ -391,13 +326,9 @@ pub(crate) fn broadcast(
     root: usize,
 ) -> Result<Buffer> {
     let kind = OpKind::Broadcast;
-    let mut faults = Faults::new(kind);
-    let host = host_of(&mut faults, buffer);
-    faults.rank(root, inner.size);
-    let mut desc = Desc::new(kind);
-    desc.dtype = Some(host.dtype());
-    desc.len = Some(host.len());
-    desc.root = Some(root);
+    let args::Single {
+        faults, desc, host, ..
+    } = args::broadcast(place(inner), buffer, root);
     agree(inner, ctx, desc, faults)?;
     let count = to_int(kind, MpiQuantity::Count, host.len())?;
     let datatype = movement_type(host.dtype());
@@ -426,19 +357,15 @@ pub(crate) fn gather(
     root: usize,
 ) -> Result<BufferPair> {
     let kind = OpKind::Gather;
-    let mut faults = Faults::new(kind);
-    let input = host_of(&mut faults, input);
-    let output = host_of(&mut faults, output);
-    faults.rank(root, inner.size);
-    let (dtype, n) = (input.dtype(), input.len());
-    if inner.rank == root {
-        faults.dtype(BufferRole::Output, dtype, output.dtype());
-        faults.length(BufferRole::Output, inner.size * n, output.len());
-    }
-    let mut desc = Desc::new(kind);
-    desc.dtype = Some(dtype);
-    desc.len = Some(n);
-    desc.root = Some(root);
+    let args::Pair {
+        faults,
+        desc,
+        input,
+        output,
+        dtype,
+        ..
+    } = args::gather(place(inner), input, output, root);
+    let n = input.len();
     agree(inner, ctx, desc, faults)?;
     let count = to_int(kind, MpiQuantity::Count, n)?;
     to_int(
@@ -485,19 +412,15 @@ pub(crate) fn scatter(
     root: usize,
 ) -> Result<BufferPair> {
     let kind = OpKind::Scatter;
-    let mut faults = Faults::new(kind);
-    let input = host_of(&mut faults, input);
-    let output = host_of(&mut faults, output);
-    faults.rank(root, inner.size);
-    let (dtype, n) = (output.dtype(), output.len());
-    if inner.rank == root {
-        faults.dtype(BufferRole::Input, dtype, input.dtype());
-        faults.length(BufferRole::Input, inner.size * n, input.len());
-    }
-    let mut desc = Desc::new(kind);
-    desc.dtype = Some(dtype);
-    desc.len = Some(n);
-    desc.root = Some(root);
+    let args::Pair {
+        faults,
+        desc,
+        input,
+        output,
+        dtype,
+        ..
+    } = args::scatter(place(inner), input, output, root);
+    let n = output.len();
     agree(inner, ctx, desc, faults)?;
     let count = to_int(kind, MpiQuantity::Count, n)?;
     to_int(
@@ -543,39 +466,19 @@ pub(crate) fn all_to_all(
     output: Buffer,
     counts: Option<AllToAllCounts>,
 ) -> Result<BufferPair> {
-    let kind = if counts.is_some() {
-        OpKind::AllToAllV
-    } else {
-        OpKind::AllToAll
-    };
-    let size = inner.size;
-    let mut faults = Faults::new(kind);
-    let input = host_of(&mut faults, input);
-    let output = host_of(&mut faults, output);
-    let dtype = input.dtype();
-    faults.dtype(BufferRole::Output, dtype, output.dtype());
-    let mut desc = Desc::new(kind);
-    desc.dtype = Some(dtype);
-    let counts = match counts {
-        Some(counts) => {
-            faults.length(BufferRole::SendCounts, size, counts.send.len());
-            faults.length(BufferRole::RecvCounts, size, counts.recv.len());
-            faults.length(BufferRole::Input, counts.send.iter().sum(), input.len());
-            faults.length(BufferRole::Output, counts.recv.iter().sum(), output.len());
-            desc.a2a = Some(counts.clone());
-            counts
-        }
-        None => {
-            let block = input.len() / size;
-            faults.length(BufferRole::Input, block * size, input.len());
-            faults.length(BufferRole::Output, input.len(), output.len());
-            desc.len = Some(input.len());
-            AllToAllCounts {
-                send: vec![block; size],
-                recv: vec![block; size],
-            }
-        }
-    };
+    let args::AllToAll {
+        pair:
+            args::Pair {
+                faults,
+                desc,
+                input,
+                output,
+                dtype,
+                ..
+            },
+        counts,
+    } = args::all_to_all(place(inner), input, output, counts);
+    let kind = desc.op;
     agree(inner, ctx, desc, faults)?;
     let send = int_blocks(kind, &counts.send)?;
     let recv = int_blocks(kind, &counts.recv)?;

@@ -167,10 +167,7 @@ impl<'a> Link<'a> {
 
     /// The group's size and this rank in it, for the shared argument checks.
     pub(crate) fn place(&self) -> crate::args::Place {
-        crate::args::Place {
-            size: self.size(),
-            rank: self.rank(),
-        }
+        crate::args::Place::new(self.size(), self.rank(), super::communicator::BACKEND)
     }
 
     /// This rank in the group.
