@@ -1,6 +1,6 @@
 //! Faults with real processes under `hypershard train` (which runs `hypershard launch`): a
-//! rank SIGKILLed in the backward, one SIGKILLed in the middle of a checkpoint save, and one
-//! SIGSTOPped (a stall). Each time the job must end quickly with a non-zero exit naming the
+//! rank SIGKILLed in the forward, one SIGKILLed in the backward, one SIGKILLed in the middle
+//! of a checkpoint save, and one SIGSTOPped (a stall). Each time the job must end quickly with a non-zero exit naming the
 //! rank, the last committed checkpoint must load, and `--resume` must reproduce the losses
 //! of an uninterrupted run. The fault is armed with `HYPERSHARD_FAULT` (see
 //! `hypershard::train::Fault`); op deadlines are a few seconds (`HYPERSHARD_TIMEOUT`).
@@ -12,7 +12,7 @@ use std::sync::OnceLock;
 use std::time::{Duration, Instant};
 
 use hypershard::checkpoint::Checkpoint;
-use hypershard::train::read_losses;
+use hypershard::train::{LossRecord, read_losses};
 
 /// The op deadline of the faulty runs, in seconds.
 const TIMEOUT_S: u64 = 4;
@@ -66,6 +66,17 @@ fn run(out: &Path, fault: Option<&str>, extra: &[&str]) -> (Output, Duration) {
     (output, started.elapsed())
 }
 
+/// The steps of the records in `losses.jsonl`, in file order, duplicates kept (unlike
+/// `read_losses`, which keeps the last record of each step).
+fn recorded_steps(out: &Path) -> Vec<u64> {
+    std::fs::read_to_string(out.join("losses.jsonl"))
+        .unwrap()
+        .lines()
+        .filter(|line| !line.trim().is_empty())
+        .map(|line| serde_json::from_str::<LossRecord>(line).unwrap().step)
+        .collect()
+}
+
 /// Losses by step (a resumed run appends to the interrupted run's file; the last record of
 /// a step wins).
 fn losses(out: &Path) -> BTreeMap<u64, f64> {
@@ -93,11 +104,69 @@ fn stderr(output: &Output) -> String {
     String::from_utf8_lossy(&output.stderr).into_owned()
 }
 
-/// Resumes `out` to the end and checks every step's loss equals the uninterrupted run's.
+/// Resumes `out` to the end and checks that the resumed run started at the newest
+/// checkpoint's step (not from scratch: its records follow the interrupted run's in
+/// `losses.jsonl`) and that every step's loss equals the uninterrupted run's.
 fn resume_matches_straight(out: &Path) {
+    let saved = Checkpoint::open(out).unwrap().step();
+    let before = recorded_steps(out).len();
     let (output, _) = run(out, None, &["--resume"]);
     assert!(output.status.success(), "resume: {}", stderr(&output));
+    let resumed = recorded_steps(out).split_off(before);
+    assert_eq!(
+        resumed,
+        (saved..6).collect::<Vec<_>>(),
+        "steps the resumed run trained"
+    );
     assert_eq!(&losses(out), straight());
+}
+
+/// Checks the newest complete checkpoint is the one of `step` and that every tensor of it
+/// reads (CRC32C verified).
+fn newest_checkpoint_loads(out: &Path, step: u64) {
+    let checkpoint = Checkpoint::open(out).unwrap();
+    assert_eq!(checkpoint.step(), step);
+    for name in checkpoint.metadata().tensors.keys() {
+        checkpoint.read_tensor(name).unwrap();
+    }
+}
+
+#[test]
+fn a_rank_killed_in_the_forward_fails_the_job_fast_and_resume_matches() {
+    let out = scratch("forward");
+    // Rank 0 (the rank that writes the losses and commits checkpoints) dies before the
+    // forward of step 3, while rank 1 is inside that forward's parameter all-gathers; the
+    // checkpoint of step 2 was committed before.
+    let (output, elapsed) = run(&out, Some("forward@3:0"), &[]);
+    let text = stderr(&output);
+    assert!(!output.status.success(), "{text}");
+    assert!(
+        text.contains("rank 0 kills itself at Forward of step 3"),
+        "the fault must have fired where armed: {text}"
+    );
+    assert!(
+        text.contains("rank 0 failed with signal 9"),
+        "the launcher must name the dead rank: {text}"
+    );
+    // Rank 1 sees its peer's connections close at once (PeerLost) or is stopped by the
+    // launcher; it never sits out the op deadline.
+    assert!(
+        !text.contains("timed out"),
+        "a dead peer is noticed without waiting for the deadline: {text}"
+    );
+    assert!(
+        elapsed < Duration::from_secs(60),
+        "took {elapsed:?}: {text}"
+    );
+    // Steps 0..=2 finished before the kill; step 3 never did.
+    let partial = losses(&out);
+    assert_eq!(
+        partial.keys().copied().collect::<Vec<_>>(),
+        vec![0, 1, 2],
+        "{partial:?}"
+    );
+    newest_checkpoint_loads(&out, 2);
+    resume_matches_straight(&out);
 }
 
 #[test]

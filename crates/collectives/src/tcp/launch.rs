@@ -1,6 +1,7 @@
 //! [`rendezvous_from_env`]: the store and mesh of a job launched by torchrun (or anything that
 //! sets the same variables).
 
+use std::net::{IpAddr, Ipv4Addr, Ipv6Addr, ToSocketAddrs, UdpSocket};
 use std::sync::Arc;
 
 use super::config::TcpConfig;
@@ -44,7 +45,10 @@ pub fn agent_hosts_store() -> bool {
 
 /// Rank 0 hosts a [`TcpStoreServer`] at `MASTER_ADDR:MASTER_PORT` unless the launcher already
 /// does ([`agent_hosts_store`]); every other rank connects to it (retrying until
-/// `config.rendezvous_timeout`); then all ranks build the [`Mesh`].
+/// `config.rendezvous_timeout`); then all ranks build the [`Mesh`]. Each rank's mesh listener
+/// binds `config.bind_ip`, except that when the rendezvous host is not loopback (the job spans
+/// hosts) and `config.bind_ip` is the loopback default, it binds the local address that routes
+/// to the rendezvous host, so peers on other hosts can reach it.
 pub fn rendezvous_from_env(env: &LaunchEnv, config: &TcpConfig) -> Result<Rendezvous> {
     rendezvous(env, config, agent_hosts_store())
 }
@@ -62,12 +66,47 @@ fn rendezvous(env: &LaunchEnv, config: &TcpConfig, agent_hosts: bool) -> Result<
             None,
         )
     };
-    let mesh = Mesh::establish(&*store, env.rank, env.world_size, config)?;
+    let mut mesh_config = config.clone();
+    mesh_config.bind_ip = mesh_bind_ip(master, config);
+    let mesh = Mesh::establish(&*store, env.rank, env.world_size, &mesh_config)?;
     Ok(Rendezvous {
         store,
         server,
         mesh,
     })
+}
+
+/// The address a rank's mesh listener binds. `config.bind_ip` wins when it is not loopback
+/// (the caller chose it). Otherwise, when the rendezvous host is not a loopback address the
+/// job spans hosts, and peers on other hosts must reach this rank: the listener binds the
+/// local address the kernel would send from to reach the rendezvous host (the interface on
+/// the job's network, found by connecting a UDP socket, which sends nothing), never the
+/// wildcard. A rendezvous host that is loopback, does not resolve or has no route keeps
+/// `config.bind_ip` (then the Store connection is what fails, with its own error).
+fn mesh_bind_ip(master: (&str, u16), config: &TcpConfig) -> IpAddr {
+    if !config.bind_ip.is_loopback() {
+        return config.bind_ip;
+    }
+    let Some(target) = master.to_socket_addrs().ok().and_then(|mut a| a.next()) else {
+        return config.bind_ip;
+    };
+    if target.ip().is_loopback() {
+        return config.bind_ip;
+    }
+    let any = if target.is_ipv4() {
+        IpAddr::V4(Ipv4Addr::UNSPECIFIED)
+    } else {
+        IpAddr::V6(Ipv6Addr::UNSPECIFIED)
+    };
+    UdpSocket::bind((any, 0))
+        .and_then(|socket| {
+            socket.connect(target)?;
+            socket.local_addr()
+        })
+        .map(|local| local.ip())
+        .ok()
+        .filter(|ip| !ip.is_unspecified())
+        .unwrap_or(config.bind_ip)
 }
 
 #[cfg(test)]
@@ -154,5 +193,43 @@ mod tests {
         assert!(rdvs[0].server.is_some());
         assert!(rdvs[1].server.is_none() && rdvs[2].server.is_none());
         assert_eq!(rdvs[2].store.add("arrived", 0).unwrap(), 3);
+    }
+
+    #[test]
+    fn the_mesh_binds_loopback_for_a_loopback_master_and_keeps_a_chosen_address() {
+        let config = TcpConfig::default();
+        let loopback = IpAddr::V4(Ipv4Addr::LOCALHOST);
+        assert_eq!(mesh_bind_ip(("127.0.0.1", 29500), &config), loopback);
+        assert_eq!(mesh_bind_ip(("127.0.0.2", 29500), &config), loopback);
+        assert_eq!(mesh_bind_ip(("localhost", 29500), &config), loopback);
+        // A name that cannot resolve keeps the default instead of failing here.
+        assert_eq!(
+            mesh_bind_ip(("no-such-host.invalid", 29500), &config),
+            loopback
+        );
+        let mut chosen = config.clone();
+        chosen.bind_ip = IpAddr::V4(Ipv4Addr::new(10, 1, 2, 3));
+        assert_eq!(mesh_bind_ip(("127.0.0.1", 29500), &chosen), chosen.bind_ip);
+    }
+
+    #[test]
+    fn for_a_remote_master_the_mesh_binds_the_address_that_reaches_it() {
+        // The address the kernel would send from towards 192.0.2.1 (TEST-NET-1; connecting a
+        // UDP socket sends nothing): where there is a route that is one of this host's own
+        // addresses, so a listener can bind it, and it is not 127.0.0.1.
+        let config = TcpConfig::default();
+        let ip = mesh_bind_ip(("192.0.2.1", 29500), &config);
+        if ip.is_loopback() {
+            // No route off this host (a sandbox without networking): nothing to reach.
+            assert!(
+                UdpSocket::bind("0.0.0.0:0")
+                    .unwrap()
+                    .connect("192.0.2.1:9")
+                    .is_err()
+            );
+        } else {
+            assert!(!ip.is_unspecified());
+            std::net::TcpListener::bind((ip, 0)).unwrap();
+        }
     }
 }
