@@ -7,10 +7,10 @@
 //! column-major `Cᵀ = op(B)ᵀ · op(A)ᵀ`: cuBLAS gets `B`'s memory as its first operand and
 //! `A`'s as its second, with `m = N`, `n = M`, `k = K`, each operand's transpose flag equal
 //! to ours, and every leading dimension equal to the stored row length (columns) of that
-//! operand: no copies and no explicit transposes. [`plan_gemm`] does this mapping, and a unit
+//! operand: no copies and no explicit transposes. `plan_gemm` does this mapping, and a unit
 //! test checks it against a column-major reference GEMM on the CPU.
 //!
-//! The handle is cudarc's `result` layer wrapped in [`BlasHandle`] rather than cudarc's
+//! The handle is cudarc's `result` layer wrapped in `BlasHandle` rather than cudarc's
 //! `CudaBlas`, whose `Drop` unwraps the destroy call (a panic in `Drop`).
 
 use std::sync::{Mutex, PoisonError};

@@ -26,15 +26,17 @@ pub struct CudaDevice {
     inner: Arc<Inner>,
 }
 
+/// The fields drop in order: the cuBLAS handle and the module before the stream and the
+/// context they use.
 struct Inner {
-    ordinal: usize,
-    context: Arc<CudaContext>,
-    stream: Arc<CudaStream>,
     /// Built by the first kernel launch; `None` until then, or after a failed build (which
     /// the next launch retries).
     kernels: Mutex<Option<Arc<Kernels>>>,
     /// Made by the first matmul, like `kernels`.
     blas: Mutex<Option<Arc<BlasHandle>>>,
+    stream: Arc<CudaStream>,
+    context: Arc<CudaContext>,
+    ordinal: usize,
 }
 
 /// Checks that libcuda can be loaded, without touching CUDA state. cudarc's loader panics on
@@ -207,5 +209,52 @@ impl fmt::Debug for CudaDevice {
         f.debug_struct("CudaDevice")
             .field("ordinal", &self.inner.ordinal)
             .finish_non_exhaustive()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::cuda::{CudaTensor, PinnedBuffer};
+
+    fn send_sync<T: Send + Sync>() {}
+
+    #[test]
+    fn device_types_cross_threads() {
+        // FSDP hands tensors to communication threads; this fails to compile if any of the
+        // device types stops being Send + Sync.
+        send_sync::<CudaDevice>();
+        send_sync::<CudaTensor>();
+        send_sync::<PinnedBuffer>();
+    }
+
+    #[test]
+    fn errors_name_what_is_missing() {
+        let error = CudaError::Unavailable {
+            reason: Unavailable::NoDevice {
+                requested: 3,
+                available: 1,
+            },
+        };
+        assert_eq!(
+            error.to_string(),
+            "CUDA is unavailable: no CUDA device 3 (the driver reports 1)"
+        );
+        let call = driver("op", "cuMemAllocAsync")(cudarc::driver::DriverError(
+            cudarc::driver::sys::CUresult::CUDA_ERROR_OUT_OF_MEMORY,
+        ));
+        assert!(matches!(
+            call,
+            CudaError::Call {
+                op: "op",
+                call: "cuMemAllocAsync",
+                code: 2,
+                ..
+            }
+        ));
+        assert_eq!(
+            call.to_string(),
+            "op: CUDA driver call cuMemAllocAsync failed with code 2"
+        );
     }
 }
