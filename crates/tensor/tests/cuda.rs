@@ -17,8 +17,8 @@
 use std::process::ExitCode;
 
 use hypershard_tensor::cuda::{
-    CudaDevice, CudaError, CudaTensor, KERNEL_NAMES, PinnedBuffer, Transpose, Unavailable,
-    compile_kernels, copy_in, copy_out, device_count, gemm, matmul, probe,
+    CudaDevice, CudaError, CudaTensor, KERNEL_NAMES, KernelImage, PinnedBuffer, Transpose,
+    Unavailable, compile_kernels, copy_in, copy_out, device_count, gemm, matmul, probe,
 };
 use hypershard_tensor::{DType, Tensor};
 
@@ -132,21 +132,13 @@ fn creation_reports_unavailability() -> Outcome {
     Ok(())
 }
 
-/// The kernel source compiles with NVRTC (no GPU needed) for Ampere and Hopper, and the PTX
-/// defines every kernel; without libnvrtc, `Unavailable` (a failure when it was asked for).
+/// The kernel source compiles with NVRTC (no GPU needed) for Ampere and Hopper, to PTX that
+/// defines every kernel and to a CUBIN (ELF) that names every kernel; without libnvrtc,
+/// `Unavailable` (a failure when it was asked for).
 fn kernels_compile(asked: bool) -> Outcome {
     for (major, minor) in [(8, 0), (9, 0)] {
-        match compile_kernels(major, minor) {
-            Ok(ptx) => {
-                for name in KERNEL_NAMES {
-                    ensure(ptx.contains(&format!(".entry {name}(")), || {
-                        format!("the PTX for sm_{major}{minor} has no entry {name}")
-                    })?;
-                }
-                ensure(ptx.contains(&format!(".target sm_{major}{minor}")), || {
-                    format!("the PTX is not for sm_{major}{minor}")
-                })?;
-            }
+        let ptx = match compile_kernels(major, minor, KernelImage::Ptx) {
+            Ok(ptx) => String::from_utf8(ptx).map_err(fail)?,
             Err(CudaError::Unavailable {
                 reason:
                     Unavailable::LibraryNotFound {
@@ -158,6 +150,23 @@ fn kernels_compile(asked: bool) -> Outcome {
                 return Ok(());
             }
             Err(other) => return Err(other.to_string()),
+        };
+        ensure(ptx.contains(&format!(".target sm_{major}{minor}")), || {
+            format!("the PTX is not for sm_{major}{minor}")
+        })?;
+        let cubin = compile_kernels(major, minor, KernelImage::Cubin).map_err(fail)?;
+        ensure(cubin.starts_with(b"\x7fELF"), || {
+            format!("the CUBIN for sm_{major}{minor} is not an ELF image")
+        })?;
+        for name in KERNEL_NAMES {
+            ensure(ptx.contains(&format!(".entry {name}(")), || {
+                format!("the PTX for sm_{major}{minor} has no entry {name}")
+            })?;
+            let symbol = format!("{name}\0");
+            ensure(
+                cubin.windows(symbol.len()).any(|w| w == symbol.as_bytes()),
+                || format!("the CUBIN for sm_{major}{minor} has no symbol {name}"),
+            )?;
         }
     }
     Ok(())

@@ -1,8 +1,10 @@
 //! The crate's CUDA kernels: source (`kernels.cu`), their NVRTC build, and launch geometry.
 //!
-//! The source is compiled once per device on the first launch ([`CudaDevice::kernels`]),
-//! for the device's own compute capability, with `--fmad=false --ftz=false` so that the
-//! device rounds exactly as the CPU ops do. NVRTC is called through cudarc's `result` layer
+//! The source is compiled once per device on the first launch ([`CudaDevice::kernels`]), to
+//! a CUBIN for the device's own architecture (`sm_XY`). Through CUDA's minor-version
+//! compatibility a CUBIN loads on a driver of the same major version that is older than NVRTC,
+//! where PTX would need a driver as new as NVRTC. The options `--fmad=false --ftz=false` make
+//! the device round exactly as the CPU ops do. NVRTC is called through cudarc's `result` layer
 //! rather than its safe wrapper, whose `Drop` unwraps the destroy call and could panic.
 
 use std::collections::HashMap;
@@ -76,10 +78,26 @@ impl Drop for Program {
     }
 }
 
-/// The NVRTC options for a device of compute capability `major.minor`.
-pub(crate) fn compile_options(major: i32, minor: i32) -> Vec<String> {
+/// What NVRTC produces.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum KernelImage {
+    /// PTX text for the virtual architecture `compute_XY`, which the driver compiles when it
+    /// loads the module. It needs a driver at least as new as the NVRTC that made it.
+    Ptx,
+    /// A CUBIN (ELF machine code) for the real architecture `sm_XY`, which the driver loads as
+    /// is. Through CUDA's minor-version compatibility it also loads on an older driver of the
+    /// same major version, so it is what the device uses.
+    Cubin,
+}
+
+/// The NVRTC options for compute capability `major.minor`.
+pub(crate) fn compile_options(major: i32, minor: i32, image: KernelImage) -> Vec<String> {
+    let arch = match image {
+        KernelImage::Ptx => format!("--gpu-architecture=compute_{major}{minor}"),
+        KernelImage::Cubin => format!("--gpu-architecture=sm_{major}{minor}"),
+    };
     vec![
-        format!("--gpu-architecture=compute_{major}{minor}"),
+        arch,
         "--fmad=false".to_string(),
         "--ftz=false".to_string(),
         "--prec-div=true".to_string(),
@@ -87,8 +105,13 @@ pub(crate) fn compile_options(major: i32, minor: i32) -> Vec<String> {
     ]
 }
 
-/// Compiles `source` to PTX text.
-fn compile(op: &'static str, source: &str, options: Vec<String>) -> CudaResult<String> {
+/// Compiles `source` to PTX text (NUL-free, without the terminating NUL) or to a CUBIN.
+fn compile(
+    op: &'static str,
+    source: &str,
+    options: Vec<String>,
+    image: KernelImage,
+) -> CudaResult<Vec<u8>> {
     let compile_error = |code: i32, log: String, options: &[String]| CudaError::Compile {
         op,
         code,
@@ -103,7 +126,7 @@ fn compile(op: &'static str, source: &str, options: Vec<String>) -> CudaResult<S
             .map_err(nvrtc(op, "nvrtcCreateProgram"))?,
     );
     // SAFETY: `program.0` is a live program (destroyed only by `Program`'s drop, after this
-    // function). Exercised by every kernel build (device tests in `tests/cuda.rs`).
+    // function). Tested by `kernels_compile` in `tests/cuda.rs` (run here with pip's NVRTC).
     let compiled = unsafe { cudarc::nvrtc::result::compile_program(program.0, &options) };
     if let Err(error) = compiled {
         // SAFETY: as above; the log exists once compilation has been attempted.
@@ -112,22 +135,46 @@ fn compile(op: &'static str, source: &str, options: Vec<String>) -> CudaResult<S
             .unwrap_or_else(|_| "(no log)".to_string());
         return Err(compile_error(error.0 as i32, log, &options));
     }
-    // SAFETY: as above; the program compiled, so its PTX exists.
-    let ptx =
-        unsafe { cudarc::nvrtc::result::get_ptx(program.0) }.map_err(nvrtc(op, "nvrtcGetPTX"))?;
-    let text = c_chars_to_string(&ptx);
-    if text.contains('\0') {
-        return Err(compile_error(
-            -1,
-            "NVRTC's PTX holds a NUL byte".to_string(),
-            &options,
-        ));
+    match image {
+        KernelImage::Ptx => {
+            // SAFETY: as above; the program compiled, so its PTX exists.
+            let ptx = unsafe { cudarc::nvrtc::result::get_ptx(program.0) }
+                .map_err(nvrtc(op, "nvrtcGetPTX"))?;
+            let text = c_chars_to_string(&ptx);
+            if text.contains('\0') {
+                return Err(compile_error(
+                    -1,
+                    "NVRTC's PTX holds a NUL byte".to_string(),
+                    &options,
+                ));
+            }
+            Ok(text.into_bytes())
+        }
+        KernelImage::Cubin => {
+            let mut size = 0usize;
+            // SAFETY: as above; the program compiled for a real architecture, so its CUBIN
+            // exists; `size` is a valid place for the size. Tested by `kernels_compile`.
+            unsafe { cudarc::nvrtc::sys::nvrtcGetCUBINSize(program.0, &mut size) }
+                .result()
+                .map_err(nvrtc(op, "nvrtcGetCUBINSize"))?;
+            let mut cubin = vec![0u8; size];
+            // SAFETY: `cubin` has exactly the `size` bytes NVRTC reported for this program,
+            // which is what nvrtcGetCUBIN writes. Tested by `kernels_compile`.
+            unsafe { cudarc::nvrtc::sys::nvrtcGetCUBIN(program.0, cubin.as_mut_ptr().cast()) }
+                .result()
+                .map_err(nvrtc(op, "nvrtcGetCUBIN"))?;
+            Ok(cubin)
+        }
     }
-    Ok(text)
 }
 
 /// Checks that NVRTC is present and compiles [`SOURCE`] for compute capability `major.minor`.
-fn compile_for(op: &'static str, major: i32, minor: i32) -> CudaResult<String> {
+fn compile_for(
+    op: &'static str,
+    major: i32,
+    minor: i32,
+    image: KernelImage,
+) -> CudaResult<Vec<u8>> {
     // SAFETY: `is_culib_present` only tries `dlopen` on NVRTC's names and drops the handles;
     // it touches no CUDA state. Tested by `tests/cuda.rs` (`kernels_compile`), with and without
     // libnvrtc.
@@ -139,17 +186,18 @@ fn compile_for(op: &'static str, major: i32, minor: i32) -> CudaResult<String> {
             },
         });
     }
-    compile(op, SOURCE, compile_options(major, minor))
+    compile(op, SOURCE, compile_options(major, minor, image), image)
 }
 
-/// Compiles the crate's kernels to PTX for compute capability `major.minor` with NVRTC, as
-/// the first launch on a device does, and returns the PTX text.
+/// Compiles the crate's kernels with NVRTC for compute capability `major.minor`, as the first
+/// launch on a device does ([`KernelImage::Cubin`]), and returns the image: PTX text or CUBIN
+/// bytes.
 ///
 /// It needs libnvrtc but no GPU or driver, so a machine with only NVRTC installed (pip's
 /// `nvidia-cuda-nvrtc-cu12`) can check that the source compiles; without libnvrtc it is
 /// [`CudaError::Unavailable`].
-pub fn compile_kernels(major: i32, minor: i32) -> CudaResult<String> {
-    compile_for("cuda::compile_kernels", major, minor)
+pub fn compile_kernels(major: i32, minor: i32, image: KernelImage) -> CudaResult<Vec<u8>> {
+    compile_for("cuda::compile_kernels", major, minor, image)
 }
 
 /// A NUL-terminated C string (as NVRTC returns logs and PTX) as text, without the NULs at the
@@ -164,10 +212,10 @@ impl Kernels {
     /// Compiles [`SOURCE`] for `device` (see [`compile_kernels`]) and loads every kernel.
     pub(crate) fn build(op: &'static str, device: &CudaDevice) -> CudaResult<Kernels> {
         let (major, minor) = device.compute_capability()?;
-        let ptx = compile_for(op, major, minor)?;
+        let cubin = compile_for(op, major, minor, KernelImage::Cubin)?;
         let module = device
             .context()
-            .load_module(Ptx::from_src(ptx))
+            .load_module(Ptx::from_binary(cubin))
             .map_err(driver(op, "cuModuleLoadData"))?;
         let mut functions = HashMap::with_capacity(KERNEL_NAMES.len());
         for &name in KERNEL_NAMES {
@@ -435,8 +483,10 @@ mod tests {
 
     #[test]
     fn options_and_c_strings() {
-        let options = compile_options(9, 0);
+        let options = compile_options(9, 0, KernelImage::Ptx);
         assert_eq!(options[0], "--gpu-architecture=compute_90");
+        let options = compile_options(8, 6, KernelImage::Cubin);
+        assert_eq!(options[0], "--gpu-architecture=sm_86");
         assert!(options.contains(&"--fmad=false".to_string()));
         let raw: Vec<std::ffi::c_char> = b"ptx text\0\0"
             .iter()

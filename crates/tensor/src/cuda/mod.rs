@@ -43,7 +43,7 @@ mod tensor;
 pub use blas::{Transpose, gemm, matmul};
 pub use device::{CudaDevice, device_count, probe};
 pub use error::{CudaError, CudaResult, Library, Unavailable};
-pub use kernels::{KERNEL_NAMES, compile_kernels};
+pub use kernels::{KERNEL_NAMES, KernelImage, compile_kernels};
 pub use ops::{copy_in, copy_out};
 pub use tensor::{CudaTensor, PinnedBuffer};
 
