@@ -21,6 +21,9 @@ pub(crate) struct BucketPlan {
     pub offsets: Vec<usize>,
     /// Elements each rank contributes (the sum of aligned slots).
     pub per_rank: usize,
+    /// With tensor parallelism, where (in elements of a rank's part) the TP-replicated
+    /// members start; they come last, and their reduced shards are all-reduced over TP.
+    pub tp_tail: Option<usize>,
 }
 
 /// One parameter to place: its index, dtype and padded slot length.
@@ -60,6 +63,7 @@ pub(crate) fn plan_buckets(items: &[BucketItem], fused: bool, cap_bytes: usize) 
                 members: Vec::new(),
                 offsets: Vec::new(),
                 per_rank: 0,
+                tp_tail: None,
             });
             let offset = plan.per_rank.div_ceil(align) * align;
             plan.members.push(item.index);

@@ -1,18 +1,22 @@
 //! Building a unit: validating the config, choosing each parameter's role and layout,
 //! cutting the local shards and planning the buckets.
 
-use std::collections::BTreeSet;
+use std::collections::{BTreeMap, BTreeSet};
+
+use hypershard_collectives::ReduceOp;
+use hypershard_mesh::Placement;
 
 use hypershard_nn::{Module, join_name};
 
 use crate::bridge::comm_dtype;
 use crate::bucket::{BucketItem, BucketPlan, plan_buckets};
-use crate::config::{FullyShardConfig, ReshardAfterForward};
+use crate::config::{FullyShardConfig, GradReduceOp, ReshardAfterForward};
 use crate::error::{FsdpError, Result};
-use crate::group::{GroupParts, PostForward};
+use crate::group::{GroupParts, PostForward, TpGroup};
 use crate::layout::ShardLayout;
 use crate::module::FsdpModule;
-use crate::param::{FsdpParam, ParamRole, ShardedState};
+use crate::param::{FsdpParam, ParamRole, ShardedState, TpInfo};
+use crate::tp::{TensorParallelConfig, tp_layouts};
 
 /// Whether `param` (a dotted name relative to the wrapped module) is named by `list`: equal to
 /// an entry, or ending in `.entry` (so `bias` names every bias, and one config can be reused
@@ -80,10 +84,34 @@ fn member_params(
     config: &FullyShardConfig,
     member: usize,
     post_size: Option<usize>,
+    tp: Option<&TpGroup>,
     params: &mut Vec<FsdpParam>,
 ) -> Result<()> {
     let mut nested = BTreeSet::new();
     nested_unit_names(module, "", &mut nested)?;
+    // Parameters of tensor-parallel layers (outside nested units) and their TP layout.
+    let mut layouts = BTreeMap::new();
+    tp_layouts(module, "", &mut layouts)?;
+    layouts.retain(|name, _| !nested.contains(name));
+    if let Some(first) = layouts.keys().next() {
+        let Some(tp) = tp else {
+            return Err(FsdpError::TpConfigMissing {
+                param: first.clone(),
+            });
+        };
+        let tp_ranks = tp.state_mesh.select(&[0usize])?.mesh().ranks().to_vec();
+        for (name, (_, layer_mesh)) in &layouts {
+            if layer_mesh.mesh().ranks() != tp_ranks.as_slice() {
+                return Err(FsdpError::TpMeshMismatch {
+                    what: format!(
+                        "parameter `{name}`'s layer is over ranks {:?}, this rank's TP group \
+                         over {tp_ranks:?}",
+                        layer_mesh.mesh().ranks()
+                    ),
+                });
+            }
+        }
+    }
 
     let mesh = config.mesh.clone();
     let shard_world = mesh.shard_world();
@@ -116,6 +144,22 @@ fn member_params(
         }
         let shape = data.shape().to_vec();
         let replicated = replicate || shape.is_empty();
+        let tp_info = tp.map(|_| match layouts.get(name) {
+            Some((layout, _)) => TpInfo {
+                placement: layout.placement,
+                global_shape: layout.global_shape.clone(),
+            },
+            None => TpInfo {
+                placement: Placement::Replicate,
+                global_shape: shape.clone(),
+            },
+        });
+        if tp_info.is_some() && replicated {
+            failure = Some(FsdpError::TpUnsupported {
+                what: "a 0-d or replicate_params parameter",
+            });
+            return Ok(());
+        }
         let dim = match &config.shard_placement_fn {
             Some(choose) if !replicated => choose(name, param).unwrap_or(0),
             _ => 0,
@@ -193,6 +237,7 @@ fn member_params(
             unsharded_grad_accum: None,
             main_grad: None,
             installed: false,
+            tp: tp_info,
             state: ShardedState::Sharded,
         });
         Ok(())
@@ -270,10 +315,21 @@ pub(crate) fn build_group(
         post_forward_policy(config.reshard_after_forward, config.mesh.shard_world())?;
     let mesh = config.mesh.clone();
     let mp = config.mp_policy;
+    let tp = match &config.tensor_parallel {
+        Some(tp_config) => Some(tp_group(tp_config, config)?),
+        None => None,
+    };
     let mut params: Vec<FsdpParam> = Vec::new();
     for (member, module) in modules.iter_mut().enumerate() {
-        member_params(module.as_mut(), config, member, post_size, &mut params)
-            .map_err(|error| for_member(member, error))?;
+        member_params(
+            module.as_mut(),
+            config,
+            member,
+            post_size,
+            tp.as_ref(),
+            &mut params,
+        )
+        .map_err(|error| for_member(member, error))?;
     }
 
     let fusion = config.comm_fusion;
@@ -301,13 +357,29 @@ pub(crate) fn build_group(
             slot_numel: layout.slot_numel().unwrap_or(0),
         })
     });
-    let reduce_plan = plan(&|p| {
-        (p.role == ParamRole::Sharded && p.requires_grad).then(|| BucketItem {
+    // TP-replicated parameters go last in every reduce bucket, so their reduced shards are
+    // one range that a single all-reduce over TP covers (one reduce-scatter per bucket still).
+    let tp_replicated = |p: &FsdpParam| p.tp.as_ref().is_some_and(TpInfo::is_replicated);
+    let mut reduce_items: Vec<BucketItem> = params
+        .iter()
+        .filter(|p| p.role == ParamRole::Sharded && p.requires_grad)
+        .map(|p| BucketItem {
             index: index_of(p),
             dtype: p.reduce_dtype,
             slot_numel: p.layout.slot_numel().unwrap_or(0),
         })
-    });
+        .collect();
+    reduce_items.sort_by_key(|item| tp_replicated(&params[item.index]));
+    let mut reduce_plan = plan_buckets(&reduce_items, fusion.enabled, fusion.bucket_bytes);
+    if tp.as_ref().is_some_and(|tp| tp.world() > 1) {
+        for bucket in &mut reduce_plan {
+            bucket.tp_tail = bucket
+                .members
+                .iter()
+                .position(|&m| tp_replicated(&params[m]))
+                .map(|first| bucket.offsets[first]);
+        }
+    }
     let replicate_plan = plan(&|p| {
         (p.role == ParamRole::Replicated && p.requires_grad).then(|| BucketItem {
             index: index_of(p),
@@ -355,5 +427,55 @@ pub(crate) fn build_group(
         post_forward_plan,
         reduce_plan,
         replicate_plan,
+        tp,
+    })
+}
+
+/// Checks a tensor-parallel config against the data-parallel mesh and derives the unit's TP
+/// group: `world` must be 2-d, its non-TP dim the (1-d) data-parallel mesh, over the same
+/// ranks.
+fn tp_group(tp_config: &TensorParallelConfig, config: &FullyShardConfig) -> Result<TpGroup> {
+    let dp = &config.mesh;
+    if dp.replicate().is_some() {
+        return Err(FsdpError::TpUnsupported {
+            what: "HSDP (a 2-d data-parallel mesh)",
+        });
+    }
+    if !config.replicate_params.is_empty() {
+        return Err(FsdpError::TpUnsupported {
+            what: "replicate_params",
+        });
+    }
+    let world = &tp_config.world;
+    let tp_index = world.mesh().dim_index(tp_config.tp_dim.as_str())?;
+    if world.ndim() != 2 {
+        return Err(FsdpError::TpMeshMismatch {
+            what: format!(
+                "the world mesh needs 2 dims (dp, tp), got {:?}",
+                world.shape()
+            ),
+        });
+    }
+    let dp_index = 1 - tp_index;
+    let dp_ranks = world.select(&[dp_index])?.mesh().ranks().to_vec();
+    if dp_ranks != dp.mesh().ranks() {
+        return Err(FsdpError::TpMeshMismatch {
+            what: format!(
+                "the data-parallel mesh is over ranks {:?}, the world's non-TP dim over {:?}",
+                dp.mesh().ranks(),
+                dp_ranks
+            ),
+        });
+    }
+    let state_mesh = world.select(&[tp_index, dp_index])?;
+    let comm = state_mesh.dim_comm(0usize)?.clone();
+    let op = match tp_config.replicated_grad_op {
+        GradReduceOp::Avg => ReduceOp::Avg,
+        GradReduceOp::Sum => ReduceOp::Sum,
+    };
+    Ok(TpGroup {
+        comm,
+        op,
+        state_mesh,
     })
 }

@@ -7,6 +7,7 @@ use hypershard_nn::Parameter;
 use hypershard_tensor::DType;
 
 use crate::mesh::DataParallelMesh;
+use crate::tp::TensorParallelConfig;
 
 /// What a unit does with its unsharded parameters after forward.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
@@ -107,6 +108,8 @@ pub struct FullyShardConfig {
     pub replicate_params: BTreeSet<String>,
     /// How gradients are combined.
     pub reduce_op: GradReduceOp,
+    /// Tensor parallelism under this data-parallel mesh (2-d: dp × tp), or `None`.
+    pub tensor_parallel: Option<TensorParallelConfig>,
 }
 
 impl FullyShardConfig {
@@ -123,6 +126,7 @@ impl FullyShardConfig {
             ignored_params: BTreeSet::new(),
             replicate_params: BTreeSet::new(),
             reduce_op: GradReduceOp::default(),
+            tensor_parallel: None,
         }
     }
 }
@@ -139,6 +143,7 @@ impl std::fmt::Debug for FullyShardConfig {
             .field("ignored_params", &self.ignored_params)
             .field("replicate_params", &self.replicate_params)
             .field("reduce_op", &self.reduce_op)
+            .field("tensor_parallel", &self.tensor_parallel)
             .finish()
     }
 }

@@ -191,6 +191,30 @@ pub enum FsdpError {
         /// (a backward before a complete forward, or a forward while a backward is half done).
         expected: Option<usize>,
     },
+    /// A TP mesh must have exactly one dim.
+    #[error("a tensor-parallel mesh needs 1 dim, got {ndim}")]
+    TpMeshDims {
+        /// The number of dims of the mesh given.
+        ndim: usize,
+    },
+    /// The module holds tensor-parallel layers but the config has no `tensor_parallel`.
+    #[error("parameter `{param}` is tensor-parallel but the config has no tensor_parallel")]
+    TpConfigMissing {
+        /// A parameter of a tensor-parallel layer.
+        param: String,
+    },
+    /// The meshes of tensor parallelism and data parallelism do not fit together.
+    #[error("tensor parallelism: {what}")]
+    TpMeshMismatch {
+        /// What does not fit.
+        what: String,
+    },
+    /// A feature that is not built for tensor parallelism.
+    #[error("{what} is not supported with tensor parallelism")]
+    TpUnsupported {
+        /// The feature.
+        what: &'static str,
+    },
     /// An FSDP hook failed in a nested unit; the root reports the first such error.
     #[error("a nested fully_shard hook failed and its error was already taken")]
     NestedHookFailed,

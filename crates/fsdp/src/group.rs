@@ -69,6 +69,26 @@ pub(crate) struct PendingReduce {
     targets: HashMap<usize, (Tensor, bool)>,
 }
 
+/// Tensor parallelism of a unit: the TP group and how TP-replicated gradients are combined.
+#[derive(Clone)]
+pub(crate) struct TpGroup {
+    pub comm: Arc<dyn Communicator>,
+    pub op: ReduceOp,
+    /// The world mesh with its TP dim first and the data-parallel dim second, over which
+    /// the sharded state dict's DTensors are laid out.
+    pub state_mesh: hypershard_dtensor::ProcessMesh,
+}
+
+impl TpGroup {
+    pub fn rank(&self) -> usize {
+        self.comm.rank()
+    }
+
+    pub fn world(&self) -> usize {
+        self.comm.size()
+    }
+}
+
 /// The parameters of one unit and everything needed to move them.
 pub(crate) struct ParamGroup {
     pub id: usize,
@@ -106,6 +126,8 @@ pub(crate) struct ParamGroup {
     partial_outputs: Vec<Option<Buffer>>,
     pub forward_prefetch: Option<Vec<Weak<Mutex<ParamGroup>>>>,
     pub backward_prefetch: Option<Vec<Weak<Mutex<ParamGroup>>>>,
+    /// Tensor parallelism, when configured.
+    pub tp: Option<TpGroup>,
 }
 
 /// How a group is built (the fields `fully_shard` computed).
@@ -124,6 +146,7 @@ pub(crate) struct GroupParts {
     pub post_forward_plan: Vec<BucketPlan>,
     pub reduce_plan: Vec<BucketPlan>,
     pub replicate_plan: Vec<BucketPlan>,
+    pub tp: Option<TpGroup>,
 }
 
 fn buffer_dtype(dtype: DType, name: &str) -> Result<hypershard_collectives::DType> {
@@ -194,6 +217,7 @@ impl ParamGroup {
             partial_outputs,
             forward_prefetch: None,
             backward_prefetch: None,
+            tp: parts.tp,
         }
     }
 
@@ -998,6 +1022,10 @@ impl ParamGroup {
                 let _span = tracing::debug_span!("fsdp.all_reduce", unit = %self.unit).entered();
                 output = replicate.all_reduce_async(output, all_reduce_op).wait()?;
             }
+            if let (Some(tail), Some(tp)) = (bucket.tp_tail, &self.tp) {
+                let _span = tracing::debug_span!("fsdp.tp_all_reduce", unit = %self.unit).entered();
+                tp_all_reduce_tail(&mut output, tail, &bucket, tp, &pool)?;
+            }
             let bytes = host_bytes(&output, "reduce-scatter copy-out")?;
             let size = bucket.dtype.size_of();
             for (&member, &offset) in bucket.members.iter().zip(&bucket.offsets) {
@@ -1055,6 +1083,28 @@ impl ParamGroup {
         self.collected.clear();
         self.targets.clear();
     }
+}
+
+/// All-reduces the elements `tail..` of a reduced shard buffer (the TP-replicated members of
+/// its bucket) over the TP group, in place.
+fn tp_all_reduce_tail(
+    output: &mut Buffer,
+    tail: usize,
+    bucket: &BucketPlan,
+    tp: &TpGroup,
+    pool: &crate::bucket::BufferPool,
+) -> Result<()> {
+    let size = bucket.dtype.size_of();
+    let len = bucket.per_rank.saturating_sub(tail);
+    let mut part = pool.take(buffer_dtype(bucket.dtype, "tp all-reduce")?, len);
+    host_bytes_mut(&mut part, "tp all-reduce copy-in")?
+        .copy_from_slice(&host_bytes(output, "tp all-reduce copy-in")?[tail * size..]);
+    let part = tp.comm.all_reduce_async(part, tp.op).wait()?;
+    check_len(&part, len, "tp all-reduce copy-out")?;
+    host_bytes_mut(output, "tp all-reduce copy-out")?[tail * size..]
+        .copy_from_slice(host_bytes(&part, "tp all-reduce copy-out")?);
+    pool.give(part);
+    Ok(())
 }
 
 /// `acc += other` elementwise for two host buffers of one dtype.

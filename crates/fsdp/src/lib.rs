@@ -24,6 +24,9 @@
 //! # Ok::<(), Box<dyn std::error::Error>>(())
 //! ```
 //!
+//! [`fully_shard_group`] makes one unit of a list of modules (FSDP2's `fully_shard([m1, m2])`),
+//! and [`tp`] puts tensor-parallel layers under FSDP on a `[dp, tp]` mesh.
+//!
 //! See `docs/fsdp.md` for the lifecycle and the order of collectives.
 
 mod bridge;
@@ -39,6 +42,7 @@ mod param;
 mod reshard_load;
 mod schedule;
 mod state_dict;
+pub mod tp;
 
 pub use config::{
     CommFusionPolicy, CpuOffloadPolicy, FullyShardConfig, GradReduceOp, MixedPrecisionPolicy,
@@ -52,3 +56,4 @@ pub use module::{
 };
 pub use param::{FsdpParamInfo, ShardedState, TrainingState};
 pub use reshard_load::SavedShard;
+pub use tp::{TensorParallelConfig, TpLinear, TpParamLayout, TpStyle};

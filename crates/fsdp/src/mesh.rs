@@ -47,14 +47,30 @@ impl DataParallelMesh {
         Self::from_parts(process_mesh, world)
     }
 
-    /// Uses an existing [`ProcessMesh`] of 1 or 2 dims (no new communicators are made).
+    /// Uses an existing [`ProcessMesh`] of 1 or 2 dims, e.g. the `dp` dim selected from a
+    /// `[dp, tp]` world mesh for TP + FSDP.
+    ///
+    /// The data-parallel world is the mesh's own group: the root communicator when the mesh
+    /// covers it, the dim's communicator for a selected 1-d mesh (no new communicator), and a
+    /// flattened communicator over both dims for a selected 2-d mesh (collective over the
+    /// root communicator on first use).
     pub fn from_process_mesh(process_mesh: ProcessMesh) -> Result<Arc<Self>> {
-        let world = process_mesh.root_comm().clone();
         if !(1..=2).contains(&process_mesh.ndim()) {
             return Err(FsdpError::MeshDims {
                 ndim: process_mesh.ndim(),
             });
         }
+        let root = process_mesh.root_comm().clone();
+        let world = if process_mesh.mesh().num_ranks() == root.size() {
+            root
+        } else if process_mesh.ndim() == 1 {
+            process_mesh.dim_comm(0usize)?.clone()
+        } else {
+            process_mesh
+                .flatten(&[0usize, 1], "dp")?
+                .dim_comm(0usize)?
+                .clone()
+        };
         Self::from_parts(process_mesh, world)
     }
 
@@ -67,7 +83,7 @@ impl DataParallelMesh {
             None
         };
         Ok(Arc::new(DataParallelMesh {
-            rank: process_mesh.rank(),
+            rank: world.rank(),
             process_mesh,
             world,
             shard,

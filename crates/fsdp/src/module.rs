@@ -3,6 +3,7 @@
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 
+use hypershard_mesh::Placement;
 use hypershard_nn::{ChildVisitorMut, Identity, Module, ParamVisitor, ParamVisitorMut};
 use hypershard_tensor::{DType, Tensor};
 
@@ -144,11 +145,12 @@ fn param_infos(group: &ParamGroup, member: usize) -> Vec<FsdpParamInfo> {
         .filter(|p| p.member == member)
         .map(|p| FsdpParamInfo {
             name: p.name.clone(),
-            global_shape: if p.role == ParamRole::Replicated {
-                p.sharded.shape().to_vec()
-            } else {
-                p.layout.shape.clone()
+            global_shape: match (&p.tp, p.role) {
+                (Some(tp), _) => tp.global_shape.clone(),
+                (None, ParamRole::Replicated) => p.sharded.shape().to_vec(),
+                (None, ParamRole::Sharded) => p.layout.shape.clone(),
             },
+            tp_placement: p.tp.as_ref().map(|tp| tp.placement),
             local_shape: p.sharded.shape().to_vec(),
             shard_dim: p.layout.dim,
             replicated: p.role == ParamRole::Replicated,
@@ -544,9 +546,10 @@ impl FsdpModule {
     /// are equal on every rank after reduction and are counted once, locally. Collective over
     /// the shard groups.
     pub fn clip_grad_norm(&mut self, max_norm: f64) -> Result<f64> {
-        // Full name of every sharded parameter → index of its mesh in `meshes`.
+        // Full name of every sharded parameter → index of its mesh in `meshes`, and whether
+        // it is also sharded over TP (so its squares are summed over the TP group too).
         let mut meshes: Vec<Arc<crate::mesh::DataParallelMesh>> = Vec::new();
-        let mut sharded: std::collections::HashMap<String, usize> =
+        let mut sharded: std::collections::HashMap<String, (usize, bool)> =
             std::collections::HashMap::new();
         let mut record = |path: &str, group: &ParamGroup, member: usize| {
             let index = match meshes.iter().position(|m| Arc::ptr_eq(m, &group.mesh)) {
@@ -561,35 +564,67 @@ impl FsdpModule {
                 .iter()
                 .filter(|p| p.member == member && p.role == ParamRole::Sharded)
             {
-                sharded.insert(hypershard_nn::join_name(path, &param.name), index);
+                let tp_sharded = param.tp.as_ref().is_some_and(|tp| !tp.is_replicated());
+                sharded.insert(
+                    hypershard_nn::join_name(path, &param.name),
+                    (index, tp_sharded),
+                );
             }
         };
         record("", &lock(&self.group), self.member);
         walk_units_with_path(self.inner.as_mut(), "", &mut |path, unit| {
             record(path, &lock(&unit.group), unit.member);
         })?;
-        let mut sums = vec![0.0f64; meshes.len()];
+        // Whole (unmanaged, ignored) parameters of TP layers are TP shards as well.
+        let tp = self.tp_group()?;
+        let mut layouts = std::collections::BTreeMap::new();
+        if tp.is_some() {
+            crate::tp::tp_layouts(self.inner.as_mut(), "", &mut layouts)?;
+        }
+        // Per mesh: squares summed over its shard group only, and over its shard group and TP.
+        let mut sums = vec![[0.0f64; 2]; meshes.len()];
         let mut local = 0.0f64;
+        let mut tp_only = 0.0f64;
         self.inner.visit_params("", &mut |name, param| {
             if let Some(grad) = &param.grad {
                 let sq: f64 = grad.to_f64_vec()?.iter().map(|g| g * g).sum();
                 match sharded.get(name) {
-                    Some(&index) => sums[index] += sq,
-                    None => local += sq,
+                    Some(&(index, tp_sharded)) => sums[index][usize::from(tp_sharded)] += sq,
+                    None => match layouts.get(name) {
+                        Some((layout, _)) if layout.placement != Placement::Replicate => {
+                            tp_only += sq
+                        }
+                        _ => local += sq,
+                    },
                 }
             }
             Ok(())
         })?;
         let mut total = local;
+        let mut over_tp = tp_only;
         for (mesh, sum) in meshes.iter().zip(sums) {
             let reduced = mesh
                 .shard()
                 .all_reduce(
-                    hypershard_collectives::Buffer::from_vec(vec![sum]),
+                    hypershard_collectives::Buffer::from_vec(sum.to_vec()),
                     hypershard_collectives::ReduceOp::Sum,
                 )?
                 .into_vec::<f64>()?;
             total += reduced.first().copied().unwrap_or(0.0);
+            over_tp += reduced.get(1).copied().unwrap_or(0.0);
+        }
+        match &tp {
+            Some(tp) => {
+                let reduced = tp
+                    .comm
+                    .all_reduce(
+                        hypershard_collectives::Buffer::from_vec(vec![over_tp]),
+                        hypershard_collectives::ReduceOp::Sum,
+                    )?
+                    .into_vec::<f64>()?;
+                total += reduced.first().copied().unwrap_or(0.0);
+            }
+            None => total += over_tp,
         }
         let norm = total.sqrt();
         let coef = max_norm / (norm + 1e-6);

@@ -1,5 +1,6 @@
 //! `FsdpParam`: one parameter's shard, its unsharded form while in use, and its state.
 
+use hypershard_mesh::Placement;
 use hypershard_tensor::{DType, Tensor};
 
 use crate::error::{FsdpError, Result};
@@ -71,6 +72,9 @@ pub(crate) struct FsdpParam {
     pub main_grad: Option<Tensor>,
     /// Whether the module currently holds the unsharded tensor.
     pub installed: bool,
+    /// With tensor parallelism: how the (unsharded, TP-local) parameter sits in the global
+    /// one. `Replicate` for parameters outside tensor-parallel layers.
+    pub tp: Option<TpInfo>,
     pub state: ShardedState,
 }
 
@@ -96,13 +100,33 @@ impl FsdpParam {
     }
 }
 
-/// What a caller can see of a managed parameter.
-#[derive(Debug, Clone, PartialEq, Eq)]
+/// A parameter's place over the TP mesh.
+#[derive(Debug, Clone, PartialEq)]
+pub(crate) struct TpInfo {
+    pub placement: Placement,
+    /// The global shape (over TP); the FSDP layout's shape is this rank's TP-local shape.
+    pub global_shape: Vec<usize>,
+}
+
+impl TpInfo {
+    pub fn is_replicated(&self) -> bool {
+        self.placement == Placement::Replicate
+    }
+}
+
+/// What a caller can see of a managed parameter (`PartialEq` only: a TP placement may be
+/// `Partial` with a float factor).
+#[derive(Debug, Clone, PartialEq)]
 pub struct FsdpParamInfo {
     /// The name relative to the wrapped module.
     pub name: String,
-    /// The unsharded shape.
+    /// The unsharded shape: the global one, over every data-parallel and TP rank (what the
+    /// state dicts use).
     pub global_shape: Vec<usize>,
+    /// With tensor parallelism, the parameter's placement over the TP mesh (`Replicate`
+    /// outside tensor-parallel layers); the data-parallel shards cut this rank's TP-local
+    /// piece.
+    pub tp_placement: Option<Placement>,
     /// The local shard's shape.
     pub local_shape: Vec<usize>,
     /// The dim sharded along (0 for replicated parameters).

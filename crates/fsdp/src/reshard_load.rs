@@ -6,6 +6,7 @@
 
 use std::collections::BTreeMap;
 
+use hypershard_mesh::{Placement, shard_span};
 use hypershard_nn::Module;
 use hypershard_tensor::Tensor;
 
@@ -13,6 +14,7 @@ use crate::error::{FsdpError, Result};
 use crate::module::FsdpModule;
 use crate::param::ParamRole;
 use crate::schedule::lock;
+use crate::tp::tp_layouts;
 
 /// One rank's piece of one global parameter: the box `offset .. offset + tensor.shape()` of a
 /// tensor of `global_shape`.
@@ -43,8 +45,24 @@ fn overlap(a0: usize, alen: usize, b0: usize, blen: usize) -> Option<(usize, usi
 impl FsdpModule {
     /// The global box of this rank's local tensor of every parameter (sharded ones at their
     /// `torch.chunk` span along the shard dim; replicated, ignored and unmanaged ones whole).
+    /// With TP, the box sits inside the global parameter at this rank's TP span (for a
+    /// TP-sharded parameter), and a data-parallel span counts from the start of that.
     fn local_boxes(&mut self) -> Result<BTreeMap<String, LocalBox>> {
         let managed = self.managed_params()?;
+        let tp = self.tp_group()?;
+        let mut layouts = BTreeMap::new();
+        if tp.is_some() {
+            tp_layouts(self, "", &mut layouts)?;
+        }
+        let tp_box = |placement: Placement, global: &[usize]| -> Result<Vec<usize>> {
+            let mut offset = vec![0; global.len()];
+            if let (Placement::Shard(dim), Some(tp)) = (placement, &tp)
+                && dim < global.len()
+            {
+                offset[dim] = shard_span(global[dim], tp.world(), tp.rank())?.offset;
+            }
+            Ok(offset)
+        };
         let mut out = BTreeMap::new();
         let mut failure: Option<FsdpError> = None;
         self.visit_params("", &mut |name, param| {
@@ -55,37 +73,52 @@ impl FsdpModule {
                 Some(entry) => {
                     let group = lock(&entry.group);
                     let p = &group.params[entry.index];
-                    let local_shape = p.sharded.shape().to_vec();
+                    let shape = p.sharded.shape().to_vec();
+                    let (global_shape, placement) = match (&p.tp, p.role) {
+                        (Some(info), _) => (info.global_shape.clone(), info.placement),
+                        (None, ParamRole::Sharded) => {
+                            (p.layout.shape.clone(), Placement::Replicate)
+                        }
+                        (None, ParamRole::Replicated) => (shape.clone(), Placement::Replicate),
+                    };
+                    let mut offset = match tp_box(placement, &global_shape) {
+                        Ok(offset) => offset,
+                        Err(error) => {
+                            failure = Some(error);
+                            return Ok(());
+                        }
+                    };
                     if p.role == ParamRole::Sharded {
                         match p.layout.span(group.mesh.shard_rank()) {
-                            Ok(span) => {
-                                let mut offset = vec![0; local_shape.len()];
-                                offset[p.layout.dim] = span.offset;
-                                LocalBox {
-                                    global_shape: p.layout.shape.clone(),
-                                    offset,
-                                    shape: local_shape,
-                                }
-                            }
+                            Ok(span) => offset[p.layout.dim] += span.offset,
                             Err(error) => {
                                 failure = Some(error);
                                 return Ok(());
                             }
                         }
-                    } else {
-                        LocalBox {
-                            global_shape: local_shape.clone(),
-                            offset: vec![0; local_shape.len()],
-                            shape: local_shape,
-                        }
+                    }
+                    LocalBox {
+                        global_shape,
+                        offset,
+                        shape,
                     }
                 }
                 None => {
                     let shape = param.data()?.shape().to_vec();
-                    LocalBox {
-                        global_shape: shape.clone(),
-                        offset: vec![0; shape.len()],
-                        shape,
+                    let (global_shape, placement) = match layouts.get(name) {
+                        Some((layout, _)) => (layout.global_shape.clone(), layout.placement),
+                        None => (shape.clone(), Placement::Replicate),
+                    };
+                    match tp_box(placement, &global_shape) {
+                        Ok(offset) => LocalBox {
+                            global_shape,
+                            offset,
+                            shape,
+                        },
+                        Err(error) => {
+                            failure = Some(error);
+                            return Ok(());
+                        }
                     }
                 }
             };

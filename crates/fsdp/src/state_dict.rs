@@ -6,15 +6,17 @@ use std::sync::{Arc, Mutex};
 
 use hypershard_collectives::Buffer;
 use hypershard_dtensor::{DTensor, Placement};
+use hypershard_mesh::shard_span;
 use hypershard_nn::Module;
 use hypershard_tensor::Tensor;
 
 use crate::bridge::{comm_dtype, tensor_from_buffer};
 use crate::error::{FsdpError, Result};
-use crate::group::ParamGroup;
+use crate::group::{ParamGroup, TpGroup};
 use crate::module::FsdpModule;
 use crate::param::{ParamRole, ShardedState};
 use crate::schedule::lock;
+use crate::tp::tp_layouts;
 
 /// A managed parameter found by its full name.
 pub(crate) struct ManagedParam {
@@ -48,11 +50,95 @@ impl FsdpModule {
         Ok(out)
     }
 
+    /// The TP group of this unit or of the first unit below it that has one.
+    pub(crate) fn tp_group(&mut self) -> Result<Option<TpGroup>> {
+        let mut found = lock(self.group_arc()).tp.clone();
+        if found.is_none() {
+            self.walk_nested_with_path(&mut |_, unit| {
+                if found.is_none() {
+                    found = lock(unit.group_arc()).tp.clone();
+                }
+            })?;
+        }
+        Ok(found)
+    }
+
+    /// With TP: every parameter as a DTensor over the world mesh ordered `[tp, dp]`, with
+    /// placements `[TP placement, Shard(d) or Replicate]`. Nested sharding of one dim splits
+    /// in mesh-dim order, TP first, which is exactly how a data-parallel shard of a TP-local
+    /// piece sits in the global parameter.
+    fn tp_sharded_state_dict(&mut self, tp: &TpGroup) -> Result<BTreeMap<String, DTensor>> {
+        let managed = self.managed_params()?;
+        let mut layouts = BTreeMap::new();
+        tp_layouts(self, "", &mut layouts)?;
+        let mesh = tp.state_mesh.clone();
+        let mut out = BTreeMap::new();
+        let mut failure: Option<FsdpError> = None;
+        self.visit_params("", &mut |name, param| {
+            if failure.is_some() {
+                return Ok(());
+            }
+            let (local, placements, global) = match managed.get(name) {
+                Some(entry) => {
+                    let group = lock(&entry.group);
+                    let p = &group.params[entry.index];
+                    let (tp_placement, global) = match &p.tp {
+                        Some(info) => (info.placement, info.global_shape.clone()),
+                        None => (Placement::Replicate, p.layout.shape.clone()),
+                    };
+                    let dp_placement = match p.role {
+                        ParamRole::Sharded => Placement::Shard(p.layout.dim),
+                        ParamRole::Replicated => Placement::Replicate,
+                    };
+                    (p.sharded.clone(), [tp_placement, dp_placement], global)
+                }
+                None => {
+                    let data = param.data()?.clone();
+                    let (tp_placement, global) = match layouts.get(name) {
+                        Some((layout, _)) => (layout.placement, layout.global_shape.clone()),
+                        None => (Placement::Replicate, data.shape().to_vec()),
+                    };
+                    (data, [tp_placement, Placement::Replicate], global)
+                }
+            };
+            match DTensor::from_local(local, &mesh, &placements, Some(&global)) {
+                Ok(dtensor) => {
+                    out.insert(name.to_string(), dtensor);
+                }
+                Err(error) => failure = Some(error.into()),
+            }
+            Ok(())
+        })?;
+        match failure {
+            Some(error) => Err(error),
+            None => Ok(out),
+        }
+    }
+
+    /// With TP: each parameter of the sharded state dict gathered whole, one at a time, kept
+    /// on global rank 0. Unlike the data-parallel-only path, every rank briefly holds the one
+    /// parameter being gathered (an all-gather over the `[tp, dp]` mesh), never more.
+    fn tp_full_state_dict(&mut self, tp: &TpGroup) -> Result<BTreeMap<String, Tensor>> {
+        let sharded = self.tp_sharded_state_dict(tp)?;
+        let keep = tp.state_mesh.rank() == 0;
+        let mut out = BTreeMap::new();
+        for (name, dtensor) in sharded {
+            let full = dtensor.full_tensor()?;
+            if keep {
+                out.insert(name, full);
+            }
+        }
+        Ok(out)
+    }
+
     /// The full state dict (PyTorch names and shapes) on global rank 0; other ranks get an
     /// empty map. Parameters are gathered one at a time to the shard group's first rank, so no
     /// rank ever holds more than one full parameter beyond its shards. Collective over the
     /// shard groups of replica 0 (other replicas take no part).
     pub fn full_state_dict(&mut self) -> Result<BTreeMap<String, Tensor>> {
+        if let Some(tp) = self.tp_group()? {
+            return self.tp_full_state_dict(&tp);
+        }
         let managed = self.managed_params()?;
         let mut names = Vec::new();
         let mut locals = BTreeMap::new();
@@ -133,6 +219,9 @@ impl FsdpModule {
     /// hold this rank's values, which fully_shard does not synchronise). No communication; the
     /// local tensors share storage with the parameters, as torch's do.
     pub fn sharded_state_dict(&mut self) -> Result<BTreeMap<String, DTensor>> {
+        if let Some(tp) = self.tp_group()? {
+            return self.tp_sharded_state_dict(&tp);
+        }
         let managed = self.managed_params()?;
         let process_mesh = lock(self.group_arc()).mesh.process_mesh().clone();
         let ndim = process_mesh.ndim();
@@ -242,6 +331,33 @@ impl FsdpModule {
                     } else {
                         p.layout.shape.clone()
                     };
+                    // With TP, a global-shape value is first narrowed to this rank's TP
+                    // piece (the shape the data-parallel layout cuts).
+                    let tp_piece = match (&p.tp, &group.tp) {
+                        (Some(info), Some(tp))
+                            if value.shape() == info.global_shape.as_slice()
+                                && value.shape() != local_shape.as_slice() =>
+                        {
+                            match info.placement {
+                                Placement::Shard(dim) => {
+                                    match shard_span(info.global_shape[dim], tp.world(), tp.rank())
+                                    {
+                                        Ok(span) => {
+                                            Some(value.narrow(dim, span.offset, span.len)?)
+                                        }
+                                        Err(error) => {
+                                            failure = Some(error.into());
+                                            return Ok(());
+                                        }
+                                    }
+                                }
+                                _ => None,
+                            }
+                        }
+                        _ => None,
+                    };
+                    let tp_global = p.tp.as_ref().map(|info| info.global_shape.clone());
+                    let value = tp_piece.as_ref().unwrap_or(value);
                     if value.shape() == local_shape.as_slice() {
                         Some(value.clone())
                     } else if value.shape() == global_shape.as_slice() {
@@ -255,7 +371,7 @@ impl FsdpModule {
                     } else {
                         failure = Some(FsdpError::StateDictShape {
                             name: name.to_string(),
-                            expected: global_shape,
+                            expected: tp_global.unwrap_or(global_shape),
                             local: local_shape,
                             actual: value.shape().to_vec(),
                         });
