@@ -1,16 +1,27 @@
 //! `cargo xtask gpu-check`: the prepared script for the few minutes a GPU machine is lent.
 //!
 //! 1. Prints `nvidia-smi`.
-//! 2. Finds the libraries: libnccl (pip's `libnccl.so.2` is exposed to cudarc as `libnccl.so`
-//!    through a symlink in `target/nccl-lib`), and the library folders of pip's CUDA wheels
-//!    (`nvidia.cuda_nvrtc`, `nvidia.cublas`, `nvidia.nccl`, `nvidia.cuda_runtime`) and of
-//!    `/usr/local/cuda/lib64`. All of them go first on the children's `LD_LIBRARY_PATH`
-//!    (the dynamic loader reads it only when a process starts, so the tests cannot fix it
-//!    themselves).
+//! 2. Finds the libraries. The folders go first on the children's `LD_LIBRARY_PATH` (the
+//!    dynamic loader reads it only when a process starts, so the tests cannot fix it
+//!    themselves), in this order:
+//!    * the CUDA toolkit's `/usr/local/cuda/lib64` (its NVRTC matches the driver);
+//!    * the driver's `/usr/local/nvidia/lib64`;
+//!    * every `lib` folder of pip's `nvidia` wheels (`nvidia/cuda_nvrtc/lib`,
+//!      `nvidia/cu13/lib`, ...).
+//!
+//!    cudarc opens only `libX.so` or `libX.so.<N>` with `N` ≤ 12, so a library found only
+//!    under another name (pip's `libnccl.so.2`, CUDA 13's `libnvrtc.so.13` and
+//!    `libcublas.so.13`) is exposed under the plain name through a symlink in
+//!    `target/cuda-lib`, which goes first.
 //! 3. Builds both device test binaries in one cargo call (collectives' `nccl_gpu` with feature
 //!    `nccl`, tensor's `cuda` with feature `cuda`; one feature set, so cudarc compiles once).
 //! 4. Runs each with `HYPERSHARD_TEST_GPU=1`: they fail when the GPU is missing.
 //! 5. Writes a summary to `target/bench/gpu-check.json`.
+//!
+//! A lent GPU machine has no Rust toolchain and no network, so step 3 can also run here:
+//! `cargo xtask gpu-check --bundle DIR` builds the test binaries and copies them, with this
+//! xtask binary, into `DIR`. On the GPU machine, `DIR/xtask gpu-check --prebuilt DIR` then
+//! runs steps 1, 2, 4 and 5 with those binaries (see docs/gpu.md).
 //!
 //! Every child gets a deadline so the whole check stays within five minutes.
 
@@ -90,13 +101,12 @@ fn run_capturing(mut command: Command, deadline: Duration) -> Result<(bool, Stri
     Ok((status.success(), text))
 }
 
-/// The `lib` folder of each pip wheel module (`nvidia.cublas`, ...) that Python can import.
-fn wheel_lib_dirs(modules: &[&str]) -> Vec<PathBuf> {
-    let script = format!(
-        "import importlib, os\nfor m in {modules:?}:\n    try:\n        p = importlib.import_module(m)\n        print(os.path.join(list(p.__path__)[0], 'lib'))\n    except Exception:\n        pass\n"
-    );
+/// Every `lib` folder of pip's `nvidia` namespace package, one and two levels down
+/// (`nvidia/cublas/lib`, `nvidia/cu13/lib`), for the `python3` on the path.
+fn wheel_lib_dirs() -> Vec<PathBuf> {
+    let script = "import os\ntry:\n    import nvidia\nexcept Exception:\n    raise SystemExit(0)\nfor root in nvidia.__path__:\n    for sub in sorted(os.listdir(root)):\n        lib = os.path.join(root, sub, 'lib')\n        if os.path.isdir(lib):\n            print(lib)\n";
     let Ok(out) = Command::new("python3")
-        .args(["-c", &script])
+        .args(["-c", script])
         .stderr(Stdio::null())
         .output()
     else {
@@ -112,40 +122,130 @@ fn wheel_lib_dirs(modules: &[&str]) -> Vec<PathBuf> {
         .collect()
 }
 
-/// The first `libnccl.so.2` in the usual places (`HYPERSHARD_NCCL_LIB` first).
-fn find_libnccl(wheel_dirs: &[PathBuf]) -> Option<PathBuf> {
-    let mut candidates: Vec<PathBuf> = Vec::new();
+/// The folders to search, in order of preference: `HYPERSHARD_NCCL_LIB` (a file's folder, or
+/// a folder), the toolkit, the driver, `LD_LIBRARY_PATH`, the system folders, pip's wheels.
+fn library_search_dirs(wheel_dirs: &[PathBuf]) -> Vec<PathBuf> {
+    let mut dirs: Vec<PathBuf> = Vec::new();
     if let Some(named) = std::env::var_os("HYPERSHARD_NCCL_LIB") {
-        candidates.push(PathBuf::from(named));
-    }
-    if let Some(paths) = std::env::var_os("LD_LIBRARY_PATH") {
-        candidates.extend(std::env::split_paths(&paths));
+        let named = PathBuf::from(named);
+        match named.parent() {
+            Some(parent) if named.is_file() => dirs.push(parent.to_path_buf()),
+            _ => dirs.push(named),
+        }
     }
     for dir in [
-        "/usr/lib/x86_64-linux-gnu",
-        "/usr/lib64",
         "/usr/local/cuda/lib64",
+        "/usr/local/nvidia/lib64",
+        "/usr/local/nvidia/lib",
     ] {
-        candidates.push(PathBuf::from(dir));
+        dirs.push(PathBuf::from(dir));
     }
-    candidates.extend(wheel_dirs.iter().cloned());
-    candidates.into_iter().find_map(|c| {
-        if c.is_file() {
-            return Some(c);
-        }
-        let file = c.join("libnccl.so.2");
-        file.is_file().then_some(file)
-    })
+    if let Some(paths) = std::env::var_os("LD_LIBRARY_PATH") {
+        dirs.extend(std::env::split_paths(&paths));
+    }
+    for dir in ["/usr/lib/x86_64-linux-gnu", "/usr/lib64"] {
+        dirs.push(PathBuf::from(dir));
+    }
+    dirs.extend(wheel_dirs.iter().cloned());
+    let mut seen = std::collections::HashSet::new();
+    dirs.retain(|d| d.is_dir() && seen.insert(d.clone()));
+    dirs
 }
 
-/// Makes `target/nccl-lib/libnccl.so` point at `library`; returns the directory.
-fn expose_libnccl(library: &Path) -> Result<PathBuf, String> {
-    let dir = PathBuf::from("target/nccl-lib");
-    std::fs::create_dir_all(&dir).map_err(|e| format!("{}: {e}", dir.display()))?;
-    let link = dir.join("libnccl.so");
+/// Where `lib{name}` is: `Ok(folder)` when a folder holds the plain `lib{name}.so` (cudarc
+/// finds it once the folder is on `LD_LIBRARY_PATH`), `Err(Some(file))` when only a versioned
+/// `lib{name}.so.<N>` exists (the first folder's highest `N`), `Err(None)` when neither does.
+fn find_library(name: &str, dirs: &[PathBuf]) -> Result<PathBuf, Option<PathBuf>> {
+    let plain = format!("lib{name}.so");
+    if let Some(dir) = dirs.iter().find(|d| d.join(&plain).exists()) {
+        return Ok(dir.clone());
+    }
+    let prefix = format!("{plain}.");
+    for dir in dirs {
+        let Ok(entries) = std::fs::read_dir(dir) else {
+            continue;
+        };
+        let mut best: Option<(u32, PathBuf)> = None;
+        for entry in entries.flatten() {
+            let file = entry.file_name();
+            let file = file.to_string_lossy();
+            let Some(version) = file.strip_prefix(&prefix) else {
+                continue;
+            };
+            // `libX.so.13` or `libX.so.13.0.1`: the major version leads.
+            let Ok(major) = version.split('.').next().unwrap_or("").parse::<u32>() else {
+                continue;
+            };
+            if best.as_ref().is_none_or(|(b, _)| major > *b) {
+                best = Some((major, entry.path()));
+            }
+        }
+        if let Some((_, path)) = best {
+            return Err(Some(path));
+        }
+    }
+    Err(None)
+}
+
+/// Makes `dir/lib{name}.so` point at `library`.
+fn expose(dir: &Path, name: &str, library: &Path) -> Result<(), String> {
+    std::fs::create_dir_all(dir).map_err(|e| format!("{}: {e}", dir.display()))?;
+    let link = dir.join(format!("lib{name}.so"));
     let _ = std::fs::remove_file(&link);
-    std::os::unix::fs::symlink(library, &link).map_err(|e| format!("{}: {e}", link.display()))?;
-    std::fs::canonicalize(&dir).map_err(|e| format!("{}: {e}", dir.display()))
+    std::os::unix::fs::symlink(library, &link).map_err(|e| format!("{}: {e}", link.display()))
+}
+
+/// The libraries cudarc opens, by the name it tries first (`libcuda.so` comes with the driver,
+/// under names cudarc tries, so it is only reported).
+const LIBRARIES: &[&str] = &["nvrtc", "cublas", "nccl"];
+
+/// Finds the libraries, exposes versioned-only ones under `target/cuda-lib`, and returns the
+/// folders for `LD_LIBRARY_PATH` (first) and, per library, where it was found.
+fn prepare_libraries() -> Result<(Vec<PathBuf>, serde_json::Map<String, serde_json::Value>), String>
+{
+    let search = library_search_dirs(&wheel_lib_dirs());
+    let link_dir = PathBuf::from("target/cuda-lib");
+    let _ = std::fs::remove_dir_all(&link_dir);
+    let mut found = serde_json::Map::new();
+    let mut linked = false;
+    for name in LIBRARIES {
+        let value = match find_library(name, &search) {
+            Ok(dir) => dir.join(format!("lib{name}.so")).display().to_string(),
+            Err(Some(file)) => {
+                expose(&link_dir, name, &file)?;
+                linked = true;
+                format!(
+                    "{} (linked as target/cuda-lib/lib{name}.so)",
+                    file.display()
+                )
+            }
+            Err(None) => {
+                eprintln!("gpu-check: lib{name} not found");
+                "not found".to_string()
+            }
+        };
+        eprintln!("lib{name}: {value}");
+        found.insert(format!("lib{name}"), serde_json::Value::String(value));
+    }
+    let mut dirs = search;
+    if linked {
+        let canonical =
+            std::fs::canonicalize(&link_dir).map_err(|e| format!("{}: {e}", link_dir.display()))?;
+        dirs.insert(0, canonical);
+    }
+    Ok((dirs, found))
+}
+
+/// Copies the built test binaries and this xtask binary into `dir`.
+fn bundle(dir: &Path, executables: &[(String, PathBuf)]) -> Result<(), String> {
+    std::fs::create_dir_all(dir).map_err(|e| format!("{}: {e}", dir.display()))?;
+    for (name, executable) in executables {
+        std::fs::copy(executable, dir.join(name))
+            .map_err(|e| format!("{} -> {}: {e}", executable.display(), dir.display()))?;
+    }
+    let me = std::env::current_exe().map_err(|e| format!("this executable: {e}"))?;
+    std::fs::copy(&me, dir.join("xtask")).map_err(|e| format!("{}: {e}", me.display()))?;
+    Ok(())
 }
 
 /// The executables of the test targets named `names` in cargo's `--message-format=json`
@@ -175,47 +275,30 @@ fn test_executables(json_lines: &str, names: &[&str]) -> Vec<(String, PathBuf)> 
     found
 }
 
-/// `cargo xtask gpu-check`.
-pub fn gpu_check(args: &[String]) -> Result<(), String> {
-    if let Some(extra) = args.first() {
-        return Err(format!("gpu-check takes no arguments, got `{extra}`"));
-    }
-    let started = Instant::now();
-    let smi = run_with_deadline("nvidia-smi", &mut Command::new("nvidia-smi"), STEP_DEADLINE)
-        .unwrap_or_else(|e| {
-            eprintln!("{e}");
-            false
-        });
+/// How the test binaries are obtained.
+#[derive(Debug, PartialEq, Eq)]
+enum Mode {
+    /// Build them here and run them (a GPU machine with cargo).
+    BuildAndRun,
+    /// Build them here and copy them into the folder, with this binary; run nothing.
+    Bundle(PathBuf),
+    /// Run the binaries in the folder (a GPU machine without cargo).
+    Prebuilt(PathBuf),
+}
 
-    // Libraries.
-    let mut library_dirs = wheel_lib_dirs(&[
-        "nvidia.cuda_nvrtc",
-        "nvidia.cublas",
-        "nvidia.nccl",
-        "nvidia.cuda_runtime",
-    ]);
-    let system_cuda = PathBuf::from("/usr/local/cuda/lib64");
-    if system_cuda.is_dir() {
-        library_dirs.push(system_cuda);
+fn parse_mode(args: &[String]) -> Result<Mode, String> {
+    match args {
+        [] => Ok(Mode::BuildAndRun),
+        [flag, dir] if flag == "--bundle" => Ok(Mode::Bundle(PathBuf::from(dir))),
+        [flag, dir] if flag == "--prebuilt" => Ok(Mode::Prebuilt(PathBuf::from(dir))),
+        _ => Err(format!(
+            "usage: gpu-check [--bundle DIR | --prebuilt DIR], got {args:?}"
+        )),
     }
-    let nccl = find_libnccl(&library_dirs);
-    match &nccl {
-        Some(library) => {
-            eprintln!("libnccl: {}", library.display());
-            library_dirs.insert(0, expose_libnccl(library)?);
-        }
-        None => eprintln!("libnccl.so.2 not found (set HYPERSHARD_NCCL_LIB)"),
-    }
-    for dir in &library_dirs {
-        eprintln!("library folder: {}", dir.display());
-    }
-    let mut paths = library_dirs.clone();
-    if let Some(existing) = std::env::var_os("LD_LIBRARY_PATH") {
-        paths.extend(std::env::split_paths(&existing));
-    }
-    let library_path = std::env::join_paths(&paths).map_err(|e| format!("LD_LIBRARY_PATH: {e}"))?;
+}
 
-    // One build of both device test binaries.
+/// Builds the device test binaries (release) in one cargo call; returns their executables.
+fn build_device_tests() -> Result<(Vec<(String, PathBuf)>, f64), String> {
     let cargo = std::env::var("CARGO").unwrap_or_else(|_| "cargo".to_string());
     let mut build = Command::new(&cargo);
     build.args([
@@ -233,18 +316,75 @@ pub fn gpu_check(args: &[String]) -> Result<(), String> {
     }
     build.args(["--features", &features.join(",")]);
     eprintln!("==> gpu-check: build the device tests");
-    let build_started = Instant::now();
-    let (build_ok, stdout) = run_capturing(build, BUILD_DEADLINE).unwrap_or_else(|e| {
-        eprintln!("{e}");
-        (false, String::new())
-    });
-    let build_seconds = build_started.elapsed().as_secs_f64();
+    let started = Instant::now();
+    let (ok, stdout) = run_capturing(build, BUILD_DEADLINE)?;
+    let seconds = started.elapsed().as_secs_f64();
     let names: Vec<&str> = DEVICE_TESTS.iter().map(|(_, _, test)| *test).collect();
     let executables = test_executables(&stdout, &names);
-    let built = build_ok && executables.len() == DEVICE_TESTS.len();
-    if !built {
-        eprintln!("gpu-check: the build failed or did not produce {names:?} (got {executables:?})");
+    if ok && executables.len() == DEVICE_TESTS.len() {
+        Ok((executables, seconds))
+    } else {
+        Err(format!(
+            "the build failed or did not produce {names:?} (got {executables:?})"
+        ))
     }
+}
+
+/// `cargo xtask gpu-check [--bundle DIR | --prebuilt DIR]`.
+pub fn gpu_check(args: &[String]) -> Result<(), String> {
+    let mode = parse_mode(args)?;
+    let started = Instant::now();
+    let (executables, build_seconds) = match &mode {
+        Mode::Prebuilt(dir) => {
+            let executables: Vec<(String, PathBuf)> = DEVICE_TESTS
+                .iter()
+                .map(|(_, _, test)| (test.to_string(), dir.join(test)))
+                .collect();
+            if let Some((_, missing)) = executables.iter().find(|(_, path)| !path.is_file()) {
+                return Err(format!(
+                    "{} is missing: make the bundle with `cargo xtask gpu-check --bundle {}`",
+                    missing.display(),
+                    dir.display()
+                ));
+            }
+            (executables, 0.0)
+        }
+        Mode::BuildAndRun | Mode::Bundle(_) => match build_device_tests() {
+            Ok(built) => built,
+            Err(e) if mode == Mode::BuildAndRun => {
+                eprintln!("gpu-check: {e}");
+                (Vec::new(), 0.0)
+            }
+            Err(e) => return Err(e),
+        },
+    };
+    if let Mode::Bundle(dir) = &mode {
+        bundle(dir, &executables)?;
+        eprintln!(
+            "gpu-check: bundled {:?} and xtask into {}; on the GPU machine run `{}/xtask gpu-check --prebuilt {}`",
+            executables.iter().map(|(n, _)| n).collect::<Vec<_>>(),
+            dir.display(),
+            dir.display(),
+            dir.display()
+        );
+        return Ok(());
+    }
+    let built = executables.len() == DEVICE_TESTS.len();
+
+    let smi = run_with_deadline("nvidia-smi", &mut Command::new("nvidia-smi"), STEP_DEADLINE)
+        .unwrap_or_else(|e| {
+            eprintln!("{e}");
+            false
+        });
+    let (library_dirs, libraries) = prepare_libraries()?;
+    for dir in &library_dirs {
+        eprintln!("library folder: {}", dir.display());
+    }
+    let mut paths = library_dirs.clone();
+    if let Some(existing) = std::env::var_os("LD_LIBRARY_PATH") {
+        paths.extend(std::env::split_paths(&existing));
+    }
+    let library_path = std::env::join_paths(&paths).map_err(|e| format!("LD_LIBRARY_PATH: {e}"))?;
 
     // Each device test binary, with the GPU asked for.
     let mut results = serde_json::Map::new();
@@ -269,8 +409,9 @@ pub fn gpu_check(args: &[String]) -> Result<(), String> {
 
     let summary = serde_json::json!({
         "nvidia_smi_ok": smi,
-        "libnccl": nccl.as_ref().map(|p| p.display().to_string()),
+        "libraries": libraries,
         "library_dirs": library_dirs.iter().map(|p| p.display().to_string()).collect::<Vec<_>>(),
+        "prebuilt": matches!(mode, Mode::Prebuilt(_)),
         "build_ok": built,
         "build_seconds": build_seconds,
         "device_tests": results,
@@ -318,21 +459,62 @@ mod tests {
     }
 
     #[test]
-    fn libnccl_is_found_in_a_wheel_folder() {
-        let dir = std::env::temp_dir().join(format!("xtask-gpu-check-{}", std::process::id()));
-        std::fs::create_dir_all(&dir).unwrap();
-        std::fs::write(dir.join("libnccl.so.2"), b"not really a library").unwrap();
-        // Only meaningful where the machine has no NCCL of its own (true of CI and this
-        // project's machines); the wheel folder is then the only candidate.
-        let found = find_libnccl(std::slice::from_ref(&dir));
-        if !Path::new("/usr/lib/x86_64-linux-gnu/libnccl.so.2").exists()
-            && std::env::var_os("HYPERSHARD_NCCL_LIB").is_none()
-            && std::env::var_os("LD_LIBRARY_PATH").is_none()
-        {
-            assert_eq!(found, Some(dir.join("libnccl.so.2")));
-        } else {
-            assert!(found.is_some());
+    fn libraries_are_found_plain_or_versioned() {
+        let root = std::env::temp_dir().join(format!("xtask-gpu-check-{}", std::process::id()));
+        let (a, b) = (root.join("a"), root.join("b"));
+        std::fs::create_dir_all(&a).unwrap();
+        std::fs::create_dir_all(&b).unwrap();
+        let dirs = vec![a.clone(), b.clone()];
+        assert_eq!(find_library("nvrtc", &dirs), Err(None));
+        // Only versioned names: the highest major of the first folder that has one.
+        for file in [
+            "libnvrtc.so.12",
+            "libnvrtc.so.13",
+            "libnvrtc.so.13.0.88",
+            "libnvrtc.so.x",
+        ] {
+            std::fs::write(b.join(file), b"").unwrap();
         }
-        std::fs::remove_dir_all(&dir).unwrap();
+        std::fs::write(b.join("libnvrtc-builtins.so.13"), b"").unwrap();
+        match find_library("nvrtc", &dirs) {
+            Err(Some(path)) => {
+                assert!(path.starts_with(&b));
+                let file = path.file_name().unwrap().to_string_lossy().into_owned();
+                assert!(file.starts_with("libnvrtc.so.13"), "{file}");
+            }
+            other => panic!("{other:?}"),
+        }
+        // A plain name anywhere wins.
+        std::fs::write(b.join("libnvrtc.so"), b"").unwrap();
+        assert_eq!(find_library("nvrtc", &dirs), Ok(b.clone()));
+        // Exposing makes the plain name in the link folder.
+        let links = root.join("links");
+        expose(&links, "nccl", &b.join("libnvrtc.so.12")).unwrap();
+        assert_eq!(
+            std::fs::read_link(links.join("libnccl.so")).unwrap(),
+            b.join("libnvrtc.so.12")
+        );
+        expose(&links, "nccl", &b.join("libnvrtc.so.13")).unwrap();
+        assert_eq!(
+            std::fs::read_link(links.join("libnccl.so")).unwrap(),
+            b.join("libnvrtc.so.13")
+        );
+        std::fs::remove_dir_all(&root).unwrap();
+    }
+
+    #[test]
+    fn modes() {
+        let args = |v: &[&str]| v.iter().map(|s| s.to_string()).collect::<Vec<_>>();
+        assert_eq!(parse_mode(&[]), Ok(Mode::BuildAndRun));
+        assert_eq!(
+            parse_mode(&args(&["--bundle", "target/gpu-bundle"])),
+            Ok(Mode::Bundle(PathBuf::from("target/gpu-bundle")))
+        );
+        assert_eq!(
+            parse_mode(&args(&["--prebuilt", "b"])),
+            Ok(Mode::Prebuilt(PathBuf::from("b")))
+        );
+        assert!(parse_mode(&args(&["--bundle"])).is_err());
+        assert!(parse_mode(&args(&["extra"])).is_err());
     }
 }
