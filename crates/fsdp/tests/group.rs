@@ -57,6 +57,7 @@ fn train_grouped(
     members: &[&str],
     configure: &(dyn Fn(&mut FullyShardConfig) + Send + Sync),
     micro: usize,
+    keep_between_micro: bool,
     want: &Params,
 ) -> Result<RankResult, FsdpError> {
     let mesh = dp_mesh(mesh_shape, comm)?;
@@ -69,6 +70,9 @@ fn train_grouped(
     for step in 0..STEPS {
         for m in 0..micro {
             model.set_requires_gradient_sync(m + 1 == micro);
+            if keep_between_micro {
+                model.set_reshard_after_backward(m + 1 == micro);
+            }
             let (x, y) = batch(step * micro + m, DIMS[0], DIMS[3], DType::F32);
             let (x, y) = (
                 local_rows(&x, dp_rank, dp_world),
@@ -109,6 +113,7 @@ fn check(
     members: &'static [&'static str],
     configure: Arc<dyn Fn(&mut FullyShardConfig) + Send + Sync>,
     micro: usize,
+    keep_between_micro: bool,
 ) {
     let want = Arc::new(reference(&DIMS, DType::F32, Opt::Sgd, STEPS, micro));
     let world: usize = mesh_shape.iter().product();
@@ -122,6 +127,7 @@ fn check(
             members,
             configure.as_ref(),
             micro,
+            keep_between_micro,
             &want_ranks,
         )
     })
@@ -142,25 +148,26 @@ fn defaults() -> Arc<dyn Fn(&mut FullyShardConfig) + Send + Sync> {
 #[test]
 fn adjacent_members_match_unsharded_at_worlds_1_2_3_and_hsdp_2x2() {
     for shape in [&[1][..], &[2], &[3], &[2, 2]] {
-        check(shape, &["0", "2"], defaults(), 1);
+        check(shape, &["0", "2"], defaults(), 1, false);
     }
 }
 
 #[test]
 fn members_with_another_unit_between_them_match_unsharded() {
     for shape in [&[2][..], &[3], &[2, 2]] {
-        check(shape, &["0", "4"], defaults(), 1);
+        check(shape, &["0", "4"], defaults(), 1, false);
     }
 }
 
 #[test]
 fn one_group_of_every_layer_matches_unsharded_with_each_post_forward_policy() {
-    check(&[3], &["0", "2", "4"], defaults(), 1);
+    check(&[3], &["0", "2", "4"], defaults(), 1, false);
     check(
         &[3],
         &["0", "2", "4"],
         Arc::new(|c: &mut FullyShardConfig| c.reshard_after_forward = ReshardAfterForward::Keep),
         1,
+        false,
     );
     check(
         &[4],
@@ -169,13 +176,22 @@ fn one_group_of_every_layer_matches_unsharded_with_each_post_forward_policy() {
             c.reshard_after_forward = ReshardAfterForward::ToGroupOf(2)
         }),
         1,
+        false,
     );
 }
 
 #[test]
 fn a_group_accumulates_gradients_without_sync_and_matches_unsharded() {
-    check(&[3], &["0", "4"], defaults(), 2);
-    check(&[2, 2], &["0", "2"], defaults(), 2);
+    check(&[3], &["0", "4"], defaults(), 2, false);
+    check(&[2, 2], &["0", "2"], defaults(), 2, false);
+}
+
+#[test]
+fn a_group_kept_unsharded_between_micro_steps_matches_unsharded() {
+    // `set_reshard_after_backward(false)` on all but the last micro-step: the members keep
+    // their unsharded parameters and gradients across backward.
+    check(&[3], &["0", "4"], defaults(), 2, true);
+    check(&[2, 2], &["0", "2", "4"], defaults(), 3, true);
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -202,7 +218,7 @@ fn count(mesh_shape: &[usize], members: &'static [&'static str]) -> Vec<(Counts,
     let want = Arc::new(reference(&DIMS, DType::F32, Opt::Sgd, STEPS, 1));
     hypershard_testkit::run_ranks(world, move |rank| {
         let comm: Arc<dyn Communicator> = counters[rank].clone();
-        train_grouped(comm, &shape, members, &|_| {}, 1, &want)?;
+        train_grouped(comm, &shape, members, &|_| {}, 1, false, &want)?;
         let counts = counts_of(&counters[rank]);
         let children = counters[rank]
             .children()
