@@ -233,6 +233,20 @@ fn tp_fsdp_2x2_matches_unsharded() {
 }
 
 #[test]
+fn tp_fsdp_2x2_over_tcp_matches_unsharded() {
+    let want = reference(&DIMS, DType::F32, Opt::Sgd, STEPS, 1);
+    let comms = tcp_world(4);
+    let runs = hypershard_testkit::run_ranks(4, move |rank| {
+        train_rank(Setup::new(2, 2, Opt::Sgd), comms[rank].clone(), &mut || {})
+    })
+    .unwrap_or_else(|e| panic!("tcp 2x2: {e}"));
+    for run in runs {
+        let err = max_rel_err(&run.full, &want);
+        assert!(err <= TOL, "tcp 2x2: max rel err {err}");
+    }
+}
+
+#[test]
 fn tp_only_1x2_and_fsdp_only_3x1_match_unsharded() {
     check(1, 2, Opt::Sgd);
     check(3, 1, Opt::Sgd);
