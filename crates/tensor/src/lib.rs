@@ -9,9 +9,9 @@
 //!
 //! [`Storage`] is an enum (`#[non_exhaustive]`) whose only variant today is
 //! [`Storage::Host`]: a [`HostBuffer`], 64-byte aligned and zero-initialised, built from a
-//! `Vec` of 64-byte blocks so that no `unsafe` is needed. A CUDA variant will join behind the
-//! `cuda` feature. Tensors hold an `Arc<`[`SharedStorage`]`>`; the storage is freed when the
-//! last view of it is dropped.
+//! `Vec` of 64-byte blocks so that no `unsafe` is needed. Device memory is a separate type,
+//! `cuda::CudaTensor` (feature `cuda`), so the CPU path never branches on it. Tensors hold
+//! an `Arc<`[`SharedStorage`]`>`; the storage is freed when the last view of it is dropped.
 //!
 //! # Views and aliasing
 //!
