@@ -234,8 +234,9 @@ impl From<Box<RejectedGroup>> for FsdpError {
 /// the first member's pre-forward, the parameters are resharded after the last member's
 /// forward, and the gradients of every member are reduced after the first member's backward
 /// (the last to run; backwards run in reverse list order). Anything else gives
-/// [`FsdpError::GroupOrder`]. Between its hooks a member's module holds its shards; the
-/// group keeps the unsharded parameters until the last member is done with them.
+/// [`FsdpError::GroupOrder`]. When the unit reshards after forward, each member's module
+/// holds its shards again from its own post-forward on, while the group keeps the unsharded
+/// parameters until the last member is done with them.
 ///
 /// A module that is already a unit (wrapped, or a member of another group) is refused with
 /// [`FsdpError::GroupMember`] wrapping [`FsdpError::AlreadySharded`]; an empty list with
@@ -517,11 +518,6 @@ impl FsdpModule {
         &self.group
     }
 
-    /// The member index of this unit's module in its group.
-    pub(crate) fn member_index(&self) -> usize {
-        self.member
-    }
-
     /// This rank in the world communicator of the unit's mesh.
     pub(crate) fn global_rank(&self) -> usize {
         lock(&self.group).mesh.rank()
@@ -543,8 +539,10 @@ impl FsdpModule {
     /// group only (one all-reduce per distinct mesh, usually one): shards of one replica
     /// partition a parameter, and the replicas of HSDP hold equal shards, so nothing is
     /// counted twice. Replicated, ignored and unmanaged parameters hold whole gradients that
-    /// are equal on every rank after reduction and are counted once, locally. Collective over
-    /// the shard groups.
+    /// are equal on every rank after reduction and are counted once, locally. With tensor
+    /// parallelism, squares of TP-sharded gradients are summed over the TP group as well
+    /// (one more all-reduce), TP-replicated ones are not. Collective over the shard groups
+    /// (and the TP group).
     pub fn clip_grad_norm(&mut self, max_norm: f64) -> Result<f64> {
         // Full name of every sharded parameter → index of its mesh in `meshes`, and whether
         // it is also sharded over TP (so its squares are summed over the TP group too).

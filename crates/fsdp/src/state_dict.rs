@@ -43,9 +43,9 @@ impl FsdpModule {
                 );
             }
         };
-        record("", self.group_arc(), self.member_index());
+        record("", self.group_arc(), self.member());
         self.walk_nested_with_path(&mut |path, unit| {
-            record(path, unit.group_arc(), unit.member_index())
+            record(path, unit.group_arc(), unit.member())
         })?;
         Ok(out)
     }
