@@ -28,6 +28,9 @@ const NVRTC_ENV: &str = "HYPERSHARD_TEST_NVRTC";
 
 type Outcome = Result<(), String>;
 
+/// One device test: it gets the opened device.
+type DeviceTest = fn(&CudaDevice) -> Outcome;
+
 fn fail<E: std::fmt::Display>(error: E) -> String {
     error.to_string()
 }
@@ -52,6 +55,22 @@ impl Tally {
                 self.failed += 1;
                 println!("test {name} ... FAILED: {message}");
             }
+        }
+    }
+}
+
+/// Runs one device test, turning a panic (one inside cudarc, say a symbol missing from a newer
+/// CUDA library) into a failure of that test, so the tests after it still run and report.
+fn contained(test: impl FnOnce() -> Outcome) -> Outcome {
+    match std::panic::catch_unwind(std::panic::AssertUnwindSafe(test)) {
+        Ok(outcome) => outcome,
+        Err(payload) => {
+            let message = payload
+                .downcast_ref::<String>()
+                .cloned()
+                .or_else(|| payload.downcast_ref::<&str>().map(|s| s.to_string()))
+                .unwrap_or_else(|| "a non-string panic".to_string());
+            Err(format!("panicked: {message}"))
         }
     }
 }
@@ -694,19 +713,18 @@ fn main() -> ExitCode {
                 device.name().unwrap_or_else(|e| e.to_string()),
                 device.compute_capability()
             );
-            tally.check("round_trip", round_trip(&device));
-            tally.check("pinned_offload", pinned_offload(&device));
-            tally.check("casts_match_the_cpu", casts_match_the_cpu(&device));
-            tally.check("arith_matches_the_cpu", arith_matches_the_cpu(&device));
-            tally.check("flat_copies_round_trip", flat_copies_round_trip(&device));
-            tally.check(
-                "gemm_f32_matches_the_cpu",
-                gemm_f32_matches_the_cpu(&device),
-            );
-            tally.check(
-                "gemm_bf16_matches_the_cpu",
-                gemm_bf16_matches_the_cpu(&device),
-            );
+            let tests: [(&str, DeviceTest); 7] = [
+                ("round_trip", round_trip),
+                ("pinned_offload", pinned_offload),
+                ("casts_match_the_cpu", casts_match_the_cpu),
+                ("arith_matches_the_cpu", arith_matches_the_cpu),
+                ("flat_copies_round_trip", flat_copies_round_trip),
+                ("gemm_f32_matches_the_cpu", gemm_f32_matches_the_cpu),
+                ("gemm_bf16_matches_the_cpu", gemm_bf16_matches_the_cpu),
+            ];
+            for (name, test) in tests {
+                tally.check(name, contained(|| test(&device)));
+            }
             tally.check("synchronize", device.synchronize().map_err(fail));
         }
         Err(error) if asked => {
