@@ -9,6 +9,13 @@
 //!    with SIGKILL. Ranks 0 and 1 must fail with `PeerLost` or `Timeout` well within their
 //!    deadline, and no segment of any rank may be left in `/dev/shm` (they are unlinked as
 //!    soon as the peer has mapped them, before any op runs).
+//!
+//! Both run twice: with the single-copy path off (`HYPERSHARD_SHM_CMA=0`: every byte through
+//! the rings) and on with a 64-byte threshold (`HYPERSHARD_SHM_CMA_MIN_BYTES=64`: nearly
+//! every segment lent and read out of the sender), and every rank checks with
+//! `shm::cross_memory_reads` that the path it expects is the one that ran. In the kill test
+//! with lending on, the victim dies with its peers waiting for the release of lent segments,
+//! or reading out of it.
 
 use std::io::{BufRead, BufReader};
 use std::net::TcpListener;
@@ -17,7 +24,10 @@ use std::process::{Child, Command, ExitCode, Stdio};
 use std::time::{Duration, Instant};
 
 use hypershard_collectives::conformance::{self, SuiteParams};
-use hypershard_collectives::shm::{SEGMENT_DIR, SEGMENT_PREFIX, TRANSPORT_ENV, TransportPolicy};
+use hypershard_collectives::shm::{
+    CMA_ENV, CMA_MIN_BYTES_ENV, CmaConfig, SEGMENT_DIR, SEGMENT_PREFIX, TRANSPORT_ENV,
+    TransportPolicy, cross_memory_reads,
+};
 use hypershard_collectives::tcp::{TcpConfig, init_from_env};
 use hypershard_collectives::{Buffer, Communicator, Error, ReduceOp};
 
@@ -34,6 +44,21 @@ const SEGMENT_BYTES: usize = 256;
 /// Rings of 1 KiB: a few messages each, so the suite wraps around them constantly and
 /// senders often find them full.
 const RING_BYTES: usize = 1024;
+
+/// The threshold of the runs with lending on: everything but the smallest segments is lent.
+const CMA_MIN_BYTES: usize = 64;
+
+/// Whether this rank's single-copy path ran as the parent asked: some lent reads with it on,
+/// none with it off.
+fn cma_as_expected(rank: usize) -> bool {
+    let on = CmaConfig::from_env().expect("cma variables").enabled;
+    let reads = cross_memory_reads();
+    if on != (reads > 0) {
+        eprintln!("rank {rank}: cma on {on}, but {reads} cross-memory reads");
+        return false;
+    }
+    true
+}
 
 fn tcp_config() -> TcpConfig {
     TcpConfig::default()
@@ -69,6 +94,9 @@ fn conformance_child() -> ExitCode {
             return ExitCode::from(6);
         }
     }
+    if !cma_as_expected(comm.rank()) {
+        return ExitCode::from(9);
+    }
     match comm.barrier() {
         Ok(()) => ExitCode::SUCCESS,
         Err(e) => {
@@ -103,6 +131,9 @@ fn kill_child() -> ExitCode {
             Err(Error::PeerLost { .. } | Error::Timeout { .. })
                 if comm.rank() != VICTIM && rounds > 0 && start.elapsed() < OP_TIMEOUT =>
             {
+                if !cma_as_expected(comm.rank()) {
+                    return ExitCode::from(9);
+                }
                 return ExitCode::SUCCESS;
             }
             Err(other) => {
@@ -121,8 +152,9 @@ fn kill_child() -> ExitCode {
     }
 }
 
-/// Spawns `world` rank processes doing `mode`.
-fn launch(world: usize, mode: &str) -> Vec<Child> {
+/// Spawns `world` rank processes doing `mode`, lending segments of at least
+/// [`CMA_MIN_BYTES`] when `cma` is on.
+fn launch(world: usize, mode: &str, cma: bool) -> Vec<Child> {
     // A free port for the store: bind port 0, read it, release it for rank 0 to take.
     let port = TcpListener::bind("127.0.0.1:0")
         .and_then(|l| l.local_addr())
@@ -134,6 +166,8 @@ fn launch(world: usize, mode: &str) -> Vec<Child> {
             Command::new(&exe)
                 .env(CHILD_VAR, mode)
                 .env(TRANSPORT_ENV, "shm")
+                .env(CMA_ENV, if cma { "1" } else { "0" })
+                .env(CMA_MIN_BYTES_ENV, CMA_MIN_BYTES.to_string())
                 .env("RANK", rank.to_string())
                 .env("WORLD_SIZE", world.to_string())
                 .env("LOCAL_RANK", rank.to_string())
@@ -191,14 +225,14 @@ fn leftover_segments(pids: &[u32]) -> Vec<String> {
         .unwrap_or_default()
 }
 
-fn conformance_job(world: usize) -> bool {
+fn conformance_job(world: usize, cma: bool) -> bool {
     let start = Instant::now();
-    let mut children = launch(world, CONFORMANCE);
+    let mut children = launch(world, CONFORMANCE, cma);
     let pids: Vec<u32> = children.iter().map(Child::id).collect();
     let ok = reap(&mut children, None, start + Duration::from_secs(60));
     let left = leftover_segments(&pids);
     eprintln!(
-        "shm_processes: conformance at world {world}: {} in {:?}{}",
+        "shm_processes: conformance at world {world}, cma {cma}: {} in {:?}{}",
         if ok { "ok" } else { "FAILED" },
         start.elapsed(),
         if left.is_empty() {
@@ -210,8 +244,8 @@ fn conformance_job(world: usize) -> bool {
     ok && left.is_empty()
 }
 
-fn kill_job() -> bool {
-    let mut children = launch(KILL_WORLD, KILL);
+fn kill_job(cma: bool) -> bool {
+    let mut children = launch(KILL_WORLD, KILL, cma);
     let pids: Vec<u32> = children.iter().map(Child::id).collect();
     let start = Instant::now();
     let victim_out = children[VICTIM].stdout.take().expect("piped stdout");
@@ -230,7 +264,7 @@ fn kill_job() -> bool {
     let left = leftover_segments(&pids);
     let fast = after_kill < Duration::from_secs(15);
     eprintln!(
-        "shm_processes: kill test: ready {ready}, ok {ok}, survivors done {after_kill:?} after the kill ({:?} in all), /dev/shm during {during:?}, after {left:?}",
+        "shm_processes: kill test, cma {cma}: ready {ready}, ok {ok}, survivors done {after_kill:?} after the kill ({:?} in all), /dev/shm during {during:?}, after {left:?}",
         start.elapsed()
     );
     ready && ok && fast && during.is_empty() && left.is_empty()
@@ -243,10 +277,12 @@ fn main() -> ExitCode {
         _ => {}
     }
     let mut ok = true;
-    for world in [2, 3, 4] {
-        ok &= conformance_job(world);
+    for cma in [false, true] {
+        for world in [2, 3, 4] {
+            ok &= conformance_job(world, cma);
+        }
+        ok &= kill_job(cma);
     }
-    ok &= kill_job();
     if ok {
         println!("shm_processes: ok");
         ExitCode::SUCCESS

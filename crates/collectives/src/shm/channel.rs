@@ -34,10 +34,11 @@ use std::sync::{Condvar, Mutex, MutexGuard, TryLockError};
 use std::thread::ThreadId;
 use std::time::{Duration, Instant};
 
+use super::cma::Remote;
 use super::ring::{Consumer, Corrupt, Producer};
 use super::wait::{WaitFor, Waited, Watch, wait_until};
 use crate::dtype::DType;
-use crate::error::{Error, ProtocolViolation, Result};
+use crate::error::{Error, IoAction, ProtocolViolation, Result};
 use crate::reduce::ReducePlan;
 use crate::tcp::{FRAME_HEADER_BYTES, Frame, FrameHeader, MailboxKey};
 
@@ -46,6 +47,54 @@ pub const SLOT_HEADER_BYTES: usize = 48;
 
 /// Payloads are padded to a multiple of this many bytes.
 pub const PAYLOAD_ALIGN: usize = 16;
+
+/// Where in a message's slot (after the frame header, in its zero padding) the body's kind
+/// is: [`BODY_INLINE`] (the payload follows in the ring) or [`BODY_LENT`].
+const BODY_AT: usize = FRAME_HEADER_BYTES;
+
+const _: () = assert!(BODY_AT + 4 <= SLOT_HEADER_BYTES);
+
+/// The payload follows in the ring.
+const BODY_INLINE: u32 = 0;
+
+/// A descriptor follows instead of the payload: the payload's address in the sender, as a
+/// little-endian `u64`, and a zero `u64` ([`LENT_BYTES`] in all). The receiver copies the
+/// payload out of the sender with a cross-memory read ([`super::cma`]) and releases the
+/// descriptor only afterwards, which is the sender's signal that its buffer is free again.
+const BODY_LENT: u32 = u32::from_le_bytes(*b"CMA1");
+
+/// The ring bytes of a lent payload's descriptor: the address, then the claim word.
+const LENT_BYTES: usize = 16;
+
+/// Where the claim word of a lent message is, from the message's start (8-aligned, since
+/// messages start 16-aligned). Both sides change it only atomically, with compare-exchange:
+/// the receiver from [`CLAIM_OPEN`] to [`CLAIM_TAKEN`] before it reads the payload, the
+/// sender from [`CLAIM_OPEN`] to [`CLAIM_CANCELLED`] when it gives up waiting; exactly one
+/// of them wins.
+const CLAIM_AT: usize = SLOT_HEADER_BYTES + 8;
+const CLAIM_OPEN: u64 = 0;
+const CLAIM_TAKEN: u64 = 1;
+const CLAIM_CANCELLED: u64 = 2;
+
+/// How long a sender waits for the receiver to claim a lent payload before it cancels the
+/// descriptor and sends the payload through the ring instead. Long enough that a receiver
+/// inside the op (but descheduled for a time slice or two) claims it; short enough that a
+/// receiver that is not reading (an op that failed validation, a peer still busy elsewhere)
+/// costs a sender no more than this per message.
+const LEND_PATIENCE: Duration = Duration::from_millis(20);
+
+/// The staging piece for a cross-memory read that a sink does not take in place (a
+/// reduction, a closure): small enough to stay in L2 between the read and the combine.
+const PULL_STAGE: usize = 256 << 10;
+
+/// How a message's payload travels.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum Body {
+    /// In the ring, after the header.
+    Inline,
+    /// In the sender's memory, named by a descriptor in the ring.
+    Lent,
+}
 
 /// The bytes a side waits for before it copies (free space for the producer, published
 /// data for the consumer, or the rest of the message if less): large enough that the
@@ -96,6 +145,49 @@ pub(crate) trait Sink {
     fn take(&mut self, offset: usize, bytes: &[u8]) -> Result<()>;
     /// The granule pieces are cut to (the element size; 1 for raw bytes).
     fn granule(&self, header: &FrameHeader) -> usize;
+    /// Takes the whole payload of an accepted message that is lent ([`Body::Lent`]): `read(at,
+    /// dst)` copies payload bytes `at..at + dst.len()` into `dst`. The default reads pieces
+    /// into a staging buffer and hands them to [`Sink::take`]; a sink that can name its
+    /// destination reads into it directly.
+    fn pull(&mut self, header: &FrameHeader, read: &mut Reader<'_>) -> Result<()> {
+        staged_pull(self, header, read)
+    }
+}
+
+/// What [`Sink::pull`] reads a lent payload with.
+pub(crate) type Reader<'r> = dyn FnMut(usize, &mut [u8]) -> Result<()> + 'r;
+
+thread_local! {
+    /// The staging buffer of [`staged_pull`], kept per thread so a stream of lent messages
+    /// does not allocate.
+    static STAGE: std::cell::RefCell<Vec<u8>> = const { std::cell::RefCell::new(Vec::new()) };
+}
+
+/// Reads a lent payload in pieces of at most [`PULL_STAGE`] bytes (whole granules) into a
+/// staging buffer and hands each to `sink.take`.
+fn staged_pull<S: Sink + ?Sized>(
+    sink: &mut S,
+    header: &FrameHeader,
+    read: &mut Reader<'_>,
+) -> Result<()> {
+    // invariant: decode checked payload_bytes <= max_payload, an allocatable size.
+    let len = usize::try_from(header.payload_bytes).unwrap_or(usize::MAX);
+    let granule = sink.granule(header).max(1);
+    let piece = (PULL_STAGE / granule).max(1) * granule;
+    STAGE.with(|stage| {
+        let mut stage = stage.borrow_mut();
+        if stage.len() < piece.min(len) {
+            stage.resize(piece.min(len), 0);
+        }
+        let mut at = 0;
+        while at < len {
+            let n = piece.min(len - at);
+            read(at, &mut stage[..n])?;
+            sink.take(at, &stage[..n])?;
+            at += n;
+        }
+        Ok(())
+    })
 }
 
 /// What a post does with the payload bytes that arrive for it.
@@ -220,6 +312,33 @@ impl Sink for PostSink<'_> {
     fn granule(&self, _header: &FrameHeader) -> usize {
         self.apply.dtype().size_bytes()
     }
+    fn pull(&mut self, header: &FrameHeader, read: &mut Reader<'_>) -> Result<()> {
+        let Apply::Copy(_) = self.apply else {
+            return staged_pull(self, header, read);
+        };
+        let len = usize::try_from(header.payload_bytes).unwrap_or(usize::MAX);
+        if len > self.room {
+            return Err(Error::Protocol {
+                peer: None,
+                violation: ProtocolViolation::PayloadLengthMismatch {
+                    declared: self.room as u64,
+                    actual: header.payload_bytes,
+                },
+            });
+        }
+        // SAFETY: as in `take`: this thread owns the post, which lent `len` bytes at `base`
+        // that nothing else touches meanwhile, and `at + len <= at + room` (checked above).
+        let dst = unsafe { std::slice::from_raw_parts_mut(self.base.0.add(self.at), len) };
+        read(0, dst)
+    }
+}
+
+/// The cross-memory side of a pair: the peer process, and the smallest payload this rank
+/// lends instead of copying into the ring.
+#[derive(Clone, Copy, Debug)]
+struct Cma {
+    remote: Remote,
+    min_bytes: usize,
 }
 
 /// The shared-memory channel to one peer: this rank's producer into the peer's ring, its
@@ -235,6 +354,8 @@ pub struct ShmPeer {
     stashed: Condvar,
     posts: Mutex<Vec<Post>>,
     poisoned: AtomicBool,
+    /// Set when both ranks of the pair can read each other ([`super::cma`]).
+    cma: Option<Cma>,
 }
 
 fn relock<T>(mutex: &Mutex<T>) -> MutexGuard<'_, T> {
@@ -261,7 +382,24 @@ impl ShmPeer {
             stashed: Condvar::new(),
             posts: Mutex::new(Vec::new()),
             poisoned: AtomicBool::new(false),
+            cma: None,
         }
+    }
+
+    /// The channel, lending payloads of at least `min_bytes` (sending their address instead
+    /// of copying them into the ring) and accepting lent payloads from `remote`, the peer's
+    /// process. Both ranks of a pair must agree (the setup's probe makes sure).
+    pub(crate) fn with_cma(mut self, remote: Remote, min_bytes: usize) -> ShmPeer {
+        self.cma = Some(Cma {
+            remote,
+            min_bytes: min_bytes.max(1),
+        });
+        self
+    }
+
+    /// Whether this pair moves large payloads with single cross-memory copies.
+    pub fn uses_cma(&self) -> bool {
+        self.cma.is_some()
     }
 
     /// The peer's world rank.
@@ -339,9 +477,25 @@ impl ShmPeer {
         let encoded = header.encode();
         let mut slot = [0u8; SLOT_HEADER_BYTES];
         slot[..FRAME_HEADER_BYTES].copy_from_slice(&encoded);
+        if self.cma.is_some_and(|cma| payload.len() >= cma.min_bytes) {
+            return self.send_lent(&mut tx, slot, payload, watch, stall);
+        }
+        self.send_inline(&mut tx, &slot, payload, watch, stall)
+    }
+
+    /// Sends a message with its payload in the ring: the header, then the payload as space
+    /// frees up.
+    fn send_inline(
+        &self,
+        tx: &mut Producer,
+        slot: &[u8; SLOT_HEADER_BYTES],
+        payload: &[u8],
+        watch: &dyn Watch,
+        stall: &mut dyn FnMut(),
+    ) -> Result<()> {
         // Nothing of this message is in the ring yet, so a failure here leaves it clean.
-        self.wait_space(&tx, SLOT_HEADER_BYTES, watch, stall)?;
-        if !tx.write(&slot, 0) {
+        self.wait_space(tx, SLOT_HEADER_BYTES, watch, stall)?;
+        if !tx.write(slot, 0) {
             return Err(self.corrupt(Corrupt { in_flight: 0 }));
         }
         tx.publish();
@@ -349,7 +503,7 @@ impl ShmPeer {
         let goal = chunk_goal(tx.capacity()).max(PAYLOAD_ALIGN);
         let mut done = 0;
         while done < total {
-            let step = self.wait_space(&tx, (total - done).min(goal), watch, stall);
+            let step = self.wait_space(tx, (total - done).min(goal), watch, stall);
             self.mid_message(step)?;
             let free = tx.free().map_err(|c| self.corrupt(c))?;
             let chunk = free.min(total - done);
@@ -362,6 +516,88 @@ impl ShmPeer {
             done += chunk;
         }
         Ok(())
+    }
+
+    /// Sends a message whose payload stays in `payload`: the header and the descriptor go
+    /// into the ring in one piece, then this waits (draining the incoming rings, like a full
+    /// ring) until the receiver has released the descriptor, which it does only after copying
+    /// the payload.
+    ///
+    /// A receiver that is not reading must not hold the sender up (sends of messages that
+    /// fit the ring never wait for the receiver, and an op may send before its peers have
+    /// validated it): if the receiver has not claimed the descriptor within
+    /// [`LEND_PATIENCE`], the sender cancels it (the receiver then skips it) and sends the
+    /// payload inline right behind it. Once claimed, the sender waits for the release; if
+    /// that wait fails (deadline, abort, peer lost), it revokes its lent buffers and poisons
+    /// the channel, since the caller's buffer may change once this returns (the receiver
+    /// checks the revocation after every read and fails instead of using what it read).
+    fn send_lent(
+        &self,
+        tx: &mut Producer,
+        mut slot: [u8; SLOT_HEADER_BYTES],
+        payload: &[u8],
+        watch: &dyn Watch,
+        stall: &mut dyn FnMut(),
+    ) -> Result<()> {
+        let inline = slot;
+        slot[BODY_AT..BODY_AT + 4].copy_from_slice(&BODY_LENT.to_le_bytes());
+        let mut message = [0u8; SLOT_HEADER_BYTES + LENT_BYTES];
+        message[..SLOT_HEADER_BYTES].copy_from_slice(&slot);
+        let address = payload.as_ptr() as u64;
+        message[SLOT_HEADER_BYTES..SLOT_HEADER_BYTES + 8].copy_from_slice(&address.to_le_bytes());
+        message[CLAIM_AT..CLAIM_AT + 8].copy_from_slice(&CLAIM_OPEN.to_le_bytes());
+        // Nothing of this message is in the ring yet, so a failure here leaves it clean.
+        self.wait_space(tx, message.len(), watch, stall)?;
+        let claim_at = tx.written() + CLAIM_AT as u64;
+        if !tx.write(&message, 0) {
+            return Err(self.corrupt(Corrupt { in_flight: 0 }));
+        }
+        tx.publish();
+        let end = tx.written();
+        let released = || tx.released(end).map_err(|c| self.corrupt(c));
+        let patient = WaitFor {
+            word: tx.park_word(),
+            peer: self.peer,
+            watch,
+            until: Some(Instant::now() + LEND_PATIENCE),
+        };
+        let first = wait_until(&patient, released, stall);
+        if matches!(first, Ok(Waited::Ready)) {
+            return Ok(());
+        }
+        // invariant: messages start 16-aligned, so the claim word is 8-aligned.
+        let claim = tx.word(claim_at).ok_or(Error::Aborted { op: watch.op() })?;
+        let cancelled = claim
+            .compare_exchange(
+                CLAIM_OPEN,
+                CLAIM_CANCELLED,
+                Ordering::AcqRel,
+                Ordering::Acquire,
+            )
+            .is_ok();
+        if cancelled {
+            super::cma::count_cancel();
+            // The receiver will skip the descriptor and never read the buffer.
+            return match first {
+                Err(error) => Err(error),
+                Ok(_) => self.send_inline(tx, &inline, payload, watch, stall),
+            };
+        }
+        let claimed = match first {
+            Err(error) => Err(error),
+            Ok(_) => {
+                let what = WaitFor {
+                    until: None,
+                    ..patient
+                };
+                wait_until(&what, released, stall).map(|_| ())
+            }
+        };
+        if claimed.is_err() {
+            tx.revoke();
+            self.poisoned.store(true, Ordering::SeqCst);
+        }
+        claimed
     }
 
     fn wait_space(
@@ -449,18 +685,28 @@ impl ShmPeer {
             if self.wait_data(&rx, SLOT_HEADER_BYTES, watch, until)? == Waited::SliceOver {
                 continue;
             }
-            let header = self.read_header(&mut rx)?;
+            let (header, body) = self.read_header(&mut rx)?;
             if MailboxKey::of(&header) == key {
-                return self.stream(&mut rx, header, watch, sink).map(|()| header);
+                if self.stream(&mut rx, header, body, watch, sink)? {
+                    return Ok(header);
+                }
+                // A cancelled lend: the payload follows inline under the same key.
+                continue;
             }
-            self.divert(&mut rx, header, watch)?;
+            self.divert(&mut rx, header, body, watch)?;
         }
     }
 
     /// Files a message that is not the reader's: straight into a post of this thread that
     /// it fits (when nothing of its key is stashed, which would have to come first), else
     /// into the stash.
-    fn divert(&self, rx: &mut Consumer, header: FrameHeader, watch: &dyn Watch) -> Result<()> {
+    fn divert(
+        &self,
+        rx: &mut Consumer,
+        header: FrameHeader,
+        body: Body,
+        watch: &dyn Watch,
+    ) -> Result<()> {
         let key = MailboxKey::of(&header);
         let me = std::thread::current().id();
         let target = {
@@ -482,7 +728,9 @@ impl ShmPeer {
                 apply,
                 judge: &accept_all,
             };
-            self.stream(rx, header, watch, &mut sink)?;
+            if !self.stream(rx, header, body, watch, &mut sink)? {
+                return Ok(());
+            }
             if let Some(post) = relock(&self.posts)
                 .iter_mut()
                 .find(|p| p.key == key && p.owner == me)
@@ -492,8 +740,9 @@ impl ShmPeer {
             }
             return Ok(());
         }
-        let stashed = self.take_whole(rx, header, watch)?;
-        self.push_stash(stashed);
+        if let Some(stashed) = self.take_whole(rx, header, body, watch)? {
+            self.push_stash(stashed);
+        }
         Ok(())
     }
 
@@ -619,26 +868,53 @@ impl ShmPeer {
 
     /// Reads and validates the header at the consumer's tail (all its bytes are available)
     /// and releases its slot.
-    fn read_header(&self, rx: &mut Consumer) -> Result<FrameHeader> {
-        let mut bytes = [0u8; FRAME_HEADER_BYTES];
-        if !rx.read(0, &mut bytes) {
+    fn read_header(&self, rx: &mut Consumer) -> Result<(FrameHeader, Body)> {
+        let mut slot = [0u8; SLOT_HEADER_BYTES];
+        if !rx.read(0, &mut slot) {
             return Err(self.corrupt(Corrupt { in_flight: 0 }));
         }
-        let header = FrameHeader::decode(&bytes, self.peer, self.max_payload);
-        let header = self.mid_message(header)?;
+        let decoded = self.decode_slot(&slot);
+        let decoded = self.mid_message(decoded)?;
         rx.release(SLOT_HEADER_BYTES);
-        Ok(header)
+        Ok(decoded)
+    }
+
+    /// The header and body kind of a message slot. A lent body is refused unless the pair
+    /// agreed on cross-memory reads.
+    fn decode_slot(&self, slot: &[u8; SLOT_HEADER_BYTES]) -> Result<(FrameHeader, Body)> {
+        let mut bytes = [0u8; FRAME_HEADER_BYTES];
+        bytes.copy_from_slice(&slot[..FRAME_HEADER_BYTES]);
+        let header = FrameHeader::decode(&bytes, self.peer, self.max_payload)?;
+        let mut mark = [0u8; 4];
+        mark.copy_from_slice(&slot[BODY_AT..BODY_AT + 4]);
+        let body = match u32::from_le_bytes(mark) {
+            BODY_INLINE => Body::Inline,
+            BODY_LENT if self.cma.is_some() => Body::Lent,
+            _ => {
+                return Err(Error::Protocol {
+                    peer: Some(self.peer),
+                    violation: ProtocolViolation::ReservedNotZero,
+                });
+            }
+        };
+        Ok((header, body))
     }
 
     /// Streams the payload of `header` (whose slot is released) into `sink`, then releases
-    /// the padding. A refused message or a failing sink skips the rest and returns the error.
+    /// the padding, and returns `true`; `false` (nothing delivered) for a lend its sender
+    /// cancelled, whose payload follows as the next message of its key. A refused message or
+    /// a failing sink skips the rest and returns the error.
     fn stream(
         &self,
         rx: &mut Consumer,
         header: FrameHeader,
+        body: Body,
         watch: &dyn Watch,
         sink: &mut dyn Sink,
-    ) -> Result<()> {
+    ) -> Result<bool> {
+        if body == Body::Lent {
+            return self.pull_lent(rx, header, watch, sink);
+        }
         // invariant: decode checked payload_bytes <= max_payload, an allocatable size.
         let len = usize::try_from(header.payload_bytes).unwrap_or(usize::MAX);
         let mut failure = sink.accept(&header).err();
@@ -675,23 +951,122 @@ impl ShmPeer {
         }
         match failure {
             Some(error) => Err(error),
-            None => Ok(()),
+            None => Ok(true),
         }
     }
 
-    /// Copies a whole message out of the ring for the stash.
-    fn take_whole(
+    /// Receives a lent payload (its header's slot is released): reads the descriptor, claims
+    /// it, lets `sink` copy the payload out of the sender ([`Sink::pull`]), checks that the
+    /// sender did not revoke its buffer meanwhile, and releases the descriptor, which tells
+    /// the sender its buffer is free; returns `true`. A descriptor its sender cancelled is
+    /// released unread and gives `false`. A refused message or a failing sink releases it
+    /// without (all of) the copy and returns the sink's error; a failed read poisons the
+    /// channel.
+    fn pull_lent(
         &self,
         rx: &mut Consumer,
         header: FrameHeader,
         watch: &dyn Watch,
-    ) -> Result<Stashed> {
+        sink: &mut dyn Sink,
+    ) -> Result<bool> {
+        let waited = self.wait_data(rx, LENT_BYTES, watch, None);
+        self.mid_message(waited)?;
+        let mut word = [0u8; 8];
+        if !rx.read(0, &mut word) {
+            return Err(self.corrupt(Corrupt { in_flight: 0 }));
+        }
+        let address = u64::from_le_bytes(word);
+        // invariant: the tail is 8-aligned here (16-aligned message start + 48) and the whole
+        // descriptor is available, so the claim word exists.
+        let claim = rx
+            .word(CLAIM_AT - SLOT_HEADER_BYTES)
+            .ok_or(Error::Aborted { op: watch.op() });
+        let claim = self.mid_message(claim)?;
+        match claim.compare_exchange(CLAIM_OPEN, CLAIM_TAKEN, Ordering::AcqRel, Ordering::Acquire) {
+            Ok(_) => {}
+            Err(CLAIM_CANCELLED) => {
+                rx.release(LENT_BYTES);
+                return Ok(false);
+            }
+            Err(_) => {
+                self.poisoned.store(true, Ordering::SeqCst);
+                return Err(Error::Protocol {
+                    peer: Some(self.peer),
+                    violation: ProtocolViolation::ReservedNotZero,
+                });
+            }
+        }
+        // invariant: only pairs that agreed on cross-memory reads decode a lent body.
+        let remote = self.cma.map(|cma| cma.remote);
+        let mut failed_read = false;
+        let mut outcome = sink.accept(&header);
+        if outcome.is_ok() {
+            let mut read = |at: usize, dst: &mut [u8]| -> Result<()> {
+                let Some(remote) = remote else {
+                    return Err(Error::Aborted { op: watch.op() });
+                };
+                let read = remote.read(address.wrapping_add(at as u64), dst);
+                read.map_err(|source| {
+                    failed_read = true;
+                    self.read_error(watch, source)
+                })
+            };
+            outcome = sink.pull(&header, &mut read);
+        }
+        if failed_read {
+            self.poisoned.store(true, Ordering::SeqCst);
+            return outcome.map(|()| true);
+        }
+        if rx.revoked() {
+            self.poisoned.store(true, Ordering::SeqCst);
+            return Err(Error::PeerLost {
+                op: watch.op(),
+                peer: self.peer,
+            });
+        }
+        rx.release(LENT_BYTES);
+        super::cma::count_read();
+        outcome.map(|()| true)
+    }
+
+    /// A failed cross-memory read as an error: the peer is gone (`ESRCH`), or the read
+    /// failed otherwise (a bad address in a descriptor, a denial).
+    fn read_error(&self, watch: &dyn Watch, source: std::io::Error) -> Error {
+        // A peer that is exiting unmaps its memory before its sockets close: what the watch
+        // knows about it comes first.
+        if let Some(error) = watch.interrupted(self.peer) {
+            return error;
+        }
+        if source.raw_os_error() == Some(libc::ESRCH) {
+            return Error::PeerLost {
+                op: watch.op(),
+                peer: self.peer,
+            };
+        }
+        Error::Io {
+            action: IoAction::SharedMemory,
+            peer: Some(self.peer),
+            source,
+        }
+    }
+
+    /// Copies a whole message out of the ring (or the sender) for the stash (`None` for a
+    /// cancelled lend).
+    fn take_whole(
+        &self,
+        rx: &mut Consumer,
+        header: FrameHeader,
+        body: Body,
+        watch: &dyn Watch,
+    ) -> Result<Option<Stashed>> {
         let mut sink = CopyOut::default();
-        self.stream(rx, header, watch, &mut sink)?;
-        Ok(Stashed {
+        if !self.stream(rx, header, body, watch, &mut sink)? {
+            return Ok(None);
+        }
+        Ok(Some(Stashed {
             header,
             payload: sink.bytes,
-        })
+        }))
     }
 
     /// Receives the next message under `key` as a whole [`Frame`].
@@ -717,7 +1092,7 @@ impl ShmPeer {
         while self.whole_message_waiting(&rx) {
             let moved = self
                 .read_header(&mut rx)
-                .and_then(|header| self.divert(&mut rx, header, watch));
+                .and_then(|(header, body)| self.divert(&mut rx, header, body, watch));
             if moved.is_err() {
                 // Poisoned by now; the next wait on this peer reports it.
                 return;
@@ -732,16 +1107,20 @@ impl ShmPeer {
         let Ok(available) = rx.available() else {
             return false;
         };
-        let mut bytes = [0u8; FRAME_HEADER_BYTES];
-        if available < SLOT_HEADER_BYTES || !rx.read(0, &mut bytes) {
+        let mut slot = [0u8; SLOT_HEADER_BYTES];
+        if available < SLOT_HEADER_BYTES || !rx.read(0, &mut slot) {
             return false;
         }
         // A bad header is left for `read_header`, which reports it.
-        let Ok(header) = FrameHeader::decode(&bytes, self.peer, self.max_payload) else {
+        let Ok((header, body)) = self.decode_slot(&slot) else {
             return true;
         };
         let payload = usize::try_from(header.payload_bytes).unwrap_or(usize::MAX / 2);
-        available >= SLOT_HEADER_BYTES + padded(payload)
+        let rest = match body {
+            Body::Inline => padded(payload),
+            Body::Lent => LENT_BYTES,
+        };
+        available >= SLOT_HEADER_BYTES + rest
     }
 }
 
@@ -772,5 +1151,10 @@ impl Sink for CopyOut {
     }
     fn granule(&self, _header: &FrameHeader) -> usize {
         1
+    }
+    fn pull(&mut self, header: &FrameHeader, read: &mut Reader<'_>) -> Result<()> {
+        let len = usize::try_from(header.payload_bytes).unwrap_or(0);
+        self.bytes.resize(len, 0);
+        read(0, &mut self.bytes)
     }
 }

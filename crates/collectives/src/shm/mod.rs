@@ -15,6 +15,9 @@
 //! * [`setup`]: co-located peers found through the store's host ids, the segment handshake.
 //! * `links`: [`ShmLinks`], a rank's channels by world rank.
 //! * `copy`: streaming (non-temporal) copies out of the ring into large posted blocks.
+//! * [`cma`]: single-copy transfers of large payloads with cross-memory attach
+//!   (`process_vm_readv`): the ring carries the payload's address, the receiver copies it
+//!   straight out of the sender (`HYPERSHARD_SHM_CMA`, `HYPERSHARD_SHM_CMA_MIN_BYTES`).
 //!
 //! The TCP backend uses it per peer: `tcp::link` sends and receives the data frames of a pair
 //! that has a channel through it, and everything else (phase-0 descriptors, remote peers)
@@ -22,6 +25,7 @@
 //! lost), which every park slice checks. See docs/shm.md.
 
 mod channel;
+pub mod cma;
 mod copy;
 mod futex;
 mod links;
@@ -36,6 +40,10 @@ mod tests;
 
 pub(crate) use channel::{Apply, Sink};
 pub use channel::{PAYLOAD_ALIGN, SLOT_HEADER_BYTES, ShmPeer};
+pub use cma::{
+    CMA_ENV, CMA_MIN_BYTES_ENV, CmaConfig, DEFAULT_CMA_MIN_BYTES, cancelled_lends,
+    cross_memory_reads,
+};
 pub use links::ShmLinks;
 pub use policy::{TRANSPORT_ENV, TransportPolicy};
 pub use segment::{SEGMENT_DIR, SEGMENT_PREFIX, sweep_stale};

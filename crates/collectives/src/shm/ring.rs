@@ -15,7 +15,7 @@
 //! waiter sees the new position (no lost wake-up).
 
 use std::sync::Arc;
-use std::sync::atomic::{AtomicU32, Ordering, fence};
+use std::sync::atomic::{AtomicU32, AtomicU64, Ordering, fence};
 
 use super::futex;
 use super::segment::Segment;
@@ -26,6 +26,21 @@ use super::segment::Segment;
 pub(crate) struct Corrupt {
     /// The number of bytes the positions claim are in flight.
     pub(crate) in_flight: u64,
+}
+
+/// The 8-byte word at ring position `position` of `segment`'s data area, when that position
+/// is 8-aligned (then the word never straddles the wrap: the capacity is a multiple of 64).
+fn word_at(segment: &Segment, position: u64) -> Option<&AtomicU64> {
+    if !position.is_multiple_of(8) {
+        return None;
+    }
+    let index = (position % segment.capacity() as u64) as usize;
+    // SAFETY: `index + 8 <= capacity` (both multiples of 8, index < capacity), so the word is
+    // inside the data area, which starts 8-aligned (the mapping is page-aligned and the
+    // control block is a multiple of 64 bytes) and lives as long as `segment`; an AtomicU64
+    // is valid for any bytes, and both sides touch this word only atomically once it is
+    // published (see `Producer::word`).
+    Some(unsafe { &*segment.data().add(index).cast::<AtomicU64>() })
 }
 
 /// Wakes the other side if it announced it is parking on `word`.
@@ -102,9 +117,34 @@ impl Producer {
         wake_if_parked(&control.data_waiter.0);
     }
 
-    /// The word this producer parks on while waiting for space.
+    /// The word this producer parks on while waiting for space (or for a release).
     pub(crate) fn park_word(&self) -> &AtomicU32 {
         &self.segment.control().space_waiter.0
+    }
+
+    /// The ring position just past everything written so far.
+    pub(crate) fn written(&self) -> u64 {
+        self.written
+    }
+
+    /// The 8-byte word at ring position `position` (8-aligned), which both sides use
+    /// atomically once it is published and until the consumer releases it: a lent payload's
+    /// claim word. `None` for an unaligned position.
+    pub(crate) fn word(&self, position: u64) -> Option<&AtomicU64> {
+        word_at(&self.segment, position)
+    }
+
+    /// Whether the consumer has released everything up to ring position `position` (it
+    /// releases a lent payload's descriptor only after copying the payload).
+    pub(crate) fn released(&self, position: u64) -> Result<bool, Corrupt> {
+        self.free()?;
+        Ok(self.segment.control().tail.0.load(Ordering::Acquire) >= position)
+    }
+
+    /// Tells the consumer that the buffers of descriptors it has not released yet may change
+    /// from now on (see [`Consumer::revoked`]); never undone.
+    pub(crate) fn revoke(&self) {
+        self.segment.control().revoked.0.store(1, Ordering::SeqCst);
     }
 }
 
@@ -193,6 +233,25 @@ impl Consumer {
     /// The word this consumer parks on while waiting for data.
     pub(crate) fn park_word(&self) -> &AtomicU32 {
         &self.segment.control().data_waiter.0
+    }
+
+    /// The 8-byte word `offset` bytes past the tail (see [`Producer::word`]), when all of it
+    /// is available and 8-aligned.
+    pub(crate) fn word(&self, offset: usize) -> Option<&AtomicU64> {
+        let available = self.available().ok()?;
+        if offset.checked_add(8)? > available {
+            return None;
+        }
+        word_at(&self.segment, self.tail + offset as u64)
+    }
+
+    /// Whether the producer revoked its lent buffers ([`Producer::revoke`]). Checked after a
+    /// cross-memory read, before the descriptor is released: the fence orders the read before
+    /// this load, and the producer changes its buffer only after its own store, so a `false`
+    /// here means the bytes read were the ones lent.
+    pub(crate) fn revoked(&self) -> bool {
+        fence(Ordering::SeqCst);
+        self.segment.control().revoked.0.load(Ordering::SeqCst) != 0
     }
 }
 

@@ -3,7 +3,7 @@
 //!
 //! Layout (offsets in bytes): `0` identity line (magic, capacity), `64` the producer's head,
 //! `128` the consumer's tail, `192` the consumer's park word, `256` the producer's park word,
-//! [`CONTROL_BYTES`] the data area of `capacity` bytes. Head and tail are monotonic byte
+//! `320` the producer's revocation word (single-copy transfers), [`CONTROL_BYTES`] the data area of `capacity` bytes. Head and tail are monotonic byte
 //! counts (the ring index is `position % capacity`), each on its own cache line so the two
 //! sides never write the same line.
 //!
@@ -64,6 +64,11 @@ pub(crate) struct Control {
     pub(crate) data_waiter: Padded<AtomicU32>,
     /// 1 while the producer is (about to be) parked waiting for space.
     pub(crate) space_waiter: Padded<AtomicU32>,
+    /// Set (to 1, never back) by the producer when it gave up waiting for the release of a
+    /// lent payload (a descriptor of [`super::cma`]): its buffer may change from then on, so
+    /// the consumer, which checks this after every cross-memory read, must discard what it
+    /// read and fail.
+    pub(crate) revoked: Padded<AtomicU32>,
 }
 
 /// The bytes before the data area.
@@ -300,7 +305,8 @@ mod tests {
 
     #[test]
     fn the_control_block_keeps_head_and_tail_on_separate_lines() {
-        assert_eq!(CONTROL_BYTES, 5 * 64);
+        assert_eq!(CONTROL_BYTES, 6 * 64);
+        assert_eq!(std::mem::offset_of!(Control, revoked), 320);
         assert_eq!(std::mem::offset_of!(Control, head), 64);
         assert_eq!(std::mem::offset_of!(Control, tail), 128);
         assert_eq!(ring_capacity(1), MIN_CAPACITY);

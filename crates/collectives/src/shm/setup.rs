@@ -13,12 +13,18 @@
 //! 4. It reads the acks of its own segments, unlinks them too (in case the peer failed
 //!    before it could), and keeps shared memory for a pair exactly when both directions are
 //!    `ok`, which both ranks of the pair read alike.
+//!
+//! Alongside, each rank publishes `shm/cma/{rank}` (its pid and the address of a probe
+//! pattern, or `off`; see [`super::cma`]), reads the pattern out of each partner and
+//! publishes `shm/cmaok/{reader}/{read}` = `ok` or `no`. A pair lends large payloads instead
+//! of copying them through the ring exactly when both of its probes are `ok`.
 
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use super::channel::ShmPeer;
+use super::cma::{self, CmaConfig, Remote};
 use super::links::ShmLinks;
 use super::policy::TransportPolicy;
 use super::ring::{Consumer, Producer};
@@ -81,6 +87,15 @@ fn ack_key(from: usize, to: usize) -> String {
     format!("shm/ack/{from}/{to}")
 }
 
+fn cma_key(rank: usize) -> String {
+    format!("shm/cma/{rank}")
+}
+
+/// Whether `reader` could read `read`'s memory.
+fn cma_ack_key(reader: usize, read: usize) -> String {
+    format!("shm/cmaok/{reader}/{read}")
+}
+
 const NO_SEGMENT: &[u8] = b"-";
 const ACK_OK: &[u8] = b"ok";
 const ACK_NO: &[u8] = b"no";
@@ -111,6 +126,10 @@ pub fn establish(setup: &ShmSetup<'_>) -> Result<Option<ShmLinks>> {
     if partners.is_empty() {
         return Ok(None);
     }
+    let cma_config = CmaConfig::from_env()?;
+    setup
+        .store
+        .set(&cma_key(me), cma::advert(&cma_config).as_bytes())?;
     segment::sweep_stale(setup.dir);
 
     // Step 2: my outgoing segments.
@@ -148,9 +167,21 @@ pub fn establish(setup: &ShmSetup<'_>) -> Result<Option<ShmLinks>> {
             .collect(),
     );
 
-    // Step 3: the peers' segments to me.
+    // Step 3: the peers' segments to me, and whether I can read the peers' memory.
     let mut incoming: Vec<(usize, Option<Arc<Segment>>)> = Vec::new();
+    let mut readable: Vec<Option<Remote>> = Vec::new();
     for &peer in &partners {
+        let remote = if cma_config.enabled {
+            let advert = setup.store.get(&cma_key(peer), left())?;
+            cma::probe(&advert)
+                .map_err(|why| tracing::debug!(rank = me, peer, why, "shm: no cma"))
+                .ok()
+        } else {
+            None
+        };
+        let answer = if remote.is_some() { ACK_OK } else { ACK_NO };
+        setup.store.set(&cma_ack_key(me, peer), answer)?;
+        readable.push(remote);
         let named = setup.store.get(&segment_key(peer, me), left())?;
         let opened = open_peer_segment(setup.dir, &named);
         let ack = match &opened {
@@ -176,8 +207,9 @@ pub fn establish(setup: &ShmSetup<'_>) -> Result<Option<ShmLinks>> {
 
     // Step 4: both directions must be up.
     let mut peers: Vec<Option<ShmPeer>> = (0..setup.world_size).map(|_| None).collect();
-    for ((peer, out), (_, inc)) in outgoing.into_iter().zip(incoming) {
+    for (((peer, out), (_, inc)), remote) in outgoing.into_iter().zip(incoming).zip(readable) {
         let their_ack = setup.store.get(&ack_key(me, peer), left())?;
+        let they_read_me = setup.store.get(&cma_ack_key(peer, me), left())? == ACK_OK;
         let (Some((tx, _)), Some(rx)) = (out, inc) else {
             continue;
         };
@@ -189,12 +221,16 @@ pub fn establish(setup: &ShmSetup<'_>) -> Result<Option<ShmLinks>> {
             });
             continue;
         }
-        peers[peer] = Some(ShmPeer::new(
+        let channel = ShmPeer::new(
             peer,
             Producer::new(tx),
             Consumer::new(rx),
             setup.max_payload,
-        ));
+        );
+        peers[peer] = Some(match remote {
+            Some(remote) if they_read_me => channel.with_cma(remote, cma_config.min_bytes),
+            _ => channel,
+        });
     }
     let connected = peers.iter().flatten().count();
     if connected < partners.len()
