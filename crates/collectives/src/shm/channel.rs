@@ -29,13 +29,15 @@
 //! side shuts the peer's connection so it sees this rank as lost too).
 
 use std::collections::{HashMap, VecDeque};
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, AtomicU32, Ordering};
 use std::sync::{Condvar, Mutex, MutexGuard, TryLockError};
 use std::thread::ThreadId;
 use std::time::{Duration, Instant};
 
 use super::cma::Remote;
 use super::ring::{Consumer, Corrupt, Producer};
+use super::segment::Segment;
 use super::wait::{WaitFor, Waited, Watch, wait_until};
 use crate::dtype::DType;
 use crate::error::{Error, IoAction, ProtocolViolation, Result};
@@ -356,6 +358,9 @@ pub struct ShmPeer {
     poisoned: AtomicBool,
     /// Set when both ranks of the pair can read each other ([`super::cma`]).
     cma: Option<Cma>,
+    /// The incoming ring's segment, for its consumer park word (a doorbell of this rank's
+    /// waiting senders) without the consumer lock.
+    incoming: Arc<Segment>,
 }
 
 fn relock<T>(mutex: &Mutex<T>) -> MutexGuard<'_, T> {
@@ -372,6 +377,7 @@ impl ShmPeer {
     /// ring holds as a whole message ([`max_message_payload`]), are refused both ways.
     pub(crate) fn new(peer: usize, tx: Producer, rx: Consumer, max_payload: u64) -> ShmPeer {
         let ring = tx.capacity().min(rx.capacity());
+        let incoming = Arc::clone(rx.segment());
         let max_payload = max_payload.min(max_message_payload(ring) as u64);
         ShmPeer {
             peer,
@@ -383,7 +389,14 @@ impl ShmPeer {
             posts: Mutex::new(Vec::new()),
             poisoned: AtomicBool::new(false),
             cma: None,
+            incoming,
         }
+    }
+
+    /// The word this rank's receivers of the peer's ring park on; the peer wakes it when it
+    /// publishes, so a sender that drains this ring while it waits parks on it too.
+    pub(crate) fn doorbell(&self) -> &AtomicU32 {
+        &self.incoming.control().data_waiter.0
     }
 
     /// The channel, lending payloads of at least `min_bytes` (sending their address instead
@@ -449,6 +462,7 @@ impl ShmPeer {
         payload: &[u8],
         watch: &dyn Watch,
         stall: &mut dyn FnMut(),
+        doorbells: &[&AtomicU32],
     ) -> Result<()> {
         let len = payload.len() as u64;
         if header.payload_bytes != len {
@@ -478,9 +492,9 @@ impl ShmPeer {
         let mut slot = [0u8; SLOT_HEADER_BYTES];
         slot[..FRAME_HEADER_BYTES].copy_from_slice(&encoded);
         if self.cma.is_some_and(|cma| payload.len() >= cma.min_bytes) {
-            return self.send_lent(&mut tx, slot, payload, watch, stall);
+            return self.send_lent(&mut tx, slot, payload, watch, stall, doorbells);
         }
-        self.send_inline(&mut tx, &slot, payload, watch, stall)
+        self.send_inline(&mut tx, &slot, payload, watch, stall, doorbells)
     }
 
     /// Sends a message with its payload in the ring: the header, then the payload as space
@@ -492,9 +506,10 @@ impl ShmPeer {
         payload: &[u8],
         watch: &dyn Watch,
         stall: &mut dyn FnMut(),
+        doorbells: &[&AtomicU32],
     ) -> Result<()> {
         // Nothing of this message is in the ring yet, so a failure here leaves it clean.
-        self.wait_space(tx, SLOT_HEADER_BYTES, watch, stall)?;
+        self.wait_space(tx, SLOT_HEADER_BYTES, watch, stall, doorbells)?;
         if !tx.write(slot, 0) {
             return Err(self.corrupt(Corrupt { in_flight: 0 }));
         }
@@ -503,7 +518,7 @@ impl ShmPeer {
         let goal = chunk_goal(tx.capacity()).max(PAYLOAD_ALIGN);
         let mut done = 0;
         while done < total {
-            let step = self.wait_space(tx, (total - done).min(goal), watch, stall);
+            let step = self.wait_space(tx, (total - done).min(goal), watch, stall, doorbells);
             self.mid_message(step)?;
             let free = tx.free().map_err(|c| self.corrupt(c))?;
             let chunk = free.min(total - done);
@@ -538,6 +553,7 @@ impl ShmPeer {
         payload: &[u8],
         watch: &dyn Watch,
         stall: &mut dyn FnMut(),
+        doorbells: &[&AtomicU32],
     ) -> Result<()> {
         let inline = slot;
         slot[BODY_AT..BODY_AT + 4].copy_from_slice(&BODY_LENT.to_le_bytes());
@@ -547,7 +563,7 @@ impl ShmPeer {
         message[SLOT_HEADER_BYTES..SLOT_HEADER_BYTES + 8].copy_from_slice(&address.to_le_bytes());
         message[CLAIM_AT..CLAIM_AT + 8].copy_from_slice(&CLAIM_OPEN.to_le_bytes());
         // Nothing of this message is in the ring yet, so a failure here leaves it clean.
-        self.wait_space(tx, message.len(), watch, stall)?;
+        self.wait_space(tx, message.len(), watch, stall, doorbells)?;
         let claim_at = tx.written() + CLAIM_AT as u64;
         if !tx.write(&message, 0) {
             return Err(self.corrupt(Corrupt { in_flight: 0 }));
@@ -560,6 +576,7 @@ impl ShmPeer {
             peer: self.peer,
             watch,
             until: Some(Instant::now() + LEND_PATIENCE),
+            doorbells,
         };
         let first = wait_until(&patient, released, stall);
         if matches!(first, Ok(Waited::Ready)) {
@@ -580,7 +597,7 @@ impl ShmPeer {
             // The receiver will skip the descriptor and never read the buffer.
             return match first {
                 Err(error) => Err(error),
-                Ok(_) => self.send_inline(tx, &inline, payload, watch, stall),
+                Ok(_) => self.send_inline(tx, &inline, payload, watch, stall, doorbells),
             };
         }
         let claimed = match first {
@@ -606,12 +623,14 @@ impl ShmPeer {
         want: usize,
         watch: &dyn Watch,
         stall: &mut dyn FnMut(),
+        doorbells: &[&AtomicU32],
     ) -> Result<()> {
         let what = WaitFor {
             word: tx.park_word(),
             peer: self.peer,
             watch,
             until: None,
+            doorbells,
         };
         let ready = || tx.free().map(|f| f >= want).map_err(|c| self.corrupt(c));
         wait_until(&what, ready, stall).map(|_| ())
@@ -629,6 +648,7 @@ impl ShmPeer {
             peer: self.peer,
             watch,
             until,
+            doorbells: &[],
         };
         let ready = || {
             rx.available()

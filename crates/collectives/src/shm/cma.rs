@@ -8,8 +8,11 @@
 //! [`probe`]): each rank reads a known pattern out of its peer, so a kernel without the call
 //! (`ENOSYS`), a denial (`EPERM`: ptrace rules, another user, seccomp) or a peer in another
 //! PID namespace (where its pid means nothing here) all make the pair stay on the ring copy.
-//! `HYPERSHARD_SHM_CMA=0` turns it off for a rank (and so for its pairs);
-//! `HYPERSHARD_SHM_CMA_MIN_BYTES` sets the smallest payload sent this way.
+//! It is off unless `HYPERSHARD_SHM_CMA=1` (a rank that has it off keeps its pairs on the
+//! ring copy): the kernel pins the sender's pages one by one, and on 4 KiB pages that made
+//! the single copy slower than the ring's two cache-friendly copies; on transparent huge
+//! pages it is faster (docs/shm.md). `HYPERSHARD_SHM_CMA_MIN_BYTES` sets the smallest
+//! payload sent this way.
 
 use std::io;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -17,7 +20,8 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use crate::error::{EnvExpectation, Error, Result};
 
 /// Turns the single-copy path on or off (`1`, `true`, `on`, `yes` / `0`, `false`, `off`,
-/// `no`); on when unset.
+/// `no`); off when unset: it pays only when the senders' buffers sit on transparent huge
+/// pages (docs/shm.md has the measurements).
 pub const CMA_ENV: &str = "HYPERSHARD_SHM_CMA";
 
 /// The smallest payload, in bytes, sent by descriptor instead of through the ring.
@@ -39,7 +43,7 @@ pub struct CmaConfig {
 impl Default for CmaConfig {
     fn default() -> Self {
         CmaConfig {
-            enabled: true,
+            enabled: false,
             min_bytes: DEFAULT_CMA_MIN_BYTES,
         }
     }
@@ -263,6 +267,7 @@ mod tests {
                 min_bytes: 4096
             }
         );
+        assert!(!CmaConfig::default().enabled, "off unless asked for");
         assert!(CmaConfig::from_values(Some("1"), None).unwrap().enabled);
         for (switch, min) in [(Some("maybe"), None), (None, Some("0")), (None, Some("-3"))] {
             let error = CmaConfig::from_values(switch, min).unwrap_err();
@@ -329,7 +334,10 @@ mod tests {
 
     #[test]
     fn the_probe_reads_this_process_and_refuses_off_and_garbage() {
-        let config = CmaConfig::default();
+        let config = CmaConfig {
+            enabled: true,
+            ..CmaConfig::default()
+        };
         let remote = probe(advert(&config).as_bytes()).unwrap();
         assert_eq!(remote, Remote::this_process());
         let off = CmaConfig {

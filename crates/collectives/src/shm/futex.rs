@@ -32,6 +32,93 @@ pub(crate) fn wait(word: &AtomicU32, expected: u32, timeout: Duration) {
     }
 }
 
+/// The `futex_waitv` syscall (Linux 5.16): the same number on every architecture that uses
+/// the generic syscall table, x86-64 included.
+#[cfg(any(target_arch = "x86_64", target_arch = "aarch64"))]
+const SYS_FUTEX_WAITV: libc::c_long = 449;
+
+/// One entry of `futex_waitv`'s array (`struct futex_waitv` of the kernel's uapi).
+#[repr(C)]
+struct FutexWaitv {
+    val: u64,
+    uaddr: u64,
+    flags: u32,
+    reserved: u32,
+}
+
+/// `FUTEX2_SIZE_U32`: the word is 32 bits (and, without `FUTEX2_PRIVATE`, process-shared).
+const FUTEX2_SIZE_U32: u32 = 0x02;
+
+/// The most words one `futex_waitv` takes (the kernel's `FUTEX_WAITV_MAX`).
+pub(crate) const WAITV_MAX: usize = 128;
+
+/// Set once the kernel said it has no `futex_waitv` (`ENOSYS`), so later waits skip it.
+static NO_WAITV: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
+
+/// Sleeps until any of `words` (at most [`WAITV_MAX`]) is woken or does not hold `expected`,
+/// or `timeout` passes. Returns `false` without sleeping when the kernel lacks
+/// `futex_waitv` (the caller then waits on one word with [`wait`]); spurious wake-ups are
+/// possible.
+pub(crate) fn wait_any(words: &[&AtomicU32], expected: u32, timeout: Duration) -> bool {
+    #[cfg(any(target_arch = "x86_64", target_arch = "aarch64"))]
+    {
+        use std::sync::atomic::Ordering;
+        if words.is_empty() || words.len() > WAITV_MAX || NO_WAITV.load(Ordering::Relaxed) {
+            return false;
+        }
+        let waiters: Vec<FutexWaitv> = words
+            .iter()
+            .map(|word| FutexWaitv {
+                val: u64::from(expected),
+                uaddr: word.as_ptr() as u64,
+                flags: FUTEX2_SIZE_U32,
+                reserved: 0,
+            })
+            .collect();
+        // futex_waitv's timeout is absolute, on the clock named by the last argument.
+        let mut now = libc::timespec {
+            tv_sec: 0,
+            tv_nsec: 0,
+        };
+        // SAFETY: `now` is a valid, writable timespec for the call.
+        unsafe { libc::clock_gettime(libc::CLOCK_MONOTONIC, &mut now) };
+        let nanos = i128::from(now.tv_nsec) + i128::from(timeout.subsec_nanos());
+        let deadline = libc::timespec {
+            tv_sec: now
+                .tv_sec
+                .saturating_add(libc::time_t::try_from(timeout.as_secs()).unwrap_or(0))
+                .saturating_add(libc::time_t::from(nanos >= 1_000_000_000)),
+            // Below 10^9 after the carry, so it fits a c_long.
+            tv_nsec: (nanos % 1_000_000_000) as libc::c_long,
+        };
+        // SAFETY: `waiters` is a live array of `words.len()` (at most 128) entries laid out
+        // as the kernel's `struct futex_waitv`, each naming a live, 4-byte aligned atomic
+        // that stays borrowed for the whole call (the kernel only reads them atomically);
+        // `deadline` is a valid timespec that outlives the call. A failed or interrupted
+        // wait (EAGAIN, EINTR, ETIMEDOUT) simply returns; callers re-check their condition.
+        let result = unsafe {
+            libc::syscall(
+                SYS_FUTEX_WAITV,
+                waiters.as_ptr(),
+                waiters.len() as libc::c_uint,
+                0 as libc::c_uint,
+                &deadline as *const libc::timespec,
+                libc::CLOCK_MONOTONIC,
+            )
+        };
+        if result < 0 && std::io::Error::last_os_error().raw_os_error() == Some(libc::ENOSYS) {
+            NO_WAITV.store(true, Ordering::Relaxed);
+            return false;
+        }
+        true
+    }
+    #[cfg(not(any(target_arch = "x86_64", target_arch = "aarch64")))]
+    {
+        let _ = (words, expected, timeout, &NO_WAITV);
+        false
+    }
+}
+
 /// Wakes every waiter parked on `word`.
 pub(crate) fn wake(word: &AtomicU32) {
     // SAFETY: `word` is a live, aligned atomic for the whole call; FUTEX_WAKE does not access
@@ -67,6 +154,48 @@ mod tests {
         wait(&word, 7, Duration::from_millis(30));
         let waited = started.elapsed();
         assert!(waited >= Duration::from_millis(20) && waited < Duration::from_secs(2));
+    }
+
+    #[test]
+    fn a_wait_on_several_words_ends_on_a_wake_of_any_and_its_timeout_is_bounded() {
+        let first = AtomicU32::new(1);
+        let changed = AtomicU32::new(5);
+        let started = Instant::now();
+        // One word does not hold 1: no sleep at all.
+        assert!(wait_any(&[&first, &changed], 1, Duration::from_secs(5)));
+        assert!(started.elapsed() < Duration::from_secs(1));
+        let second = AtomicU32::new(1);
+        let started = Instant::now();
+        assert!(wait_any(&[&first, &second], 1, Duration::from_millis(30)));
+        let waited = started.elapsed();
+        assert!(waited >= Duration::from_millis(20) && waited < Duration::from_secs(2));
+        let words = Arc::new([AtomicU32::new(1), AtomicU32::new(1), AtomicU32::new(1)]);
+        let parked = {
+            let words = Arc::clone(&words);
+            std::thread::spawn(move || {
+                let started = Instant::now();
+                while words[2].load(Ordering::SeqCst) == 1
+                    && started.elapsed() < Duration::from_secs(5)
+                {
+                    wait_any(
+                        &[&words[0], &words[1], &words[2]],
+                        1,
+                        Duration::from_secs(5),
+                    );
+                }
+                started.elapsed()
+            })
+        };
+        std::thread::sleep(Duration::from_millis(50));
+        // Only the last word is woken.
+        words[2].store(0, Ordering::SeqCst);
+        wake(&words[2]);
+        let waited = parked.join().unwrap();
+        assert!(waited < Duration::from_secs(4), "{waited:?}");
+        assert!(
+            !wait_any(&[], 1, Duration::from_secs(5)),
+            "nothing to wait on"
+        );
     }
 
     #[test]

@@ -1,5 +1,7 @@
 //! [`ShmLinks`]: a rank's shared-memory channels, one per co-located peer (by world rank).
 
+use std::sync::atomic::AtomicU32;
+
 use super::channel::ShmPeer;
 use super::wait::Watch;
 use crate::error::Result;
@@ -47,7 +49,10 @@ impl ShmLinks {
                 incoming.drain(watch);
             }
         };
-        channel.send(header, payload, watch, &mut stall)
+        // A message from any peer wakes a waiting sender, which drains it.
+        let doorbells: Vec<&AtomicU32> =
+            self.peers.iter().flatten().map(ShmPeer::doorbell).collect();
+        channel.send(header, payload, watch, &mut stall, &doorbells)
     }
 
     /// Takes back every post of op (`group`, `seq`) this thread made, on every channel.

@@ -235,6 +235,11 @@ impl Consumer {
         &self.segment.control().data_waiter.0
     }
 
+    /// The segment this consumer reads.
+    pub(crate) fn segment(&self) -> &Arc<Segment> {
+        &self.segment
+    }
+
     /// The 8-byte word `offset` bytes past the tail (see [`Producer::word`]), when all of it
     /// is available and 8-aligned.
     pub(crate) fn word(&self, offset: usize) -> Option<&AtomicU64> {

@@ -450,6 +450,7 @@ fn a_revoked_lend_is_not_delivered_and_a_claimed_lend_holds_the_sender_until_the
                 &payload,
                 &sender_watch,
                 &mut || {},
+                &[],
             )
         });
         let watch = TestWatch::new(Duration::from_secs(20));
@@ -510,6 +511,7 @@ fn a_lent_payload_of_a_process_that_is_gone_fails_the_read_without_hanging() {
                 &payload,
                 &sender_watch,
                 &mut || {},
+                &[],
             )
         });
         let watch = TestWatch::new(Duration::from_secs(20));

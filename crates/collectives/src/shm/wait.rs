@@ -51,6 +51,11 @@ pub(crate) struct WaitFor<'w> {
     pub(crate) watch: &'w dyn Watch,
     /// When to give up with [`Waited::SliceOver`], if ever.
     pub(crate) until: Option<Instant>,
+    /// More words that end a park when woken: the park words of this rank's incoming rings,
+    /// for a sender whose `stall` drains them (so a peer's message wakes it at once instead
+    /// of at the end of a park slice). They are announced (set to 1) like `word`, but left
+    /// for their wakers to clear, since other threads of this rank may park on them too.
+    pub(crate) doorbells: &'w [&'w AtomicU32],
 }
 
 /// Waits until `ready` returns true: spins, then yields, then parks on the futex word in
@@ -76,6 +81,14 @@ pub(crate) fn wait_until(
         std::thread::yield_now();
     }
     loop {
+        // Doorbells are announced before the drain, so a message published after the drain
+        // looked finds them set and wakes the park below.
+        for bell in what.doorbells.iter().take(futex::WAITV_MAX - 1) {
+            bell.store(1, Ordering::Relaxed);
+        }
+        if !what.doorbells.is_empty() {
+            fence(Ordering::SeqCst);
+        }
         stall();
         what.word.store(1, Ordering::Relaxed);
         fence(Ordering::SeqCst);
@@ -90,7 +103,7 @@ pub(crate) fn wait_until(
                 until.saturating_duration_since(now).min(PARK_SLICE)
             })
             .max(Duration::from_micros(50));
-        futex::wait(what.word, 1, slice);
+        park(what, slice);
         what.word.store(0, Ordering::Relaxed);
         if ready()? {
             return Ok(Waited::Ready);
@@ -102,6 +115,21 @@ pub(crate) fn wait_until(
             return Ok(Waited::SliceOver);
         }
     }
+}
+
+/// Parks on `what.word` and, where the kernel can (`futex_waitv`), its doorbells too, for at
+/// most `slice`. The caller has announced all of them and re-checked its condition.
+fn park(what: &WaitFor<'_>, slice: Duration) {
+    let count = what.doorbells.len().min(futex::WAITV_MAX - 1);
+    if count > 0 {
+        let mut words = Vec::with_capacity(count + 1);
+        words.push(what.word);
+        words.extend(what.doorbells[..count].iter().copied());
+        if futex::wait_any(&words, 1, slice) {
+            return;
+        }
+    }
+    futex::wait(what.word, 1, slice);
 }
 
 #[cfg(test)]
@@ -158,6 +186,7 @@ pub(crate) mod tests {
             peer: 3,
             watch: &watch,
             until: None,
+            doorbells: &[],
         };
         let started = Instant::now();
         let error = wait_until(&what, || Ok(false), &mut || {}).unwrap_err();
