@@ -3,7 +3,7 @@
 //!
 //! ```text
 //! bench-dtensor [--world 2,4] [--mib 64] [--reps 7] [--warmup 2] [--rounds 1]
-//!               [--transitions S0-R,P-S0,S0-S1] [--quick]
+//!               [--transitions S0-R,P-S0,S0-S1] [--ranks-as threads|processes] [--quick]
 //! ```
 //!
 //! `--rounds N` repeats the whole measurement N times in one sitting (fresh communicators
@@ -17,8 +17,15 @@
 //! - `P(sum) -> S(0)` against one reduce-scatter (input: the full-size partial);
 //! - `S(0) -> S(1)` against one all-to-all of `bytes / world` per rank.
 //!
-//! Every rank is a thread of this process with its own `TcpCommunicator` over 127.0.0.1 (the
-//! same transport as separate processes; the ranks share this machine's cores either way).
+//! With `--ranks-as threads` (the default) every rank is a thread of this process with its own
+//! `TcpCommunicator` over 127.0.0.1 (the same transport as separate processes; the ranks share
+//! this machine's cores either way, but also one address space, so one rank's `mmap`/`munmap`
+//! and page faults contend with the others' on the process's memory-map lock). With
+//! `--ranks-as processes` the binary re-executes itself once per rank and round with the
+//! torchrun variables (`RANK`, `WORLD_SIZE`, `MASTER_ADDR`, `MASTER_PORT`) plus
+//! `HYPERSHARD_BENCH_RANK` set, as `bench-collectives` does; each rank joins through
+//! `init_from_env` (rank 0 hosts the `TcpStore`), the transport is forced to plain tcp, and rank
+//! 0 prints its samples on stdout for the parent, which prints the rows.
 //! Each repetition runs `barrier; t0; bare collective; t1` and
 //! `barrier; t0; redistribute; t1`, alternating which goes first so drift and warm caches
 //! favour neither; a repetition's time is the maximum over the ranks (an all-reduce of the
@@ -44,12 +51,15 @@
 //! them with the floor instead. Results go to `target/bench/dtensor.json` and stdout
 //! (markdown).
 
-use std::process::ExitCode;
+use std::io::{BufRead, BufReader};
+use std::net::TcpListener;
+use std::process::{Command, ExitCode, Stdio};
 use std::sync::{Arc, Barrier};
 use std::time::{Duration, Instant};
 
 use hypershard_benches::{TimingStats, write_json};
-use hypershard_collectives::tcp::{TcpCommunicator, TcpConfig};
+use hypershard_collectives::shm::TransportPolicy;
+use hypershard_collectives::tcp::{TcpCommunicator, TcpConfig, init_from_env};
 use hypershard_collectives::{
     Buffer, BufferPair, CommConfig, Communicator, CommunicatorExt, DType as WireDType, MemoryStore,
     ReduceOp, Store,
@@ -59,6 +69,29 @@ use hypershard_dtensor::{
     DTensor, Placement, ProcessMesh, ReduceOp as LayoutOp, init_process_mesh,
 };
 
+/// Set in the environment of the rank processes that `--ranks-as processes` spawns.
+const RANK_VAR: &str = "HYPERSHARD_BENCH_RANK";
+/// The prefix of the line by which rank 0 hands its samples to the parent.
+const SAMPLES_PREFIX: &str = "BENCH-SAMPLES ";
+
+/// How the ranks of one world run.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum RanksAs {
+    /// Threads of this process, one `TcpCommunicator` each.
+    Threads,
+    /// One process per rank (this binary re-executed), joined through `init_from_env`.
+    Processes,
+}
+
+impl RanksAs {
+    fn name(self) -> &'static str {
+        match self {
+            RanksAs::Threads => "threads",
+            RanksAs::Processes => "processes",
+        }
+    }
+}
+
 #[derive(Debug, Clone)]
 struct Args {
     worlds: Vec<usize>,
@@ -67,6 +100,9 @@ struct Args {
     warmup: usize,
     rounds: usize,
     transitions: Vec<Transition>,
+    ranks_as: RanksAs,
+    /// The command line as given, passed on to rank processes.
+    raw: Vec<String>,
 }
 
 fn parse_args() -> Result<Args, String> {
@@ -77,8 +113,10 @@ fn parse_args() -> Result<Args, String> {
         warmup: 2,
         rounds: 1,
         transitions: Transition::ALL.to_vec(),
+        ranks_as: RanksAs::Threads,
+        raw: std::env::args().skip(1).collect(),
     };
-    let mut it = std::env::args().skip(1);
+    let mut it = args.raw.clone().into_iter();
     while let Some(flag) = it.next() {
         if flag == "--quick" {
             args.worlds = vec![2];
@@ -111,6 +149,15 @@ fn parse_args() -> Result<Args, String> {
                             .ok_or(format!("unknown transition {name} (S0-R, P-S0, S0-S1)"))
                     })
                     .collect::<Result<_, _>>()?
+            }
+            "--ranks-as" => {
+                args.ranks_as = match value()?.as_str() {
+                    "threads" => RanksAs::Threads,
+                    "processes" => RanksAs::Processes,
+                    other => {
+                        return Err(format!("unknown --ranks-as {other} (threads, processes)"));
+                    }
+                }
             }
             other => return Err(format!("unknown flag {other}")),
         }
@@ -168,6 +215,8 @@ impl Transition {
 #[derive(Debug, Clone, serde::Serialize)]
 struct Row {
     round: usize,
+    /// `threads` or `processes` (`--ranks-as`).
+    ranks_as: &'static str,
     /// The 1-minute load average when the round started (`/proc/loadavg`).
     load_1m: Option<f64>,
     world: usize,
@@ -190,9 +239,18 @@ struct Row {
     by_value_vs_warm_pct: f64,
 }
 
+/// The tcp options of every rank: plain sockets between co-located ranks (no shared-memory
+/// transport; `main` refuses a `HYPERSHARD_TRANSPORT` that would override this) and a 30 s
+/// rendezvous.
+fn tcp_config() -> TcpConfig {
+    TcpConfig::default()
+        .with_transport(TransportPolicy::Tcp)
+        .with_rendezvous_timeout(Duration::from_secs(30))
+}
+
 fn tcp_world(size: usize) -> Result<Vec<Arc<dyn Communicator>>, String> {
     let store: Arc<dyn Store> = Arc::new(MemoryStore::new());
-    let tcp = TcpConfig::default().with_rendezvous_timeout(Duration::from_secs(30));
+    let tcp = tcp_config();
     let config = CommConfig::default().with_timeout(Duration::from_secs(120));
     let handles: Vec<_> = (0..size)
         .map(|rank| {
@@ -346,7 +404,8 @@ struct Round {
     load_1m: Option<f64>,
 }
 
-fn bench_world(world: usize, args: &Args, round: Round) -> Result<Vec<Row>, String> {
+/// The global `[rows, cols]` shape of `--mib` MiB of f32 for a world of `world` ranks.
+fn bench_shape(world: usize, args: &Args) -> Result<Vec<usize>, String> {
     let elements = args.mib * (1 << 20) / 4;
     let side = (elements as f64).sqrt() as usize;
     // A power-of-two square for the default size: divisible by every world size benchmarked.
@@ -358,19 +417,38 @@ fn bench_world(world: usize, args: &Args, round: Round) -> Result<Vec<Row>, Stri
             ));
         }
     }
+    Ok(shape)
+}
+
+/// One rank's measurement of every transition, on a world communicator.
+fn rank_samples(
+    comm: Arc<dyn Communicator>,
+    shape: &[usize],
+    args: &Args,
+) -> Result<Vec<Samples>, String> {
+    let world = comm.size();
+    let mesh = init_process_mesh(comm, &[world], &["x"]).map_err(|e| e.to_string())?;
+    args.transitions
+        .iter()
+        .map(|&t| rank_main(&mesh, t, shape, args))
+        .collect()
+}
+
+/// Rank 0's samples of a world of rank threads.
+fn thread_world_samples(
+    world: usize,
+    shape: &[usize],
+    args: &Args,
+) -> Result<Vec<Samples>, String> {
     let comms = tcp_world(world)?;
     let start = Arc::new(Barrier::new(world));
     let handles: Vec<_> = comms
         .into_iter()
         .map(|comm| {
-            let (args, shape, start) = (args.clone(), shape.clone(), start.clone());
+            let (args, shape, start) = (args.clone(), shape.to_vec(), start.clone());
             std::thread::spawn(move || -> Result<Vec<Samples>, String> {
-                let mesh = init_process_mesh(comm, &[world], &["x"]).map_err(|e| e.to_string())?;
                 start.wait();
-                args.transitions
-                    .iter()
-                    .map(|&t| rank_main(&mesh, t, &shape, &args))
-                    .collect()
+                rank_samples(comm, &shape, &args)
             })
         })
         .collect();
@@ -379,7 +457,143 @@ fn bench_world(world: usize, args: &Args, round: Round) -> Result<Vec<Row>, Stri
         per_rank.push(handle.join().map_err(|_| "a rank panicked".to_string())??);
     }
     // Every rank holds the same max-over-ranks timings; rank 0's are reported.
-    let rank0 = per_rank.swap_remove(0);
+    Ok(per_rank.swap_remove(0))
+}
+
+/// Samples as seconds, the form in which a rank process hands them to the parent.
+fn samples_to_secs(samples: &[Samples]) -> Vec<Vec<Vec<f64>>> {
+    samples
+        .iter()
+        .map(|variants| {
+            variants
+                .iter()
+                .map(|times| times.iter().map(Duration::as_secs_f64).collect())
+                .collect()
+        })
+        .collect()
+}
+
+/// The inverse of [`samples_to_secs`], checking that every transition has five variants.
+fn samples_from_secs(secs: Vec<Vec<Vec<f64>>>) -> Result<Vec<Samples>, String> {
+    secs.into_iter()
+        .map(|variants| {
+            let variants: Vec<Vec<Duration>> = variants
+                .into_iter()
+                .map(|times| {
+                    times
+                        .into_iter()
+                        .map(|t| Duration::try_from_secs_f64(t).map_err(|e| format!("{t}: {e}")))
+                        .collect()
+                })
+                .collect::<Result<_, _>>()?;
+            <Samples>::try_from(variants)
+                .map_err(|v| format!("rank 0 sent {} variants, not 5", v.len()))
+        })
+        .collect()
+}
+
+/// A rank process (`--ranks-as processes`): joins the world from the torchrun variables,
+/// measures, and (rank 0) prints its samples for the parent.
+fn rank_process(args: &Args) -> Result<(), String> {
+    let world = init_from_env(&tcp_config()).map_err(|e| format!("rendezvous: {e}"))?;
+    let comm: Arc<dyn Communicator> = world.comm.clone();
+    let (rank, size) = (comm.rank(), comm.size());
+    let shape = bench_shape(size, args)?;
+    let samples = rank_samples(comm.clone(), &shape, args)?;
+    if rank == 0 {
+        let line = serde_json::to_string(&samples_to_secs(&samples)).map_err(|e| e.to_string())?;
+        println!("{SAMPLES_PREFIX}{line}");
+    }
+    // Rank 0 hosts the store: every rank is done with it before rank 0 exits.
+    comm.barrier().map_err(|e| e.to_string())?;
+    Ok(())
+}
+
+/// Rank 0's samples of a world of rank processes (this binary, re-executed once per rank).
+fn process_world_samples(world: usize, args: &Args) -> Result<Vec<Samples>, String> {
+    // A free port for the store: bind port 0, read it, release it for rank 0 to take.
+    let port = TcpListener::bind("127.0.0.1:0")
+        .and_then(|listener| listener.local_addr())
+        .map_err(|e| format!("no free port: {e}"))?
+        .port();
+    let exe = std::env::current_exe().map_err(|e| format!("own path: {e}"))?;
+    let mut children = Vec::with_capacity(world);
+    for rank in 0..world {
+        let child = Command::new(&exe)
+            .args(&args.raw)
+            .env(RANK_VAR, rank.to_string())
+            .env("RANK", rank.to_string())
+            .env("WORLD_SIZE", world.to_string())
+            .env("LOCAL_RANK", rank.to_string())
+            .env("LOCAL_WORLD_SIZE", world.to_string())
+            .env("MASTER_ADDR", "127.0.0.1")
+            .env("MASTER_PORT", port.to_string())
+            // The same op deadline as the rank threads get.
+            .env("HYPERSHARD_TIMEOUT", "120")
+            .stdout(if rank == 0 {
+                Stdio::piped()
+            } else {
+                Stdio::null()
+            })
+            .spawn();
+        match child {
+            Ok(child) => children.push(child),
+            Err(e) => {
+                // The ranks already started cannot complete a rendezvous without this one.
+                for mut started in children {
+                    let _ = started.kill();
+                    let _ = started.wait();
+                }
+                return Err(format!("spawn rank {rank}: {e}"));
+            }
+        }
+    }
+    let mut samples = None;
+    let mut read_error = None;
+    if let Some(stdout) = children[0].stdout.take() {
+        for line in BufReader::new(stdout).lines() {
+            match line {
+                Ok(line) => {
+                    if let Some(json) = line.strip_prefix(SAMPLES_PREFIX) {
+                        samples = Some(json.to_string());
+                    }
+                }
+                Err(e) => read_error = Some(format!("rank 0 output: {e}")),
+            }
+        }
+    }
+    let mut failed = Vec::new();
+    for (rank, mut child) in children.into_iter().enumerate() {
+        match child.wait() {
+            Ok(status) if status.success() => {}
+            Ok(status) => failed.push(format!("rank {rank}: {status}")),
+            Err(e) => failed.push(format!("rank {rank}: {e}")),
+        }
+    }
+    if !failed.is_empty() {
+        return Err(failed.join(", "));
+    }
+    if let Some(e) = read_error {
+        return Err(e);
+    }
+    let json = samples.ok_or("rank 0 printed no samples")?;
+    let secs = serde_json::from_str(&json).map_err(|e| format!("rank 0 samples: {e}"))?;
+    samples_from_secs(secs)
+}
+
+fn bench_world(world: usize, args: &Args, round: Round) -> Result<Vec<Row>, String> {
+    let shape = bench_shape(world, args)?;
+    let rank0 = match args.ranks_as {
+        RanksAs::Threads => thread_world_samples(world, &shape, args)?,
+        RanksAs::Processes => process_world_samples(world, args)?,
+    };
+    if rank0.len() != args.transitions.len() {
+        return Err(format!(
+            "{} transitions measured, {} asked for",
+            rank0.len(),
+            args.transitions.len()
+        ));
+    }
     let bytes = shape.iter().product::<usize>() * 4;
     args.transitions
         .iter()
@@ -392,6 +606,7 @@ fn bench_world(world: usize, args: &Args, round: Round) -> Result<Vec<Row>, Stri
             let dtensor_by_value = TimingStats::from_samples(&by_value).ok_or("no samples")?;
             Ok(Row {
                 round: round.index,
+                ranks_as: args.ranks_as.name(),
                 load_1m: round.load_1m,
                 world,
                 transition: t.name(),
@@ -422,6 +637,26 @@ fn main() -> ExitCode {
             return ExitCode::FAILURE;
         }
     };
+    // The measurement is of the tcp backend: an environment that would move co-located
+    // ranks' data through shared memory instead is refused rather than silently obeyed.
+    if let Ok(transport) = std::env::var(hypershard_collectives::shm::TRANSPORT_ENV)
+        && transport != "tcp"
+    {
+        eprintln!(
+            "bench-dtensor: {}={transport} would bypass the tcp sockets; unset it",
+            hypershard_collectives::shm::TRANSPORT_ENV
+        );
+        return ExitCode::FAILURE;
+    }
+    if std::env::var_os(RANK_VAR).is_some() {
+        return match rank_process(&args) {
+            Ok(()) => ExitCode::SUCCESS,
+            Err(e) => {
+                eprintln!("bench-dtensor rank: {e}");
+                ExitCode::FAILURE
+            }
+        };
+    }
     let mut rows = Vec::new();
     for index in 1..=args.rounds {
         let round = Round {
@@ -439,16 +674,17 @@ fn main() -> ExitCode {
         }
     }
     println!(
-        "| round | load | world | transition | bare collective | MiB | bare (ms) | bare + input copy (ms) | bare, warm output (ms) | `redistribute` (ms) | vs bare | vs warm | `into_redistribute` (ms) | vs bare | vs warm |"
+        "| round | ranks | load | world | transition | bare collective | MiB | bare (ms) | bare + input copy (ms) | bare, warm output (ms) | `redistribute` (ms) | vs bare | vs warm | `into_redistribute` (ms) | vs bare | vs warm |"
     );
     println!(
-        "|------:|-----:|------:|------------|-----------------|----:|----------:|-----------------------:|-----------------------:|--------------------:|--------:|--------:|-------------------------:|--------:|--------:|"
+        "|------:|-------|-----:|------:|------------|-----------------|----:|----------:|-----------------------:|-----------------------:|--------------------:|--------:|--------:|-------------------------:|--------:|--------:|"
     );
     for row in &rows {
         let load = row.load_1m.map_or("?".to_string(), |l| format!("{l:.1}"));
         println!(
-            "| {} | {} | {} | `{}` | {} | {} | {:.1} | {:.1} | {:.1} | {:.1} | {:+.1}% | {:+.1}% | {:.1} | {:+.1}% | {:+.1}% |",
+            "| {} | {} | {} | {} | `{}` | {} | {} | {:.1} | {:.1} | {:.1} | {:.1} | {:+.1}% | {:+.1}% | {:.1} | {:+.1}% | {:+.1}% |",
             row.round,
+            row.ranks_as,
             load,
             row.world,
             row.transition,
