@@ -494,7 +494,7 @@ impl ShmPeer {
         if self.cma.is_some_and(|cma| payload.len() >= cma.min_bytes) {
             return self.send_lent(&mut tx, slot, payload, watch, stall, doorbells);
         }
-        self.send_inline(&mut tx, &slot, payload, watch, stall, doorbells)
+        self.send_inline(&mut tx, &slot, payload, watch, stall)
     }
 
     /// Sends a message with its payload in the ring: the header, then the payload as space
@@ -506,10 +506,9 @@ impl ShmPeer {
         payload: &[u8],
         watch: &dyn Watch,
         stall: &mut dyn FnMut(),
-        doorbells: &[&AtomicU32],
     ) -> Result<()> {
         // Nothing of this message is in the ring yet, so a failure here leaves it clean.
-        self.wait_space(tx, SLOT_HEADER_BYTES, watch, stall, doorbells)?;
+        self.wait_space(tx, SLOT_HEADER_BYTES, watch, stall)?;
         if !tx.write(slot, 0) {
             return Err(self.corrupt(Corrupt { in_flight: 0 }));
         }
@@ -518,7 +517,7 @@ impl ShmPeer {
         let goal = chunk_goal(tx.capacity()).max(PAYLOAD_ALIGN);
         let mut done = 0;
         while done < total {
-            let step = self.wait_space(tx, (total - done).min(goal), watch, stall, doorbells);
+            let step = self.wait_space(tx, (total - done).min(goal), watch, stall);
             self.mid_message(step)?;
             let free = tx.free().map_err(|c| self.corrupt(c))?;
             let chunk = free.min(total - done);
@@ -563,7 +562,7 @@ impl ShmPeer {
         message[SLOT_HEADER_BYTES..SLOT_HEADER_BYTES + 8].copy_from_slice(&address.to_le_bytes());
         message[CLAIM_AT..CLAIM_AT + 8].copy_from_slice(&CLAIM_OPEN.to_le_bytes());
         // Nothing of this message is in the ring yet, so a failure here leaves it clean.
-        self.wait_space(tx, message.len(), watch, stall, doorbells)?;
+        self.wait_space(tx, message.len(), watch, stall)?;
         let claim_at = tx.written() + CLAIM_AT as u64;
         if !tx.write(&message, 0) {
             return Err(self.corrupt(Corrupt { in_flight: 0 }));
@@ -597,7 +596,7 @@ impl ShmPeer {
             // The receiver will skip the descriptor and never read the buffer.
             return match first {
                 Err(error) => Err(error),
-                Ok(_) => self.send_inline(tx, &inline, payload, watch, stall, doorbells),
+                Ok(_) => self.send_inline(tx, &inline, payload, watch, stall),
             };
         }
         let claimed = match first {
@@ -623,14 +622,15 @@ impl ShmPeer {
         want: usize,
         watch: &dyn Watch,
         stall: &mut dyn FnMut(),
-        doorbells: &[&AtomicU32],
     ) -> Result<()> {
+        // Parks on the ring's own word only: with the ring's slack, also waking for every
+        // incoming message (as a lent send does) measured slower at world 4 (docs/shm.md).
         let what = WaitFor {
             word: tx.park_word(),
             peer: self.peer,
             watch,
             until: None,
-            doorbells,
+            doorbells: &[],
         };
         let ready = || tx.free().map(|f| f >= want).map_err(|c| self.corrupt(c));
         wait_until(&what, ready, stall).map(|_| ())

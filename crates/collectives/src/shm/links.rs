@@ -49,9 +49,13 @@ impl ShmLinks {
                 incoming.drain(watch);
             }
         };
-        // A message from any peer wakes a waiting sender, which drains it.
-        let doorbells: Vec<&AtomicU32> =
-            self.peers.iter().flatten().map(ShmPeer::doorbell).collect();
+        // A message from any peer wakes a sender waiting for the release of a lent payload,
+        // which drains it (the receiver may be waiting for this rank's release in turn).
+        let doorbells: Vec<&AtomicU32> = if channel.uses_cma() {
+            self.peers.iter().flatten().map(ShmPeer::doorbell).collect()
+        } else {
+            Vec::new()
+        };
         channel.send(header, payload, watch, &mut stall, &doorbells)
     }
 
