@@ -4,8 +4,8 @@
 //! address space into its destination, and only then releases the descriptor's ring bytes;
 //! the sender waits for that release before its buffer may change (see docs/shm.md).
 //!
-//! Whether a pair may use it is probed once during the segment handshake ([`advert`] and
-//! [`probe`]): each rank reads a known pattern out of its peer, so a kernel without the call
+//! Whether a pair may use it is probed once during the segment handshake (`advert` and
+//! `probe`): each rank reads a known pattern out of its peer, so a kernel without the call
 //! (`ENOSYS`), a denial (`EPERM`: ptrace rules, another user, seccomp) or a peer in another
 //! PID namespace (where its pid means nothing here) all make the pair stay on the ring copy.
 //! It is off unless `HYPERSHARD_SHM_CMA=1` (a rank that has it off keeps its pairs on the
