@@ -103,9 +103,20 @@ impl WirePool {
         Buffer::Host(self.take(dtype, len).buffer)
     }
 
-    /// Keeps a send buffer that a collective handed back, within the pool's limits. A lent
-    /// buffer whose owner still holds the memory is let go: it is the owner's tensor, not
-    /// spare memory.
+    /// Keeps a send buffer that a collective handed back (or a consumed source), within the
+    /// pool's limits (a buffer that would take the idle bytes past [`MAX_POOLED_BYTES`] is
+    /// freed; a fifth buffer evicts the oldest). A lent buffer whose owner still holds the
+    /// memory is let go: it is the owner's tensor, not spare memory.
+    ///
+    /// At most one idle buffer of each (dtype, length) is kept. A collective takes at most one
+    /// buffer of a size from the pool for its output and one for its send buffer, and hands
+    /// back at most one (its send buffer, or the source a consuming redistribute moved into
+    /// it), so a second idle buffer of a size already held is only reused if two ops of that
+    /// size run back to back without handing anything back; meanwhile it takes a slot and
+    /// pushes the oldest buffer, of another size, out of the pool, to be unmapped and faulted
+    /// in afresh by the next redistribute of that shape. A buffer whose size is already idle
+    /// is therefore freed itself (off-thread when large), and the pool's slots hold distinct
+    /// sizes.
     pub(crate) fn give(&self, buffer: Buffer) {
         let Ok(buffer) = buffer.into_host() else {
             return;
@@ -114,8 +125,11 @@ impl WirePool {
             return;
         }
         let mut idle = self.idle.lock().unwrap_or_else(PoisonError::into_inner);
+        let duplicate = idle
+            .iter()
+            .any(|b| b.dtype() == buffer.dtype() && b.len() == buffer.len());
         let held: usize = idle.iter().map(WireBuffer::byte_len).sum();
-        if held + buffer.byte_len() > MAX_POOLED_BYTES {
+        if duplicate || held + buffer.byte_len() > MAX_POOLED_BYTES {
             drop(idle);
             release(buffer);
             return;
@@ -144,6 +158,17 @@ impl WirePool {
         let bytes = idle.iter().map(WireBuffer::byte_len).sum();
         idle.clear();
         bytes
+    }
+
+    /// The (dtype, length) of every idle buffer, oldest first (for tests).
+    #[cfg(test)]
+    pub(crate) fn idle_sizes(&self) -> Vec<(WireDType, usize)> {
+        self.idle
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .iter()
+            .map(|b| (b.dtype(), b.len()))
+            .collect()
     }
 
     /// How many idle buffers are held (for tests).
@@ -402,8 +427,9 @@ mod tests {
     {
         let pool = WirePool::default();
         let large = MAX_POOLED_BYTES / 2 - 4096;
-        for _ in 0..3 {
-            pool.give(Buffer::zeros(WireDType::U8, large));
+        // Three sizes (the pool keeps one buffer per size), each just under half the limit.
+        for i in 0..3 {
+            pool.give(Buffer::zeros(WireDType::U8, large - 64 * i));
         }
         // Two fit under the byte limit; the third went to the background thread.
         assert_eq!(pool.idle(), 2);
@@ -416,20 +442,102 @@ mod tests {
         assert_eq!(pool.idle(), 3);
         pool.retire(Tensor::zeros(&[16], DType::F32)?)?;
         assert_eq!(pool.idle(), 3);
-        assert_eq!(pool.clear(), 2 * large + 64);
+        assert_eq!(pool.clear(), 2 * large - 64 + 64);
         Ok(())
     }
 
     #[test]
     fn the_pool_keeps_few_buffers() {
         let pool = WirePool::default();
-        for _ in 0..10 {
-            pool.give(Buffer::from_vec(vec![0u8; 8]));
+        // Ten sizes, 8 ..= 80 bytes: the oldest are evicted, the last four stay.
+        for i in 1..=10 {
+            pool.give(Buffer::from_vec(vec![0u8; 8 * i]));
         }
         assert_eq!(pool.idle(), MAX_POOLED);
+        assert_eq!(
+            pool.idle_sizes(),
+            vec![
+                (WireDType::U8, 56),
+                (WireDType::U8, 64),
+                (WireDType::U8, 72),
+                (WireDType::U8, 80)
+            ]
+        );
         pool.give(Buffer::from_vec(vec![0u8; MAX_POOLED_BYTES]));
         assert_eq!(pool.idle(), MAX_POOLED);
-        assert_eq!(pool.clear(), MAX_POOLED * 8);
+        assert_eq!(pool.clear(), 56 + 64 + 72 + 80);
         assert_eq!(pool.idle(), 0);
+    }
+
+    #[test]
+    fn a_consumed_source_is_not_kept_when_a_buffer_of_its_size_is_idle() -> Result<()> {
+        let pool = WirePool::default();
+        // Two sizes idle: 4 f32 and 6 f32.
+        let first = Buffer::from_vec(vec![1.0f32; 4]);
+        let kept = first.as_host()?.as_bytes().as_ptr() as usize;
+        pool.give(first);
+        pool.give(Buffer::from_vec(vec![2.0f32; 6]));
+        assert_eq!(pool.idle(), 2);
+        // A used-up source of 4 f32 (collective memory, sole owner) finds its size idle: it
+        // is freed, and neither the idle buffer of its size nor the other size is pushed out.
+        let used = crate::bridge::staging_tensor(&[2, 2], DType::F32)?;
+        pool.retire(used)?;
+        assert_eq!(
+            pool.idle_sizes(),
+            vec![(WireDType::F32, 4), (WireDType::F32, 6)]
+        );
+        // The same for a send buffer (or a moved source) a collective hands back.
+        pool.give(Buffer::from_vec(vec![3.0f32; 6]));
+        assert_eq!(pool.idle(), 2);
+        // The buffer that stayed is the first one: the next take of that size gets it.
+        let taken = pool.output(WireDType::F32, 4);
+        assert_eq!(taken.as_host()?.as_bytes().as_ptr() as usize, kept);
+        assert_eq!(taken.as_slice::<f32>()?, &[1.0; 4]);
+        // Once it is taken, a consumed source of that size is kept again.
+        pool.retire(crate::bridge::staging_tensor(&[4], DType::F32)?)?;
+        assert_eq!(
+            pool.idle_sizes(),
+            vec![(WireDType::F32, 6), (WireDType::F32, 4)]
+        );
+        // The same length in another dtype is another size.
+        pool.give(Buffer::zeros(WireDType::I32, 4));
+        assert_eq!(pool.idle(), 3);
+        Ok(())
+    }
+
+    #[test]
+    fn the_pool_never_exceeds_its_bounds_and_holds_distinct_sizes() {
+        let pool = WirePool::default();
+        // A fixed pseudo-random walk of gives and takes over a few sizes (a 64-bit LCG, so
+        // the test is the same on every run), with sizes near the byte limit now and then.
+        let mut state: u64 = 0x9e37_79b9_7f4a_7c15;
+        let mut next = || {
+            state = state
+                .wrapping_mul(6_364_136_223_846_793_005)
+                .wrapping_add(1_442_695_040_888_963_407);
+            (state >> 33) as usize
+        };
+        let sizes = [16, 24, 40, 64, 100, 256, 1000];
+        for step in 0..400 {
+            let len = if step % 97 == 13 {
+                MAX_POOLED_BYTES / 3 + next() % 4096
+            } else {
+                sizes[next() % sizes.len()]
+            };
+            if next() % 3 == 0 {
+                let taken = pool.output(WireDType::U8, len);
+                assert_eq!(taken.len(), len);
+            } else {
+                pool.give(Buffer::zeros(WireDType::U8, len));
+            }
+            let idle = pool.idle_sizes();
+            assert!(idle.len() <= MAX_POOLED, "step {step}: {idle:?}");
+            let bytes: usize = idle.iter().map(|&(_, len)| len).sum();
+            assert!(bytes <= MAX_POOLED_BYTES, "step {step}: {bytes} bytes");
+            let mut distinct = idle.clone();
+            distinct.sort_by_key(|&(dtype, len)| (dtype.name(), len));
+            distinct.dedup();
+            assert_eq!(distinct.len(), idle.len(), "step {step}: {idle:?}");
+        }
     }
 }

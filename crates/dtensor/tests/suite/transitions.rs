@@ -346,6 +346,52 @@ fn send_buffers_are_lent_or_kept_for_reuse_and_can_be_released() {
 }
 
 #[test]
+fn consumed_sources_of_one_size_do_not_pile_up_in_the_pool() {
+    use hypershard_dtensor::DType;
+    let out = on_mesh(&[2], &[], |ctx| {
+        // P(sum) -> S(0) of an even [4, 3] f32: each consuming redistribute moves its 12-element
+        // source into the reduce-scatter and hands it back to the pool, while the 6-element
+        // outputs are kept by the caller. Three in a row give back three sources of one size;
+        // the pool keeps one (48 bytes) instead of three.
+        let mut outputs = Vec::new();
+        for _ in 0..3 {
+            let p = DTensor::ones(&ctx.mesh, &[4, 3], DType::F32, &[PSUM])?;
+            outputs.push(p.into_redistribute(&[S0])?);
+        }
+        let values: Vec<Vec<f32>> = outputs
+            .iter()
+            .map(|o| o.to_local().to_vec::<f32>())
+            .collect::<std::result::Result<_, _>>()?;
+        let after_sources = ctx.mesh.release_buffers();
+        // An S(0) -> S(1) of a [4, 4] f32 tensor, consuming: its 8-element output is taken
+        // from the pool when one is idle, and its source (8 elements) handed back, so a loop of
+        // them runs on one buffer and the pool stays at one buffer of that size.
+        let mut x = DTensor::ones(&ctx.mesh, &[4, 4], DType::F32, &[S0])?;
+        for _ in 0..4 {
+            x = x.into_redistribute(&[S1])?.into_redistribute(&[S0])?;
+        }
+        let looped = x.full_tensor()?.to_vec::<f32>()?;
+        Ok((values, after_sources, looped, ctx.mesh.release_buffers()))
+    });
+    for (values, after_sources, looped, after_loop) in out {
+        // A factory's global tensor does not depend on the layout: all ones, so each rank's
+        // 2 x 3 block of the reduced sum is ones.
+        assert_eq!(values, vec![vec![1.0f32; 6]; 3]);
+        assert_eq!(
+            after_sources,
+            12 * 4,
+            "one 12-element f32 source kept, not three"
+        );
+        assert_eq!(looped, vec![1.0f32; 16]);
+        assert_eq!(
+            after_loop,
+            8 * 4,
+            "one 8-element f32 buffer kept after the loop"
+        );
+    }
+}
+
+#[test]
 fn a_lent_source_written_during_the_collective_keeps_its_write_and_sends_its_old_values() {
     use hypershard_dtensor::DType;
     let out = on_mesh(&[2], &[], |ctx| {
