@@ -3,7 +3,8 @@
 //!
 //! ```text
 //! bench-dtensor [--world 2,4] [--mib 64] [--reps 7] [--warmup 2] [--rounds 1]
-//!               [--transitions S0-R,P-S0,S0-S1] [--ranks-as threads|processes] [--quick]
+//!               [--transitions S0-R,P-S0,S0-S1] [--ranks-as threads|processes]
+//!               [--pools shared|separate] [--quick]
 //! ```
 //!
 //! `--rounds N` repeats the whole measurement N times in one sitting (fresh communicators
@@ -48,8 +49,15 @@
 //! allocation in the clock): the collective alone, the floor for both sides. DTensor takes its
 //! outputs from its buffer pool when one of the right size is idle (a consumed source or a
 //! spent send buffer), so its figures can beat the cold-output bare side; "vs warm" compares
-//! them with the floor instead. Results go to `target/bench/dtensor.json` and stdout
-//! (markdown).
+//! them with the floor instead. With `--pools shared` (the default) both forms run on one
+//! mesh, so one pool: the source the consuming form hands back after its op is the next
+//! idle buffer of the output's size, and in the rotation the borrowing form (which runs just
+//! before it in four repetitions of five) usually takes it; the consuming form's own output
+//! is then a fresh allocation. `--pools separate` gives the consuming form a mesh of its own
+//! (same communicator, its own pool), so each form runs in its own steady state: the
+//! consuming one reuses its previous source as its output, the borrowing one (whose lent
+//! source stays with the tensor) always allocates. Results go to `target/bench/dtensor.json`
+//! and stdout (markdown).
 
 use std::io::{BufRead, BufReader};
 use std::net::TcpListener;
@@ -92,6 +100,25 @@ impl RanksAs {
     }
 }
 
+/// Whether the two DTensor forms share one mesh's buffer pool.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Pools {
+    /// One mesh for both forms: a source the consuming form hands back can become the
+    /// borrowing form's next output.
+    Shared,
+    /// A mesh (and pool) per form: each runs in its own steady state.
+    Separate,
+}
+
+impl Pools {
+    fn name(self) -> &'static str {
+        match self {
+            Pools::Shared => "shared",
+            Pools::Separate => "separate",
+        }
+    }
+}
+
 #[derive(Debug, Clone)]
 struct Args {
     worlds: Vec<usize>,
@@ -101,6 +128,7 @@ struct Args {
     rounds: usize,
     transitions: Vec<Transition>,
     ranks_as: RanksAs,
+    pools: Pools,
     /// The command line as given, passed on to rank processes.
     raw: Vec<String>,
 }
@@ -114,6 +142,7 @@ fn parse_args() -> Result<Args, String> {
         rounds: 1,
         transitions: Transition::ALL.to_vec(),
         ranks_as: RanksAs::Threads,
+        pools: Pools::Shared,
         raw: std::env::args().skip(1).collect(),
     };
     let mut it = args.raw.clone().into_iter();
@@ -157,6 +186,13 @@ fn parse_args() -> Result<Args, String> {
                     other => {
                         return Err(format!("unknown --ranks-as {other} (threads, processes)"));
                     }
+                }
+            }
+            "--pools" => {
+                args.pools = match value()?.as_str() {
+                    "shared" => Pools::Shared,
+                    "separate" => Pools::Separate,
+                    other => return Err(format!("unknown --pools {other} (shared, separate)")),
                 }
             }
             other => return Err(format!("unknown flag {other}")),
@@ -217,6 +253,8 @@ struct Row {
     round: usize,
     /// `threads` or `processes` (`--ranks-as`).
     ranks_as: &'static str,
+    /// `shared` or `separate` (`--pools`).
+    pools: &'static str,
     /// The 1-minute load average when the round started (`/proc/loadavg`).
     load_1m: Option<f64>,
     world: usize,
@@ -314,6 +352,7 @@ type Samples = [Vec<Duration>; 5];
 /// the ranks.
 fn rank_main(
     mesh: &ProcessMesh,
+    by_value_mesh: &ProcessMesh,
     transition: Transition,
     shape: &[usize],
     args: &Args,
@@ -342,7 +381,10 @@ fn rank_main(
                 .then(|| bare_input(source.to_local()))
                 .transpose()?;
             let owned = if side == 3 {
-                Some(DTensor::ones(mesh, shape, DType::F32, &[src]).map_err(|e| e.to_string())?)
+                Some(
+                    DTensor::ones(by_value_mesh, shape, DType::F32, &[src])
+                        .map_err(|e| e.to_string())?,
+                )
             } else {
                 None
             };
@@ -427,10 +469,17 @@ fn rank_samples(
     args: &Args,
 ) -> Result<Vec<Samples>, String> {
     let world = comm.size();
-    let mesh = init_process_mesh(comm, &[world], &["x"]).map_err(|e| e.to_string())?;
+    let mesh = init_process_mesh(comm.clone(), &[world], &["x"]).map_err(|e| e.to_string())?;
+    // `--pools separate`: the consuming side's tensors live on a mesh of their own (the same
+    // communicator, another buffer pool), so neither form's redistributes take buffers the
+    // other handed back.
+    let by_value_mesh = match args.pools {
+        Pools::Shared => mesh.clone(),
+        Pools::Separate => init_process_mesh(comm, &[world], &["x"]).map_err(|e| e.to_string())?,
+    };
     args.transitions
         .iter()
-        .map(|&t| rank_main(&mesh, t, shape, args))
+        .map(|&t| rank_main(&mesh, &by_value_mesh, t, shape, args))
         .collect()
 }
 
@@ -607,6 +656,7 @@ fn bench_world(world: usize, args: &Args, round: Round) -> Result<Vec<Row>, Stri
             Ok(Row {
                 round: round.index,
                 ranks_as: args.ranks_as.name(),
+                pools: args.pools.name(),
                 load_1m: round.load_1m,
                 world,
                 transition: t.name(),
@@ -674,17 +724,18 @@ fn main() -> ExitCode {
         }
     }
     println!(
-        "| round | ranks | load | world | transition | bare collective | MiB | bare (ms) | bare + input copy (ms) | bare, warm output (ms) | `redistribute` (ms) | vs bare | vs warm | `into_redistribute` (ms) | vs bare | vs warm |"
+        "| round | ranks | pools | load | world | transition | bare collective | MiB | bare (ms) | bare + input copy (ms) | bare, warm output (ms) | `redistribute` (ms) | vs bare | vs warm | `into_redistribute` (ms) | vs bare | vs warm |"
     );
     println!(
-        "|------:|-------|-----:|------:|------------|-----------------|----:|----------:|-----------------------:|-----------------------:|--------------------:|--------:|--------:|-------------------------:|--------:|--------:|"
+        "|------:|-------|-------|-----:|------:|------------|-----------------|----:|----------:|-----------------------:|-----------------------:|--------------------:|--------:|--------:|-------------------------:|--------:|--------:|"
     );
     for row in &rows {
         let load = row.load_1m.map_or("?".to_string(), |l| format!("{l:.1}"));
         println!(
-            "| {} | {} | {} | {} | `{}` | {} | {} | {:.1} | {:.1} | {:.1} | {:.1} | {:+.1}% | {:+.1}% | {:.1} | {:+.1}% | {:+.1}% |",
+            "| {} | {} | {} | {} | {} | `{}` | {} | {} | {:.1} | {:.1} | {:.1} | {:.1} | {:+.1}% | {:+.1}% | {:.1} | {:+.1}% | {:+.1}% |",
             row.round,
             row.ranks_as,
+            row.pools,
             load,
             row.world,
             row.transition,
