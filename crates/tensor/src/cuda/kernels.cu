@@ -117,3 +117,24 @@ FLAT_COPY(b1, u8)
 FLAT_COPY(b2, u16)
 FLAT_COPY(b4, u32)
 FLAT_COPY(b8, u64)
+
+// ReLU for hypershard-nn's device layers, in place: x = x > 0 ? x : 0 (NaN gives 0, as the CPU
+// `Relu`); and its backward, in place on the gradient: g = y > 0 ? g : 0, where y is the ReLU's
+// output (y > 0 exactly where its input was). Values are only kept or zeroed, so every dtype
+// matches the CPU bit for bit.
+#define RELU(NAME, T)                                                                      \
+    extern "C" __global__ void relu_##NAME(T* x, u64 n) {                                  \
+        GRID_STRIDE(i, n) {                                                                \
+            if (!(load_##NAME(x, i) > 0)) { x[i] = (T)0; }                                 \
+        }                                                                                  \
+    }                                                                                      \
+    extern "C" __global__ void relu_grad_##NAME(T* g, const T* y, u64 n) {                 \
+        GRID_STRIDE(i, n) {                                                                \
+            if (!(load_##NAME(y, i) > 0)) { g[i] = (T)0; }                                 \
+        }                                                                                  \
+    }
+
+RELU(f32, float)
+RELU(bf16, u16)
+RELU(f16, u16)
+RELU(f64, double)

@@ -49,6 +49,14 @@ pub const KERNEL_NAMES: &[&str] = &[
     "copy_out_b4",
     "copy_in_b8",
     "copy_out_b8",
+    "relu_f32",
+    "relu_grad_f32",
+    "relu_bf16",
+    "relu_grad_bf16",
+    "relu_f16",
+    "relu_grad_f16",
+    "relu_f64",
+    "relu_grad_f64",
 ];
 
 /// Threads per block of every elementwise launch.
@@ -365,6 +373,10 @@ mod tests {
                     }
                     Some(("add" | "axpy" | "scale", ty)) => {
                         SOURCE.contains(&format!("ARITH({ty}, "))
+                    }
+                    Some(("relu", ty)) => {
+                        let ty = ty.strip_prefix("grad_").unwrap_or(ty);
+                        SOURCE.contains(&format!("RELU({ty}, "))
                     }
                     Some(("copy", rest)) => {
                         let width = rest.rsplit('_').next().unwrap();

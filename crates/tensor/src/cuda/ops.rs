@@ -36,7 +36,8 @@ pub(crate) fn cast_kernel(from: DType, to: DType) -> Option<&'static str> {
     }
 }
 
-/// The kernel of an elementwise op (`"add"`, `"axpy"`, `"scale"`) for `dtype`.
+/// The kernel of an elementwise op (`"add"`, `"axpy"`, `"scale"`, `"relu"`, `"relu_grad"`)
+/// for `dtype`.
 pub(crate) fn arith_kernel(
     op: &'static str,
     stem: &'static str,
@@ -61,6 +62,14 @@ pub(crate) fn arith_kernel(
         ("scale", "bf16") => "scale_bf16",
         ("scale", "f16") => "scale_f16",
         ("scale", "f64") => "scale_f64",
+        ("relu", "f32") => "relu_f32",
+        ("relu", "bf16") => "relu_bf16",
+        ("relu", "f16") => "relu_f16",
+        ("relu", "f64") => "relu_f64",
+        ("relu_grad", "f32") => "relu_grad_f32",
+        ("relu_grad", "bf16") => "relu_grad_bf16",
+        ("relu_grad", "f16") => "relu_grad_f16",
+        ("relu_grad", "f64") => "relu_grad_f64",
         _ => {
             return Err(CudaError::UnsupportedDType {
                 op,
@@ -221,6 +230,54 @@ impl CudaTensor {
     }
 }
 
+impl CudaTensor {
+    /// `self = max(self, 0)` elementwise, in place (f32, bf16, f16, f64; NaN and −0 become
+    /// +0, like hypershard-nn's CPU `Relu`). For hypershard-nn's device layers.
+    pub fn relu_(&mut self) -> CudaResult<()> {
+        let op = "CudaTensor::relu_";
+        let name = arith_kernel(op, "relu", self.dtype)?;
+        let Some(config) = launch_config(op, self.numel, 1)? else {
+            return Ok(());
+        };
+        let kernels = self.device.kernels(op)?;
+        let function = kernels.function(op, name)?;
+        let n = self.numel as u64;
+        let stream = self.device.stream().clone();
+        let mut launch = stream.launch_builder(function);
+        launch.arg(&mut self.data).arg(&n);
+        // SAFETY: `relu_<t>(t* x, u64 n)` reads and writes `n` elements of `self.data`, which
+        // holds exactly `n` elements of the kernel's dtype. Tested by the device test
+        // `relu_matches_the_cpu` in crates/nn/tests/cuda_mlp.rs.
+        unsafe { launch.launch(config) }.map_err(driver(op, "cuLaunchKernel"))?;
+        Ok(())
+    }
+
+    /// ReLU's backward in place on the gradient: `self = output > 0 ? self : 0`, where
+    /// `output` is the ReLU's output (same device, shape and dtype).
+    pub fn relu_grad_(&mut self, output: &CudaTensor) -> CudaResult<()> {
+        let op = "CudaTensor::relu_grad_";
+        self.device.check_same(op, &output.device)?;
+        self.check_like(op, &output.shape, output.dtype)?;
+        let name = arith_kernel(op, "relu_grad", self.dtype)?;
+        let Some(config) = launch_config(op, self.numel, 1)? else {
+            return Ok(());
+        };
+        let kernels = self.device.kernels(op)?;
+        let function = kernels.function(op, name)?;
+        let n = self.numel as u64;
+        let stream = self.device.stream().clone();
+        let mut launch = stream.launch_builder(function);
+        launch.arg(&mut self.data).arg(&output.data).arg(&n);
+        // SAFETY: `relu_grad_<t>(t* g, const t* y, u64 n)` reads and writes `n` elements of
+        // `self.data` and reads `n` of `output.data`; both hold exactly `n` elements of the
+        // kernel's dtype (same dtype and shape, checked above) and are distinct allocations
+        // (`&mut self`, `&output`). Tested by the device test `relu_matches_the_cpu` in
+        // crates/nn/tests/cuda_mlp.rs.
+        unsafe { launch.launch(config) }.map_err(driver(op, "cuLaunchKernel"))?;
+        Ok(())
+    }
+}
+
 /// Copy-in: writes each `parts[i]` (flattened) into `flat` at element offset `offsets[i]`,
 /// in one kernel launch (FSDP's all-gather input, or the reduce-scatter input of gradients).
 ///
@@ -356,7 +413,7 @@ mod tests {
                     assert_ne!(from, to);
                 }
             }
-            for stem in ["add", "axpy", "scale"] {
+            for stem in ["add", "axpy", "scale", "relu", "relu_grad"] {
                 match arith_kernel("t", stem, from) {
                     Ok(name) => {
                         assert!(KERNEL_NAMES.contains(&name), "{name}");
