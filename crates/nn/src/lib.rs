@@ -26,6 +26,8 @@
 mod activation;
 mod attention;
 pub mod checkpoint;
+#[cfg(feature = "cuda")]
+pub mod cuda;
 mod dropout;
 mod elementwise;
 mod embedding;
