@@ -13,10 +13,14 @@
 //!    under another name (pip's `libnccl.so.2`, CUDA 13's `libnvrtc.so.13` and
 //!    `libcublas.so.13`) is exposed under the plain name through a symlink in
 //!    `target/cuda-lib`, which goes first.
-//! 3. Builds both device test binaries in one cargo call (collectives' `nccl_gpu` with feature
-//!    `nccl`, tensor's `cuda` with feature `cuda`; one feature set, so cudarc compiles once).
+//! 3. Builds the device test binaries in one cargo call (collectives' `nccl_gpu` with feature
+//!    `nccl`, tensor's `cuda` and nn's `cuda_mlp` with feature `cuda`; one feature set, so
+//!    cudarc compiles once).
 //! 4. Runs each with `HYPERSHARD_TEST_GPU=1`: they fail when the GPU is missing.
-//! 5. Writes a summary to `target/bench/gpu-check.json`.
+//! 5. Runs `cuda_mlp --bench`: the reference MLP's training step (8 × Linear(1024, 1024) +
+//!    ReLU, batch 32) timed on the device (f32, bf16) and on the CPU, written by the binary to
+//!    `target/bench/nn-cuda-mlp.json`.
+//! 6. Writes a summary to `target/bench/gpu-check.json`, with the benchmark's JSON in it.
 //!
 //! A lent GPU machine has no Rust toolchain and no network, so step 3 can also run here:
 //! `cargo xtask gpu-check --bundle DIR` builds the test binaries and copies them, with this
@@ -38,7 +42,25 @@ const STEP_DEADLINE: Duration = Duration::from_secs(60);
 const DEVICE_TESTS: &[(&str, &str, &str)] = &[
     ("hypershard-collectives", "nccl", "nccl_gpu"),
     ("hypershard-tensor", "cuda", "cuda"),
+    ("hypershard-nn", "cuda", "cuda_mlp"),
 ];
+
+/// The test binary that also times the reference MLP's step when given `--bench`.
+const BENCH_TEST: &str = "cuda_mlp";
+
+/// Where [`BENCH_TEST`]` --bench` writes its figures (relative to the repository root, the
+/// working folder of gpu-check and its children).
+const BENCH_JSON: &str = "target/bench/nn-cuda-mlp.json";
+
+/// The benchmark's figures for the summary: its JSON, or a string saying why there is none.
+fn bench_figures(path: &Path) -> serde_json::Value {
+    match std::fs::read_to_string(path) {
+        Ok(text) => serde_json::from_str(&text).unwrap_or_else(|e| {
+            serde_json::Value::String(format!("{}: not JSON: {e}", path.display()))
+        }),
+        Err(e) => serde_json::Value::String(format!("{}: {e}", path.display())),
+    }
+}
 
 /// Runs `command` to completion or kills it at `deadline`; `Ok(true)` when it exited 0.
 fn run_with_deadline(
@@ -402,7 +424,25 @@ pub fn gpu_check(args: &[String]) -> Result<(), String> {
         });
         results.insert(name.clone(), serde_json::Value::Bool(passed));
     }
+    // The reference MLP's step on the device and on the CPU; a stale file from an earlier run
+    // must not pass for this one's figures.
+    let _ = std::fs::remove_file(BENCH_JSON);
+    let bench_ok = match executables.iter().find(|(name, _)| name == BENCH_TEST) {
+        Some((_, executable)) => run_with_deadline(
+            &format!("`{BENCH_TEST} --bench` (the reference MLP's step, device vs CPU)"),
+            Command::new(executable)
+                .arg("--bench")
+                .env("LD_LIBRARY_PATH", &library_path),
+            STEP_DEADLINE,
+        )
+        .unwrap_or_else(|e| {
+            eprintln!("{e}");
+            false
+        }),
+        None => false,
+    };
     let all_passed = built
+        && bench_ok
         && results
             .values()
             .all(|v| v == &serde_json::Value::Bool(true));
@@ -415,6 +455,8 @@ pub fn gpu_check(args: &[String]) -> Result<(), String> {
         "build_ok": built,
         "build_seconds": build_seconds,
         "device_tests": results,
+        "nn_bench_ok": bench_ok,
+        "nn_bench": bench_figures(Path::new(BENCH_JSON)),
         "device_tests_passed": all_passed,
         "seconds": started.elapsed().as_secs_f64(),
     });
@@ -499,6 +541,41 @@ mod tests {
             std::fs::read_link(links.join("libnccl.so")).unwrap(),
             b.join("libnvrtc.so.13")
         );
+        std::fs::remove_dir_all(&root).unwrap();
+    }
+
+    #[test]
+    fn every_device_test_is_built_and_the_bench_is_one_of_them() {
+        let names: Vec<&str> = DEVICE_TESTS.iter().map(|(_, _, t)| *t).collect();
+        assert_eq!(names, ["nccl_gpu", "cuda", "cuda_mlp"]);
+        assert!(names.contains(&BENCH_TEST));
+        let nn = DEVICE_TESTS
+            .iter()
+            .find(|(_, _, t)| *t == "cuda_mlp")
+            .unwrap();
+        assert_eq!((nn.0, nn.1), ("hypershard-nn", "cuda"));
+    }
+
+    #[test]
+    fn bench_figures_are_read_or_explained() {
+        let root = std::env::temp_dir().join(format!("xtask-bench-{}", std::process::id()));
+        std::fs::create_dir_all(&root).unwrap();
+        let file = root.join("nn.json");
+        match bench_figures(&file) {
+            serde_json::Value::String(why) => assert!(why.contains("nn.json"), "{why}"),
+            other => panic!("{other}"),
+        }
+        std::fs::write(
+            &file,
+            r#"{"bench":"nn-cuda-mlp","rows":[{"median_ms":1.5}]}"#,
+        )
+        .unwrap();
+        assert_eq!(bench_figures(&file)["rows"][0]["median_ms"], 1.5);
+        std::fs::write(&file, "not json").unwrap();
+        match bench_figures(&file) {
+            serde_json::Value::String(why) => assert!(why.contains("not JSON"), "{why}"),
+            other => panic!("{other}"),
+        }
         std::fs::remove_dir_all(&root).unwrap();
     }
 
