@@ -25,4 +25,6 @@ fi
 LD_LIBRARY_PATH="$(cd "$nvrtc/nvidia/cuda_nvrtc/lib" && pwd)${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}" \
 HYPERSHARD_TEST_NVRTC=1 \
     cargo test -p hypershard-tensor --features cuda --locked --lib --test cuda -- cuda::
+# nn's device layers: the cuda:: unit tests and tests/cuda_mlp (Unavailable without a GPU, no panic).
+cargo test -p hypershard-nn --features cuda --locked --lib --test cuda_mlp -- cuda::
 echo "ci-cuda: ok"

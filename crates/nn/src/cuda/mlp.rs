@@ -242,14 +242,17 @@ impl DeviceMlp {
             });
         }
         let last = &self.slots[self.slots.len() - 1];
-        if grad.shape() != last.shape() || grad.dtype() != last.dtype() {
+        if grad.dtype() != last.dtype() {
+            return Err(DeviceError::DTypeMismatch {
+                op: OP,
+                lhs: last.dtype(),
+                rhs: grad.dtype(),
+            });
+        }
+        if grad.shape() != last.shape() {
             return Err(DeviceError::BadShape {
                 op: OP,
-                expected: format!(
-                    "a gradient like the output, {:?} {}",
-                    last.shape(),
-                    last.dtype()
-                ),
+                expected: format!("a gradient of the output's shape {:?}", last.shape()),
                 actual: grad.shape().to_vec(),
             });
         }
