@@ -191,7 +191,7 @@ fn relu_matches_the_cpu(device: &CudaDevice) -> Outcome {
     Ok(())
 }
 
-/// The device MSE against the CPU's: the loss within 1e-5 relative (f32 sums in cuBLAS's
+/// The device MSE against the CPU's: the loss within 1e-4 relative (f32 sums in cuBLAS's
 /// order against the CPU's f64 sum), the gradient within 4 f32 roundings per element (the
 /// device rounds `p − t`, `2/n` and the product; the CPU rounds once); and typed errors.
 fn mse_matches_the_cpu(device: &CudaDevice) -> Outcome {
@@ -201,7 +201,7 @@ fn mse_matches_the_cpu(device: &CudaDevice) -> Outcome {
     let dp = CudaTensor::from_host(device, &p).map_err(fail)?;
     let dt = CudaTensor::from_host(device, &t).map_err(fail)?;
     let dev = device_mse(&dp, &dt).map_err(fail)?;
-    if (dev.loss - cpu.loss).abs() > 1e-5 * cpu.loss.abs() {
+    if (dev.loss - cpu.loss).abs() > 1e-4 * cpu.loss.abs() {
         return Err(format!("loss {} vs the CPU's {}", dev.loss, cpu.loss));
     }
     let g_dev = dev
@@ -432,10 +432,11 @@ fn train_f32_matches_the_cpu(device: &CudaDevice) -> Outcome {
 /// initialisation and data) in f32 differs by 3.5e-3 in the output, 5.7e-4 in the losses and
 /// 1.3e-2 in the weights, while the early layers' gradients (sums over the batch that cancel,
 /// of operands rounded to bf16 at every layer) differ by 10-39%: bf16 gradients are that
-/// noisy, so a device-against-CPU bound on them would be either loose or flaky. The device
-/// rounds at other places than the CPU (once per Linear, the bias added in the GEMM's f32
-/// accumulator, where the CPU rounds the product and then the bias sum; `p − t` rounded to bf16
-/// in the loss), so the bounds allow about twice the measured distance and a margin. The output
+/// noisy, so a device-against-CPU bound on them would be either loose or flaky. Both round
+/// each Linear's output to bf16 once from an f32 accumulator, but cuBLAS sums in another order,
+/// so an output may land on the neighbouring bf16 value, and the device rounds `p − t` to bf16
+/// in the loss where the CPU works in f64: the device run is another bf16 run at about the
+/// measured distance from the f32 one, and the bounds allow twice that and a margin. The output
 /// check is the one with power (a wrong transpose or bias moves the output by O(1) of its
 /// norm); the weight bound catches garbage only (the weights move by about 4e-2 in 5 steps);
 /// the f32 run checks the training arithmetic itself.
