@@ -408,6 +408,34 @@ impl<'a> Link<'a> {
         dtype: DType,
         tag: u32,
         dst: &mut [u8],
+        progress: impl FnMut(&[u8]) -> Result<()>,
+    ) -> Result<()> {
+        self.recv_copy_with(peer, dtype, tag, dst, true, progress)
+    }
+
+    /// [`Link::recv_copy`] for a receiver that forwards nothing (a broadcast leaf): over TCP
+    /// the post is quiet ([`PostedRecv::post_quiet`]), so the op thread sleeps until the whole
+    /// buffer is in instead of waking once per segment.
+    pub(crate) fn recv_into(
+        &self,
+        peer: usize,
+        dtype: DType,
+        tag: u32,
+        dst: &mut [u8],
+    ) -> Result<()> {
+        self.recv_copy_with(peer, dtype, tag, dst, false, |_| Ok(()))
+    }
+
+    /// [`Link::recv_copy`], with `wake_each` false when `progress` need not see each
+    /// segment as it lands (TCP only; the shared-memory path copies segment by segment on
+    /// this thread anyway).
+    fn recv_copy_with(
+        &self,
+        peer: usize,
+        dtype: DType,
+        tag: u32,
+        dst: &mut [u8],
+        wake_each: bool,
         mut progress: impl FnMut(&[u8]) -> Result<()>,
     ) -> Result<()> {
         if dst.is_empty() {
@@ -429,7 +457,12 @@ impl<'a> Link<'a> {
             return Ok(());
         }
         let key = self.key(FrameKind::Data, tag);
-        let posted = PostedRecv::post(&self.inner.transport, world, key, dtype, dst);
+        let transport = &self.inner.transport;
+        let posted = if wake_each {
+            PostedRecv::post(transport, world, key, dtype, dst)
+        } else {
+            PostedRecv::post_quiet(transport, world, key, dtype, dst)
+        };
         let outcome = posted
             .wait(&self.budget, &mut progress)
             .map_err(|e| self.group_view(e))?;

@@ -93,6 +93,28 @@ impl<'a> PostedRecv<'a> {
         PostedRecv::post_prefix(transport, (peer, key), PostMode::Copy(dtype), target)
     }
 
+    /// [`PostedRecv::post`] for a caller that does nothing with the ranges as they arrive
+    /// (a broadcast leaf): the reader thread wakes the waiter only once the destination is
+    /// full (and on errors and mailbox deliveries, as always), not after every segment, so
+    /// on a machine whose cores are busy moving the bytes the op thread does not take a
+    /// core from the copy once per segment just to go back to sleep. The waiter still sees
+    /// deadlines within 50 ms ([`PostedRecv::wait`] never sleeps longer).
+    pub(crate) fn post_quiet(
+        transport: &'a Transport,
+        peer: usize,
+        key: MailboxKey,
+        dtype: DType,
+        dst: &'a mut [u8],
+    ) -> PostedRecv<'a> {
+        let len = dst.len();
+        let target = PostTarget {
+            buffer: dst,
+            len,
+            own: None,
+        };
+        PostedRecv::post_with(transport, (peer, key), PostMode::Copy(dtype), target, false)
+    }
+
     /// Lends the first `target.len` bytes of `target.buffer` (clamped to its length) for the
     /// data frames of `slot = (peer, key)`: copied in ([`PostMode::Copy`]) or combined by the
     /// reader thread ([`PostMode::Reduce`]) into the bytes already there, or, with
@@ -106,6 +128,19 @@ impl<'a> PostedRecv<'a> {
         slot: (usize, MailboxKey),
         mode: PostMode,
         target: PostTarget<'a>,
+    ) -> PostedRecv<'a> {
+        PostedRecv::post_with(transport, slot, mode, target, true)
+    }
+
+    /// [`PostedRecv::post_prefix`], with `wake_each` saying whether the reader thread wakes
+    /// the waiter after every segment (false: only once the prefix is full; see
+    /// [`PostedRecv::post_quiet`]).
+    fn post_with(
+        transport: &'a Transport,
+        slot: (usize, MailboxKey),
+        mode: PostMode,
+        target: PostTarget<'a>,
+        wake_each: bool,
     ) -> PostedRecv<'a> {
         let PostTarget { buffer, len, own } = target;
         let len = len.min(buffer.len());
@@ -166,6 +201,7 @@ impl<'a> PostedRecv<'a> {
                 reduce,
                 own: own.map(|own| Source(own.as_ptr())),
                 writing: false,
+                wake_each,
             },
         );
         drop(state);

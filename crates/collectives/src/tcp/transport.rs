@@ -148,6 +148,10 @@ pub(super) struct Posted {
     /// Set while a reader thread writes into `base[filled..]` outside the lock; the waiter
     /// never gives its buffer back while this is set.
     pub(super) writing: bool,
+    /// Whether the reader wakes the waiter after every segment (it hands each range to a
+    /// `progress` callback, e.g. to forward it); when clear, only once the post is full or a
+    /// read failed.
+    pub(super) wake_each: bool,
 }
 
 /// The bytes a reducing reader reads from the socket at a time before combining them: small
@@ -691,16 +695,22 @@ fn read_into_posted(
         PayloadRead::Closed
     };
     let whole = matches!(outcome, PayloadRead::Whole);
-    {
+    let wake = {
         let mut state = shared.lock();
-        if let Some(post) = state.posted.get_mut(&slot) {
-            post.writing = false;
-            if whole {
-                post.filled += len;
+        match state.posted.get_mut(&slot) {
+            Some(post) => {
+                post.writing = false;
+                if whole {
+                    post.filled += len;
+                }
+                post.wake_each || !whole || post.filled == post.len
             }
+            None => true,
         }
+    };
+    if wake {
+        shared.arrived.notify_all();
     }
-    shared.arrived.notify_all();
     match outcome {
         PayloadRead::Whole => DirectRead::Done,
         PayloadRead::Closed => DirectRead::Failed(LossCause::Closed),

@@ -35,15 +35,33 @@ fn place(rank: usize, size: usize, root: usize) -> TreePlace {
     TreePlace { parent, children }
 }
 
-/// Broadcasts `data` (the root's input, every other rank's destination) from `root`.
-pub(crate) fn broadcast(link: &Link<'_>, dtype: DType, data: &mut [u8], root: usize) -> Result<()> {
+/// The root's children, largest subtree first (the order [`broadcast`] sends in).
+pub(crate) fn children_of_root(size: usize, root: usize) -> Vec<usize> {
+    place(root, size, root).children
+}
+
+/// Broadcasts `data` (the root's input, every other rank's destination) from `root`. On the
+/// root, `sent[i]` leading bytes already went to its `i`-th child (the eager prefix; a
+/// missing entry is zero); other ranks ignore it.
+pub(crate) fn broadcast(
+    link: &Link<'_>,
+    dtype: DType,
+    data: &mut [u8],
+    root: usize,
+    sent: &[usize],
+) -> Result<()> {
     let TreePlace { parent, children } = place(link.rank(), link.size(), root);
     let Some(parent) = parent else {
-        for &child in &children {
-            link.send_data(child, dtype, 0, data)?;
+        for (i, &child) in children.iter().enumerate() {
+            let from = sent.get(i).copied().unwrap_or(0).min(data.len());
+            link.send_data(child, dtype, 0, &data[from..])?;
         }
         return Ok(());
     };
+    if children.is_empty() {
+        // A leaf forwards nothing, so it sleeps until the whole buffer is in.
+        return link.recv_into(parent, dtype, 0, data);
+    }
     link.recv_copy(parent, dtype, 0, data, |arrived| {
         for &child in &children {
             link.send_data(child, dtype, 0, arrived)?;
