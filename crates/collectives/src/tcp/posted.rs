@@ -414,6 +414,59 @@ mod tests {
     }
 
     #[test]
+    fn a_quiet_post_fills_in_order_and_shows_every_byte_once() {
+        let ranks = transports(2, 1 << 16);
+        let frames: Vec<_> = (0..4).map(|i| data(4, 1000, i)).collect();
+        let key = MailboxKey::of(&frames[0].0);
+        let mut dst = vec![0u8; 4000];
+        let posted = PostedRecv::post_quiet(&ranks[1], 0, key, DType::U8, &mut dst);
+        assert_eq!(
+            ranks[1]
+                .shared
+                .lock()
+                .posted
+                .get(&(0, key))
+                .map(|post| post.wake_each),
+            Some(false)
+        );
+        for frame in &frames {
+            send(&ranks[0], 1, frame);
+        }
+        let mut seen = Vec::new();
+        let outcome = posted
+            .wait(&budget(5_000), |fresh| {
+                seen.extend_from_slice(fresh);
+                Ok(())
+            })
+            .unwrap();
+        assert_eq!(outcome, PostedOutcome::Complete);
+        let expected: Vec<u8> = frames.iter().flat_map(|f| f.1.clone()).collect();
+        assert_eq!(dst, expected);
+        assert_eq!(seen, expected);
+        assert!(ranks[1].shared.lock().posted.is_empty());
+    }
+
+    #[test]
+    fn a_quiet_post_still_wakes_for_a_frame_that_does_not_fit() {
+        let ranks = transports(2, 1 << 16);
+        let first = data(5, 8, 1);
+        let key = MailboxKey::of(&first.0);
+        let mut dst = vec![0u8; 12];
+        let started = Instant::now();
+        let posted = PostedRecv::post_quiet(&ranks[1], 0, key, DType::U8, &mut dst);
+        send(&ranks[0], 1, &first);
+        // Longer than the 4 bytes still missing: it goes to the mailbox, which wakes the waiter.
+        let oversized = data(5, 16, 2);
+        send(&ranks[0], 1, &oversized);
+        let outcome = posted.wait(&budget(5_000), |_| Ok(())).unwrap();
+        assert_eq!(outcome, PostedOutcome::Fallback { filled: 8 });
+        assert!(started.elapsed() < Duration::from_secs(3));
+        assert_eq!(dst[..8], first.1[..]);
+        let queued = ranks[1].recv(&budget(5_000), 0, key).unwrap();
+        assert_eq!(queued.payload, oversized.1);
+    }
+
+    #[test]
     fn a_frame_that_does_not_fit_falls_back_to_the_mailbox() {
         let ranks = transports(2, 1 << 16);
         let first = data(0, 8, 1);

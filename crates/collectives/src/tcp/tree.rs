@@ -97,6 +97,8 @@ mod tests {
         }
         // Size 5 from root 0: 0 -> 4, 2, 1; 2 -> 3.
         assert_eq!(place(0, 5, 0).children, vec![4, 2, 1]);
+        assert_eq!(children_of_root(5, 0), vec![4, 2, 1]);
+        assert_eq!(children_of_root(4, 3), vec![1, 0]);
         assert_eq!(place(2, 5, 0).children, vec![3]);
         assert_eq!(place(3, 5, 0).parent, Some(2));
     }
