@@ -149,130 +149,82 @@ impl CudaTensor {
     /// `self += other` elementwise (same device, shape and dtype; f32, bf16, f16, f64;
     /// half types compute in f32 with one rounding, like [`Tensor::add_`](crate::Tensor::add_)).
     pub fn add_(&mut self, other: &CudaTensor) -> CudaResult<()> {
-        let op = "CudaTensor::add_";
-        self.device.check_same(op, &other.device)?;
-        self.check_like(op, &other.shape, other.dtype)?;
-        let name = arith_kernel(op, "add", self.dtype)?;
-        let Some(config) = launch_config(op, self.numel, 1)? else {
-            return Ok(());
-        };
-        let kernels = self.device.kernels(op)?;
-        let function = kernels.function(op, name)?;
-        let n = self.numel as u64;
-        let stream = self.device.stream().clone();
-        let mut launch = stream.launch_builder(function);
-        launch.arg(&mut self.data).arg(&other.data).arg(&n);
-        // SAFETY: `add_<t>(t* dst, const t* src, u64 n)` reads and writes `n` elements of
-        // `self.data` and reads `n` of `other.data`; both hold exactly `n` elements of the
-        // kernel's dtype (same dtype and shape, checked above) and are distinct allocations
-        // (`&mut self`, `&other`). Tested by the device test `arith_matches_the_cpu`.
-        unsafe { launch.launch(config) }.map_err(driver(op, "cuLaunchKernel"))?;
-        Ok(())
+        self.elementwise_("CudaTensor::add_", "add", None, Some(other))
     }
 
     /// `self += alpha * x` elementwise (same device, shape and dtype). `alpha` is rounded to
     /// the compute type first (f32 for f32/bf16/f16), like [`Tensor::axpy`](crate::Tensor::axpy).
     pub fn axpy_(&mut self, alpha: f64, x: &CudaTensor) -> CudaResult<()> {
-        let op = "CudaTensor::axpy_";
-        self.device.check_same(op, &x.device)?;
-        self.check_like(op, &x.shape, x.dtype)?;
-        let name = arith_kernel(op, "axpy", self.dtype)?;
-        let Some(config) = launch_config(op, self.numel, 1)? else {
-            return Ok(());
-        };
-        let kernels = self.device.kernels(op)?;
-        let function = kernels.function(op, name)?;
-        let n = self.numel as u64;
-        let alpha32 = alpha as f32;
-        let stream = self.device.stream().clone();
-        let mut launch = stream.launch_builder(function);
-        launch.arg(&mut self.data);
-        if self.dtype == DType::F64 {
-            launch.arg(&alpha);
-        } else {
-            launch.arg(&alpha32);
-        }
-        launch.arg(&x.data).arg(&n);
-        // SAFETY: `axpy_<t>(t* dst, compute alpha, const t* x, u64 n)`: `alpha` is passed as
-        // the kernel's compute type (f64 for the f64 kernel, f32 otherwise); both buffers hold
-        // exactly `n` elements of the dtype (checked above) and are distinct allocations.
-        // Tested by the device test `arith_matches_the_cpu`.
-        unsafe { launch.launch(config) }.map_err(driver(op, "cuLaunchKernel"))?;
-        Ok(())
+        self.elementwise_("CudaTensor::axpy_", "axpy", Some(alpha), Some(x))
     }
 
     /// `self *= alpha` elementwise (f32, bf16, f16, f64), like
     /// [`Tensor::scale_`](crate::Tensor::scale_).
     pub fn scale_(&mut self, alpha: f64) -> CudaResult<()> {
-        let op = "CudaTensor::scale_";
-        let name = arith_kernel(op, "scale", self.dtype)?;
-        let Some(config) = launch_config(op, self.numel, 1)? else {
-            return Ok(());
-        };
-        let kernels = self.device.kernels(op)?;
-        let function = kernels.function(op, name)?;
-        let n = self.numel as u64;
-        let alpha32 = alpha as f32;
-        let stream = self.device.stream().clone();
-        let mut launch = stream.launch_builder(function);
-        launch.arg(&mut self.data);
-        if self.dtype == DType::F64 {
-            launch.arg(&alpha);
-        } else {
-            launch.arg(&alpha32);
-        }
-        launch.arg(&n);
-        // SAFETY: `scale_<t>(t* dst, compute alpha, u64 n)` reads and writes `n` elements of
-        // `self.data`, which holds exactly `n` of the kernel's dtype; `alpha` has the kernel's
-        // compute type. Tested by the device test `arith_matches_the_cpu`.
-        unsafe { launch.launch(config) }.map_err(driver(op, "cuLaunchKernel"))?;
-        Ok(())
+        self.elementwise_("CudaTensor::scale_", "scale", Some(alpha), None)
     }
-}
 
-impl CudaTensor {
     /// `self = max(self, 0)` elementwise, in place (f32, bf16, f16, f64; NaN and −0 become
     /// +0, like hypershard-nn's CPU `Relu`). For hypershard-nn's device layers.
     pub fn relu_(&mut self) -> CudaResult<()> {
-        let op = "CudaTensor::relu_";
-        let name = arith_kernel(op, "relu", self.dtype)?;
-        let Some(config) = launch_config(op, self.numel, 1)? else {
-            return Ok(());
-        };
-        let kernels = self.device.kernels(op)?;
-        let function = kernels.function(op, name)?;
-        let n = self.numel as u64;
-        let stream = self.device.stream().clone();
-        let mut launch = stream.launch_builder(function);
-        launch.arg(&mut self.data).arg(&n);
-        // SAFETY: `relu_<t>(t* x, u64 n)` reads and writes `n` elements of `self.data`, which
-        // holds exactly `n` elements of the kernel's dtype. Tested by the device test
-        // `relu_matches_the_cpu` in crates/nn/tests/cuda_mlp.rs.
-        unsafe { launch.launch(config) }.map_err(driver(op, "cuLaunchKernel"))?;
-        Ok(())
+        self.elementwise_("CudaTensor::relu_", "relu", None, None)
     }
 
     /// ReLU's backward in place on the gradient: `self = output > 0 ? self : 0`, where
     /// `output` is the ReLU's output (same device, shape and dtype).
     pub fn relu_grad_(&mut self, output: &CudaTensor) -> CudaResult<()> {
-        let op = "CudaTensor::relu_grad_";
-        self.device.check_same(op, &output.device)?;
-        self.check_like(op, &output.shape, output.dtype)?;
-        let name = arith_kernel(op, "relu_grad", self.dtype)?;
+        self.elementwise_("CudaTensor::relu_grad_", "relu_grad", None, Some(output))
+    }
+
+    /// Launches the in-place elementwise kernel `<stem>_<dtype>` over `self`. Every such
+    /// kernel in kernels.cu takes `(t* dst, [compute alpha,] [const t* src,] u64 n)`: the
+    /// scalar when `alpha` is given (as f64 for the f64 kernel, f32 otherwise: the kernel's
+    /// compute type) and the second operand when `src` is given, which must match `self`'s
+    /// device, shape and dtype.
+    fn elementwise_(
+        &mut self,
+        op: &'static str,
+        stem: &'static str,
+        alpha: Option<f64>,
+        src: Option<&CudaTensor>,
+    ) -> CudaResult<()> {
+        if let Some(src) = src {
+            self.device.check_same(op, &src.device)?;
+            self.check_like(op, &src.shape, src.dtype)?;
+        }
+        let name = arith_kernel(op, stem, self.dtype)?;
         let Some(config) = launch_config(op, self.numel, 1)? else {
             return Ok(());
         };
         let kernels = self.device.kernels(op)?;
         let function = kernels.function(op, name)?;
         let n = self.numel as u64;
+        let alpha64 = alpha.unwrap_or(0.0);
+        let alpha32 = alpha64 as f32;
         let stream = self.device.stream().clone();
         let mut launch = stream.launch_builder(function);
-        launch.arg(&mut self.data).arg(&output.data).arg(&n);
-        // SAFETY: `relu_grad_<t>(t* g, const t* y, u64 n)` reads and writes `n` elements of
-        // `self.data` and reads `n` of `output.data`; both hold exactly `n` elements of the
-        // kernel's dtype (same dtype and shape, checked above) and are distinct allocations
-        // (`&mut self`, `&output`). Tested by the device test `relu_matches_the_cpu` in
-        // crates/nn/tests/cuda_mlp.rs.
+        launch.arg(&mut self.data);
+        if alpha.is_some() {
+            if self.dtype == DType::F64 {
+                launch.arg(&alpha64);
+            } else {
+                launch.arg(&alpha32);
+            }
+        }
+        if let Some(src) = src {
+            launch.arg(&src.data);
+        }
+        launch.arg(&n);
+        // SAFETY: the arguments are pushed in the order every elementwise kernel declares
+        // (`add_`, `axpy_`, `scale_`, `relu_`, `relu_grad_` in kernels.cu: destination, the
+        // scalar in the kernel's compute type when it takes one, the source when it takes one,
+        // the length), and `arith_kernel` picked the kernel of `self.dtype`. The kernel reads
+        // and writes `n` elements of `self.data` and reads `n` of `src.data`; both hold
+        // exactly `n` elements of that dtype (same shape and dtype, checked above) and are
+        // distinct allocations (`&mut self` against `&CudaTensor`). Both live until the launch
+        // has been ordered on the stream (cudarc frees on the same stream). Tested by the
+        // device tests `arith_matches_the_cpu` (crates/tensor/tests/cuda.rs) and
+        // `relu_matches_the_cpu` (crates/nn/tests/cuda_mlp.rs).
         unsafe { launch.launch(config) }.map_err(driver(op, "cuLaunchKernel"))?;
         Ok(())
     }
