@@ -5,14 +5,16 @@
 //! of an uninterrupted run. The fault is armed with `HYPERSHARD_FAULT` (see
 //! `hypershard::train::Fault`); op deadlines are a few seconds (`HYPERSHARD_TIMEOUT`).
 
+mod common;
+
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 use std::process::{Command, Output, Stdio};
 use std::sync::OnceLock;
 use std::time::{Duration, Instant};
 
+use common::{losses, recorded_steps};
 use hypershard::checkpoint::Checkpoint;
-use hypershard::train::{LossRecord, read_losses};
 
 /// The op deadline of the faulty runs, in seconds.
 const TIMEOUT_S: u64 = 4;
@@ -64,27 +66,6 @@ fn run(out: &Path, fault: Option<&str>, extra: &[&str]) -> (Output, Duration) {
     let started = Instant::now();
     let output = command.output().expect("hypershard runs");
     (output, started.elapsed())
-}
-
-/// The steps of the records in `losses.jsonl`, in file order, duplicates kept (unlike
-/// `read_losses`, which keeps the last record of each step).
-fn recorded_steps(out: &Path) -> Vec<u64> {
-    std::fs::read_to_string(out.join("losses.jsonl"))
-        .unwrap()
-        .lines()
-        .filter(|line| !line.trim().is_empty())
-        .map(|line| serde_json::from_str::<LossRecord>(line).unwrap().step)
-        .collect()
-}
-
-/// Losses by step (a resumed run appends to the interrupted run's file; the last record of
-/// a step wins).
-fn losses(out: &Path) -> BTreeMap<u64, f64> {
-    read_losses(&out.join("losses.jsonl"))
-        .unwrap()
-        .into_iter()
-        .map(|r| (r.step, r.loss))
-        .collect()
 }
 
 /// The uninterrupted run, computed once and shared by the tests.

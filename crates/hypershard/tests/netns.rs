@@ -11,6 +11,8 @@
 //! `Drop` guard), on failure too. Creating them needs root and iproute2's `ip`; without them
 //! the tests fail with a message saying so, never skip (CI runs as root).
 
+mod common;
+
 use std::collections::BTreeMap;
 use std::fs::File;
 use std::path::{Path, PathBuf};
@@ -18,8 +20,8 @@ use std::process::{Child, Command, ExitStatus, Output, Stdio};
 use std::sync::{Mutex, MutexGuard, OnceLock};
 use std::time::{Duration, Instant};
 
+use common::{losses, recorded_steps};
 use hypershard::checkpoint::Checkpoint;
-use hypershard::train::{LossRecord, read_losses};
 
 /// The op deadline of every run, in seconds (`HYPERSHARD_TIMEOUT`): after the link is cut,
 /// each rank fails once an op has waited this long for a peer on the other host.
@@ -326,27 +328,6 @@ fn nodes_stderr(nodes: &[usize], out: &Path, port: u16) -> String {
         .map(|node| std::fs::read_to_string(log_path(out, Some(*node), port)).unwrap_or_default())
         .collect::<Vec<_>>()
         .join("\n")
-}
-
-/// The steps of the records in `losses.jsonl`, in file order, duplicates kept (unlike
-/// `read_losses`, which keeps the last record of each step).
-fn recorded_steps(out: &Path) -> Vec<u64> {
-    std::fs::read_to_string(out.join("losses.jsonl"))
-        .unwrap()
-        .lines()
-        .filter(|line| !line.trim().is_empty())
-        .map(|line| serde_json::from_str::<LossRecord>(line).unwrap().step)
-        .collect()
-}
-
-/// Losses by step (a resumed run appends to the interrupted run's file; the last record of
-/// a step wins).
-fn losses(out: &Path) -> BTreeMap<u64, f64> {
-    read_losses(&out.join("losses.jsonl"))
-        .unwrap()
-        .into_iter()
-        .map(|r| (r.step, r.loss))
-        .collect()
 }
 
 /// The same job on one host: one launcher, 4 ranks, 127.0.0.1. Computed once.
