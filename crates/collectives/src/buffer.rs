@@ -64,10 +64,7 @@ pub const HUGE_PAGES_ENV: &str = "HYPERSHARD_HUGE_PAGES";
 fn huge_pages_wanted() -> bool {
     static WANTED: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
     *WANTED.get_or_init(|| {
-        !matches!(
-            std::env::var(HUGE_PAGES_ENV).as_deref().map(str::trim),
-            Ok("0" | "off" | "false" | "no")
-        )
+        std::env::var(HUGE_PAGES_ENV).map_or(true, |v| crate::env::parse_switch(&v) != Some(false))
     })
 }
 

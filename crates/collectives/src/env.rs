@@ -361,6 +361,16 @@ fn check_below(
     }
 }
 
+/// Parses an on/off switch: `1`, `true`, `on`, `yes` or `0`, `false`, `off`, `no` (any case,
+/// surrounding blanks ignored).
+pub(crate) fn parse_switch(text: &str) -> Option<bool> {
+    match text.trim().to_ascii_lowercase().as_str() {
+        "1" | "true" | "on" | "yes" => Some(true),
+        "0" | "false" | "off" | "no" => Some(false),
+        _ => None,
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -17,6 +17,7 @@
 use std::io;
 use std::sync::atomic::{AtomicU64, Ordering};
 
+use crate::env::parse_switch;
 use crate::error::{EnvExpectation, Error, Result};
 
 /// Turns the single-copy path on or off (`1`, `true`, `on`, `yes` / `0`, `false`, `off`,
@@ -46,15 +47,6 @@ impl Default for CmaConfig {
             enabled: false,
             min_bytes: DEFAULT_CMA_MIN_BYTES,
         }
-    }
-}
-
-/// Parses an on/off switch (any case, blanks around it ignored).
-fn parse_switch(text: &str) -> Option<bool> {
-    match text.trim().to_ascii_lowercase().as_str() {
-        "1" | "true" | "on" | "yes" => Some(true),
-        "0" | "false" | "off" | "no" => Some(false),
-        _ => None,
     }
 }
 

@@ -3,6 +3,7 @@
 use std::net::{IpAddr, Ipv4Addr};
 use std::time::Duration;
 
+use crate::env::parse_switch;
 use crate::error::{EnvExpectation, Error, Result};
 use crate::shm::{DEFAULT_RING_BYTES, TransportPolicy};
 
@@ -198,16 +199,6 @@ impl TcpConfig {
                 expected: EnvExpectation::Switch,
             }),
         }
-    }
-}
-
-/// Parses an on/off switch: `1`, `true`, `on`, `yes` or `0`, `false`, `off`, `no` (any case,
-/// surrounding blanks ignored).
-pub(crate) fn parse_switch(text: &str) -> Option<bool> {
-    match text.trim().to_ascii_lowercase().as_str() {
-        "1" | "true" | "on" | "yes" => Some(true),
-        "0" | "false" | "off" | "no" => Some(false),
-        _ => None,
     }
 }
 
