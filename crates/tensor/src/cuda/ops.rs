@@ -230,14 +230,12 @@ impl CudaTensor {
     }
 }
 
-/// Copy-in: writes each `parts[i]` (flattened) into `flat` at element offset `offsets[i]`,
-/// in one kernel launch (FSDP's all-gather input, or the reduce-scatter input of gradients).
-///
-/// Every part must be on `flat`'s device with its dtype, lie inside it, and not overlap another
-/// part (else [`CudaError::OutOfBounds`] / [`CudaError::OverlappingParts`]); elements of `flat`
-/// outside the parts are left as they are.
-pub fn copy_in(flat: &mut CudaTensor, parts: &[&CudaTensor], offsets: &[usize]) -> CudaResult<()> {
-    let op = "cuda::copy_in";
+/// Every part of a flat copy must be on `flat`'s device and have its dtype.
+fn check_parts_match<'a>(
+    op: &'static str,
+    flat: &CudaTensor,
+    parts: impl Iterator<Item = &'a CudaTensor>,
+) -> CudaResult<()> {
     for part in parts {
         flat.device.check_same(op, &part.device)?;
         if part.dtype != flat.dtype {
@@ -248,6 +246,18 @@ pub fn copy_in(flat: &mut CudaTensor, parts: &[&CudaTensor], offsets: &[usize]) 
             });
         }
     }
+    Ok(())
+}
+
+/// Copy-in: writes each `parts[i]` (flattened) into `flat` at element offset `offsets[i]`,
+/// in one kernel launch (FSDP's all-gather input, or the reduce-scatter input of gradients).
+///
+/// Every part must be on `flat`'s device with its dtype, lie inside it, and not overlap another
+/// part (else [`CudaError::OutOfBounds`] / [`CudaError::OverlappingParts`]); elements of `flat`
+/// outside the parts are left as they are.
+pub fn copy_in(flat: &mut CudaTensor, parts: &[&CudaTensor], offsets: &[usize]) -> CudaResult<()> {
+    let op = "cuda::copy_in";
+    check_parts_match(op, flat, parts.iter().copied())?;
     let lens: Vec<usize> = parts.iter().map(|p| p.numel).collect();
     let longest = check_parts(op, flat.numel, &lens, offsets, true)?;
     let (copy_in_name, _) = copy_kernels(op, flat.dtype)?;
@@ -300,16 +310,7 @@ pub fn copy_out(
     offsets: &[usize],
 ) -> CudaResult<()> {
     let op = "cuda::copy_out";
-    for part in parts.iter() {
-        flat.device.check_same(op, &part.device)?;
-        if part.dtype != flat.dtype {
-            return Err(CudaError::DTypeMismatch {
-                op,
-                lhs: flat.dtype,
-                rhs: part.dtype,
-            });
-        }
-    }
+    check_parts_match(op, flat, parts.iter().map(|p| &**p))?;
     let lens: Vec<usize> = parts.iter().map(|p| p.numel).collect();
     let longest = check_parts(op, flat.numel, &lens, offsets, false)?;
     let (_, copy_out_name) = copy_kernels(op, flat.dtype)?;
