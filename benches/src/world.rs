@@ -1,7 +1,8 @@
-//! Worlds of rank threads for the suites that run every rank inside one process: each thread
-//! gets its own `TcpCommunicator` over 127.0.0.1 (the same sockets, framing and, with
-//! `--transport shm`, shared-memory rings as separate processes would use) and a one-thread
-//! compute pool, as PyTorch runs one intra-op thread per rank.
+//! Worlds of ranks for the suites. Rank threads, for the suites that run every rank inside one
+//! process: each thread gets its own `TcpCommunicator` over 127.0.0.1 (the same sockets,
+//! framing and, with `--transport shm`, shared-memory rings as separate processes would use)
+//! and a one-thread compute pool, as PyTorch runs one intra-op thread per rank. Rank
+//! processes ([`run_rank_processes`]): the suite's binary re-executed once per rank.
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -73,6 +74,85 @@ pub fn max_over_ranks(per_rank: &[Vec<Duration>], warmup: usize) -> Vec<Duration
                 .unwrap_or_default()
         })
         .collect()
+}
+
+/// Runs a world of rank processes: this binary re-executed `world` times with `args`, `rank_var`
+/// set to the rank (so the child knows it is a rank), torchrun's variables pointing at a free
+/// 127.0.0.1 port for rank 0's store, and `env` on top. Returns the lines rank 0 printed that
+/// start with `prefix` (prefix removed), once every rank has exited successfully; otherwise an
+/// error naming each failed rank. If a rank cannot be started, the ones already started are
+/// killed, since they could never complete the rendezvous without it.
+pub fn run_rank_processes(
+    world: usize,
+    args: &[String],
+    rank_var: &str,
+    env: &[(&str, &str)],
+    prefix: &str,
+) -> Result<Vec<String>, String> {
+    use std::io::{BufRead, BufReader};
+    use std::process::{Command, Stdio};
+
+    // A free port for the store: bind port 0, read it, release it for rank 0 to take.
+    let port = std::net::TcpListener::bind("127.0.0.1:0")
+        .and_then(|listener| listener.local_addr())
+        .map_err(|e| format!("no free port: {e}"))?
+        .port();
+    let exe = std::env::current_exe().map_err(|e| format!("own path: {e}"))?;
+    let mut children = Vec::with_capacity(world);
+    for rank in 0..world {
+        let child = Command::new(&exe)
+            .args(args)
+            .env(rank_var, rank.to_string())
+            .env("RANK", rank.to_string())
+            .env("WORLD_SIZE", world.to_string())
+            .env("LOCAL_RANK", rank.to_string())
+            .env("LOCAL_WORLD_SIZE", world.to_string())
+            .env("MASTER_ADDR", "127.0.0.1")
+            .env("MASTER_PORT", port.to_string())
+            .envs(env.iter().copied())
+            .stdout(if rank == 0 {
+                Stdio::piped()
+            } else {
+                Stdio::null()
+            })
+            .spawn();
+        match child {
+            Ok(child) => children.push(child),
+            Err(e) => {
+                for mut started in children {
+                    let _ = started.kill();
+                    let _ = started.wait();
+                }
+                return Err(format!("spawn rank {rank}: {e}"));
+            }
+        }
+    }
+    let mut lines = Vec::new();
+    let mut read_error = None;
+    if let Some(stdout) = children[0].stdout.take() {
+        for line in BufReader::new(stdout).lines() {
+            match line {
+                Ok(line) => {
+                    if let Some(rest) = line.strip_prefix(prefix) {
+                        lines.push(rest.to_string());
+                    }
+                }
+                Err(e) => read_error = Some(format!("rank 0 output: {e}")),
+            }
+        }
+    }
+    let mut failed = Vec::new();
+    for (rank, mut child) in children.into_iter().enumerate() {
+        match child.wait() {
+            Ok(status) if status.success() => {}
+            Ok(status) => failed.push(format!("rank {rank}: {status}")),
+            Err(e) => failed.push(format!("rank {rank}: {e}")),
+        }
+    }
+    if !failed.is_empty() {
+        return Err(failed.join(", "));
+    }
+    read_error.map_or(Ok(lines), Err)
 }
 
 #[cfg(test)]

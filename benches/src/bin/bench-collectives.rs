@@ -38,13 +38,12 @@
 //! `--gloo` reads a CSV written by `bench_gloo.py --csv` and prints the ratios of this run to it.
 
 use std::collections::BTreeMap;
-use std::io::{BufRead, BufReader};
-use std::net::TcpListener;
 use std::path::PathBuf;
 use std::process::{Command, ExitCode, Stdio};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
+use hypershard_benches::world::run_rank_processes;
 use hypershard_benches::{TimingStats, bench_output_dir};
 use hypershard_collectives::shm::TransportPolicy;
 use hypershard_collectives::tcp::{
@@ -551,54 +550,11 @@ fn run_mpi_world(options: &Options, world: usize) -> BenchResult<Vec<Row>> {
 
 /// Spawns `world` rank processes of this binary and collects rank 0's rows.
 fn run_tcp_world(options: &Options, world: usize) -> BenchResult<Vec<Row>> {
-    // A free port for the store: bind port 0, read it, release it for rank 0 to take.
-    let port = TcpListener::bind("127.0.0.1:0")
-        .and_then(|listener| listener.local_addr())
-        .map_err(|e| format!("no free port: {e}"))?
-        .port();
-    let exe = std::env::current_exe().map_err(|e| format!("own path: {e}"))?;
-    let mut children = Vec::with_capacity(world);
-    for rank in 0..world {
-        let child = Command::new(&exe)
-            .args(&options.raw)
-            .env(RANK_VAR, rank.to_string())
-            .env("RANK", rank.to_string())
-            .env("WORLD_SIZE", world.to_string())
-            .env("LOCAL_RANK", rank.to_string())
-            .env("LOCAL_WORLD_SIZE", world.to_string())
-            .env("MASTER_ADDR", "127.0.0.1")
-            .env("MASTER_PORT", port.to_string())
-            .stdout(if rank == 0 {
-                Stdio::piped()
-            } else {
-                Stdio::null()
-            })
-            .spawn()
-            .map_err(|e| format!("spawn rank {rank}: {e}"))?;
-        children.push(child);
-    }
-    let mut rows = Vec::new();
-    if let Some(stdout) = children[0].stdout.take() {
-        for line in BufReader::new(stdout).lines() {
-            let line = line.map_err(|e| format!("rank 0 output: {e}"))?;
-            if let Some(json) = line.strip_prefix(ROW_PREFIX) {
-                rows.push(serde_json::from_str(json).map_err(|e| format!("rank 0 row: {e}"))?);
-            }
-        }
-    }
-    let mut failed = Vec::new();
-    for (rank, mut child) in children.into_iter().enumerate() {
-        match child.wait() {
-            Ok(status) if status.success() => {}
-            Ok(status) => failed.push(format!("rank {rank}: {status}")),
-            Err(e) => failed.push(format!("rank {rank}: {e}")),
-        }
-    }
-    if failed.is_empty() {
-        Ok(rows)
-    } else {
-        Err(format!("world {world}: {}", failed.join(", ")))
-    }
+    run_rank_processes(world, &options.raw, RANK_VAR, &[], ROW_PREFIX)
+        .map_err(|e| format!("world {world}: {e}"))?
+        .iter()
+        .map(|json| serde_json::from_str(json).map_err(|e| format!("rank 0 row: {e}")))
+        .collect()
 }
 
 /// Runs a world of threads on the local backend and collects rank 0's rows.

@@ -59,12 +59,11 @@
 //! source stays with the tensor) always allocates. Results go to `target/bench/dtensor.json`
 //! and stdout (markdown).
 
-use std::io::{BufRead, BufReader};
-use std::net::TcpListener;
-use std::process::{Command, ExitCode, Stdio};
+use std::process::ExitCode;
 use std::sync::{Arc, Barrier};
 use std::time::{Duration, Instant};
 
+use hypershard_benches::world::run_rank_processes;
 use hypershard_benches::{TimingStats, write_json};
 use hypershard_collectives::shm::TransportPolicy;
 use hypershard_collectives::tcp::{TcpCommunicator, TcpConfig, init_from_env};
@@ -560,73 +559,11 @@ fn rank_process(args: &Args) -> Result<(), String> {
 
 /// Rank 0's samples of a world of rank processes (this binary, re-executed once per rank).
 fn process_world_samples(world: usize, args: &Args) -> Result<Vec<Samples>, String> {
-    // A free port for the store: bind port 0, read it, release it for rank 0 to take.
-    let port = TcpListener::bind("127.0.0.1:0")
-        .and_then(|listener| listener.local_addr())
-        .map_err(|e| format!("no free port: {e}"))?
-        .port();
-    let exe = std::env::current_exe().map_err(|e| format!("own path: {e}"))?;
-    let mut children = Vec::with_capacity(world);
-    for rank in 0..world {
-        let child = Command::new(&exe)
-            .args(&args.raw)
-            .env(RANK_VAR, rank.to_string())
-            .env("RANK", rank.to_string())
-            .env("WORLD_SIZE", world.to_string())
-            .env("LOCAL_RANK", rank.to_string())
-            .env("LOCAL_WORLD_SIZE", world.to_string())
-            .env("MASTER_ADDR", "127.0.0.1")
-            .env("MASTER_PORT", port.to_string())
-            // The same op deadline as the rank threads get.
-            .env("HYPERSHARD_TIMEOUT", "120")
-            .stdout(if rank == 0 {
-                Stdio::piped()
-            } else {
-                Stdio::null()
-            })
-            .spawn();
-        match child {
-            Ok(child) => children.push(child),
-            Err(e) => {
-                // The ranks already started cannot complete a rendezvous without this one.
-                for mut started in children {
-                    let _ = started.kill();
-                    let _ = started.wait();
-                }
-                return Err(format!("spawn rank {rank}: {e}"));
-            }
-        }
-    }
-    let mut samples = None;
-    let mut read_error = None;
-    if let Some(stdout) = children[0].stdout.take() {
-        for line in BufReader::new(stdout).lines() {
-            match line {
-                Ok(line) => {
-                    if let Some(json) = line.strip_prefix(SAMPLES_PREFIX) {
-                        samples = Some(json.to_string());
-                    }
-                }
-                Err(e) => read_error = Some(format!("rank 0 output: {e}")),
-            }
-        }
-    }
-    let mut failed = Vec::new();
-    for (rank, mut child) in children.into_iter().enumerate() {
-        match child.wait() {
-            Ok(status) if status.success() => {}
-            Ok(status) => failed.push(format!("rank {rank}: {status}")),
-            Err(e) => failed.push(format!("rank {rank}: {e}")),
-        }
-    }
-    if !failed.is_empty() {
-        return Err(failed.join(", "));
-    }
-    if let Some(e) = read_error {
-        return Err(e);
-    }
-    let json = samples.ok_or("rank 0 printed no samples")?;
-    let secs = serde_json::from_str(&json).map_err(|e| format!("rank 0 samples: {e}"))?;
+    // The same op deadline as the rank threads get.
+    let env = [("HYPERSHARD_TIMEOUT", "120")];
+    let lines = run_rank_processes(world, &args.raw, RANK_VAR, &env, SAMPLES_PREFIX)?;
+    let json = lines.last().ok_or("rank 0 printed no samples")?;
+    let secs = serde_json::from_str(json).map_err(|e| format!("rank 0 samples: {e}"))?;
     samples_from_secs(secs)
 }
 
