@@ -24,13 +24,18 @@ fn config(policy: TransportPolicy) -> TcpConfig {
 /// `HYPERSHARD_TRANSPORT` in the environment would override the policies, so these tests
 /// run only when it is unset (the process tests cover the variable).
 fn world(policies: &[TransportPolicy]) -> Option<Vec<Arc<TcpCommunicator>>> {
+    let configs = policies.iter().map(|&policy| config(policy)).collect();
+    world_of(configs)
+}
+
+/// A world of `configs.len()` ranks, rank `r` connecting with `configs[r]` (see [`world`]).
+fn world_of(configs: Vec<TcpConfig>) -> Option<Vec<Arc<TcpCommunicator>>> {
     if std::env::var_os(hypershard_collectives::shm::TRANSPORT_ENV).is_some() {
         eprintln!("HYPERSHARD_TRANSPORT is set; the policy tests need it unset");
         return None;
     }
     let store: Arc<dyn Store> = Arc::new(MemoryStore::new());
-    let size = policies.len();
-    let policies = policies.to_vec();
+    let size = configs.len();
     let comm_config = CommConfig::default().with_timeout(Duration::from_secs(20));
     Some(
         run_ranks(size, move |rank| {
@@ -38,7 +43,7 @@ fn world(policies: &[TransportPolicy]) -> Option<Vec<Arc<TcpCommunicator>>> {
                 store.as_ref(),
                 rank,
                 size,
-                &config(policies[rank]),
+                &configs[rank],
                 comm_config.clone(),
             )
             .map(Arc::new)
@@ -176,4 +181,69 @@ fn a_large_all_gather_streams_its_blocks_intact() {
             );
         }
     }
+}
+
+/// Rank `rank`'s element `i` in the reduce-scatter tests: small integers, so every sum is
+/// exact in f32 whatever the order of the combines.
+fn contribution(rank: usize, i: usize) -> f32 {
+    ((i * 7 + rank * 13) % 1024) as f32
+}
+
+/// Reduce-scatters (`counts` as in `reduce_scatter_v`, or even when `None`) over a world of
+/// `size` shared-memory ranks with segments and rings large enough that each message crosses
+/// several ring chunks and streaming tiles, and checks every rank's block against the sum of
+/// the contributions.
+fn check_large_reduce_scatter(size: usize, counts: Option<Vec<usize>>, per_rank: usize) {
+    // Odd sizes: a message (100 000 bytes) is not a multiple of the ring's 64 KiB chunks or
+    // of the 8 KiB tiles, so pieces end at every kind of offset.
+    let tcp = TcpConfig::default()
+        .with_segment_bytes(100_000)
+        .with_shm_ring_bytes(256 << 10)
+        .with_transport(TransportPolicy::Shm)
+        .with_rendezvous_timeout(Duration::from_secs(20));
+    let Some(world) = world_of(vec![tcp; size]) else {
+        return;
+    };
+    let counts_of = counts.clone().unwrap_or_else(|| vec![per_rank; size]);
+    let total: usize = counts_of.iter().sum();
+    let works: Vec<_> = world
+        .iter()
+        .map(|comm| {
+            let r = comm.rank();
+            let input: Vec<f32> = (0..total).map(|i| contribution(r, i)).collect();
+            let output = Buffer::zeros(hypershard_collectives::DType::F32, counts_of[r]);
+            match &counts {
+                Some(counts) => comm.reduce_scatter_v_async(
+                    Buffer::from_vec(input),
+                    output,
+                    counts.clone(),
+                    ReduceOp::Sum,
+                ),
+                None => comm.reduce_scatter_async(Buffer::from_vec(input), output, ReduceOp::Sum),
+            }
+        })
+        .collect();
+    for (r, work) in works.into_iter().enumerate() {
+        let out = work.wait().unwrap().output.into_vec::<f32>().unwrap();
+        let start: usize = counts_of[..r].iter().sum();
+        assert_eq!(out.len(), counts_of[r], "rank {r}'s block length");
+        for (j, &v) in out.iter().enumerate() {
+            let expected: f32 = (0..size).map(|q| contribution(q, start + j)).sum();
+            assert_eq!(v, expected, "rank {r}, element {j} of {}", out.len());
+        }
+    }
+}
+
+#[test]
+fn a_large_reduce_scatter_streams_its_output_intact_at_world_two() {
+    // 2 100 003 f32 per rank, 8.4 MB: the output is past the streaming-store threshold
+    // (8 MiB), and the one step lands straight in it.
+    check_large_reduce_scatter(2, None, 2_100_003);
+}
+
+#[test]
+fn an_uneven_large_reduce_scatter_streams_intact_at_world_three() {
+    // Two outputs and the scratch blocks of the first step are past the streaming-store
+    // threshold (the forwarded step included), the third output is 7 elements.
+    check_large_reduce_scatter(3, Some(vec![2_100_003, 2_200_001, 7]), 0);
 }

@@ -265,7 +265,9 @@ fn fits(post: &Post, header: &FrameHeader) -> bool {
 /// Writes a message's payload into a post (at `at` bytes into the destination).
 struct PostSink<'j> {
     base: Destination,
-    /// Whether copies stream past the cache (the whole destination is large).
+    /// Whether copies and out-of-place reductions stream past the cache (the whole
+    /// destination is large). In-place reductions read each line before writing it, so
+    /// they gain nothing from it and keep normal stores.
     streamed: bool,
     own: Option<Source>,
     at: usize,
@@ -302,7 +304,13 @@ impl Sink for PostSink<'_> {
                 // post exists (nobody writes them meanwhile); same range as `dst` above.
                 let own =
                     unsafe { std::slice::from_raw_parts(own.0.add(self.at + offset), bytes.len()) };
-                plan.combine_from(dst, own, bytes)
+                if self.streamed {
+                    // A large out-of-place destination (a reduce-scatter's output) is cold:
+                    // streaming it out skips the read-for-ownership of every line.
+                    super::copy::stream_combine_from(&plan, dst, own, bytes)
+                } else {
+                    plan.combine_from(dst, own, bytes)
+                }
             }
             (_, Apply::Copy(_)) if self.streamed => {
                 super::copy::stream_copy(dst, bytes);

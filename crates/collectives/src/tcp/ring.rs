@@ -406,8 +406,11 @@ pub(crate) fn reduce_scatter(
     let plan = plan.ok_or(Error::UnsupportedOp { op, dtype })?;
     let blocks = byte_blocks(&counts, dtype);
     if !matches!(op, ReduceOp::PreMulSum(_)) {
+        // Only the steps before the last use the two scratch blocks, so a world of two
+        // (one step, straight into the output) needs none.
         let widest = blocks.iter().map(Range::len).max().unwrap_or(0);
-        inner.with_scratch(2 * widest, |scratch| {
+        let scratch_bytes = if link.size() > 2 { 2 * widest } else { 0 };
+        inner.with_scratch(scratch_bytes, |scratch| {
             reduce_scatter_from_input(
                 &link,
                 &plan,
