@@ -3,7 +3,8 @@
 use hypershard_tensor::DType;
 use hypershard_tensor::cuda::CudaError;
 
-/// Everything that can go wrong in [`DeviceMlp`](super::DeviceMlp) and the device layers.
+/// Everything that can go wrong in [`DeviceMlp`](super::DeviceMlp), [`DeviceGpt`](super::DeviceGpt)
+/// and the device layers.
 ///
 /// A machine without CUDA gives `Cuda(CudaError::Unavailable { .. })`, never a panic. Bad
 /// models and inputs are caught on the host, before anything is launched.
@@ -72,6 +73,29 @@ pub enum DeviceError {
         expected: String,
         /// The shape that was given.
         actual: Vec<usize>,
+    },
+    /// A configuration the device model does not implement (dropout on the device GPT).
+    #[error("{op}: {field} = {value} is not supported on the device: {reason}")]
+    UnsupportedConfig {
+        /// The operation that failed.
+        op: &'static str,
+        /// The configuration field.
+        field: &'static str,
+        /// Its value.
+        value: f64,
+        /// Why, and what to use instead.
+        reason: &'static str,
+    },
+    /// The CPU model's parameters are not the ones its configuration implies (a parameter
+    /// missing, extra, out of order or of another shape), so it cannot be read for the device.
+    #[error("{op}: parameter {name}: {reason}")]
+    ParameterLayout {
+        /// The operation that failed.
+        op: &'static str,
+        /// The parameter's dotted name.
+        name: String,
+        /// What was wrong.
+        reason: String,
     },
     /// `backward` was called without a `forward` before it.
     #[error("{module}: backward before forward")]

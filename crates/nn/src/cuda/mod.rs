@@ -1,5 +1,6 @@
 //! nn's layers on a CUDA device (feature `cuda`): what the reference MLP of the FSDP
-//! benchmarks needs (Linear, ReLU, MSE loss, plain SGD), on the tensor crate's device tensors.
+//! benchmarks needs (Linear, ReLU, MSE loss, plain SGD) and nanoGPT's GPT ([`DeviceGpt`]:
+//! forward, cross-entropy, backward, SGD and AdamW, f32), on the tensor crate's device tensors.
 //!
 //! * [`DeviceLinear`]: `y = x·Wᵀ + b`, `dW += dyᵀ·x`, `db += Σ dy`, `dx = dy·W`, every one a
 //!   cuBLAS GEMM (the bias is broadcast and reduced against a column of ones).
@@ -8,6 +9,12 @@
 //! * [`DeviceMlp`]: a CPU `Sequential` of Linear and ReLU layers copied to the device
 //!   ([`DeviceMlp::from_cpu`]), trained there ([`DeviceMlp::train_step`]) and copied back
 //!   ([`DeviceMlp::to_cpu`]) for comparison with the CPU run.
+//! * [`DeviceGpt`]: a CPU [`Gpt`](crate::Gpt) (f32, no dropout) copied to the device
+//!   ([`DeviceGpt::from_cpu`]); [`forward`](DeviceGpt::forward) gives the logits,
+//!   [`loss`](DeviceGpt::loss) the mean cross-entropy, [`backward`](DeviceGpt::backward)
+//!   every parameter's gradient (the tied `wte` gets the embedding's and the lm_head's), then
+//!   [`sgd_step`](DeviceGpt::sgd_step) or [`adamw_step`](DeviceGpt::adamw_step);
+//!   [`to_cpu`](DeviceGpt::to_cpu) gives back a CPU `Gpt` with the same names.
 //!
 //! Without CUDA every entry point returns `DeviceError::Cuda(CudaError::Unavailable { .. })`,
 //! never a panic. The device results follow the CPU's up to rounding: cuBLAS sums the GEMMs
@@ -32,11 +39,13 @@
 //! ```
 
 mod error;
+mod gpt;
 mod linear;
 mod loss;
 mod mlp;
 
 pub use error::{DeviceError, DeviceResult};
+pub use gpt::{DeviceBlock, DeviceGpt, DeviceNorm};
 pub use linear::DeviceLinear;
 pub use loss::{DeviceLoss, mse_loss};
 pub use mlp::{DeviceLayer, DeviceMlp};

@@ -293,6 +293,144 @@ pub fn gemm(
     .map_err(cublas(op, "cublasGemmEx"))
 }
 
+/// A batch of equal GEMMs over 3-D tensors `[batch, r, c]`: the plan of one product and the
+/// element strides between consecutive matrices of `A`, `B` and `C`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) struct BatchedPlan {
+    pub(crate) gemm: GemmPlan,
+    pub(crate) batch: usize,
+    pub(crate) count: i32,
+    pub(crate) stride_a: i64,
+    pub(crate) stride_b: i64,
+    pub(crate) stride_c: i64,
+}
+
+/// `[batch, rows, cols]` of a 3-D shape, or a shape error.
+fn batched(op: &'static str, shape: &[usize], other: &[usize]) -> CudaResult<(usize, [usize; 2])> {
+    match shape {
+        [b, r, c] => Ok((*b, [*r, *c])),
+        _ => Err(CudaError::ShapeMismatch {
+            op,
+            lhs: shape.to_vec(),
+            rhs: other.to_vec(),
+        }),
+    }
+}
+
+fn to_i64(op: &'static str, what: &'static str, value: usize) -> CudaResult<i64> {
+    i64::try_from(value).map_err(|_| CudaError::TooLarge {
+        op,
+        what,
+        value,
+        max: i64::MAX as usize,
+    })
+}
+
+/// Plans `C[i] = op(A[i]) · op(B[i])` for every `i` of the leading (batch) dim of row-major,
+/// contiguous 3-D `A`, `B`, `C` with the same batch size.
+pub(crate) fn plan_gemm_batched(
+    op: &'static str,
+    a: &[usize],
+    op_a: Transpose,
+    b: &[usize],
+    op_b: Transpose,
+    c: &[usize],
+) -> CudaResult<BatchedPlan> {
+    let (batch_a, a2) = batched(op, a, b)?;
+    let (batch_b, b2) = batched(op, b, a)?;
+    let (batch_c, c2) = batched(op, c, a)?;
+    if batch_a != batch_b || batch_a != batch_c {
+        return Err(CudaError::ShapeMismatch {
+            op,
+            lhs: a.to_vec(),
+            rhs: if batch_a != batch_b { b } else { c }.to_vec(),
+        });
+    }
+    let gemm = plan_gemm(op, &a2, op_a, &b2, op_b, &c2)?;
+    Ok(BatchedPlan {
+        gemm,
+        batch: batch_a,
+        count: to_i32(op, "batch count", batch_a)?,
+        stride_a: to_i64(op, "stride of A", a2[0] * a2[1])?,
+        stride_b: to_i64(op, "stride of B", b2[0] * b2[1])?,
+        stride_c: to_i64(op, "stride of C", c2[0] * c2[1])?,
+    })
+}
+
+/// `c[i] = alpha · op(a[i]) · op(b[i]) + beta · c[i]` for every matrix `i` of 3-D tensors
+/// `[batch, r, c]` (row-major, contiguous), in one `cublasGemmStridedBatchedEx` call with f32
+/// accumulation (`CUBLAS_COMPUTE_32F`, never TF32): attention's per-head products.
+///
+/// Dtypes as for [`gemm`]; the batch sizes must agree and each matrix's shapes as in [`gemm`],
+/// else [`CudaError::ShapeMismatch`]; sizes and the batch count must fit cuBLAS's `int`.
+#[allow(clippy::too_many_arguments)]
+pub fn gemm_strided_batched(
+    alpha: f32,
+    a: &CudaTensor,
+    op_a: Transpose,
+    b: &CudaTensor,
+    op_b: Transpose,
+    beta: f32,
+    c: &mut CudaTensor,
+) -> CudaResult<()> {
+    let op = "cuda::gemm_strided_batched";
+    c.device.check_same(op, &a.device)?;
+    c.device.check_same(op, &b.device)?;
+    let (input, output) = gemm_types(op, a.dtype, b.dtype, c.dtype)?;
+    let plan = plan_gemm_batched(op, &a.shape, op_a, &b.shape, op_b, &c.shape)?;
+    let g = plan.gemm;
+    if plan.batch == 0 || g.rows == 0 || g.cols == 0 {
+        return Ok(());
+    }
+    let device = c.device.clone();
+    let handle = device.blas(op)?;
+    let guard = handle.handle.lock().unwrap_or_else(PoisonError::into_inner);
+    device
+        .context()
+        .bind_to_thread()
+        .map_err(driver(op, "cuCtxSetCurrent"))?;
+    let stream = device.stream();
+    let (a_ptr, _a_read) = a.data.device_ptr(stream);
+    let (b_ptr, _b_read) = b.data.device_ptr(stream);
+    let (c_ptr, _c_write) = c.data.device_ptr_mut(stream);
+    // SAFETY: as in `gemm`, per matrix: the handle is live, bound to `stream` and used under
+    // its lock; `alpha`/`beta` are host f32. `plan_gemm_batched` checked that `a`, `b`, `c`
+    // are 3-D with one batch size and that each matrix's shapes agree as in `gemm`, with the
+    // leading dimensions their row lengths; the strides are exactly each matrix's element
+    // count, so matrix `i < batch` of each operand lies inside its allocation (which holds
+    // `batch · rows · cols` elements, CudaTensor's invariant). `c` is distinct from `a` and
+    // `b` (`&mut`). Tested by the device test `batched_gemm_matches_the_cpu` (cuda_gpt) and,
+    // for the mapping, by the unit test `batched_plan_strides_and_errors`.
+    unsafe {
+        blas::gemm_strided_batched_ex(
+            guard.0,
+            operation(g.trans_first),
+            operation(g.trans_second),
+            g.m,
+            g.n,
+            g.k,
+            (&alpha as *const f32).cast(),
+            b_ptr as *const std::ffi::c_void,
+            input,
+            g.ld_first,
+            plan.stride_b,
+            a_ptr as *const std::ffi::c_void,
+            input,
+            g.ld_second,
+            plan.stride_a,
+            (&beta as *const f32).cast(),
+            c_ptr as *mut std::ffi::c_void,
+            output,
+            g.ld_out,
+            plan.stride_c,
+            plan.count,
+            sys::cublasComputeType_t::CUBLAS_COMPUTE_32F,
+            sys::cublasGemmAlgo_t::CUBLAS_GEMM_DEFAULT,
+        )
+    }
+    .map_err(cublas(op, "cublasGemmStridedBatchedEx"))
+}
+
 /// `a · b` for row-major `a: [M, K]` and `b: [K, N]` of one dtype (f32, bf16, f16), as a new
 /// `[M, N]` tensor of that dtype.
 pub fn matmul(a: &CudaTensor, b: &CudaTensor) -> CudaResult<CudaTensor> {
@@ -433,6 +571,48 @@ mod tests {
             (inner_empty.k, inner_empty.ld_first, inner_empty.ld_second),
             (0, 4, 1)
         );
+    }
+
+    #[test]
+    fn batched_plan_strides_and_errors() {
+        let (no, yes) = (Transpose::No, Transpose::Yes);
+        // Attention's scores: Q [BH, T, D] · K[BH, T, D]ᵀ = S [BH, T, T].
+        let plan = plan_gemm_batched("t", &[6, 5, 3], no, &[6, 5, 3], yes, &[6, 5, 5]).unwrap();
+        assert_eq!((plan.batch, plan.count), (6, 6));
+        assert_eq!((plan.stride_a, plan.stride_b, plan.stride_c), (15, 15, 25));
+        assert_eq!(
+            plan.gemm,
+            plan_gemm("t", &[5, 3], no, &[5, 3], yes, &[5, 5]).unwrap()
+        );
+        // dV = Pᵀ · dY: P [BH, T, T] transposed, dY [BH, T, D].
+        let dv = plan_gemm_batched("t", &[6, 5, 5], yes, &[6, 5, 3], no, &[6, 5, 3]).unwrap();
+        assert_eq!((dv.stride_a, dv.stride_b, dv.stride_c), (25, 15, 15));
+        assert!(matches!(
+            plan_gemm_batched("t", &[6, 5, 3], no, &[5, 5, 3], yes, &[6, 5, 5]),
+            Err(CudaError::ShapeMismatch { rhs, .. }) if rhs == [5, 5, 3]
+        ));
+        assert!(matches!(
+            plan_gemm_batched("t", &[6, 5, 3], no, &[6, 5, 3], yes, &[7, 5, 5]),
+            Err(CudaError::ShapeMismatch { rhs, .. }) if rhs == [7, 5, 5]
+        ));
+        assert!(matches!(
+            plan_gemm_batched("t", &[5, 3], no, &[6, 5, 3], yes, &[6, 5, 5]),
+            Err(CudaError::ShapeMismatch { .. })
+        ));
+        assert!(matches!(
+            plan_gemm_batched("t", &[6, 5, 3], no, &[6, 4, 3], no, &[6, 5, 3]),
+            Err(CudaError::ShapeMismatch { .. })
+        ));
+        let many = 1usize << 31;
+        assert!(matches!(
+            plan_gemm_batched("t", &[many, 1, 1], no, &[many, 1, 1], no, &[many, 1, 1]),
+            Err(CudaError::TooLarge {
+                what: "batch count",
+                ..
+            })
+        ));
+        let empty = plan_gemm_batched("t", &[0, 5, 3], no, &[0, 3, 2], no, &[0, 5, 2]).unwrap();
+        assert_eq!(empty.batch, 0);
     }
 
     #[test]

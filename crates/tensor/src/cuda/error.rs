@@ -135,6 +135,19 @@ pub enum CudaError {
         /// The second device ordinal.
         rhs: usize,
     },
+    /// An index (a token id or a class target) is outside the table it indexes; checked on
+    /// the host before it is uploaded, so no kernel reads outside a table.
+    #[error("{op}: index {index} at position {position} is out of range for size {size}")]
+    IndexOutOfRange {
+        /// The operation that failed.
+        op: &'static str,
+        /// The flat position of the index in its tensor.
+        position: usize,
+        /// The index.
+        index: i64,
+        /// The size of the table (vocabulary or classes).
+        size: usize,
+    },
     /// A host-side tensor operation failed.
     #[error(transparent)]
     Tensor(#[from] crate::Error),

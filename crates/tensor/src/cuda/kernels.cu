@@ -138,3 +138,399 @@ RELU(f32, float)
 RELU(bf16, u16)
 RELU(f16, u16)
 RELU(f64, double)
+
+// ---------------------------------------------------------------------------------------------
+// GPT layers for hypershard-nn's `DeviceGpt` (f32 only). They follow the CPU code of
+// crates/nn (norm.rs, activation.rs, attention.rs, embedding.rs, gpt.rs, loss.rs) operation by
+// operation, in the same order, so that with `--fmad=false` each element rounds as on the
+// CPU; only the order of the row sums differs (a tree across the block here, left to right
+// there), and where the sum order is kept (the embedding and layer-norm parameter gradients)
+// the result is the CPU's bit for bit given the same inputs.
+//
+// Row kernels run one block of exactly ROW_THREADS threads per row (a grid-stride loop over
+// rows, so every thread of a block runs the same number of iterations and every
+// `__syncthreads` is reached by all of them). Their reductions are shared-memory trees over
+// ROW_THREADS slots (a power of two), with a barrier after every level and after the result
+// is read, so nothing depends on the warp size.
+// ---------------------------------------------------------------------------------------------
+
+#define ROW_THREADS 256
+
+typedef long long i64;
+
+__device__ __forceinline__ float f32_inf() { return __int_as_float(0x7f800000); }
+
+// The CPU's `exp_f32` (crates/nn/src/kernels/math.rs), step for step: Cody-Waite reduction by
+// ln 2, Cephes' degree-6 polynomial, 2^n built in the exponent bits.
+__device__ float cpu_exp_f32(float x) {
+    const float round_magic = 12582912.0f;
+    const float log2_e = 1.4426950408889634f;
+    const float ln2_hi = 0.6933594f;
+    const float ln2_lo = -2.1219444e-4f;
+    float clamped = fminf(fmaxf(x, -87.0f), 88.0f);
+    float shifted = clamped * log2_e + round_magic;
+    float n = shifted - round_magic;
+    int n_int = (int)(__float_as_uint(shifted) - __float_as_uint(round_magic));
+    float r = clamped - n * ln2_hi - n * ln2_lo;
+    float p = 1.9875691e-4f;
+    p = p * r + 1.3981999e-3f;
+    p = p * r + 8.333452e-3f;
+    p = p * r + 4.1665796e-2f;
+    p = p * r + 1.6666665e-1f;
+    p = p * r + 0.5f;
+    float er = p * r * r + r + 1.0f;
+    float scale = __uint_as_float(((u32)(n_int + 127)) << 23);
+    float value = er * scale;
+    if (x > 88.0f) {
+        return f32_inf();
+    } else if (x < -87.0f) {
+        return 0.0f;
+    } else if (x != x) {
+        return x;
+    }
+    return value;
+}
+
+// The CPU's `erf_f32`: Abramowitz and Stegun 7.1.26 from |x| = 0.5 on, the Maclaurin series
+// below.
+__device__ float cpu_erf_f32(float x) {
+    float a = fabsf(x);
+    float t = 1.0f / (1.0f + 0.3275911f * a);
+    float poly =
+        t * (0.2548296f + t * (-0.28449674f + t * (1.4214137f + t * (-1.453152f + t * 1.0614054f))));
+    float tail = 1.0f - poly * cpu_exp_f32(-a * a);
+    float x2 = a * a;
+    float series = 1.1283791670955126f * a *
+                   (1.0f + x2 * (-1.0f / 3.0f +
+                                 x2 * (0.1f + x2 * (-1.0f / 42.0f + x2 * (1.0f / 216.0f - x2 / 1320.0f)))));
+    float value = a < 0.5f ? series : tail;
+    return copysignf(value, x);
+}
+
+// The sum of every thread's `v` over the block (ROW_THREADS threads), as a fixed tree.
+__device__ float block_sum(float v, float* shared) {
+    u32 tid = threadIdx.x;
+    shared[tid] = v;
+    __syncthreads();
+    for (u32 s = ROW_THREADS / 2; s > 0; s >>= 1) {
+        if (tid < s) {
+            shared[tid] = shared[tid] + shared[tid + s];
+        }
+        __syncthreads();
+    }
+    float total = shared[0];
+    // Every thread reads the result before any thread writes `shared` again.
+    __syncthreads();
+    return total;
+}
+
+// The largest of every thread's `v` over the block (fmaxf ignores NaN, as the CPU's f32::max).
+__device__ float block_max(float v, float* shared) {
+    u32 tid = threadIdx.x;
+    shared[tid] = v;
+    __syncthreads();
+    for (u32 s = ROW_THREADS / 2; s > 0; s >>= 1) {
+        if (tid < s) {
+            shared[tid] = fmaxf(shared[tid], shared[tid + s]);
+        }
+        __syncthreads();
+    }
+    float total = shared[0];
+    __syncthreads();
+    return total;
+}
+
+// LayerNorm over rows of width d (norm.rs `norm_forward`, Centering::Mean): mean = Σx · inv_d,
+// var = Σ(x − mean)² · inv_d, r = 1 / √(var + eps), x̂ = (x − mean) · r, out = x̂ · w (+ b).
+// Writes out, x̂ and r (what backward needs). `b` is read only when `has_bias`.
+extern "C" __global__ void layer_norm_f32(float* out, float* xhat, float* rstd, const float* x,
+                                          const float* w, const float* b, u32 has_bias,
+                                          u64 rows, u64 d, float inv_d, float eps) {
+    __shared__ float shared[ROW_THREADS];
+    for (u64 row = blockIdx.x; row < rows; row += gridDim.x) {
+        const float* xr = x + row * d;
+        float partial = 0.0f;
+        for (u64 j = threadIdx.x; j < d; j += ROW_THREADS) {
+            partial = partial + xr[j];
+        }
+        float mean = block_sum(partial, shared) * inv_d;
+        partial = 0.0f;
+        for (u64 j = threadIdx.x; j < d; j += ROW_THREADS) {
+            float dev = xr[j] - mean;
+            partial = partial + dev * dev;
+        }
+        float var = block_sum(partial, shared) * inv_d;
+        float r = 1.0f / sqrtf(var + eps);
+        if (threadIdx.x == 0) {
+            rstd[row] = r;
+        }
+        for (u64 j = threadIdx.x; j < d; j += ROW_THREADS) {
+            float n = (xr[j] - mean) * r;
+            xhat[row * d + j] = n;
+            float o = n * w[j];
+            if (has_bias) {
+                o = o + b[j];
+            }
+            out[row * d + j] = o;
+        }
+    }
+}
+
+// LayerNorm's input gradient (norm.rs `norm_backward`): with ĝ = g · w,
+// dx = r · (ĝ − mean(ĝ) − x̂ · mean(ĝ · x̂)).
+extern "C" __global__ void layer_norm_backward_f32(float* dx, const float* g, const float* xhat,
+                                                   const float* rstd, const float* w, u64 rows,
+                                                   u64 d, float inv_d) {
+    __shared__ float shared[ROW_THREADS];
+    for (u64 row = blockIdx.x; row < rows; row += gridDim.x) {
+        const float* gr = g + row * d;
+        const float* xr = xhat + row * d;
+        float partial_g = 0.0f;
+        float partial_gx = 0.0f;
+        for (u64 j = threadIdx.x; j < d; j += ROW_THREADS) {
+            float gh = gr[j] * w[j];
+            partial_g = partial_g + gh;
+            partial_gx = partial_gx + gh * xr[j];
+        }
+        float mean_g = block_sum(partial_g, shared) * inv_d;
+        float mean_gx = block_sum(partial_gx, shared) * inv_d;
+        float r = rstd[row];
+        for (u64 j = threadIdx.x; j < d; j += ROW_THREADS) {
+            dx[row * d + j] = r * (gr[j] * w[j] - mean_g - xr[j] * mean_gx);
+        }
+    }
+}
+
+// LayerNorm's parameter gradients, one thread per column summing the rows in order from zero
+// (as the CPU does), then added to the accumulated gradient: dw += Σ g · x̂, db += Σ g.
+// `db` is written only when `has_bias`.
+extern "C" __global__ void layer_norm_param_grad_f32(float* dw, float* db, const float* g,
+                                                     const float* xhat, u32 has_bias, u64 rows,
+                                                     u64 d) {
+    GRID_STRIDE(j, d) {
+        float acc_w = 0.0f;
+        float acc_b = 0.0f;
+        for (u64 row = 0; row < rows; ++row) {
+            float gv = g[row * d + j];
+            acc_w = acc_w + gv * xhat[row * d + j];
+            acc_b = acc_b + gv;
+        }
+        dw[j] = dw[j] + acc_w;
+        if (has_bias) {
+            db[j] = db[j] + acc_b;
+        }
+    }
+}
+
+// The exact GELU (activation.rs `gelu_exact`): 0.5 x (1 + erf(x / √2)).
+extern "C" __global__ void gelu_f32(float* y, const float* x, u64 n) {
+    GRID_STRIDE(i, n) {
+        float v = x[i];
+        y[i] = 0.5f * v * (1.0f + cpu_erf_f32(v * 0.7071067811865476f));
+    }
+}
+
+// Its backward (activation.rs `gelu_exact_grad`): dx = g · (Φ(x) + x φ(x)).
+extern "C" __global__ void gelu_grad_f32(float* dx, const float* g, const float* x, u64 n) {
+    GRID_STRIDE(i, n) {
+        float v = x[i];
+        float cdf = 0.5f * (1.0f + cpu_erf_f32(v * 0.7071067811865476f));
+        float pdf = cpu_exp_f32(-0.5f * v * v) * 0.3989422804014327f;
+        dx[i] = g[i] * (cdf + v * pdf);
+    }
+}
+
+// The causal softmax of attention scores in place (attention.rs `causal_softmax`), over
+// `rows` rows of length t (batch · heads · t rows): row r is query position i = r mod t and
+// sees columns 0..=i; p = exp(s·scale − max) / Σ, the masked columns are set to exactly 0.
+extern "C" __global__ void causal_softmax_f32(float* s, u64 rows, u64 t, float scale) {
+    __shared__ float shared[ROW_THREADS];
+    for (u64 row = blockIdx.x; row < rows; row += gridDim.x) {
+        float* sr = s + row * t;
+        u64 visible = row % t + 1;
+        // Column 0 is always visible, so every thread starts its maximum from it, as the
+        // CPU's fold does.
+        float partial_max = sr[0] * scale;
+        for (u64 j = threadIdx.x; j < visible; j += ROW_THREADS) {
+            partial_max = fmaxf(partial_max, sr[j] * scale);
+        }
+        float mx = block_max(partial_max, shared);
+        float partial = 0.0f;
+        for (u64 j = threadIdx.x; j < visible; j += ROW_THREADS) {
+            float e = cpu_exp_f32(sr[j] * scale - mx);
+            sr[j] = e;
+            partial = partial + e;
+        }
+        float inv = 1.0f / block_sum(partial, shared);
+        for (u64 j = threadIdx.x; j < t; j += ROW_THREADS) {
+            sr[j] = j < visible ? sr[j] * inv : 0.0f;
+        }
+    }
+}
+
+// Its backward in place on the gradient (attention.rs `softmax_backward`):
+// dS = scale · P ⊙ (dP − Σ_row dP ⊙ P), over whole rows (P is 0 on the masked columns).
+extern "C" __global__ void causal_softmax_backward_f32(float* g, const float* p, u64 rows, u64 t,
+                                                       float scale) {
+    __shared__ float shared[ROW_THREADS];
+    for (u64 row = blockIdx.x; row < rows; row += gridDim.x) {
+        float* gr = g + row * t;
+        const float* pr = p + row * t;
+        float partial = 0.0f;
+        for (u64 j = threadIdx.x; j < t; j += ROW_THREADS) {
+            partial = partial + pr[j] * gr[j];
+        }
+        float dot = block_sum(partial, shared);
+        for (u64 j = threadIdx.x; j < t; j += ROW_THREADS) {
+            gr[j] = scale * pr[j] * (gr[j] - dot);
+        }
+    }
+}
+
+// Cross-entropy over rows of `classes` logits (loss.rs `cross_entropy_rows`). `targets[row]`
+// is the class, or negative for an ignored row (zero gradient, zero loss). Per counted row:
+// e = exp(x − max), loss = ln Σe + max − x[class] in f64, grad = e · (scale / Σe), and
+// grad[class] −= scale. The per-row losses are summed on the host in f64, in row order.
+extern "C" __global__ void cross_entropy_f32(float* grad, double* row_loss, const float* logits,
+                                             const i64* targets, u64 rows, u64 classes,
+                                             float scale) {
+    __shared__ float shared[ROW_THREADS];
+    for (u64 row = blockIdx.x; row < rows; row += gridDim.x) {
+        const float* xr = logits + row * classes;
+        float* gr = grad + row * classes;
+        i64 target = targets[row];
+        if (target < 0) {
+            for (u64 j = threadIdx.x; j < classes; j += ROW_THREADS) {
+                gr[j] = 0.0f;
+            }
+            if (threadIdx.x == 0) {
+                row_loss[row] = 0.0;
+            }
+            // `target` is the same for the whole block, so every thread skips the barriers
+            // below together.
+            continue;
+        }
+        float partial_max = xr[0];
+        for (u64 j = threadIdx.x; j < classes; j += ROW_THREADS) {
+            partial_max = fmaxf(partial_max, xr[j]);
+        }
+        float mx = block_max(partial_max, shared);
+        float partial = 0.0f;
+        for (u64 j = threadIdx.x; j < classes; j += ROW_THREADS) {
+            float e = cpu_exp_f32(xr[j] - mx);
+            gr[j] = e;
+            partial = partial + e;
+        }
+        float sum = block_sum(partial, shared);
+        u64 class_index = (u64)target;
+        if (threadIdx.x == 0) {
+            row_loss[row] = (log((double)sum) + (double)mx) - (double)xr[class_index];
+        }
+        float factor = scale / sum;
+        for (u64 j = threadIdx.x; j < classes; j += ROW_THREADS) {
+            float v = gr[j] * factor;
+            if (j == class_index) {
+                v = v - scale;
+            }
+            gr[j] = v;
+        }
+    }
+}
+
+// The token and position embeddings (gpt.rs `embed`): out[n] = wte[ids[n]] + wpe[n mod seq],
+// rows of width c. The ids were checked against the vocabulary on the host.
+extern "C" __global__ void embedding_f32(float* out, const float* wte, const float* wpe,
+                                         const i64* ids, u64 tokens, u64 seq, u64 c) {
+    GRID_STRIDE(i, tokens * c) {
+        u64 position = i / c;
+        u64 column = i % c;
+        u64 row = (u64)ids[position];
+        u64 t = position % seq;
+        out[i] = wte[row * c + column] + wpe[t * c + column];
+    }
+}
+
+// The token embedding's gradient without atomics (embedding.rs `scatter_add_rows`): one
+// thread per (vocabulary row, column) sums the gradient rows of that token's positions in
+// increasing position order, from zero, as the CPU does, and adds the sum to the accumulated
+// gradient. `offsets` (vocab + 1 entries) and `order` (one entry per token) list each
+// vocabulary row's positions: a stable counting sort made on the host.
+extern "C" __global__ void embedding_backward_f32(float* grad_wte, const float* g,
+                                                  const i64* offsets, const i64* order,
+                                                  u64 vocab, u64 c) {
+    GRID_STRIDE(i, vocab * c) {
+        u64 row = i / c;
+        u64 column = i % c;
+        i64 begin = offsets[row];
+        i64 end = offsets[row + 1];
+        if (begin == end) {
+            continue;
+        }
+        float acc = 0.0f;
+        for (i64 k = begin; k < end; ++k) {
+            acc = acc + g[(u64)order[k] * c + column];
+        }
+        grad_wte[i] = grad_wte[i] + acc;
+    }
+}
+
+// The position embedding's gradient (gpt.rs `position_grad`): dwpe[t] += Σ_b g[b, t], the
+// batch rows summed in order from zero. Rows t ≥ seq of the table get nothing.
+extern "C" __global__ void position_backward_f32(float* grad_wpe, const float* g, u64 batch,
+                                                 u64 seq, u64 c) {
+    GRID_STRIDE(i, seq * c) {
+        u64 t = i / c;
+        u64 column = i % c;
+        float acc = 0.0f;
+        for (u64 b = 0; b < batch; ++b) {
+            acc = acc + g[(b * seq + t) * c + column];
+        }
+        grad_wpe[i] = grad_wpe[i] + acc;
+    }
+}
+
+// Attention's head split and merge. `rows` is [batch][seq][parts · h · hd] (the fused q, k, v
+// projection has parts = 3; the attention output has 1), `heads` is [batch][h][seq][hd], the
+// part `part` of every row. Both directions are the same bijection, so no two threads write
+// the same element.
+#define HEAD_INDEX                                                                         \
+    u64 dd = i % hd;                                                                       \
+    u64 t = (i / hd) % seq;                                                                \
+    u64 head = (i / (hd * seq)) % h;                                                       \
+    u64 b = i / (hd * seq * h);                                                            \
+    u64 src = ((b * seq + t) * parts + part) * (h * hd) + head * hd + dd;
+
+extern "C" __global__ void split_heads_f32(float* heads, const float* rows, u64 batch, u64 seq,
+                                           u64 h, u64 hd, u64 part, u64 parts) {
+    GRID_STRIDE(i, batch * seq * h * hd) {
+        HEAD_INDEX
+        heads[i] = rows[src];
+    }
+}
+
+extern "C" __global__ void merge_heads_f32(float* rows, const float* heads, u64 batch, u64 seq,
+                                           u64 h, u64 hd, u64 part, u64 parts) {
+    GRID_STRIDE(i, batch * seq * h * hd) {
+        HEAD_INDEX
+        rows[src] = heads[i];
+    }
+}
+
+// One AdamW step in f32 (optim/adamw.rs, which computes in f64): p ·= 1 − lr·wd;
+// m = β₁m + (1 − β₁)g; v = β₂v + (1 − β₂)g²; p −= step_size · m / (√v / √(1 − β₂ᵗ) + eps).
+// The scalars are computed on the host in f64 and rounded to f32 once.
+extern "C" __global__ void adamw_f32(float* p, float* m, float* v, const float* g, u64 n,
+                                     float decay, float beta1, float one_minus_beta1, float beta2,
+                                     float one_minus_beta2, float step_size, float bc2_sqrt,
+                                     float eps) {
+    GRID_STRIDE(i, n) {
+        float gi = g[i];
+        float pi = p[i] * decay;
+        float mi = beta1 * m[i] + one_minus_beta1 * gi;
+        float vi = beta2 * v[i] + one_minus_beta2 * gi * gi;
+        float denom = sqrtf(vi) / bc2_sqrt + eps;
+        p[i] = pi - step_size * mi / denom;
+        m[i] = mi;
+        v[i] = vi;
+    }
+}

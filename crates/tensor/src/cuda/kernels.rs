@@ -57,6 +57,20 @@ pub const KERNEL_NAMES: &[&str] = &[
     "relu_grad_f16",
     "relu_f64",
     "relu_grad_f64",
+    "layer_norm_f32",
+    "layer_norm_backward_f32",
+    "layer_norm_param_grad_f32",
+    "gelu_f32",
+    "gelu_grad_f32",
+    "causal_softmax_f32",
+    "causal_softmax_backward_f32",
+    "cross_entropy_f32",
+    "embedding_f32",
+    "embedding_backward_f32",
+    "position_backward_f32",
+    "split_heads_f32",
+    "merge_heads_f32",
+    "adamw_f32",
 ];
 
 /// Threads per block of every elementwise launch.
@@ -68,6 +82,11 @@ pub(crate) const MAX_GRID_X: usize = 65_535;
 
 /// The most blocks along y (the hardware limit); one block row per part of a flat copy.
 pub(crate) const MAX_GRID_Y: usize = 65_535;
+
+/// Threads per block of the row kernels (layer norm, softmax, cross-entropy): one block per
+/// row, reducing in a shared-memory tree over this many slots. It must equal `ROW_THREADS` in
+/// kernels.cu (a unit test checks) and be a power of two (the tree halves it).
+pub(crate) const ROW_THREADS: u32 = 256;
 
 /// The compiled module's functions, by name.
 pub(crate) struct Kernels {
@@ -280,6 +299,22 @@ pub(crate) fn launch_config(
     }))
 }
 
+/// The grid of a row kernel over `rows` rows: one block of [`ROW_THREADS`] threads per row, at
+/// most [`MAX_GRID_X`] blocks (the kernels loop over rows with a stride of the grid); `None`
+/// when there are no rows.
+pub(crate) fn row_launch_config(rows: usize) -> Option<LaunchConfig> {
+    if rows == 0 {
+        return None;
+    }
+    // Fits in u32: at most MAX_GRID_X, below 2¹⁶.
+    let blocks = rows.min(MAX_GRID_X) as u32;
+    Some(LaunchConfig {
+        grid_dim: (blocks, 1, 1),
+        block_dim: (ROW_THREADS, 1, 1),
+        shared_mem_bytes: 0,
+    })
+}
+
 /// Errors unless a tensor of `got` elements has exactly `needed` (the check a launch makes on
 /// every buffer it is given, before the FFI call).
 pub(crate) fn check_len(
@@ -389,6 +424,42 @@ mod tests {
         // Nothing in the source may need a header NVRTC does not ship by default.
         assert!(!SOURCE.contains("#include"));
         assert!(!SOURCE.contains('\0'));
+    }
+
+    #[test]
+    fn row_kernels_use_the_sources_block_size() {
+        assert!(SOURCE.contains(&format!("#define ROW_THREADS {ROW_THREADS}\n")));
+        assert!(ROW_THREADS.is_power_of_two());
+        // The reductions index `shared[tid + s]` for s < ROW_THREADS / 2: inside the array.
+        assert!(SOURCE.contains("__shared__ float shared[ROW_THREADS];"));
+        assert!(row_launch_config(0).is_none());
+        let one = row_launch_config(1).unwrap();
+        assert_eq!(
+            (one.grid_dim, one.block_dim),
+            ((1, 1, 1), (ROW_THREADS, 1, 1))
+        );
+        assert_eq!(row_launch_config(4097).unwrap().grid_dim.0, 4097);
+        // Past the cap the kernels' loop over rows takes the rest.
+        assert_eq!(
+            row_launch_config(MAX_GRID_X + 5).unwrap().grid_dim.0 as usize,
+            MAX_GRID_X
+        );
+        // Every row kernel loops over rows by the grid, so the capped grid covers them all.
+        for name in [
+            "layer_norm_f32",
+            "layer_norm_backward_f32",
+            "causal_softmax_f32",
+            "causal_softmax_backward_f32",
+            "cross_entropy_f32",
+        ] {
+            let start = SOURCE.find(&format!("void {name}(")).unwrap();
+            let body = &SOURCE[start..];
+            let end = body.find("\n}\n").unwrap();
+            assert!(
+                body[..end].contains("for (u64 row = blockIdx.x; row < rows; row += gridDim.x)"),
+                "{name} does not loop over rows by the grid"
+            );
+        }
     }
 
     #[test]

@@ -20,7 +20,12 @@
 //!   [`copy_in`] and [`copy_out`] (many tensors into / out of one flat buffer at offsets, one
 //!   launch). Results round exactly as the CPU ops do.
 //! * [`matmul`] and [`gemm`] through `cublasGemmEx` (f32, bf16, f16; f32 accumulation),
-//!   row-major, with optional transposes (see [`blas`]'s docs for the convention).
+//!   row-major, with optional transposes (see [`blas`]'s docs for the convention), and
+//!   [`gemm_strided_batched`] over 3-D tensors (`cublasGemmStridedBatchedEx`).
+//! * A GPT's layers, f32, for hypershard-nn's `DeviceGpt`: [`layer_norm`], [`gelu`],
+//!   [`causal_softmax_`], [`split_heads`]/[`merge_heads`], [`embedding`] (with [`TokenIndex`]),
+//!   [`cross_entropy`] and [`adamw_`], each with its backward; no atomics, so every result is
+//!   reproducible.
 //!
 //! ```no_run
 //! use hypershard_tensor::cuda::{CudaDevice, CudaTensor, matmul};
@@ -37,13 +42,19 @@ pub mod blas;
 mod device;
 mod error;
 mod kernels;
+mod nn_ops;
 mod ops;
 mod tensor;
 
-pub use blas::{Transpose, gemm, matmul};
+pub use blas::{Transpose, gemm, gemm_strided_batched, matmul};
 pub use device::{CudaDevice, device_count, probe};
 pub use error::{CudaError, CudaResult, Library, Unavailable};
 pub use kernels::{KERNEL_NAMES, KernelImage, compile_kernels};
+pub use nn_ops::{
+    AdamWStep, CrossEntropyOutput, LayerNormOutput, TokenIndex, adamw_, causal_softmax_,
+    causal_softmax_backward_, cross_entropy, embedding, embedding_backward, gelu, gelu_backward,
+    layer_norm, layer_norm_backward, merge_heads, split_heads,
+};
 pub use ops::{copy_in, copy_out};
 pub use tensor::{CudaTensor, PinnedBuffer};
 
