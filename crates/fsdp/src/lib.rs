@@ -33,6 +33,8 @@ mod bridge;
 mod bucket;
 mod build;
 mod config;
+#[cfg(feature = "cuda")]
+pub mod device;
 mod error;
 mod group;
 mod layout;

@@ -5,7 +5,9 @@ use std::sync::Arc;
 
 use cudarc::driver::{CudaSlice, CudaStream};
 
+use super::library::BACKEND;
 use crate::buffer::{Buffer, BufferLocation, HostBuffer};
+use crate::communicator::Communicator;
 use crate::dtype::DType;
 use crate::error::{DeviceLibrary, Error, Result};
 use crate::op::{BufferRole, OpKind};
@@ -78,6 +80,47 @@ impl DeviceBuffer {
         stream
             .synchronize()
             .map_err(|e| driver("cuStreamSynchronize", e))
+    }
+
+    /// Adopts device memory as a buffer of `dtype`, without a copy: `bytes.len()` must be a
+    /// whole number of elements ([`Error::MisalignedBytes`] otherwise). This is how another
+    /// crate's device tensor (hypershard-tensor's `CudaTensor::into_device_bytes`) becomes a
+    /// collective's buffer. The memory keeps the stream it was allocated on: cudarc's read and
+    /// write events on the slice order an NCCL op after that stream's last write, and that
+    /// stream's next use after the op.
+    pub fn from_slice(bytes: CudaSlice<u8>, dtype: DType) -> Result<Self> {
+        let size = dtype.size_bytes();
+        if !bytes.len().is_multiple_of(size) {
+            return Err(Error::MisalignedBytes {
+                dtype,
+                bytes: bytes.len(),
+            });
+        }
+        let len = bytes.len() / size;
+        Ok(DeviceBuffer {
+            bytes: Arc::new(bytes),
+            dtype,
+            len,
+        })
+    }
+
+    /// Gives the memory back as cudarc bytes: the allocation itself when no other handle
+    /// shares it (no copy), else a private device copy ordered on its stream (copy-on-write,
+    /// as for any write through a shared buffer).
+    pub fn into_slice(self) -> Result<CudaSlice<u8>> {
+        match Arc::try_unwrap(self.bytes) {
+            Ok(bytes) => Ok(bytes),
+            Err(shared) => shared
+                .try_clone()
+                .map_err(|e| driver("cuMemcpyDtoDAsync", e)),
+        }
+    }
+
+    /// Whether `comm` runs collectives on device buffers in place: only the NCCL backend
+    /// does. Other backends (local threads, tcp, shm, MPI) take host buffers only, so a caller
+    /// holding device memory stages it through host memory for them.
+    pub fn accepted_by(comm: &dyn Communicator) -> bool {
+        comm.backend() == BACKEND
     }
 
     /// The element type.

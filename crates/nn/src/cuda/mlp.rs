@@ -183,6 +183,12 @@ impl DeviceMlp {
         &self.layers
     }
 
+    /// The layers, taken out of the model (for callers that drive the layers themselves, such
+    /// as FSDP on device, which swaps each Linear's parameters for gathered ones).
+    pub fn into_layers(self) -> Vec<DeviceLayer> {
+        self.layers
+    }
+
     /// A `[rows, 1]` column of ones, reused while the batch size stays the same.
     fn ones(&mut self, rows: usize) -> DeviceResult<()> {
         if self.ones.as_ref().is_none_or(|o| o.shape() != [rows, 1]) {

@@ -41,6 +41,7 @@
 pub mod blas;
 mod device;
 mod error;
+mod interop;
 mod kernels;
 mod nn_ops;
 mod ops;
@@ -49,6 +50,7 @@ mod tensor;
 pub use blas::{Transpose, gemm, gemm_strided_batched, matmul};
 pub use device::{CudaDevice, device_count, probe};
 pub use error::{CudaError, CudaResult, Library, Unavailable};
+pub use interop::{FlatRange, copy_in_ranges, copy_out_ranges};
 pub use kernels::{KERNEL_NAMES, KernelImage, compile_kernels};
 pub use nn_ops::{
     AdamWStep, CrossEntropyOutput, LayerNormOutput, TokenIndex, adamw_, causal_softmax_,
