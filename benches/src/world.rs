@@ -90,6 +90,129 @@ pub fn run_rank_processes(
     prefix: &str,
 ) -> Result<Vec<String>, String> {
     use std::io::{BufRead, BufReader};
+
+    let mut children = spawn_ranks(world, args, rank_var, env)?;
+    let mut lines = Vec::new();
+    let mut read_error = None;
+    if let Some(stdout) = children[0].stdout.take() {
+        for line in BufReader::new(stdout).lines() {
+            match line {
+                Ok(line) => {
+                    if let Some(rest) = line.strip_prefix(prefix) {
+                        lines.push(rest.to_string());
+                    }
+                }
+                Err(e) => read_error = Some(format!("rank 0 output: {e}")),
+            }
+        }
+    }
+    let mut failed = Vec::new();
+    for (rank, mut child) in children.into_iter().enumerate() {
+        match child.wait() {
+            Ok(status) if status.success() => {}
+            Ok(status) => failed.push(format!("rank {rank}: {status}")),
+            Err(e) => failed.push(format!("rank {rank}: {e}")),
+        }
+    }
+    if !failed.is_empty() {
+        return Err(failed.join(", "));
+    }
+    read_error.map_or(Ok(lines), Err)
+}
+
+/// [`run_rank_processes`] under a deadline, for suites that must end in a fixed time (the GPU
+/// check): every rank still running at `deadline` after the start is killed, and so are the
+/// others as soon as one rank fails (they would wait for it until their own timeouts). The
+/// error names the failed or killed ranks.
+pub fn run_rank_processes_until(
+    world: usize,
+    args: &[String],
+    rank_var: &str,
+    env: &[(&str, &str)],
+    prefix: &str,
+    deadline: Duration,
+) -> Result<Vec<String>, String> {
+    use std::io::{BufRead, BufReader};
+
+    let started = std::time::Instant::now();
+    let mut children = spawn_ranks(world, args, rank_var, env)?;
+    // Rank 0's output is read on a thread, so a full pipe never blocks it and the loop below
+    // can watch the clock.
+    let reader = children[0].stdout.take().map(|stdout| {
+        let prefix = prefix.to_string();
+        std::thread::spawn(move || {
+            let mut lines = Vec::new();
+            for line in BufReader::new(stdout).lines() {
+                match line {
+                    Ok(line) => {
+                        if let Some(rest) = line.strip_prefix(&prefix) {
+                            lines.push(rest.to_string());
+                        }
+                    }
+                    Err(e) => return Err(format!("rank 0 output: {e}")),
+                }
+            }
+            Ok(lines)
+        })
+    });
+    let mut status: Vec<Option<String>> = vec![None; world];
+    let mut failed = Vec::new();
+    loop {
+        for (rank, child) in children.iter_mut().enumerate() {
+            if status[rank].is_some() {
+                continue;
+            }
+            match child.try_wait() {
+                Ok(Some(exit)) if exit.success() => status[rank] = Some(String::new()),
+                Ok(Some(exit)) => {
+                    failed.push(format!("rank {rank}: {exit}"));
+                    status[rank] = Some(exit.to_string());
+                }
+                Ok(None) => {}
+                Err(e) => {
+                    failed.push(format!("rank {rank}: {e}"));
+                    status[rank] = Some(e.to_string());
+                }
+            }
+        }
+        let running: Vec<usize> = (0..world).filter(|&r| status[r].is_none()).collect();
+        if running.is_empty() {
+            break;
+        }
+        let late = started.elapsed() > deadline;
+        if late || !failed.is_empty() {
+            for &rank in &running {
+                let _ = children[rank].kill();
+                let _ = children[rank].wait();
+                failed.push(if late {
+                    format!("rank {rank}: killed after {deadline:?}")
+                } else {
+                    format!("rank {rank}: killed because another rank failed")
+                });
+            }
+            break;
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    let lines = match reader.map(|r| r.join()) {
+        Some(Ok(lines)) => lines,
+        Some(Err(_)) => Err("the reader of rank 0's output panicked".to_string()),
+        None => Ok(Vec::new()),
+    };
+    if !failed.is_empty() {
+        return Err(failed.join(", "));
+    }
+    lines
+}
+
+/// Starts the rank processes of [`run_rank_processes`] (rank 0's standard output piped, the
+/// others' discarded); if one cannot be started, kills the ones already started.
+fn spawn_ranks(
+    world: usize,
+    args: &[String],
+    rank_var: &str,
+    env: &[(&str, &str)],
+) -> Result<Vec<std::process::Child>, String> {
     use std::process::{Command, Stdio};
 
     // A free port for the store: bind port 0, read it, release it for rank 0 to take.
@@ -127,32 +250,10 @@ pub fn run_rank_processes(
             }
         }
     }
-    let mut lines = Vec::new();
-    let mut read_error = None;
-    if let Some(stdout) = children[0].stdout.take() {
-        for line in BufReader::new(stdout).lines() {
-            match line {
-                Ok(line) => {
-                    if let Some(rest) = line.strip_prefix(prefix) {
-                        lines.push(rest.to_string());
-                    }
-                }
-                Err(e) => read_error = Some(format!("rank 0 output: {e}")),
-            }
-        }
+    if children.is_empty() {
+        return Err("a world of 0 ranks".to_string());
     }
-    let mut failed = Vec::new();
-    for (rank, mut child) in children.into_iter().enumerate() {
-        match child.wait() {
-            Ok(status) if status.success() => {}
-            Ok(status) => failed.push(format!("rank {rank}: {status}")),
-            Err(e) => failed.push(format!("rank {rank}: {e}")),
-        }
-    }
-    if !failed.is_empty() {
-        return Err(failed.join(", "));
-    }
-    read_error.map_or(Ok(lines), Err)
+    Ok(children)
 }
 
 #[cfg(test)]
@@ -166,6 +267,64 @@ mod tests {
         assert_eq!(max_over_ranks(&per_rank, 1), vec![ms(3), ms(5)]);
         assert_eq!(max_over_ranks(&per_rank, 5), Vec::<Duration>::new());
         assert!(max_over_ranks(&[], 0).is_empty());
+    }
+
+    /// Both sides of [`run_rank_processes_until`]'s test: with `RANK_MODE` set this process is
+    /// a rank (this test binary re-executed with a filter that selects only this test) and
+    /// behaves as the mode says; without it, it is the parent and checks the three outcomes.
+    #[test]
+    fn ranks_under_a_deadline() {
+        const MODE: &str = "HYPERSHARD_WORLD_TEST_MODE";
+        if let Ok(mode) = std::env::var(MODE) {
+            let rank: usize = std::env::var("RANK").unwrap().parse().unwrap();
+            match (mode.as_str(), rank) {
+                ("sleep", _) => std::thread::sleep(Duration::from_secs(30)),
+                ("fail1", 1) => std::process::exit(3),
+                ("fail1", _) => std::thread::sleep(Duration::from_secs(30)),
+                // libtest has printed `test NAME ... ` without a newline.
+                _ => println!(
+                    "\nROW rank {rank} of {}",
+                    std::env::var("WORLD_SIZE").unwrap()
+                ),
+            }
+            return;
+        }
+        let args: Vec<String> = [
+            "--exact",
+            "world::tests::ranks_under_a_deadline",
+            "--nocapture",
+            "--test-threads",
+            "1",
+        ]
+        .iter()
+        .map(|s| s.to_string())
+        .collect();
+        let run = |mode: &str, deadline: Duration| {
+            let started = std::time::Instant::now();
+            let out = run_rank_processes_until(
+                3,
+                &args,
+                "HYPERSHARD_WORLD_TEST_RANK",
+                &[(MODE, mode)],
+                "ROW ",
+                deadline,
+            );
+            (out, started.elapsed())
+        };
+        let (out, _) = run("ok", Duration::from_secs(60));
+        assert_eq!(out, Ok(vec!["rank 0 of 3".to_string()]));
+        let (out, took) = run("sleep", Duration::from_millis(300));
+        let err = out.unwrap_err();
+        assert!(err.contains("rank 2: killed after"), "{err}");
+        assert!(took < Duration::from_secs(20), "{took:?}");
+        let (out, took) = run("fail1", Duration::from_secs(60));
+        let err = out.unwrap_err();
+        assert!(err.contains("rank 1: exit status: 3"), "{err}");
+        assert!(
+            err.contains("rank 0: killed because another rank failed"),
+            "{err}"
+        );
+        assert!(took < Duration::from_secs(20), "{took:?}");
     }
 
     #[test]
