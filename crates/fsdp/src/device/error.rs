@@ -49,6 +49,15 @@ pub enum DeviceFsdpError {
         /// The communicator's backend.
         backend: &'static str,
     },
+    /// nn's device model has a layer kind FSDP on device does not drive (only Linear and
+    /// ReLU).
+    #[error("rank {rank}: layer {index} is neither a Linear nor a ReLU")]
+    UnsupportedLayer {
+        /// This rank.
+        rank: usize,
+        /// The layer's index in the `Sequential`.
+        index: usize,
+    },
     /// `layers_per_group` was 0.
     #[error("rank {rank}: layers_per_group must be at least 1")]
     ZeroGroupSize {

@@ -12,7 +12,9 @@ use hypershard_tensor::cuda::{CudaDevice, CudaTensor, copy_in_ranges, copy_out_r
 use hypershard_tensor::{DType, Tensor};
 
 use super::error::{DeviceFsdpError, DeviceFsdpResult};
-use super::plan::{GroupPlan, LinearShape, Staging, plan_groups, uses_device_buffers};
+use super::plan::{
+    Action, GroupPlan, Held, LinearShape, Schedule, Staging, plan_groups, uses_device_buffers,
+};
 use crate::bridge::comm_dtype;
 
 /// How [`DeviceFsdpMlp`] shards and schedules.
@@ -123,6 +125,11 @@ pub struct DeviceFsdpMlp {
     device_buffers: bool,
     layers: Vec<Layer>,
     groups: Vec<Group>,
+    /// Each group's layers `[start, end)`: from its first Linear (the model's first layer for
+    /// group 0) to the next group's first Linear (the model's end for the last group).
+    spans: Vec<(usize, usize)>,
+    /// The index of the model's first Linear.
+    first_linear: usize,
     /// Activations of the last forward: slot 0 is the input, then one per Linear.
     slots: Vec<CudaTensor>,
     /// For each layer, the slot of its input.
@@ -228,7 +235,8 @@ impl DeviceFsdpMlp {
                     });
                     layers.push(Layer::Linear { linear, group: 0 });
                 }
-                _ => layers.push(Layer::Relu),
+                DeviceLayer::Relu => layers.push(Layer::Relu),
+                _ => return Err(DeviceFsdpError::UnsupportedLayer { rank, index }),
             }
         }
         let plans = plan_groups(&shapes, config.layers_per_group, world, storage, rank)?;
@@ -251,6 +259,24 @@ impl DeviceFsdpMlp {
                 reducing: None,
             });
         }
+        let first_layer = |g: usize| {
+            layers
+                .iter()
+                .position(|l| matches!(l, Layer::Linear { group, .. } if *group == g))
+                .unwrap_or(layers.len())
+        };
+        let spans: Vec<(usize, usize)> = (0..groups.len())
+            .map(|g| {
+                let start = if g == 0 { 0 } else { first_layer(g) };
+                let end = if g + 1 < groups.len() {
+                    first_layer(g + 1)
+                } else {
+                    layers.len()
+                };
+                (start, end)
+            })
+            .collect();
+        let first_linear = first_layer(0);
         let mut model = DeviceFsdpMlp {
             device: device.clone(),
             comm,
@@ -262,6 +288,8 @@ impl DeviceFsdpMlp {
             device_buffers,
             layers,
             groups,
+            spans,
+            first_linear,
             slots: Vec::new(),
             inputs: Vec::new(),
             ones: None,
@@ -579,31 +607,108 @@ impl DeviceFsdpMlp {
         Ok(())
     }
 
-    /// After group `g`'s backward: with gradient sync, copy-in of its unsharded gradients
-    /// into a zero-padded flat buffer and the reduce-scatter (average) of it, left in flight;
-    /// then the gathered parameters are freed.
-    fn after_backward(&mut self, g: usize) -> DeviceFsdpResult<()> {
-        if self.sync_grads {
-            let numel = self.groups[g].plan.flat_numel();
-            let per_rank = self.groups[g].plan.per_rank;
-            let ranges = self.groups[g].plan.unshard_ranges()?;
-            let mut flat = CudaTensor::zeros(&self.device, &[numel], self.storage)?;
-            {
-                let linears = self.group_linears(g);
-                let mut parts: Vec<&CudaTensor> = Vec::with_capacity(2 * linears.len());
-                for linear in &linears {
-                    parts.push(&linear.grad_weight);
-                    if let Some(grad_bias) = &linear.grad_bias {
-                        parts.push(grad_bias);
+    /// After group `g`'s backward (with gradient sync): copy-in of its unsharded gradients
+    /// into a zero-padded flat buffer (the padding must be zero: it is reduced into the
+    /// shard's padding, which SGD then leaves at zero), the unsharded gradients freed, and the
+    /// reduce-scatter (average) left in flight while the earlier groups' backward runs.
+    fn reduce_grads(&mut self, g: usize) -> DeviceFsdpResult<()> {
+        let numel = self.groups[g].plan.flat_numel();
+        let per_rank = self.groups[g].plan.per_rank;
+        let ranges = self.groups[g].plan.unshard_ranges()?;
+        let mut flat = CudaTensor::zeros(&self.device, &[numel], self.storage)?;
+        {
+            let linears = self.group_linears(g);
+            let mut parts: Vec<&CudaTensor> = Vec::with_capacity(2 * linears.len());
+            for linear in &linears {
+                parts.push(&linear.grad_weight);
+                if let Some(grad_bias) = &linear.grad_bias {
+                    parts.push(grad_bias);
+                }
+            }
+            copy_in_ranges(&mut flat, &parts, &ranges)?;
+        }
+        self.free_full_grads(g)?;
+        let work = self.start("reduce_scatter", g, flat, per_rank, Some(ReduceOp::Avg))?;
+        self.groups[g].reducing = Some(work);
+        Ok(())
+    }
+
+    /// The groups' state as the schedule sees it.
+    fn held(&self) -> Vec<Held> {
+        self.groups
+            .iter()
+            .map(|g| match g.params {
+                Params::Unsharded => Held::Unsharded,
+                Params::Sharded | Params::Gathering(_) => Held::Sharded,
+            })
+            .collect()
+    }
+
+    fn schedule(&self) -> Schedule {
+        Schedule {
+            prefetch: self.config.prefetch,
+            reshard_after_forward: self.config.reshard_after_forward,
+        }
+    }
+
+    /// Runs one communication or memory action of the schedule (the computations are run by
+    /// the passes themselves).
+    fn run(&mut self, action: Action) -> DeviceFsdpResult<()> {
+        match action {
+            Action::Gather(g) => self.issue_gather(g),
+            Action::Unshard(g) => self.gather(g),
+            Action::Reduce(g) => self.reduce_grads(g),
+            Action::Reshard(g) => self.reshard(g),
+            // Not reached: forward and backward run their own computations.
+            Action::Compute(_) => Ok(()),
+        }
+    }
+
+    /// Group `g`'s layers in the forward pass: from its first Linear (from the model's start
+    /// for group 0) to the next group's first Linear, ReLUs included.
+    fn forward_group(&mut self, g: usize) -> DeviceFsdpResult<()> {
+        let (start, end) = self.spans[g];
+        for index in start..end {
+            let slot = self.slots.len() - 1;
+            self.inputs.push(slot);
+            match &self.layers[index] {
+                Layer::Linear { linear, .. } => {
+                    let ones = self
+                        .ones
+                        .as_ref()
+                        .ok_or(DeviceFsdpError::BackwardBeforeForward { rank: self.rank })?;
+                    let y = linear.forward(&self.slots[slot], ones)?;
+                    self.slots.push(y);
+                }
+                Layer::Relu => self.slots[slot].relu_()?,
+            }
+        }
+        Ok(())
+    }
+
+    /// Group `g`'s layers in the backward pass, in reverse, accumulating their unsharded
+    /// gradients (zeroed first unless kept from a backward without sync). Layers before the
+    /// model's first Linear need no backward; the first Linear computes no input gradient.
+    fn backward_group(&mut self, g: usize, grad: &mut CudaTensor) -> DeviceFsdpResult<()> {
+        self.ensure_full_grads(g)?;
+        let (start, end) = self.spans[g];
+        let first_linear = self.first_linear;
+        for index in (start.max(first_linear)..end).rev() {
+            let input = &self.slots[self.inputs[index]];
+            match &mut self.layers[index] {
+                Layer::Relu => grad.relu_grad_(input)?,
+                Layer::Linear { linear, .. } => {
+                    let ones = self
+                        .ones
+                        .as_ref()
+                        .ok_or(DeviceFsdpError::BackwardBeforeForward { rank: self.rank })?;
+                    if let Some(dx) = linear.backward(input, grad, ones, index > first_linear)? {
+                        *grad = dx;
                     }
                 }
-                copy_in_ranges(&mut flat, &parts, &ranges)?;
             }
-            self.free_full_grads(g)?;
-            let work = self.start("reduce_scatter", g, flat, per_rank, Some(ReduceOp::Avg))?;
-            self.groups[g].reducing = Some(work);
         }
-        self.reshard(g)
+        Ok(())
     }
 
     /// Waits for every reduce-scatter in flight and accumulates its output into the group's
@@ -679,44 +784,12 @@ impl DeviceFsdpMlp {
         } else {
             input.to_dtype(self.compute)?
         });
-        let last_group = self.groups.len().saturating_sub(1);
-        let mut current: Option<usize> = None;
-        for index in 0..self.layers.len() {
-            if let Layer::Linear { group, .. } = &self.layers[index] {
-                let g = *group;
-                if current != Some(g) {
-                    if let Some(done) = current
-                        && self.config.reshard_after_forward
-                        && done != last_group
-                    {
-                        self.reshard(done)?;
-                    }
-                    self.gather(g)?;
-                    if self.config.prefetch && g + 1 < self.groups.len() {
-                        self.issue_gather(g + 1)?;
-                    }
-                    current = Some(g);
-                }
+        let mut held = self.held();
+        for action in self.schedule().forward(&mut held) {
+            match action {
+                Action::Compute(g) => self.forward_group(g)?,
+                other => self.run(other)?,
             }
-            let slot = self.slots.len() - 1;
-            self.inputs.push(slot);
-            match &self.layers[index] {
-                Layer::Linear { linear, .. } => {
-                    let ones = self
-                        .ones
-                        .as_ref()
-                        .ok_or(DeviceFsdpError::BackwardBeforeForward { rank: self.rank })?;
-                    let y = linear.forward(&self.slots[slot], ones)?;
-                    self.slots.push(y);
-                }
-                Layer::Relu => self.slots[slot].relu_()?,
-            }
-        }
-        if let Some(done) = current
-            && self.config.reshard_after_forward
-            && done != last_group
-        {
-            self.reshard(done)?;
         }
         let last = self.slots.len() - 1;
         Ok(&self.slots[last])
@@ -743,43 +816,12 @@ impl DeviceFsdpMlp {
                 last.dtype(),
             ));
         }
-        let first_linear = self
-            .layers
-            .iter()
-            .position(|l| matches!(l, Layer::Linear { .. }))
-            .unwrap_or(self.layers.len());
-        let mut current: Option<usize> = None;
-        for index in (first_linear..self.layers.len()).rev() {
-            if let Layer::Linear { group, .. } = &self.layers[index] {
-                let g = *group;
-                if current != Some(g) {
-                    if let Some(done) = current {
-                        self.after_backward(done)?;
-                    }
-                    self.gather(g)?;
-                    self.ensure_full_grads(g)?;
-                    if self.config.prefetch && g > 0 {
-                        self.issue_gather(g - 1)?;
-                    }
-                    current = Some(g);
-                }
+        let mut held = self.held();
+        for action in self.schedule().backward(&mut held, self.sync_grads) {
+            match action {
+                Action::Compute(g) => self.backward_group(g, &mut grad)?,
+                other => self.run(other)?,
             }
-            let input = &self.slots[self.inputs[index]];
-            match &mut self.layers[index] {
-                Layer::Relu => grad.relu_grad_(input)?,
-                Layer::Linear { linear, .. } => {
-                    let ones = self
-                        .ones
-                        .as_ref()
-                        .ok_or(DeviceFsdpError::BackwardBeforeForward { rank: self.rank })?;
-                    if let Some(dx) = linear.backward(input, &grad, ones, index > first_linear)? {
-                        grad = dx;
-                    }
-                }
-            }
-        }
-        if let Some(done) = current {
-            self.after_backward(done)?;
         }
         self.slots.clear();
         self.inputs.clear();

@@ -230,6 +230,102 @@ pub(crate) fn plan_groups(
     Ok(groups)
 }
 
+/// Whether a group's parameters are gathered, as the schedule sees it (an all-gather in
+/// flight counts as sharded until its [`Action::Unshard`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Held {
+    /// Only the shard exists.
+    Sharded,
+    /// The Linear layers hold the gathered parameters.
+    Unsharded,
+}
+
+/// One step of a forward or backward pass over the groups, in the order the model runs them.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Action {
+    /// Issue group `g`'s all-gather (copy-in and the collective, left in flight).
+    Gather(usize),
+    /// Wait for group `g`'s all-gather (issuing it first if it was not) and copy its
+    /// parameters out of the flat buffer.
+    Unshard(usize),
+    /// Run group `g`'s layers (in reverse for the backward).
+    Compute(usize),
+    /// Copy group `g`'s gradients into a flat buffer and issue its reduce-scatter.
+    Reduce(usize),
+    /// Free group `g`'s gathered parameters.
+    Reshard(usize),
+}
+
+/// The order of collectives and computation of FSDP on device, decided on the host from the
+/// groups' state, so that the model runs exactly what the unit tests check.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct Schedule {
+    /// Issue the next group's all-gather before computing the current one.
+    pub prefetch: bool,
+    /// Free each group but the last after its forward.
+    pub reshard_after_forward: bool,
+}
+
+impl Schedule {
+    /// The forward pass, groups in order; `held` is updated to the state after it.
+    pub fn forward(&self, held: &mut [Held]) -> Vec<Action> {
+        let n = held.len();
+        let mut actions = Vec::with_capacity(4 * n);
+        let mut issued = vec![false; n];
+        for g in 0..n {
+            self.unshard(g, held, &mut issued, &mut actions);
+            if self.prefetch && g + 1 < n {
+                Self::prefetch(g + 1, held, &mut issued, &mut actions);
+            }
+            actions.push(Action::Compute(g));
+            if self.reshard_after_forward && g + 1 < n {
+                actions.push(Action::Reshard(g));
+                held[g] = Held::Sharded;
+            }
+        }
+        actions
+    }
+
+    /// The backward pass, groups in reverse; every group ends sharded, with its gradients
+    /// reduce-scattered when `sync`.
+    pub fn backward(&self, held: &mut [Held], sync: bool) -> Vec<Action> {
+        let n = held.len();
+        let mut actions = Vec::with_capacity(5 * n);
+        let mut issued = vec![false; n];
+        for g in (0..n).rev() {
+            self.unshard(g, held, &mut issued, &mut actions);
+            if self.prefetch && g > 0 {
+                Self::prefetch(g - 1, held, &mut issued, &mut actions);
+            }
+            actions.push(Action::Compute(g));
+            if sync {
+                actions.push(Action::Reduce(g));
+            }
+            actions.push(Action::Reshard(g));
+            held[g] = Held::Sharded;
+        }
+        actions
+    }
+
+    fn unshard(&self, g: usize, held: &mut [Held], issued: &mut [bool], actions: &mut Vec<Action>) {
+        if held[g] == Held::Sharded {
+            if !issued[g] {
+                actions.push(Action::Gather(g));
+            }
+            actions.push(Action::Unshard(g));
+            held[g] = Held::Unsharded;
+            issued[g] = false;
+        }
+    }
+
+    fn prefetch(g: usize, held: &[Held], issued: &mut [bool], actions: &mut Vec<Action>) {
+        if held[g] == Held::Sharded && !issued[g] {
+            actions.push(Action::Gather(g));
+            issued[g] = true;
+        }
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -391,5 +487,143 @@ mod tests {
                 }
             }
         }
+    }
+    /// Runs one forward and one backward from all-sharded and checks the schedule's
+    /// invariants: every computation sees its group gathered, every unshard consumes one
+    /// gather, prefetches come before the computation they overlap, at most two groups are
+    /// gathered at once, and everything ends sharded.
+    #[test]
+    fn schedule_gathers_before_compute_and_frees_after() {
+        for n in 1usize..6 {
+            for prefetch in [false, true] {
+                for reshard_after_forward in [false, true] {
+                    for sync in [false, true] {
+                        let schedule = Schedule {
+                            prefetch,
+                            reshard_after_forward,
+                        };
+                        let mut held = vec![Held::Sharded; n];
+                        let forward = schedule.forward(&mut held);
+                        let after_forward = held.clone();
+                        let backward = schedule.backward(&mut held, sync);
+                        let label = format!(
+                            "{n} groups, prefetch {prefetch}, reshard {reshard_after_forward}, sync {sync}"
+                        );
+                        assert_eq!(held, vec![Held::Sharded; n], "{label}");
+                        let gathers = |a: &[Action]| {
+                            a.iter().filter(|x| matches!(x, Action::Gather(_))).count()
+                        };
+                        let reduces = backward
+                            .iter()
+                            .filter(|x| matches!(x, Action::Reduce(_)))
+                            .count();
+                        // The counts the device test asserts per step.
+                        let expected = if reshard_after_forward { 2 * n - 1 } else { n };
+                        assert_eq!(gathers(&forward) + gathers(&backward), expected, "{label}");
+                        assert_eq!(gathers(&forward), n, "{label}");
+                        assert_eq!(reduces, if sync { n } else { 0 }, "{label}");
+                        assert!(!forward.iter().any(|x| matches!(x, Action::Reduce(_))));
+                        // Only the last group stays gathered after the forward when resharding.
+                        for (g, state) in after_forward.iter().enumerate() {
+                            let kept = !reshard_after_forward || g + 1 == n;
+                            assert_eq!(*state == Held::Unsharded, kept, "{label}: group {g}");
+                        }
+                        let mut gathered = vec![false; n];
+                        let mut in_flight = vec![false; n];
+                        let mut computed = Vec::new();
+                        let mut seen_reduce = vec![false; n];
+                        for (pass, actions) in [(0, &forward), (1, &backward)] {
+                            for (i, action) in actions.iter().enumerate() {
+                                match *action {
+                                    Action::Gather(g) => {
+                                        assert!(!gathered[g] && !in_flight[g], "{label}: {i}");
+                                        in_flight[g] = true;
+                                    }
+                                    Action::Unshard(g) => {
+                                        assert!(
+                                            in_flight[g],
+                                            "{label}: unshard {g} without gather"
+                                        );
+                                        in_flight[g] = false;
+                                        gathered[g] = true;
+                                    }
+                                    Action::Compute(g) => {
+                                        assert!(gathered[g], "{label}: compute {g} sharded");
+                                        computed.push((pass, g));
+                                        if prefetch {
+                                            // The group computed next is gathered or in flight.
+                                            let next = if pass == 0 {
+                                                (g + 1 < n).then_some(g + 1)
+                                            } else {
+                                                g.checked_sub(1)
+                                            };
+                                            if let Some(next) = next {
+                                                assert!(
+                                                    gathered[next] || in_flight[next],
+                                                    "{label}: no prefetch of {next} before {g}"
+                                                );
+                                            }
+                                        }
+                                    }
+                                    Action::Reduce(g) => {
+                                        assert_eq!(pass, 1);
+                                        assert_eq!(computed.last(), Some(&(1, g)), "{label}");
+                                        assert!(!seen_reduce[g]);
+                                        seen_reduce[g] = true;
+                                    }
+                                    Action::Reshard(g) => {
+                                        assert!(gathered[g], "{label}: reshard {g} twice");
+                                        gathered[g] = false;
+                                    }
+                                }
+                                let live = gathered.iter().filter(|&&x| x).count()
+                                    + in_flight.iter().filter(|&&x| x).count();
+                                if reshard_after_forward {
+                                    assert!(live <= 2, "{label}: {live} groups gathered at once");
+                                }
+                            }
+                        }
+                        let order: Vec<(usize, usize)> = (0..n)
+                            .map(|g| (0, g))
+                            .chain((0..n).rev().map(|g| (1, g)))
+                            .collect();
+                        assert_eq!(computed, order, "{label}");
+                        assert!(
+                            in_flight.iter().all(|x| !x),
+                            "{label}: a gather left in flight"
+                        );
+                    }
+                }
+            }
+        }
+        // A second step from the state the first left behind runs the same actions.
+        let schedule = Schedule {
+            prefetch: true,
+            reshard_after_forward: true,
+        };
+        let mut held = vec![Held::Sharded; 4];
+        let first = schedule.forward(&mut held);
+        schedule.backward(&mut held, true);
+        assert_eq!(schedule.forward(&mut held), first);
+        assert_eq!(
+            first,
+            vec![
+                Action::Gather(0),
+                Action::Unshard(0),
+                Action::Gather(1),
+                Action::Compute(0),
+                Action::Reshard(0),
+                Action::Unshard(1),
+                Action::Gather(2),
+                Action::Compute(1),
+                Action::Reshard(1),
+                Action::Unshard(2),
+                Action::Gather(3),
+                Action::Compute(2),
+                Action::Reshard(2),
+                Action::Unshard(3),
+                Action::Compute(3),
+            ]
+        );
     }
 }
