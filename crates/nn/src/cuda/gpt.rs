@@ -665,15 +665,15 @@ impl DeviceGpt {
     /// The backward pass from the gradient of the last forward's logits (`[B, T, V]`, f32).
     pub fn backward_from(&mut self, grad_logits: CudaTensor) -> DeviceResult<()> {
         const OP: &str = "DeviceGpt::backward_from";
-        let cache = self
+        // The checks read the cache without taking it, so a rejected gradient leaves the
+        // forward's activations in place for a correct one.
+        let (batch, seq) = self
             .cache
-            .take()
+            .as_ref()
+            .map(|cache| (cache.batch, cache.seq))
             .ok_or(DeviceError::BackwardBeforeForward {
                 module: "DeviceGpt",
             })?;
-        self.logits = None;
-        self.loss_grad = None;
-        let (batch, seq) = (cache.batch, cache.seq);
         let (c, v) = (self.config.n_embd, self.config.vocab_size);
         if grad_logits.dtype() != DType::F32 {
             return Err(DeviceError::DTypeMismatch {
@@ -689,6 +689,14 @@ impl DeviceGpt {
                 actual: grad_logits.shape().to_vec(),
             });
         }
+        let cache = self
+            .cache
+            .take()
+            .ok_or(DeviceError::BackwardBeforeForward {
+                module: "DeviceGpt",
+            })?;
+        self.logits = None;
+        self.loss_grad = None;
         let dims = Dims {
             batch,
             seq,

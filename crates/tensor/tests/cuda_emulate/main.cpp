@@ -1,0 +1,204 @@
+// Checks of the GPT kernels of kernels.cu, compiled for the host with prelude.h (see run.sh):
+// each kernel against a straightforward host reference of the CPU formula.
+#include "prelude.h"
+#include "gpt_kernels.inc"
+#include <cstdio>
+#include <random>
+#include <fstream>
+
+static int failures = 0;
+#define CHECK(cond, ...) do { if (!(cond)) { ++failures; std::printf("FAIL: " __VA_ARGS__); std::printf("\n"); } } while (0)
+
+std::vector<float> rnd(size_t n, float lo, float hi, unsigned seed) {
+    std::mt19937 g(seed); std::uniform_real_distribution<float> d(lo, hi);
+    std::vector<float> v(n); for (auto& x : v) x = d(g); return v;
+}
+
+void test_gelu() {
+    std::ifstream f("gelu.bin", std::ios::binary);
+    size_t n = 400000;
+    std::vector<float> x(n), g(n), y(n), dx(n), yd(n), dxd(n);
+    f.read((char*)x.data(), 4 * n); f.read((char*)g.data(), 4 * n);
+    f.read((char*)y.data(), 4 * n); f.read((char*)dx.data(), 4 * n);
+    // Few blocks: each thread takes many elements through the grid-stride loop.
+    launch(3, 256, [&] { gelu_f32(yd.data(), x.data(), n); });
+    launch(5, 256, [&] { gelu_grad_f32(dxd.data(), g.data(), x.data(), n); });
+    size_t bad_y = 0, bad_dx = 0;
+    for (size_t i = 0; i < n; ++i) {
+        if (__float_as_uint(y[i]) != __float_as_uint(yd[i])) { if (bad_y++ < 3) std::printf("gelu x=%.9g cpu %.9g emu %.9g\n", x[i], y[i], yd[i]); }
+        if (__float_as_uint(dx[i]) != __float_as_uint(dxd[i])) { if (bad_dx++ < 3) std::printf("gelu' x=%.9g cpu %.9g emu %.9g\n", x[i], dx[i], dxd[i]); }
+    }
+    CHECK(bad_y == 0 && bad_dx == 0, "gelu: %zu forward and %zu backward differ from the Rust CPU bits", bad_y, bad_dx);
+    std::printf("gelu: %zu values compared bit for bit\n", n);
+}
+
+void test_layer_norm(size_t rows, size_t d, unsigned grid, bool has_bias) {
+    auto x = rnd(rows * d, 2, 4, 1), w = rnd(d, 0.5, 1.5, 2), b = rnd(d, -1, 1, 3), g = rnd(rows * d, -1, 1, 4);
+    std::vector<float> out(rows * d), xhat(rows * d), rstd(rows), dx(rows * d), dw(d, 0.25f), db(d, -0.5f);
+    float inv_d = (float)(1.0 / d), eps = (float)1e-5;
+    launch(grid, 256, [&] { layer_norm_f32(out.data(), xhat.data(), rstd.data(), x.data(), w.data(), b.data(), has_bias, rows, d, inv_d, eps); });
+    launch(grid, 256, [&] { layer_norm_backward_f32(dx.data(), g.data(), xhat.data(), rstd.data(), w.data(), rows, d, inv_d); });
+    launch(1, 256, [&] { layer_norm_param_grad_f32(dw.data(), has_bias ? db.data() : nullptr, g.data(), xhat.data(), has_bias, rows, d); });
+    double worst = 0, worst_dx = 0;
+    std::vector<double> dw_ref(d, 0.25), db_ref(d, -0.5);
+    for (size_t r = 0; r < rows; ++r) {
+        double mean = 0; for (size_t j = 0; j < d; ++j) mean += x[r * d + j]; mean /= d;
+        double var = 0; for (size_t j = 0; j < d; ++j) var += (x[r * d + j] - mean) * (x[r * d + j] - mean); var /= d;
+        double rs = 1 / std::sqrt(var + 1e-5);
+        double sg = 0, sgx = 0;
+        std::vector<double> xh(d);
+        for (size_t j = 0; j < d; ++j) {
+            xh[j] = (x[r * d + j] - mean) * rs;
+            double o = xh[j] * w[j] + (has_bias ? b[j] : 0);
+            worst = std::max(worst, std::fabs(o - out[r * d + j]));
+            double gh = g[r * d + j] * (double)w[j]; sg += gh; sgx += gh * xh[j];
+            dw_ref[j] += g[r * d + j] * xh[j]; db_ref[j] += g[r * d + j];
+        }
+        CHECK(std::fabs(rs - rstd[r]) < 1e-5 * rs, "ln rstd row %zu", r);
+        for (size_t j = 0; j < d; ++j) {
+            double want = rs * (g[r * d + j] * (double)w[j] - sg / d - xh[j] * sgx / d);
+            worst_dx = std::max(worst_dx, std::fabs(want - dx[r * d + j]));
+        }
+    }
+    double worst_dw = 0, worst_db = 0;
+    for (size_t j = 0; j < d; ++j) { worst_dw = std::max(worst_dw, std::fabs(dw_ref[j] - dw[j])); worst_db = std::max(worst_db, std::fabs(db_ref[j] - db[j])); }
+    CHECK(worst < 1e-4 && worst_dx < 1e-3 && worst_dw < 1e-3 && (!has_bias || worst_db < 1e-4),
+          "layer norm rows %zu d %zu: out %g dx %g dw %g db %g", rows, d, worst, worst_dx, worst_dw, worst_db);
+    if (!has_bias) CHECK(db[0] == -0.5f, "db written without a bias");
+    std::printf("layer norm rows %zu d %zu grid %u bias %d: max errors out %.2e dx %.2e dw %.2e db %.2e\n", rows, d, grid, has_bias, worst, worst_dx, worst_dw, has_bias ? worst_db : 0.0);
+}
+
+void test_softmax(size_t heads, size_t t, unsigned grid) {
+    size_t rows = heads * t;
+    auto s = rnd(rows * t, -8, 8, 5), g = rnd(rows * t, -1, 1, 6);
+    auto p = s;
+    float scale = (float)(1.0 / std::sqrt(12.0));
+    launch(grid, 256, [&] { causal_softmax_f32(p.data(), rows, t, scale); });
+    auto ds = g;
+    launch(grid, 256, [&] { causal_softmax_backward_f32(ds.data(), p.data(), rows, t, scale); });
+    double worst = 0, worst_ds = 0; bool masked_ok = true;
+    for (size_t r = 0; r < rows; ++r) {
+        size_t i = r % t;
+        double mx = -1e30; for (size_t j = 0; j <= i; ++j) mx = std::max(mx, (double)s[r * t + j] * scale);
+        double sum = 0; for (size_t j = 0; j <= i; ++j) sum += std::exp(s[r * t + j] * (double)scale - mx);
+        for (size_t j = 0; j < t; ++j) {
+            double want = j <= i ? std::exp(s[r * t + j] * (double)scale - mx) / sum : 0;
+            if (j > i && p[r * t + j] != 0.0f) masked_ok = false;
+            worst = std::max(worst, std::fabs(want - p[r * t + j]));
+        }
+        double dot = 0; for (size_t j = 0; j < t; ++j) dot += (double)p[r * t + j] * g[r * t + j];
+        for (size_t j = 0; j < t; ++j) worst_ds = std::max(worst_ds, std::fabs(scale * (double)p[r * t + j] * (g[r * t + j] - dot) - ds[r * t + j]));
+    }
+    CHECK(masked_ok && worst < 1e-6 && worst_ds < 1e-6, "softmax heads %zu t %zu: %g %g masked %d", heads, t, worst, worst_ds, masked_ok);
+    std::printf("softmax heads %zu t %zu grid %u: max errors p %.2e ds %.2e\n", heads, t, grid, worst, worst_ds);
+}
+
+void test_cross_entropy(size_t rows, size_t v, unsigned grid) {
+    auto x = rnd(rows * v, -6, 6, 7);
+    std::vector<long long> targets(rows);
+    std::mt19937 gen(8);
+    size_t counted = 0;
+    for (size_t r = 0; r < rows; ++r) { targets[r] = (r % 5 == 3) ? -1 : (long long)(gen() % v); counted += targets[r] >= 0; }
+    float scale = (float)(1.0 / counted);
+    std::vector<float> grad(rows * v, 7.0f); std::vector<double> loss(rows, 9.0);
+    launch(grid, 256, [&] { cross_entropy_f32(grad.data(), loss.data(), x.data(), targets.data(), rows, v, scale); });
+    double worst_g = 0, worst_l = 0;
+    for (size_t r = 0; r < rows; ++r) {
+        if (targets[r] < 0) {
+            for (size_t j = 0; j < v; ++j) CHECK(grad[r * v + j] == 0.0f, "ignored row %zu grad", r);
+            CHECK(loss[r] == 0.0, "ignored row loss");
+            continue;
+        }
+        double mx = -1e30; for (size_t j = 0; j < v; ++j) mx = std::max(mx, (double)x[r * v + j]);
+        double sum = 0; for (size_t j = 0; j < v; ++j) sum += std::exp(x[r * v + j] - mx);
+        double want_loss = std::log(sum) + mx - x[r * v + targets[r]];
+        worst_l = std::max(worst_l, std::fabs(want_loss - loss[r]));
+        for (size_t j = 0; j < v; ++j) {
+            double want = std::exp(x[r * v + j] - mx) / sum * scale - (j == (size_t)targets[r] ? scale : 0.0);
+            worst_g = std::max(worst_g, std::fabs(want - grad[r * v + j]));
+        }
+    }
+    CHECK(worst_l < 1e-5 && worst_g < 1e-7, "cross entropy rows %zu v %zu: loss %g grad %g", rows, v, worst_l, worst_g);
+    std::printf("cross entropy rows %zu v %zu grid %u: max errors loss %.2e grad %.2e\n", rows, v, grid, worst_l, worst_g);
+}
+
+void test_embedding() {
+    size_t batch = 3, seq = 11, v = 67, c = 24, p = 16, n = batch * seq;
+    auto wte = rnd(v * c, -1, 1, 9), wpe = rnd(p * c, -1, 1, 10), g = rnd(n * c, -1, 1, 11);
+    std::vector<long long> ids(n); std::mt19937 gen(12);
+    for (auto& id : ids) id = gen() % 13;
+    // The host's counting sort (nn_ops.rs positions_by_row), re-done here.
+    std::vector<long long> offsets(v + 1, 0), order(n);
+    for (auto id : ids) offsets[id + 1]++;
+    for (size_t k = 0; k < v; ++k) offsets[k + 1] += offsets[k];
+    std::vector<long long> next(offsets.begin(), offsets.end() - 1);
+    for (size_t pos = 0; pos < n; ++pos) order[next[ids[pos]]++] = pos;
+    std::vector<float> out(n * c);
+    launch(2, 256, [&] { embedding_f32(out.data(), wte.data(), wpe.data(), ids.data(), n, seq, c); });
+    bool ok = true;
+    for (size_t pos = 0; pos < n; ++pos) for (size_t col = 0; col < c; ++col)
+        ok &= out[pos * c + col] == wte[ids[pos] * c + col] + wpe[(pos % seq) * c + col];
+    CHECK(ok, "embedding forward");
+    auto gw = rnd(v * c, -1, 1, 13), gp = rnd(p * c, -1, 1, 14);
+    auto want_w = gw, want_p = gp;
+    std::vector<float> acc(v * c, 0.0f); std::vector<bool> used(v);
+    for (size_t pos = 0; pos < n; ++pos) { used[ids[pos]] = true; for (size_t col = 0; col < c; ++col) acc[ids[pos] * c + col] += g[pos * c + col]; }
+    for (size_t r = 0; r < v; ++r) if (used[r]) for (size_t col = 0; col < c; ++col) want_w[r * c + col] += acc[r * c + col];
+    for (size_t t = 0; t < seq; ++t) for (size_t col = 0; col < c; ++col) { float a = 0; for (size_t b = 0; b < batch; ++b) a += g[(b * seq + t) * c + col]; want_p[t * c + col] += a; }
+    launch(2, 256, [&] { embedding_backward_f32(gw.data(), g.data(), offsets.data(), order.data(), v, c); });
+    launch(1, 256, [&] { position_backward_f32(gp.data(), g.data(), batch, seq, c); });
+    CHECK(std::memcmp(gw.data(), want_w.data(), 4 * v * c) == 0, "embedding backward wte");
+    CHECK(std::memcmp(gp.data(), want_p.data(), 4 * p * c) == 0, "embedding backward wpe");
+    std::printf("embedding forward/backward compared bit for bit\n");
+}
+
+void test_heads() {
+    size_t batch = 3, seq = 5, h = 2, hd = 3, c = h * hd;
+    auto rows = rnd(batch * seq * 3 * c, -1, 1, 15);
+    std::vector<float> back(rows.size(), 0.0f);
+    for (size_t part = 0; part < 3; ++part) {
+        std::vector<float> heads(batch * h * seq * hd);
+        launch(1, 256, [&] { split_heads_f32(heads.data(), rows.data(), batch, seq, h, hd, part, 3); });
+        for (size_t b = 0; b < batch; ++b) for (size_t hh = 0; hh < h; ++hh) for (size_t t = 0; t < seq; ++t) for (size_t d = 0; d < hd; ++d)
+            CHECK(heads[((b * h + hh) * seq + t) * hd + d] == rows[(b * seq + t) * 3 * c + part * c + hh * hd + d], "split part %zu", part);
+        launch(1, 256, [&] { merge_heads_f32(back.data(), heads.data(), batch, seq, h, hd, part, 3); });
+    }
+    CHECK(back == rows, "merge of splits");
+    std::printf("heads split/merge exact\n");
+}
+
+void test_adamw() {
+    size_t n = 1001;
+    auto p = rnd(n, -1, 1, 16);
+    std::vector<float> m(n, 0), v(n, 0);
+    std::vector<double> pr(p.begin(), p.end()), mr(n, 0), vr(n, 0);
+    double lr = 1e-2, b1 = 0.9, b2 = 0.95, eps = 1e-8, wd = 0.1;
+    for (int step = 1; step <= 3; ++step) {
+        auto g = rnd(n, -1, 1, 16 + step);
+        double bc1 = 1 - std::pow(b1, step), bc2s = std::sqrt(1 - std::pow(b2, step));
+        launch(2, 256, [&] { adamw_f32(p.data(), m.data(), v.data(), g.data(), n, (float)(1 - lr * wd), (float)b1, (float)(1 - b1), (float)b2, (float)(1 - b2), (float)(lr / bc1), (float)bc2s, (float)eps); });
+        for (size_t i = 0; i < n; ++i) {
+            pr[i] *= 1 - lr * wd; mr[i] = b1 * mr[i] + (1 - b1) * g[i]; vr[i] = b2 * vr[i] + (1 - b2) * g[i] * g[i];
+            pr[i] -= lr / bc1 * mr[i] / (std::sqrt(vr[i]) / bc2s + eps);
+        }
+    }
+    double worst = 0; for (size_t i = 0; i < n; ++i) worst = std::max(worst, std::fabs(pr[i] - p[i]) / (std::fabs(pr[i]) + lr));
+    CHECK(worst < 30 * 6e-8, "adamw %g", worst);
+    std::printf("adamw: worst relative error %.2e\n", worst);
+}
+
+int main() {
+    test_gelu();
+    test_layer_norm(37, 24, 5, true);
+    test_layer_norm(29, 300, 29, true);
+    test_layer_norm(9, 700, 4, false);
+    test_softmax(6, 16, 7);
+    test_softmax(2, 300, 64);
+    test_cross_entropy(37, 67, 5);
+    test_cross_entropy(23, 1000, 23);
+    test_embedding();
+    test_heads();
+    test_adamw();
+    std::printf("%s (%d failures)\n", failures ? "FAILED" : "all passed", failures);
+    return failures != 0;
+}

@@ -1,0 +1,31 @@
+#!/usr/bin/env bash
+# Host emulation of the GPT kernels of src/cuda/kernels.cu, for machines without a GPU.
+#
+# The GPT section of the CUDA C is compiled as C++ (g++, no FMA contraction) against
+# prelude.h, which runs one OS thread per CUDA thread, one block at a time, with __syncthreads
+# as a std::barrier; main.cpp checks every GPT kernel against a host reference (GELU bit for
+# bit against the Rust CPU `Gelu`, dumped by nn's `gelu_reference` example), with grids
+# smaller than the work so the grid-stride and row loops run. Then the same checks run under
+# ThreadSanitizer, which fails on any race on the shared memory of the block reductions.
+# This checks the kernels' arithmetic and synchronisation, not the GPU itself.
+set -euo pipefail
+here="$(cd "$(dirname "$0")" && pwd)"
+root="$(cd "$here/../../../.." && pwd)"
+work="$(mktemp -d)"
+trap 'rm -rf "$work"' EXIT
+
+awk '/^\/\/ GPT layers for hypershard-nn/ { p = 1 } p' "$root/crates/tensor/src/cuda/kernels.cu" \
+    > "$work/gpt_kernels.inc"
+test -s "$work/gpt_kernels.inc"
+(cd "$root" && cargo run --quiet --locked -p hypershard-nn --example gelu_reference -- "$work/gelu.bin")
+cp "$here/prelude.h" "$here/main.cpp" "$work/"
+flags=(-std=c++20 -O1 -ffp-contract=off -fno-fast-math -pthread)
+g++ "${flags[@]}" -o "$work/emulate" "$work/main.cpp"
+(cd "$work" && ./emulate)
+g++ "${flags[@]}" -g -fsanitize=thread -o "$work/emulate-tsan" "$work/main.cpp"
+(cd "$work" && TSAN_OPTIONS="halt_on_error=1 exitcode=66" ./emulate-tsan > tsan.log 2>&1) || {
+    cat "$work/tsan.log"
+    echo "cuda_emulate: FAILED under ThreadSanitizer" >&2
+    exit 1
+}
+echo "cuda_emulate: ok (and no data race under ThreadSanitizer)"
