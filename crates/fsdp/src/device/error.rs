@@ -146,3 +146,45 @@ pub enum DeviceFsdpError {
 
 /// The result of FSDP on device.
 pub type DeviceFsdpResult<T> = std::result::Result<T, DeviceFsdpError>;
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn messages_name_the_rank_and_what_was_wrong() {
+        let error = DeviceFsdpError::BadTensor {
+            rank: 2,
+            op: "DeviceFsdpMlp::forward",
+            role: "input",
+            actual: vec![4, 38],
+            dtype: DType::F32,
+            expected: "[rows, 37]".to_string(),
+            expected_dtype: DType::BF16,
+        };
+        assert_eq!(
+            error.to_string(),
+            "rank 2: DeviceFsdpMlp::forward: input has shape [4, 38] and dtype float32, expected [rows, 37] in bfloat16"
+        );
+        let comm = DeviceFsdpError::Comm {
+            rank: 1,
+            op: "reduce_scatter",
+            group: 3,
+            source: hypershard_collectives::Error::InvalidWorldSize { size: 0 },
+        };
+        assert!(
+            comm.to_string()
+                .starts_with("rank 1: reduce_scatter of group 3 failed: "),
+            "{comm}"
+        );
+        assert!(std::error::Error::source(&comm).is_some());
+        assert_eq!(
+            DeviceFsdpError::DeviceBuffersUnsupported {
+                rank: 0,
+                backend: "tcp"
+            }
+            .to_string(),
+            "rank 0: the tcp backend takes host buffers only, so Staging::Device cannot be used"
+        );
+    }
+}

@@ -577,6 +577,18 @@ impl DeviceFsdpMlp {
             self.groups[g].params = params;
             return Ok(());
         };
+        let result = self.unshard_from(g, work);
+        if result.is_err() {
+            // The layers still hold the placeholders: the group stays sharded, so a later
+            // pass gathers it again instead of computing with empty parameters.
+            self.groups[g].params = Params::Sharded;
+        }
+        result
+    }
+
+    /// The second half of [`gather`](Self::gather): waits for `work` and copies the
+    /// parameters out of its output.
+    fn unshard_from(&mut self, g: usize, work: Work<BufferPair>) -> DeviceFsdpResult<()> {
         let numel = self.groups[g].plan.flat_numel();
         let flat = self.finish("all_gather", g, work, numel, self.compute)?;
         let ranges = self.groups[g].plan.unshard_ranges()?;
