@@ -20,23 +20,41 @@
 //! 5. Runs `cuda_mlp --bench`: the reference MLP's training step (8 × Linear(1024, 1024) +
 //!    ReLU, batch 32) timed on the device (f32, bf16) and on the CPU, written by the binary to
 //!    `target/bench/nn-cuda-mlp.json`.
-//! 6. Writes a summary to `target/bench/gpu-check.json`, with the benchmark's JSON in it.
+//! 6. Runs `bench-nccl` (hypershard-benches, feature `nccl`): the NCCL busbw sweep on one rank
+//!    per GPU, interleaved with its torch.distributed peer (`bench_nccl.py`, run by `python3`
+//!    or `$HYPERSHARD_TORCH_PYTHON`), into `target/bench/nccl.json`.
+//! 7. Writes a summary to `target/bench/gpu-check.json`, with the benchmarks' figures in it.
 //!
 //! A lent GPU machine has no Rust toolchain and no network, so step 3 can also run here:
-//! `cargo xtask gpu-check --bundle DIR` builds the test binaries and copies them, with this
-//! xtask binary, into `DIR`. On the GPU machine, `DIR/xtask gpu-check --prebuilt DIR` then
-//! runs steps 1, 2, 4 and 5 with those binaries (see docs/gpu.md).
+//! `cargo xtask gpu-check --bundle DIR` builds the binaries and copies them, with this xtask
+//! binary and the torch peer's script, into `DIR`. On the GPU machine,
+//! `DIR/xtask gpu-check --prebuilt DIR` then runs steps 1, 2 and 4 to 7 with those binaries
+//! (see docs/gpu.md).
 //!
-//! Every child gets a deadline so the whole check stays within five minutes.
+//! Every child gets a deadline, in its own process group (killed whole at the deadline, so
+//! no rank process outlives it), and the deadlines share one budget of [`TOTAL_BUDGET`], so
+//! the whole check on the device stays within five minutes.
 
 use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
-/// The most the build may take.
+/// The most the build may take when it runs on the GPU machine (plain `gpu-check`), where it
+/// spends device time.
 const BUILD_DEADLINE: Duration = Duration::from_secs(180);
+/// The most the build may take for `--bundle`, which runs here and spends no device time
+/// (a release build of the benches' dependencies takes minutes on a loaded 2-core machine).
+const BUNDLE_BUILD_DEADLINE: Duration = Duration::from_secs(1800);
 /// The most one test binary (or `nvidia-smi`) may take.
 const STEP_DEADLINE: Duration = Duration::from_secs(60);
+/// Everything after the build (nvidia-smi, the libraries, the device tests and the benches)
+/// shares this budget: each step's deadline is the smaller of its own and what is left.
+const TOTAL_BUDGET: Duration = Duration::from_secs(285);
+/// The least the NCCL sweep is given; with less left it is not started.
+const NCCL_BENCH_MIN: Duration = Duration::from_secs(30);
+/// The most the NCCL sweep is given (its own `--budget-s`, plus this margin for its exit).
+const NCCL_BENCH_MAX: Duration = Duration::from_secs(150);
+const NCCL_BENCH_MARGIN: Duration = Duration::from_secs(10);
 
 /// The device test binaries: (package, feature, test target).
 const DEVICE_TESTS: &[(&str, &str, &str)] = &[
@@ -44,6 +62,19 @@ const DEVICE_TESTS: &[(&str, &str, &str)] = &[
     ("hypershard-tensor", "cuda", "cuda"),
     ("hypershard-nn", "cuda", "cuda_mlp"),
 ];
+
+/// The device binaries other than tests: (package, feature, binary). Their features join the
+/// tests' in the one cargo call.
+const DEVICE_BINS: &[(&str, &str, &str)] = &[("hypershard-benches", "nccl", NCCL_BENCH)];
+
+/// The NCCL busbw sweep (`benches/src/bin/bench-nccl.rs`).
+const NCCL_BENCH: &str = "bench-nccl";
+
+/// The torch.distributed peer of [`NCCL_BENCH`], copied into the bundle beside it.
+const NCCL_PEER_SCRIPT: &str = "benches/python/bench_nccl.py";
+
+/// Where [`NCCL_BENCH`] writes its figures (given to it with `--json`).
+const NCCL_JSON: &str = "target/bench/nccl.json";
 
 /// The test binary that also times the reference MLP's step when given `--bench`.
 const BENCH_TEST: &str = "cuda_mlp";
@@ -62,14 +93,61 @@ fn bench_figures(path: &Path) -> serde_json::Value {
     }
 }
 
-/// Runs `command` to completion or kills it at `deadline`; `Ok(true)` when it exited 0.
+/// The part of the NCCL sweep's JSON that goes into the summary: the target, the comparison
+/// and what says how it was measured (the rows stay in [`NCCL_JSON`]); or why there is none.
+fn nccl_figures(path: &Path) -> serde_json::Value {
+    match bench_figures(path) {
+        serde_json::Value::Object(all) => {
+            let keep = [
+                "world",
+                "rounds",
+                "peers",
+                "peer_errors",
+                "notes",
+                "target",
+                "comparison",
+                "seconds",
+            ];
+            serde_json::Value::Object(
+                all.into_iter()
+                    .filter(|(key, _)| keep.contains(&key.as_str()))
+                    .collect(),
+            )
+        }
+        other => other,
+    }
+}
+
+/// The time left of a budget that started at `started`.
+fn left(started: Instant, budget: Duration) -> Duration {
+    budget.saturating_sub(started.elapsed())
+}
+
+/// Kills `child` and, since it leads its own process group, everything it started (rank
+/// processes, a python's workers).
+fn kill_group(child: &mut std::process::Child) {
+    // The group's id is the child's pid (`process_group(0)`); `kill -KILL -- -PGID` signals
+    // the whole group. If `kill` is missing, at least the child itself goes.
+    let _ = Command::new("kill")
+        .args(["-KILL", "--", &format!("-{}", child.id())])
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .status();
+    let _ = child.kill();
+    let _ = child.wait();
+}
+
+/// Runs `command` to completion or kills its process group at `deadline`; `Ok(true)` when it
+/// exited 0.
 fn run_with_deadline(
     name: &str,
     command: &mut Command,
     deadline: Duration,
 ) -> Result<bool, String> {
-    eprintln!("==> gpu-check: {name}");
+    use std::os::unix::process::CommandExt;
+    eprintln!("==> gpu-check: {name} (deadline {deadline:?})");
     let mut child = command
+        .process_group(0)
         .spawn()
         .map_err(|e| format!("{name}: cannot start: {e}"))?;
     let started = Instant::now();
@@ -77,8 +155,7 @@ fn run_with_deadline(
         match child.try_wait() {
             Ok(Some(status)) => return Ok(status.success()),
             Ok(None) if started.elapsed() > deadline => {
-                let _ = child.kill();
-                let _ = child.wait();
+                kill_group(&mut child);
                 return Err(format!("{name}: killed after {deadline:?}"));
             }
             Ok(None) => std::thread::sleep(Duration::from_millis(100)),
@@ -123,12 +200,53 @@ fn run_capturing(mut command: Command, deadline: Duration) -> Result<(bool, Stri
     Ok((status.success(), text))
 }
 
-/// Every `lib` folder of pip's `nvidia` namespace package, one and two levels down
-/// (`nvidia/cublas/lib`, `nvidia/cu13/lib`), for the `python3` on the path.
+/// The python whose pip wheels are searched and which runs the torch peer: `python3`, or
+/// `$HYPERSHARD_TORCH_PYTHON`.
+fn python() -> String {
+    std::env::var("HYPERSHARD_TORCH_PYTHON").unwrap_or_else(|_| "python3".to_string())
+}
+
+/// The script [`wheel_lib_dirs`] runs: every `nvidia/<wheel>/lib` folder (pip's CUDA 12 layout,
+/// `nvidia/cublas/lib`, ..., and CUDA 13's, `nvidia/cu13/lib` and `nvidia/nccl/lib`) under each
+/// of python's site-packages folders as `site` reports them (`site.getsitepackages()` and the
+/// user's), then under the `nvidia` namespace package's own path (a `.pth` or `PYTHONPATH`
+/// entry), each once.
+const WHEEL_DIRS_SCRIPT: &str = "\
+import os, site
+roots = []
+try:
+    roots += [os.path.join(p, 'nvidia') for p in site.getsitepackages()]
+except Exception:
+    pass
+try:
+    roots.append(os.path.join(site.getusersitepackages(), 'nvidia'))
+except Exception:
+    pass
+try:
+    import nvidia
+    roots += list(nvidia.__path__)
+except Exception:
+    pass
+seen = set()
+for root in roots:
+    if not os.path.isdir(root):
+        continue
+    for sub in sorted(os.listdir(root)):
+        lib = os.path.realpath(os.path.join(root, sub, 'lib'))
+        if os.path.isdir(lib) and lib not in seen:
+            seen.add(lib)
+            print(lib)
+";
+
+/// Every `lib` folder of pip's `nvidia` wheels for [`python`] (see [`WHEEL_DIRS_SCRIPT`]).
 fn wheel_lib_dirs() -> Vec<PathBuf> {
-    let script = "import os\ntry:\n    import nvidia\nexcept Exception:\n    raise SystemExit(0)\nfor root in nvidia.__path__:\n    for sub in sorted(os.listdir(root)):\n        lib = os.path.join(root, sub, 'lib')\n        if os.path.isdir(lib):\n            print(lib)\n";
-    let Ok(out) = Command::new("python3")
-        .args(["-c", script])
+    wheel_lib_dirs_of(Command::new(python()))
+}
+
+/// [`wheel_lib_dirs`] for the python that `python` runs; none when it cannot run.
+fn wheel_lib_dirs_of(mut python: Command) -> Vec<PathBuf> {
+    let Ok(out) = python
+        .args(["-c", WHEEL_DIRS_SCRIPT])
         .stderr(Stdio::null())
         .output()
     else {
@@ -218,8 +336,10 @@ fn expose(dir: &Path, name: &str, library: &Path) -> Result<(), String> {
 }
 
 /// The libraries cudarc opens, by the name it tries first (`libcuda.so` comes with the driver,
-/// under names cudarc tries, so it is only reported).
-const LIBRARIES: &[&str] = &["nvrtc", "cublas", "nccl"];
+/// under names cudarc tries, so it is only reported), and cuBLASLt, which libcublas loads by
+/// its versioned name through `LD_LIBRARY_PATH` (reported so a missing one is seen; its plain
+/// link is harmless).
+const LIBRARIES: &[&str] = &["nvrtc", "cublas", "cublasLt", "nccl"];
 
 /// Finds the libraries, exposes versioned-only ones under `target/cuda-lib`, and returns the
 /// folders for `LD_LIBRARY_PATH` (first) and, per library, where it was found.
@@ -258,20 +378,42 @@ fn prepare_libraries() -> Result<(Vec<PathBuf>, serde_json::Map<String, serde_js
     Ok((dirs, found))
 }
 
-/// Copies the built test binaries and this xtask binary into `dir`.
+/// Copies the built binaries, this xtask binary and the torch peer's script into `dir`, and
+/// strips the binaries' debug information when `strip` is there (the bundle travels inside a
+/// 64 MiB carry; the debug xtask alone is about 15 MB unstripped).
 fn bundle(dir: &Path, executables: &[(String, PathBuf)]) -> Result<(), String> {
     std::fs::create_dir_all(dir).map_err(|e| format!("{}: {e}", dir.display()))?;
+    let mut copied = Vec::new();
     for (name, executable) in executables {
         std::fs::copy(executable, dir.join(name))
             .map_err(|e| format!("{} -> {}: {e}", executable.display(), dir.display()))?;
+        copied.push(dir.join(name));
     }
     let me = std::env::current_exe().map_err(|e| format!("this executable: {e}"))?;
     std::fs::copy(&me, dir.join("xtask")).map_err(|e| format!("{}: {e}", me.display()))?;
+    copied.push(dir.join("xtask"));
+    let script = Path::new(NCCL_PEER_SCRIPT);
+    let script_name = script
+        .file_name()
+        .ok_or("the peer script has no file name")?;
+    std::fs::copy(script, dir.join(script_name))
+        .map_err(|e| format!("{}: {e}", script.display()))?;
+    for file in &copied {
+        match Command::new("strip")
+            .arg("--strip-debug")
+            .arg(file)
+            .status()
+        {
+            Ok(status) if status.success() => {}
+            Ok(status) => eprintln!("gpu-check: strip {}: {status}", file.display()),
+            Err(e) => eprintln!("gpu-check: strip is not usable ({e}); the bundle is unstripped"),
+        }
+    }
     Ok(())
 }
 
-/// The executables of the test targets named `names` in cargo's `--message-format=json`
-/// output, as `(target name, path)` in the order cargo reported them.
+/// The executables of the test or binary targets named `names` in cargo's
+/// `--message-format=json` output, as `(target name, path)` in the order cargo reported them.
 fn test_executables(json_lines: &str, names: &[&str]) -> Vec<(String, PathBuf)> {
     let mut found = Vec::new();
     for line in json_lines.lines() {
@@ -284,7 +426,7 @@ fn test_executables(json_lines: &str, names: &[&str]) -> Vec<(String, PathBuf)> 
         let target = &message["target"];
         let is_test = target["kind"]
             .as_array()
-            .is_some_and(|kinds| kinds.iter().any(|k| k == "test"));
+            .is_some_and(|kinds| kinds.iter().any(|k| k == "test" || k == "bin"));
         let (Some(name), Some(executable)) =
             (target["name"].as_str(), message["executable"].as_str())
         else {
@@ -319,31 +461,50 @@ fn parse_mode(args: &[String]) -> Result<Mode, String> {
     }
 }
 
-/// Builds the device test binaries (release) in one cargo call; returns their executables.
-fn build_device_tests() -> Result<(Vec<(String, PathBuf)>, f64), String> {
-    let cargo = std::env::var("CARGO").unwrap_or_else(|_| "cargo".to_string());
-    let mut build = Command::new(&cargo);
+/// The one cargo call that builds every device binary (release): `cargo build --test T` for
+/// each test and `--bin B` for each of [`DEVICE_BINS`], every package's feature in one set, so
+/// cudarc compiles once.
+fn build_command(cargo: &str) -> Command {
+    let mut build = Command::new(cargo);
     build.args([
-        "test",
+        "build",
         "--release",
-        "--no-run",
+        "--locked",
         "--message-format=json-render-diagnostics",
     ]);
-    let features: Vec<String> = DEVICE_TESTS
-        .iter()
-        .map(|(package, feature, _)| format!("{package}/{feature}"))
-        .collect();
-    for (package, _, test) in DEVICE_TESTS {
+    let mut features = Vec::new();
+    for (package, feature, test) in DEVICE_TESTS {
         build.args(["-p", package, "--test", test]);
+        features.push(format!("{package}/{feature}"));
+    }
+    for (package, feature, bin) in DEVICE_BINS {
+        build.args(["-p", package, "--bin", bin]);
+        features.push(format!("{package}/{feature}"));
     }
     build.args(["--features", &features.join(",")]);
-    eprintln!("==> gpu-check: build the device tests");
+    build
+}
+
+/// The names of every device binary, tests first.
+fn device_binary_names() -> Vec<&'static str> {
+    DEVICE_TESTS
+        .iter()
+        .map(|(_, _, test)| *test)
+        .chain(DEVICE_BINS.iter().map(|(_, _, bin)| *bin))
+        .collect()
+}
+
+/// Builds the device binaries in one cargo call; returns their executables.
+fn build_device_tests(deadline: Duration) -> Result<(Vec<(String, PathBuf)>, f64), String> {
+    let cargo = std::env::var("CARGO").unwrap_or_else(|_| "cargo".to_string());
+    let build = build_command(&cargo);
+    eprintln!("==> gpu-check: build the device binaries");
     let started = Instant::now();
-    let (ok, stdout) = run_capturing(build, BUILD_DEADLINE)?;
+    let (ok, stdout) = run_capturing(build, deadline)?;
     let seconds = started.elapsed().as_secs_f64();
-    let names: Vec<&str> = DEVICE_TESTS.iter().map(|(_, _, test)| *test).collect();
+    let names = device_binary_names();
     let executables = test_executables(&stdout, &names);
-    if ok && executables.len() == DEVICE_TESTS.len() {
+    if ok && executables.len() == names.len() {
         Ok((executables, seconds))
     } else {
         Err(format!(
@@ -358,9 +519,9 @@ pub fn gpu_check(args: &[String]) -> Result<(), String> {
     let started = Instant::now();
     let (executables, build_seconds) = match &mode {
         Mode::Prebuilt(dir) => {
-            let executables: Vec<(String, PathBuf)> = DEVICE_TESTS
-                .iter()
-                .map(|(_, _, test)| (test.to_string(), dir.join(test)))
+            let executables: Vec<(String, PathBuf)> = device_binary_names()
+                .into_iter()
+                .map(|name| (name.to_string(), dir.join(name)))
                 .collect();
             if let Some((_, missing)) = executables.iter().find(|(_, path)| !path.is_file()) {
                 return Err(format!(
@@ -371,14 +532,20 @@ pub fn gpu_check(args: &[String]) -> Result<(), String> {
             }
             (executables, 0.0)
         }
-        Mode::BuildAndRun | Mode::Bundle(_) => match build_device_tests() {
-            Ok(built) => built,
-            Err(e) if mode == Mode::BuildAndRun => {
-                eprintln!("gpu-check: {e}");
-                (Vec::new(), 0.0)
+        Mode::BuildAndRun | Mode::Bundle(_) => {
+            match build_device_tests(if mode == Mode::BuildAndRun {
+                BUILD_DEADLINE
+            } else {
+                BUNDLE_BUILD_DEADLINE
+            }) {
+                Ok(built) => built,
+                Err(e) if mode == Mode::BuildAndRun => {
+                    eprintln!("gpu-check: {e}");
+                    (Vec::new(), 0.0)
+                }
+                Err(e) => return Err(e),
             }
-            Err(e) => return Err(e),
-        },
+        }
     };
     if let Mode::Bundle(dir) = &mode {
         bundle(dir, &executables)?;
@@ -391,13 +558,20 @@ pub fn gpu_check(args: &[String]) -> Result<(), String> {
         );
         return Ok(());
     }
-    let built = executables.len() == DEVICE_TESTS.len();
+    let built = executables.len() == device_binary_names().len();
+    // The device time starts here.
+    let budget_started = Instant::now();
+    let deadline = |own: Duration| own.min(left(budget_started, TOTAL_BUDGET));
 
-    let smi = run_with_deadline("nvidia-smi", &mut Command::new("nvidia-smi"), STEP_DEADLINE)
-        .unwrap_or_else(|e| {
-            eprintln!("{e}");
-            false
-        });
+    let smi = run_with_deadline(
+        "nvidia-smi",
+        &mut Command::new("nvidia-smi"),
+        deadline(STEP_DEADLINE),
+    )
+    .unwrap_or_else(|e| {
+        eprintln!("{e}");
+        false
+    });
     let (library_dirs, libraries) = prepare_libraries()?;
     for dir in &library_dirs {
         eprintln!("library folder: {}", dir.display());
@@ -410,13 +584,16 @@ pub fn gpu_check(args: &[String]) -> Result<(), String> {
 
     // Each device test binary, with the GPU asked for.
     let mut results = serde_json::Map::new();
-    for (name, executable) in &executables {
+    let tests = executables
+        .iter()
+        .filter(|(name, _)| DEVICE_TESTS.iter().any(|(_, _, test)| test == name));
+    for (name, executable) in tests {
         let passed = run_with_deadline(
             &format!("device tests `{name}` (HYPERSHARD_TEST_GPU=1)"),
             Command::new(executable)
                 .env("HYPERSHARD_TEST_GPU", "1")
                 .env("LD_LIBRARY_PATH", &library_path),
-            STEP_DEADLINE,
+            deadline(STEP_DEADLINE),
         )
         .unwrap_or_else(|e| {
             eprintln!("{e}");
@@ -433,7 +610,7 @@ pub fn gpu_check(args: &[String]) -> Result<(), String> {
             Command::new(executable)
                 .arg("--bench")
                 .env("LD_LIBRARY_PATH", &library_path),
-            STEP_DEADLINE,
+            deadline(STEP_DEADLINE),
         )
         .unwrap_or_else(|e| {
             eprintln!("{e}");
@@ -441,8 +618,51 @@ pub fn gpu_check(args: &[String]) -> Result<(), String> {
         }),
         None => false,
     };
+    // The NCCL sweep with its torch peer, in what is left of the budget.
+    let _ = std::fs::remove_file(NCCL_JSON);
+    let nccl_ok = match executables.iter().find(|(name, _)| name == NCCL_BENCH) {
+        Some((_, executable)) => {
+            let remaining = left(budget_started, TOTAL_BUDGET);
+            if remaining < NCCL_BENCH_MIN {
+                eprintln!("gpu-check: {remaining:?} left, too little for {NCCL_BENCH}");
+                false
+            } else {
+                let own = (remaining - NCCL_BENCH_MARGIN).min(NCCL_BENCH_MAX);
+                let script = match &mode {
+                    Mode::Prebuilt(dir) => dir.join("bench_nccl.py"),
+                    _ => PathBuf::from(NCCL_PEER_SCRIPT),
+                };
+                run_with_deadline(
+                    &format!(
+                        "`{NCCL_BENCH}` (NCCL busbw sweep, interleaved with torch.distributed)"
+                    ),
+                    Command::new(executable)
+                        .args(["--peer", "torch", "--json", NCCL_JSON, "--budget-s"])
+                        .arg(format!("{}", own.as_secs()))
+                        .arg("--python")
+                        .arg(python())
+                        .arg("--torch-script")
+                        .arg(&script)
+                        .env("LD_LIBRARY_PATH", &library_path)
+                        // The torch peer runs with the path this check was started with,
+                        // so its libraries keep their own wheels (bench-nccl's docs).
+                        .env(
+                            "HYPERSHARD_PEER_LD_LIBRARY_PATH",
+                            std::env::var_os("LD_LIBRARY_PATH").unwrap_or_default(),
+                        ),
+                    deadline(own + NCCL_BENCH_MARGIN),
+                )
+                .unwrap_or_else(|e| {
+                    eprintln!("{e}");
+                    false
+                })
+            }
+        }
+        None => false,
+    };
     let all_passed = built
         && bench_ok
+        && nccl_ok
         && results
             .values()
             .all(|v| v == &serde_json::Value::Bool(true));
@@ -457,6 +677,8 @@ pub fn gpu_check(args: &[String]) -> Result<(), String> {
         "device_tests": results,
         "nn_bench_ok": bench_ok,
         "nn_bench": bench_figures(Path::new(BENCH_JSON)),
+        "nccl_bench_ok": nccl_ok,
+        "nccl_bench": nccl_figures(Path::new(NCCL_JSON)),
         "device_tests_passed": all_passed,
         "seconds": started.elapsed().as_secs_f64(),
     });
@@ -484,8 +706,17 @@ mod tests {
             "not json",
             r#"{"reason":"build-finished","success":true}"#,
             r#"{"reason":"compiler-artifact","target":{"kind":["test"],"name":"nccl_gpu"},"executable":"/t/release/deps/nccl_gpu-3"}"#,
+            r#"{"reason":"compiler-artifact","target":{"kind":["bin"],"name":"bench-nccl"},"executable":"/t/release/bench-nccl"}"#,
+            r#"{"reason":"compiler-artifact","target":{"kind":["bin"],"name":"bench-nn"},"executable":"/t/release/bench-nn"}"#,
         ]
         .join("\n");
+        assert_eq!(
+            test_executables(&lines, &["bench-nccl"]),
+            vec![(
+                "bench-nccl".to_string(),
+                PathBuf::from("/t/release/bench-nccl")
+            )]
+        );
         let found = test_executables(&lines, &["nccl_gpu", "cuda"]);
         assert_eq!(
             found,
@@ -577,6 +808,87 @@ mod tests {
             other => panic!("{other}"),
         }
         std::fs::remove_dir_all(&root).unwrap();
+    }
+
+    #[test]
+    fn one_build_call_makes_every_device_binary_with_one_feature_set() {
+        let build = build_command("cargo");
+        let args: Vec<String> = build
+            .get_args()
+            .map(|a| a.to_string_lossy().into_owned())
+            .collect();
+        assert_eq!(&args[..3], ["build", "--release", "--locked"]);
+        let joined = args.join(" ");
+        for (package, _, test) in DEVICE_TESTS {
+            assert!(
+                joined.contains(&format!("-p {package} --test {test}")),
+                "{joined}"
+            );
+        }
+        assert!(
+            joined.contains("-p hypershard-benches --bin bench-nccl"),
+            "{joined}"
+        );
+        let features = &args[args.iter().position(|a| a == "--features").unwrap() + 1];
+        assert_eq!(
+            features,
+            "hypershard-collectives/nccl,hypershard-tensor/cuda,hypershard-nn/cuda,hypershard-benches/nccl"
+        );
+        assert_eq!(
+            device_binary_names(),
+            ["nccl_gpu", "cuda", "cuda_mlp", "bench-nccl"]
+        );
+    }
+
+    #[test]
+    fn wheel_folders_are_found_in_the_cu12_and_cu13_layouts() {
+        // pip's CUDA 13 layout (nvidia/cu13/lib, nvidia/nccl/lib) and CUDA 12's
+        // (nvidia/cuda_nvrtc/lib), found through the `nvidia` package on PYTHONPATH.
+        let root = std::env::temp_dir().join(format!("xtask-wheels-{}", std::process::id()));
+        let site = root.join("site");
+        for sub in ["cu13", "nccl", "cuda_nvrtc"] {
+            std::fs::create_dir_all(site.join("nvidia").join(sub).join("lib")).unwrap();
+        }
+        std::fs::create_dir_all(site.join("nvidia").join("no_lib")).unwrap();
+        let mut python = Command::new("python3");
+        python.env("PYTHONPATH", &site);
+        let dirs = wheel_lib_dirs_of(python);
+        let site = std::fs::canonicalize(&site).unwrap();
+        for sub in ["cu13", "nccl", "cuda_nvrtc"] {
+            let lib = site.join("nvidia").join(sub).join("lib");
+            assert_eq!(dirs.iter().filter(|d| **d == lib).count(), 1, "{dirs:?}");
+        }
+        assert!(
+            !dirs
+                .iter()
+                .any(|d| d.starts_with(site.join("nvidia/no_lib")))
+        );
+        // A python that cannot run gives no folders, not an error.
+        assert!(wheel_lib_dirs_of(Command::new(root.join("no-python"))).is_empty());
+        std::fs::remove_dir_all(&root).unwrap();
+    }
+
+    #[test]
+    fn the_nccl_summary_keeps_the_comparison_and_drops_the_rows() {
+        let root = std::env::temp_dir().join(format!("xtask-nccl-{}", std::process::id()));
+        std::fs::create_dir_all(&root).unwrap();
+        let file = root.join("nccl.json");
+        std::fs::write(
+            &file,
+            r#"{"bench":"nccl","world":1,"rows":[{"op":"all_reduce"}],"target":{"peer":"torch-nccl"},"comparison":[],"peer_errors":[]}"#,
+        )
+        .unwrap();
+        let summary = nccl_figures(&file);
+        assert_eq!(summary["world"], 1);
+        assert_eq!(summary["target"]["peer"], "torch-nccl");
+        assert!(summary.get("rows").is_none() && summary.get("bench").is_none());
+        std::fs::remove_file(&file).unwrap();
+        assert!(nccl_figures(&file).is_string());
+        std::fs::remove_dir_all(&root).unwrap();
+        // The budget only shrinks.
+        let started = Instant::now();
+        assert!(left(started, Duration::from_secs(5)) <= Duration::from_secs(5));
+        assert_eq!(left(started, Duration::ZERO), Duration::ZERO);
     }
 
     #[test]

@@ -62,6 +62,12 @@ const ROUND_VAR: &str = "HYPERSHARD_BENCH_NCCL_ROUND";
 const ROW_PREFIX: &str = "NCCL-ROW ";
 /// Our rows' source.
 const OURS: &str = "hypershard";
+/// The `LD_LIBRARY_PATH` the torch peer runs with, when set (empty: none). `cargo xtask
+/// gpu-check` runs this binary with its own library folders first on `LD_LIBRARY_PATH` (for
+/// cudarc's plain-named links and the toolkit), and passes the path it was started with here:
+/// torch's libraries find their own pip wheels through their `RUNPATH`, which
+/// `LD_LIBRARY_PATH` would override with the toolkit's (possibly older) copies.
+const PEER_LIBRARY_PATH_VAR: &str = "HYPERSHARD_PEER_LD_LIBRARY_PATH";
 /// The NCCL op deadline inside the ranks.
 const OP_TIMEOUT: Duration = Duration::from_secs(60);
 
@@ -624,6 +630,15 @@ fn torch_round(
     });
     let mut command = Command::new(&options.python);
     command.arg(&options.script);
+    match std::env::var_os(PEER_LIBRARY_PATH_VAR) {
+        Some(path) if path.is_empty() => {
+            command.env_remove("LD_LIBRARY_PATH");
+        }
+        Some(path) => {
+            command.env("LD_LIBRARY_PATH", path);
+        }
+        None => {}
+    }
     let (ok, out) = run_child(command, plan.to_string().as_bytes(), deadline).map_err(peer)?;
     if !ok {
         return Err(peer(format!(
