@@ -18,7 +18,8 @@
 //! * with the argument `--bench`: the FSDP step of the reference MLP (8 × Linear(1024, 1024) +
 //!   ReLU, MSE, SGD lr 0.01, batch 32) timed on the device at world 1 on NCCL (f32 and bf16
 //!   mixed precision) and world 2 on the local backend (staged), with the unsharded device MLP
-//!   for comparison, written as JSON to `target/bench/fsdp-cuda.json` (fails without a device).
+//!   and the CPU FSDP step (worlds 1 and 2) for comparison, written as JSON to
+//!   `target/bench/fsdp-cuda.json` (fails without a device).
 
 use std::process::ExitCode;
 use std::sync::Arc;
@@ -30,6 +31,9 @@ use hypershard_collectives::{
     CommConfig, CommCounter, Communicator, DType as CommDType, MemoryStore, OpKind, Store,
 };
 use hypershard_fsdp::device::{DeviceFsdpConfig, DeviceFsdpError, DeviceFsdpMlp, Staging};
+use hypershard_fsdp::{
+    DataParallelMesh, FullyShardConfig, fully_shard, fully_shard_children, has_params,
+};
 use hypershard_nn::cuda::DeviceMlp;
 use hypershard_nn::optim::{Sgd, SgdConfig};
 use hypershard_nn::{
@@ -882,6 +886,52 @@ fn bench(device: &CudaDevice) -> Outcome {
             "{{\"what\":\"DeviceFsdpMlp\",\"backend\":\"{backend_name}\",\"world\":{world},\"param_dtype\":\"{dtype}\",\"steps\":{steps},\"median_ms\":{},\"min_ms\":{},\"first_loss\":{first},\"last_loss\":{last}}}",
             median(times.clone()),
             times.iter().copied().fold(f64::INFINITY, f64::min)
+        ));
+    }
+    // The CPU FSDP step of the same model (fully_shard per Linear under a root, local
+    // backend, the machine's threads), for the device's speed-up over the CPU.
+    for world in [1usize, 2] {
+        let comms = local_world(world)?;
+        let per_rank = move |rank: usize| -> Result<Vec<f64>, String> {
+            let mut model = mlp(&dims, DType::F32)?;
+            let mesh = DataParallelMesh::fsdp(comms[rank].clone()).map_err(fail)?;
+            let config = FullyShardConfig::new(mesh);
+            fully_shard_children(&mut model, &config, &mut |_, m| has_params(m)).map_err(fail)?;
+            let mut fsdp = fully_shard(Box::new(model), config).map_err(fail)?;
+            let mut sgd = Sgd::new(SgdConfig {
+                lr: BENCH_LR,
+                ..SgdConfig::default()
+            })
+            .map_err(fail)?;
+            let rows = BATCH_ROWS / world;
+            let x = random(&[BATCH_ROWS, WIDTH], DType::F32, 10)?
+                .narrow(0, rank * rows, rows)
+                .map_err(fail)?;
+            let t = random(&[BATCH_ROWS, WIDTH], DType::F32, 20)?
+                .narrow(0, rank * rows, rows)
+                .map_err(fail)?;
+            let (cpu_warmup, cpu_steps) = (2, 10);
+            let mut times = Vec::new();
+            for step in 0..cpu_warmup + cpu_steps {
+                let started = Instant::now();
+                let out = fsdp.forward(&x).map_err(fail)?;
+                let loss = mse_loss(&out, &t).map_err(fail)?;
+                fsdp.backward(&loss.grad).map_err(fail)?;
+                sgd.step(&mut fsdp).map_err(fail)?;
+                fsdp.zero_grad().map_err(fail)?;
+                if step >= cpu_warmup {
+                    times.push(started.elapsed().as_secs_f64() * 1e3);
+                }
+            }
+            Ok(times)
+        };
+        let results = hypershard_testkit::run_ranks(world, per_rank).map_err(fail)?;
+        let threads = std::thread::available_parallelism().map_or(0, |n| n.get());
+        rows.push(format!(
+            "{{\"what\":\"CPU FsdpModule\",\"backend\":\"local\",\"world\":{world},\"param_dtype\":\"f32\",\"steps\":{},\"threads\":{threads},\"median_ms\":{},\"min_ms\":{}}}",
+            results[0].len(),
+            median(results[0].clone()),
+            results[0].iter().copied().fold(f64::INFINITY, f64::min)
         ));
     }
     let name = device.name().map_err(fail)?.replace(['"', '\\'], "");
