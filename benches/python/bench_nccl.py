@@ -124,7 +124,11 @@ def rank_main(rank, world, port, plan, backend, queue):
             )
     dist.barrier()
     if rank == 0:
-        nccl = ".".join(str(v) for v in torch.cuda.nccl.version()) if backend == "nccl" else "none (gloo)"
+        nccl = "none (gloo)"
+        if backend == "nccl":
+            # A (major, minor, patch[, suffix]) tuple in torch 2.x, a plain number before.
+            version = torch.cuda.nccl.version()
+            nccl = ".".join(map(str, version)) if isinstance(version, (tuple, list)) else str(version)
         name = torch.cuda.get_device_name(device) if backend == "nccl" else "cpu"
         report = {"torch": torch.__version__, "nccl": nccl, "device": name, "cells": cells}
         if queue is None:
