@@ -21,8 +21,7 @@ use hypershard_collectives::{
     Buffer, BufferLocation, CommConfig, Communicator, DType, Error, HostBuffer, MemoryStore,
     ReduceOp, Unavailable,
 };
-
-const GPU_ENV: &str = "HYPERSHARD_TEST_GPU";
+use hypershard_testkit::device::{GPU_ENV, Tally, gpu_asked};
 
 fn init(device: usize) -> NcclInit {
     NcclInit {
@@ -31,26 +30,6 @@ fn init(device: usize) -> NcclInit {
         device,
         store: Arc::new(MemoryStore::new()),
         config: CommConfig::default().with_timeout(Duration::from_secs(60)),
-    }
-}
-
-struct Tally {
-    passed: usize,
-    failed: usize,
-}
-
-impl Tally {
-    fn check(&mut self, name: &str, outcome: Result<(), String>) {
-        match outcome {
-            Ok(()) => {
-                self.passed += 1;
-                println!("test {name} ... ok");
-            }
-            Err(message) => {
-                self.failed += 1;
-                println!("test {name} ... FAILED: {message}");
-            }
-        }
     }
 }
 
@@ -180,15 +159,12 @@ fn conformance(comm: &NcclCommunicator) -> Result<(), String> {
 }
 
 fn main() -> ExitCode {
-    let mut tally = Tally {
-        passed: 0,
-        failed: 0,
-    };
+    let mut tally = Tally::default();
     tally.check(
         "creation_reports_unavailability",
         creation_reports_unavailability(),
     );
-    let asked = std::env::var(GPU_ENV).is_ok_and(|v| v == "1");
+    let asked = gpu_asked();
     if !asked {
         println!("nccl_gpu: {GPU_ENV}=1 is not set, so the device tests were not asked for");
     } else {
@@ -206,10 +182,5 @@ fn main() -> ExitCode {
             }
         }
     }
-    println!("{} passed, {} failed", tally.passed, tally.failed);
-    if tally.failed == 0 {
-        ExitCode::SUCCESS
-    } else {
-        ExitCode::FAILURE
-    }
+    tally.finish()
 }

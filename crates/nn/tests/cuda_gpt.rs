@@ -30,46 +30,14 @@ use hypershard_tensor::cuda::{
     gelu_backward, gemm_strided_batched, layer_norm, layer_norm_backward, merge_heads, split_heads,
 };
 use hypershard_tensor::{DType, RandomInit, Tensor};
+use hypershard_testkit::device::{GPU_ENV, Outcome, Tally, contained, fail, gpu_asked};
 
-const GPU_ENV: &str = "HYPERSHARD_TEST_GPU";
 const NVRTC_ENV: &str = "HYPERSHARD_TEST_NVRTC";
 /// The unit roundoff of f32.
 const U: f64 = f32::EPSILON as f64 / 2.0;
 
-type Outcome = Result<(), String>;
-
-fn fail(e: impl std::fmt::Display) -> String {
-    e.to_string()
-}
-
 fn ensure(condition: bool, message: impl FnOnce() -> String) -> Outcome {
     if condition { Ok(()) } else { Err(message()) }
-}
-
-struct Tally {
-    passed: usize,
-    failed: usize,
-}
-
-impl Tally {
-    fn check(&mut self, name: &str, outcome: Outcome) {
-        match outcome {
-            Ok(()) => {
-                self.passed += 1;
-                println!("test {name} ... ok");
-            }
-            Err(e) => {
-                self.failed += 1;
-                println!("test {name} ... FAILED: {e}");
-            }
-        }
-    }
-}
-
-/// Runs `f`, turning a panic into a failure so one broken test does not hide the others.
-fn contained(f: impl FnOnce() -> Outcome) -> Outcome {
-    std::panic::catch_unwind(std::panic::AssertUnwindSafe(f))
-        .unwrap_or_else(|_| Err("panicked".to_string()))
 }
 
 fn uniform(shape: &[usize], seed: u64, low: f64, high: f64) -> Result<Tensor, String> {
@@ -1100,11 +1068,8 @@ fn training_matches_the_cpu(device: &CudaDevice) -> Outcome {
 }
 
 fn main() -> ExitCode {
-    let mut tally = Tally {
-        passed: 0,
-        failed: 0,
-    };
-    let asked = std::env::var(GPU_ENV).is_ok_and(|v| v == "1");
+    let mut tally = Tally::default();
+    let asked = gpu_asked();
     let nvrtc_asked = asked || std::env::var(NVRTC_ENV).is_ok_and(|v| v == "1");
     tally.check(
         "creation_reports_unavailability",
@@ -1158,10 +1123,5 @@ fn main() -> ExitCode {
             );
         }
     }
-    println!("{} passed, {} failed", tally.passed, tally.failed);
-    if tally.failed == 0 {
-        ExitCode::SUCCESS
-    } else {
-        ExitCode::FAILURE
-    }
+    tally.finish()
 }

@@ -23,40 +23,7 @@ use hypershard_nn::{
 };
 use hypershard_tensor::cuda::{CudaDevice, CudaError, CudaTensor, device_count};
 use hypershard_tensor::{DType, RandomInit, Tensor};
-
-const GPU_ENV: &str = "HYPERSHARD_TEST_GPU";
-
-type Outcome = Result<(), String>;
-
-fn fail(e: impl std::fmt::Display) -> String {
-    e.to_string()
-}
-
-struct Tally {
-    passed: usize,
-    failed: usize,
-}
-
-impl Tally {
-    fn check(&mut self, name: &str, outcome: Outcome) {
-        match outcome {
-            Ok(()) => {
-                self.passed += 1;
-                println!("test {name} ... ok");
-            }
-            Err(e) => {
-                self.failed += 1;
-                println!("test {name} ... FAILED: {e}");
-            }
-        }
-    }
-}
-
-/// Runs `f`, turning a panic into a failure so one broken test does not hide the others.
-fn contained(f: impl FnOnce() -> Outcome) -> Outcome {
-    std::panic::catch_unwind(std::panic::AssertUnwindSafe(f))
-        .unwrap_or_else(|_| Err("panicked".to_string()))
-}
+use hypershard_testkit::device::{GPU_ENV, Outcome, Tally, contained, fail, gpu_asked};
 
 fn random(shape: &[usize], dtype: DType, seed: u64) -> Result<Tensor, String> {
     Tensor::random(shape, dtype, RandomInit::uniform(seed, -1.0, 1.0)).map_err(fail)
@@ -537,12 +504,9 @@ fn bench(device: &CudaDevice) -> Outcome {
 }
 
 fn main() -> ExitCode {
-    let mut tally = Tally {
-        passed: 0,
-        failed: 0,
-    };
+    let mut tally = Tally::default();
     let bench_asked = std::env::args().any(|a| a == "--bench");
-    let asked = bench_asked || std::env::var(GPU_ENV).is_ok_and(|v| v == "1");
+    let asked = bench_asked || gpu_asked();
     if !bench_asked {
         tally.check(
             "creation_reports_unavailability",
@@ -580,10 +544,5 @@ fn main() -> ExitCode {
             );
         }
     }
-    println!("{} passed, {} failed", tally.passed, tally.failed);
-    if tally.failed == 0 {
-        ExitCode::SUCCESS
-    } else {
-        ExitCode::FAILURE
-    }
+    tally.finish()
 }

@@ -21,58 +21,16 @@ use hypershard_tensor::cuda::{
     Unavailable, compile_kernels, copy_in, copy_out, device_count, gemm, matmul, probe,
 };
 use hypershard_tensor::{DType, Tensor};
+use hypershard_testkit::device::{GPU_ENV, Outcome, Tally, contained, fail, gpu_asked};
 
-const GPU_ENV: &str = "HYPERSHARD_TEST_GPU";
 /// Asks for the NVRTC compile check (libnvrtc must then be loadable; no GPU needed).
 const NVRTC_ENV: &str = "HYPERSHARD_TEST_NVRTC";
-
-type Outcome = Result<(), String>;
 
 /// One device test: it gets the opened device.
 type DeviceTest = fn(&CudaDevice) -> Outcome;
 
-fn fail<E: std::fmt::Display>(error: E) -> String {
-    error.to_string()
-}
-
 fn ensure(condition: bool, message: impl FnOnce() -> String) -> Outcome {
     if condition { Ok(()) } else { Err(message()) }
-}
-
-struct Tally {
-    passed: usize,
-    failed: usize,
-}
-
-impl Tally {
-    fn check(&mut self, name: &str, outcome: Outcome) {
-        match outcome {
-            Ok(()) => {
-                self.passed += 1;
-                println!("test {name} ... ok");
-            }
-            Err(message) => {
-                self.failed += 1;
-                println!("test {name} ... FAILED: {message}");
-            }
-        }
-    }
-}
-
-/// Runs one device test, turning a panic (one inside cudarc, say a symbol missing from a newer
-/// CUDA library) into a failure of that test, so the tests after it still run and report.
-fn contained(test: impl FnOnce() -> Outcome) -> Outcome {
-    match std::panic::catch_unwind(std::panic::AssertUnwindSafe(test)) {
-        Ok(outcome) => outcome,
-        Err(payload) => {
-            let message = payload
-                .downcast_ref::<String>()
-                .cloned()
-                .or_else(|| payload.downcast_ref::<&str>().map(|s| s.to_string()))
-                .unwrap_or_else(|| "a non-string panic".to_string());
-            Err(format!("panicked: {message}"))
-        }
-    }
 }
 
 /// A closed-form value with fractional bits, signs, a wide range and exact ties for the half
@@ -695,15 +653,12 @@ fn gemm_bf16_matches_the_cpu(device: &CudaDevice) -> Outcome {
 }
 
 fn main() -> ExitCode {
-    let mut tally = Tally {
-        passed: 0,
-        failed: 0,
-    };
+    let mut tally = Tally::default();
     tally.check(
         "creation_reports_unavailability",
         creation_reports_unavailability(),
     );
-    let asked = std::env::var(GPU_ENV).is_ok_and(|v| v == "1");
+    let asked = gpu_asked();
     let nvrtc_asked = asked || std::env::var(NVRTC_ENV).is_ok_and(|v| v == "1");
     tally.check("kernels_compile", kernels_compile(nvrtc_asked));
     match CudaDevice::new(0) {
@@ -739,10 +694,5 @@ fn main() -> ExitCode {
             );
         }
     }
-    println!("{} passed, {} failed", tally.passed, tally.failed);
-    if tally.failed == 0 {
-        ExitCode::SUCCESS
-    } else {
-        ExitCode::FAILURE
-    }
+    tally.finish()
 }

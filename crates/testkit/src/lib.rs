@@ -4,6 +4,8 @@
 //! expected result of any collective is a formula in `r`, `i` and the world size, never a value
 //! copied from a previous run.
 
+pub mod device;
+
 use std::fmt;
 use std::sync::mpsc;
 use std::thread;
