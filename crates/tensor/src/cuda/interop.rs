@@ -18,7 +18,9 @@
 //! * [`CudaTensor::copy_from_host_bytes`]: the inverse of
 //!   [`CudaTensor::copy_to_host_bytes`], for staging collectives through host memory.
 
-use cudarc::driver::{CudaSlice, DevicePtr, DevicePtrMut, PushKernelArg};
+use std::sync::Arc;
+
+use cudarc::driver::{CudaSlice, CudaStream, DevicePtr, DevicePtrMut, PushKernelArg};
 
 use super::device::CudaDevice;
 use super::error::{CudaError, CudaResult, driver};
@@ -231,17 +233,7 @@ pub fn copy_in_ranges(
         addresses.push(address);
         guards.push(guard);
     }
-    let mut table = Vec::with_capacity(3 * live.len());
-    for range in &live {
-        table.extend([
-            addresses[range.part] + range.start as u64 * size,
-            range.flat as u64,
-            range.len as u64,
-        ]);
-    }
-    let table = stream
-        .clone_htod(&table)
-        .map_err(driver(op, "cuMemcpyHtoDAsync"))?;
+    let table = upload_range_table(op, stream, &addresses, &live, size)?;
     let kernels = device.kernels(op)?;
     let function = kernels.function(op, name)?;
     for first in (0..live.len()).step_by(MAX_GRID_Y) {
@@ -264,6 +256,28 @@ pub fn copy_in_ranges(
     }
     drop(guards);
     Ok(())
+}
+
+/// Uploads the launch table of a ranges copy: one row of (part address + `start` elements of
+/// `size` bytes, flat offset, length) per live range, the layout both copy kernels read.
+fn upload_range_table(
+    op: &'static str,
+    stream: &Arc<CudaStream>,
+    addresses: &[u64],
+    live: &[&FlatRange],
+    size: u64,
+) -> CudaResult<CudaSlice<u64>> {
+    let mut table = Vec::with_capacity(3 * live.len());
+    for range in live {
+        table.extend([
+            addresses[range.part] + range.start as u64 * size,
+            range.flat as u64,
+            range.len as u64,
+        ]);
+    }
+    stream
+        .clone_htod(&table)
+        .map_err(driver(op, "cuMemcpyHtoDAsync"))
 }
 
 /// Copy-out of ranges: fills elements `[start, start + len)` of `parts[range.part]` from
@@ -297,17 +311,7 @@ pub fn copy_out_ranges(
         addresses.push(address);
         guards.push(guard);
     }
-    let mut table = Vec::with_capacity(3 * live.len());
-    for range in &live {
-        table.extend([
-            addresses[range.part] + range.start as u64 * size,
-            range.flat as u64,
-            range.len as u64,
-        ]);
-    }
-    let table = stream
-        .clone_htod(&table)
-        .map_err(driver(op, "cuMemcpyHtoDAsync"))?;
+    let table = upload_range_table(op, stream, &addresses, &live, size)?;
     let kernels = device.kernels(op)?;
     let function = kernels.function(op, name)?;
     for first in (0..live.len()).step_by(MAX_GRID_Y) {
