@@ -14,12 +14,14 @@
 //!    `libcublas.so.13`) is exposed under the plain name through a symlink in
 //!    `target/cuda-lib`, which goes first.
 //! 3. Builds the device test binaries in one cargo call (collectives' `nccl_gpu` with feature
-//!    `nccl`, tensor's `cuda` and nn's `cuda_mlp` with feature `cuda`; one feature set, so
-//!    cudarc compiles once).
+//!    `nccl`; tensor's `cuda`, nn's `cuda_mlp` and `cuda_gpt`, and fsdp's `device_fsdp` with
+//!    feature `cuda`; one feature set, so cudarc compiles once).
 //! 4. Runs each with `HYPERSHARD_TEST_GPU=1`: they fail when the GPU is missing.
-//! 5. Runs `cuda_mlp --bench`: the reference MLP's training step (8 × Linear(1024, 1024) +
-//!    ReLU, batch 32) timed on the device (f32, bf16) and on the CPU, written by the binary to
-//!    `target/bench/nn-cuda-mlp.json`.
+//! 5. Runs the benches of [`BENCH_TESTS`]: `cuda_mlp --bench`, the reference MLP's training
+//!    step (8 × Linear(1024, 1024) + ReLU, batch 32) timed on the device (f32, bf16) and on the
+//!    CPU, into `target/bench/nn-cuda-mlp.json`; and `device_fsdp --bench`, its FSDP step on
+//!    the device (NCCL world 1, local world 2) and CPU FSDP's, into
+//!    `target/bench/fsdp-cuda.json`.
 //! 6. Runs `bench-nccl` (hypershard-benches, feature `nccl`): the NCCL busbw sweep on one rank
 //!    per GPU, interleaved with its torch.distributed peer (`bench_nccl.py`, run by `python3`
 //!    or `$HYPERSHARD_TORCH_PYTHON`), into `target/bench/nccl.json`.
@@ -61,6 +63,8 @@ const DEVICE_TESTS: &[(&str, &str, &str)] = &[
     ("hypershard-collectives", "nccl", "nccl_gpu"),
     ("hypershard-tensor", "cuda", "cuda"),
     ("hypershard-nn", "cuda", "cuda_mlp"),
+    ("hypershard-nn", "cuda", "cuda_gpt"),
+    ("hypershard-fsdp", "cuda", "device_fsdp"),
 ];
 
 /// The device binaries other than tests: (package, feature, binary). Their features join the
@@ -76,12 +80,35 @@ const NCCL_PEER_SCRIPT: &str = "benches/python/bench_nccl.py";
 /// Where [`NCCL_BENCH`] writes its figures (given to it with `--json`).
 const NCCL_JSON: &str = "target/bench/nccl.json";
 
-/// The test binary that also times the reference MLP's step when given `--bench`.
-const BENCH_TEST: &str = "cuda_mlp";
+/// A device test binary that also times something when given `--bench`.
+struct BenchTest {
+    /// The test binary (one of [`DEVICE_TESTS`]).
+    test: &'static str,
+    /// Where `--bench` writes its figures (relative to the repository root, the working
+    /// folder of gpu-check and its children).
+    json: &'static str,
+    /// What it times, for the log.
+    what: &'static str,
+    /// Its key in the summary (`<key>_ok`, `<key>`).
+    key: &'static str,
+}
 
-/// Where [`BENCH_TEST`]` --bench` writes its figures (relative to the repository root, the
-/// working folder of gpu-check and its children).
-const BENCH_JSON: &str = "target/bench/nn-cuda-mlp.json";
+/// The benches run after the device tests: the reference MLP's step on one device against
+/// the CPU, and its FSDP step on the device (NCCL world 1, local world 2) against CPU FSDP.
+const BENCH_TESTS: &[BenchTest] = &[
+    BenchTest {
+        test: "cuda_mlp",
+        json: "target/bench/nn-cuda-mlp.json",
+        what: "the reference MLP's step, device vs CPU",
+        key: "nn_bench",
+    },
+    BenchTest {
+        test: "device_fsdp",
+        json: "target/bench/fsdp-cuda.json",
+        what: "the reference MLP's FSDP step, device vs CPU FSDP",
+        key: "fsdp_bench",
+    },
+];
 
 /// The benchmark's figures for the summary: its JSON, or a string saying why there is none.
 fn bench_figures(path: &Path) -> serde_json::Value {
@@ -481,6 +508,9 @@ fn build_command(cargo: &str) -> Command {
         build.args(["-p", package, "--bin", bin]);
         features.push(format!("{package}/{feature}"));
     }
+    // Two test binaries of one package name its feature once.
+    let mut seen = std::collections::HashSet::new();
+    features.retain(|f| seen.insert(f.clone()));
     build.args(["--features", &features.join(",")]);
     build
 }
@@ -601,23 +631,30 @@ pub fn gpu_check(args: &[String]) -> Result<(), String> {
         });
         results.insert(name.clone(), serde_json::Value::Bool(passed));
     }
-    // The reference MLP's step on the device and on the CPU; a stale file from an earlier run
-    // must not pass for this one's figures.
-    let _ = std::fs::remove_file(BENCH_JSON);
-    let bench_ok = match executables.iter().find(|(name, _)| name == BENCH_TEST) {
-        Some((_, executable)) => run_with_deadline(
-            &format!("`{BENCH_TEST} --bench` (the reference MLP's step, device vs CPU)"),
-            Command::new(executable)
-                .arg("--bench")
-                .env("LD_LIBRARY_PATH", &library_path),
-            deadline(STEP_DEADLINE),
-        )
-        .unwrap_or_else(|e| {
-            eprintln!("{e}");
-            false
-        }),
-        None => false,
-    };
+    // The benches' steps on the device and on the CPU; a stale file from an earlier run must
+    // not pass for this one's figures.
+    let mut bench_ok = true;
+    let mut benches = serde_json::Map::new();
+    for bench in BENCH_TESTS {
+        let _ = std::fs::remove_file(bench.json);
+        let ok = match executables.iter().find(|(name, _)| name == bench.test) {
+            Some((_, executable)) => run_with_deadline(
+                &format!("`{} --bench` ({})", bench.test, bench.what),
+                Command::new(executable)
+                    .arg("--bench")
+                    .env("LD_LIBRARY_PATH", &library_path),
+                deadline(STEP_DEADLINE),
+            )
+            .unwrap_or_else(|e| {
+                eprintln!("{e}");
+                false
+            }),
+            None => false,
+        };
+        bench_ok &= ok;
+        benches.insert(format!("{}_ok", bench.key), serde_json::Value::Bool(ok));
+        benches.insert(bench.key.to_string(), bench_figures(Path::new(bench.json)));
+    }
     // The NCCL sweep with its torch peer, in what is left of the budget.
     let _ = std::fs::remove_file(NCCL_JSON);
     let nccl_ok = match executables.iter().find(|(name, _)| name == NCCL_BENCH) {
@@ -667,7 +704,7 @@ pub fn gpu_check(args: &[String]) -> Result<(), String> {
             .values()
             .all(|v| v == &serde_json::Value::Bool(true));
 
-    let summary = serde_json::json!({
+    let mut summary = serde_json::json!({
         "nvidia_smi_ok": smi,
         "libraries": libraries,
         "library_dirs": library_dirs.iter().map(|p| p.display().to_string()).collect::<Vec<_>>(),
@@ -675,13 +712,14 @@ pub fn gpu_check(args: &[String]) -> Result<(), String> {
         "build_ok": built,
         "build_seconds": build_seconds,
         "device_tests": results,
-        "nn_bench_ok": bench_ok,
-        "nn_bench": bench_figures(Path::new(BENCH_JSON)),
         "nccl_bench_ok": nccl_ok,
         "nccl_bench": nccl_figures(Path::new(NCCL_JSON)),
         "device_tests_passed": all_passed,
         "seconds": started.elapsed().as_secs_f64(),
     });
+    if let Some(fields) = summary.as_object_mut() {
+        fields.extend(benches);
+    }
     std::fs::create_dir_all("target/bench").map_err(|e| format!("target/bench: {e}"))?;
     std::fs::write("target/bench/gpu-check.json", summary.to_string())
         .map_err(|e| format!("target/bench/gpu-check.json: {e}"))?;
@@ -778,8 +816,13 @@ mod tests {
     #[test]
     fn every_device_test_is_built_and_the_bench_is_one_of_them() {
         let names: Vec<&str> = DEVICE_TESTS.iter().map(|(_, _, t)| *t).collect();
-        assert_eq!(names, ["nccl_gpu", "cuda", "cuda_mlp"]);
-        assert!(names.contains(&BENCH_TEST));
+        assert_eq!(
+            names,
+            ["nccl_gpu", "cuda", "cuda_mlp", "cuda_gpt", "device_fsdp"]
+        );
+        for bench in BENCH_TESTS {
+            assert!(names.contains(&bench.test), "{}", bench.test);
+        }
         let nn = DEVICE_TESTS
             .iter()
             .find(|(_, _, t)| *t == "cuda_mlp")
@@ -832,11 +875,18 @@ mod tests {
         let features = &args[args.iter().position(|a| a == "--features").unwrap() + 1];
         assert_eq!(
             features,
-            "hypershard-collectives/nccl,hypershard-tensor/cuda,hypershard-nn/cuda,hypershard-benches/nccl"
+            "hypershard-collectives/nccl,hypershard-tensor/cuda,hypershard-nn/cuda,hypershard-fsdp/cuda,hypershard-benches/nccl"
         );
         assert_eq!(
             device_binary_names(),
-            ["nccl_gpu", "cuda", "cuda_mlp", "bench-nccl"]
+            [
+                "nccl_gpu",
+                "cuda",
+                "cuda_mlp",
+                "cuda_gpt",
+                "device_fsdp",
+                "bench-nccl"
+            ]
         );
     }
 
