@@ -751,7 +751,7 @@ mod tests {
 
     #[test]
     fn merged_collectives_and_charts_come_from_the_files() {
-        let dir = std::env::temp_dir().join(format!("xtask-bench-{}", std::process::id()));
+        let dir = std::env::temp_dir().join(format!("xtask-bench-merge-{}", std::process::id()));
         std::fs::create_dir_all(&dir).expect("dir");
         let row = |backend: &str, bytes: usize| CollectiveRow {
             op: "all_gather".into(),

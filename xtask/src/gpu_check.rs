@@ -832,7 +832,7 @@ mod tests {
 
     #[test]
     fn bench_figures_are_read_or_explained() {
-        let root = std::env::temp_dir().join(format!("xtask-bench-{}", std::process::id()));
+        let root = std::env::temp_dir().join(format!("xtask-gpu-figures-{}", std::process::id()));
         std::fs::create_dir_all(&root).unwrap();
         let file = root.join("nn.json");
         match bench_figures(&file) {
