@@ -247,3 +247,55 @@ fn an_uneven_large_reduce_scatter_streams_intact_at_world_three() {
     // threshold (the forwarded step included), the third output is 7 elements.
     check_large_reduce_scatter(3, Some(vec![2_100_003, 2_200_001, 7]), 0);
 }
+
+/// All-gathers uneven `counts` of i32 (rank `r`'s element `i` is a hash of both) over a world
+/// of `counts.len()` ranks under `policy`, with 100 000-byte segments, and checks every
+/// output element. Blocks of at least 8 MiB are copied (own block) and filled (the others)
+/// with streaming stores.
+fn check_large_all_gather_v(policy: TransportPolicy, counts: Vec<usize>) {
+    let tcp = TcpConfig::default()
+        .with_segment_bytes(100_000)
+        .with_shm_ring_bytes(256 << 10)
+        .with_transport(policy)
+        .with_rendezvous_timeout(Duration::from_secs(20));
+    let Some(world) = world_of(vec![tcp; counts.len()]) else {
+        return;
+    };
+    let value = |r: usize, i: usize| (i as i32).wrapping_mul(-7) ^ (r as i32 * 977 + 1);
+    let total: usize = counts.iter().sum();
+    let works: Vec<_> = world
+        .iter()
+        .map(|comm| {
+            let r = comm.rank();
+            let mine: Vec<i32> = (0..counts[r]).map(|i| value(r, i)).collect();
+            comm.all_gather_v_async(
+                Buffer::from_vec(mine),
+                Buffer::zeros(hypershard_collectives::DType::I32, total),
+                counts.clone(),
+            )
+        })
+        .collect();
+    for (rank, work) in works.into_iter().enumerate() {
+        let out = work.wait().unwrap().output.into_vec::<i32>().unwrap();
+        let mut at = 0;
+        for (r, &count) in counts.iter().enumerate() {
+            for i in 0..count {
+                assert_eq!(
+                    out[at + i],
+                    value(r, i),
+                    "rank {rank}: block {r}, element {i}"
+                );
+            }
+            at += count;
+        }
+    }
+}
+
+#[test]
+fn an_uneven_large_all_gather_streams_its_own_blocks_intact_over_tcp_and_shm() {
+    // Ranks 0 and 1 own blocks past the streaming-store threshold (8 MiB), rank 2 five
+    // elements; over plain TCP only the own-block copy streams, over shm the posts do too.
+    for policy in [TransportPolicy::Tcp, TransportPolicy::Shm] {
+        check_large_all_gather_v(policy, vec![2_097_155, 2_200_001, 5]);
+    }
+}

@@ -26,7 +26,7 @@
 
 mod channel;
 pub mod cma;
-mod copy;
+pub(crate) mod copy;
 mod futex;
 mod links;
 pub mod policy;

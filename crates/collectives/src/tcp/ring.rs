@@ -19,6 +19,7 @@ use crate::engine::JobContext;
 use crate::error::{Error, Result};
 use crate::op::{BufferPair, OpKind, ReduceOp};
 use crate::reduce::ReducePlan;
+use crate::shm::copy::{STREAM_MIN_DESTINATION, stream_copy};
 
 fn tag(step: usize) -> u32 {
     // Steps are below the group size, which is far below u32::MAX for any real mesh.
@@ -275,8 +276,15 @@ fn ring_all_gather(
         mine.copy_from_slice(own);
         return Ok(());
     }
+    // A large block is written once and not read again by this op: streaming stores skip
+    // the read-for-ownership of every cold output line, as the posts of the other blocks do.
+    let streamed = mine.len() >= STREAM_MIN_DESTINATION;
     phase.run_with(own, next, |range| {
-        mine[range.clone()].copy_from_slice(&own[range]);
+        if streamed {
+            stream_copy(&mut mine[range.clone()], &own[range]);
+        } else {
+            mine[range.clone()].copy_from_slice(&own[range]);
+        }
         Ok(())
     })
 }
