@@ -153,34 +153,7 @@ fn split_groups_and_concurrent_groups_share_the_worlds_channels() {
 #[test]
 fn a_large_all_gather_streams_its_blocks_intact() {
     // 16 MiB per rank: each posted block is past the streaming-store threshold (8 MiB).
-    let Some(world) = world(&[TransportPolicy::Shm; 2]) else {
-        return;
-    };
-    let n = 4 << 20;
-    let works: Vec<_> = world
-        .iter()
-        .map(|comm| {
-            let r = comm.rank();
-            let mine: Vec<i32> = (0..n)
-                .map(|i| (i as i32).wrapping_mul(3) ^ (r as i32 + 1))
-                .collect();
-            comm.all_gather_async(
-                Buffer::from_vec(mine),
-                Buffer::zeros(hypershard_collectives::DType::I32, 2 * n),
-            )
-        })
-        .collect();
-    for work in works {
-        let out = work.wait().unwrap().output.into_vec::<i32>().unwrap();
-        for (j, &v) in out.iter().enumerate() {
-            let (r, i) = (j / n, j % n);
-            assert_eq!(
-                v,
-                (i as i32).wrapping_mul(3) ^ (r as i32 + 1),
-                "element {j}"
-            );
-        }
-    }
+    check_large_all_gather(TransportPolicy::Shm, vec![4 << 20; 2]);
 }
 
 /// Rank `rank`'s element `i` in the reduce-scatter tests: small integers, so every sum is
@@ -248,11 +221,11 @@ fn an_uneven_large_reduce_scatter_streams_intact_at_world_three() {
     check_large_reduce_scatter(3, Some(vec![2_100_003, 2_200_001, 7]), 0);
 }
 
-/// All-gathers uneven `counts` of i32 (rank `r`'s element `i` is a hash of both) over a world
-/// of `counts.len()` ranks under `policy`, with 100 000-byte segments, and checks every
-/// output element. Blocks of at least 8 MiB are copied (own block) and filled (the others)
-/// with streaming stores.
-fn check_large_all_gather_v(policy: TransportPolicy, counts: Vec<usize>) {
+/// All-gathers `counts` of i32 (rank `r`'s element `i` is a hash of both) over a world of
+/// `counts.len()` ranks under `policy`, with 100 000-byte segments, and checks every output
+/// element: through `all_gather` when the counts are even, `all_gather_v` otherwise. Blocks
+/// of at least 8 MiB are copied (own block) and filled (the others) with streaming stores.
+fn check_large_all_gather(policy: TransportPolicy, counts: Vec<usize>) {
     let tcp = TcpConfig::default()
         .with_segment_bytes(100_000)
         .with_shm_ring_bytes(256 << 10)
@@ -268,11 +241,12 @@ fn check_large_all_gather_v(policy: TransportPolicy, counts: Vec<usize>) {
         .map(|comm| {
             let r = comm.rank();
             let mine: Vec<i32> = (0..counts[r]).map(|i| value(r, i)).collect();
-            comm.all_gather_v_async(
-                Buffer::from_vec(mine),
-                Buffer::zeros(hypershard_collectives::DType::I32, total),
-                counts.clone(),
-            )
+            let output = Buffer::zeros(hypershard_collectives::DType::I32, total);
+            if counts.iter().all(|&c| c == counts[0]) {
+                comm.all_gather_async(Buffer::from_vec(mine), output)
+            } else {
+                comm.all_gather_v_async(Buffer::from_vec(mine), output, counts.clone())
+            }
         })
         .collect();
     for (rank, work) in works.into_iter().enumerate() {
@@ -296,6 +270,6 @@ fn an_uneven_large_all_gather_streams_its_own_blocks_intact_over_tcp_and_shm() {
     // Ranks 0 and 1 own blocks past the streaming-store threshold (8 MiB), rank 2 five
     // elements; over plain TCP only the own-block copy streams, over shm the posts do too.
     for policy in [TransportPolicy::Tcp, TransportPolicy::Shm] {
-        check_large_all_gather_v(policy, vec![2_097_155, 2_200_001, 5]);
+        check_large_all_gather(policy, vec![2_097_155, 2_200_001, 5]);
     }
 }
