@@ -372,6 +372,26 @@ mod tests {
             .unwrap();
     }
 
+    /// Waits (up to 5 s) until `transport`'s mailbox holds `count` frames from rank 0 under
+    /// `key`. A post made earlier could race a frame the reader thread is still reading into
+    /// the mailbox, and that frame would then be left to the fallback.
+    fn wait_until_queued(transport: &Transport, key: MailboxKey, count: usize) {
+        let queued = || {
+            transport
+                .shared
+                .lock()
+                .mailbox
+                .get(&(0, key))
+                .map_or(0, VecDeque::len)
+        };
+        let mut tries = 0;
+        while queued() < count {
+            tries += 1;
+            assert!(tries < 1000, "frames never arrived");
+            std::thread::sleep(Duration::from_millis(5));
+        }
+    }
+
     #[test]
     fn queued_frames_are_copied_in_and_later_ones_land_directly_in_order() {
         let ranks = transports(2, 1 << 16);
@@ -381,20 +401,7 @@ mod tests {
         send(&ranks[0], 1, &frames[1]);
         let key = MailboxKey::of(&frames[0].0);
         // Wait until both are filed, so the post finds them queued.
-        let mut tries = 0;
-        let queued = |transport: &Transport| {
-            transport
-                .shared
-                .lock()
-                .mailbox
-                .get(&(0, key))
-                .map_or(0, VecDeque::len)
-        };
-        while queued(&ranks[1]) < 2 {
-            tries += 1;
-            assert!(tries < 1000, "frames never arrived");
-            std::thread::sleep(Duration::from_millis(5));
-        }
+        wait_until_queued(&ranks[1], key, 2);
         let mut dst = vec![0u8; 4000];
         let posted = PostedRecv::post(&ranks[1], 0, key, DType::U8, &mut dst);
         send(&ranks[0], 1, &frames[2]);
@@ -475,6 +482,8 @@ mod tests {
         let oversized = data(0, 16, 2);
         send(&ranks[0], 1, &oversized);
         let key = MailboxKey::of(&first.0);
+        // Both must be queued before the post: the first is then copied in from the mailbox.
+        wait_until_queued(&ranks[1], key, 2);
         let mut dst = vec![0u8; 12];
         let posted = PostedRecv::post(&ranks[1], 0, key, DType::U8, &mut dst);
         let outcome = posted.wait(&budget(5_000), |_| Ok(())).unwrap();
