@@ -133,7 +133,9 @@ fn member_params(
         if ignored {
             return Ok(());
         }
-        let data = param.data()?;
+        // `tensor`: a deferred parameter has a shape and a dtype, which is all the plan needs.
+        let data = param.tensor()?;
+        let deferred = data.is_deferred();
         let orig_dtype = data.dtype();
         if comm_dtype(orig_dtype).is_none() {
             failure = Some(FsdpError::UnsupportedDType {
@@ -189,7 +191,12 @@ fn member_params(
             world,
         };
         let sharded = if replicated {
-            data.deep_copy()?
+            if deferred {
+                let zeros = vec![0; shape.len()];
+                param.materialize_block(&zeros, &shape)?
+            } else {
+                data.deep_copy()?
+            }
         } else {
             let span = match layout.span(shard_rank) {
                 Ok(span) => span,
@@ -198,8 +205,17 @@ fn member_params(
                     return Ok(());
                 }
             };
-            // A deep copy, so the shard owns its storage and the full tensor can be freed.
-            data.narrow(dim, span.offset, span.len)?.deep_copy()?
+            if deferred {
+                // Only this rank's block is ever built: the full parameter never exists here.
+                let mut offset = vec![0; shape.len()];
+                offset[dim] = span.offset;
+                let mut block = shape.clone();
+                block[dim] = span.len;
+                param.materialize_block(&offset, &block)?
+            } else {
+                // A deep copy, so the shard owns its storage and the full tensor can be freed.
+                data.narrow(dim, span.offset, span.len)?.deep_copy()?
+            }
         };
         let post_layout = match (role, post_size) {
             (ParamRole::Sharded, Some(size)) => Some(ShardLayout {

@@ -265,6 +265,14 @@ pub enum Error {
         /// Its value in this run.
         requested: String,
     },
+    /// The `--init` file does not match the model.
+    #[error("--init {path}: {reason}", path = path.display())]
+    InitFile {
+        /// The `--init` file.
+        path: PathBuf,
+        /// What is wrong with it, naming the tensor.
+        reason: String,
+    },
     /// A tensor is not in the checkpoint.
     #[error("tensor {name} is not in the checkpoint")]
     MissingTensor {

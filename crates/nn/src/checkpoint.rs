@@ -29,7 +29,7 @@ pub fn load_state_dict(module: &mut dyn Module, tensors: &BTreeMap<String, Tenso
     const OP: &str = "load_state_dict";
     let mut seen = Vec::new();
     module.visit_params("", &mut |name, param| {
-        let data = param.data()?;
+        let data = param.tensor()?;
         let tensor = tensors.get(name).ok_or_else(|| Error::MissingTensor {
             op: OP,
             name: name.to_string(),
@@ -52,7 +52,7 @@ pub fn load_state_dict(module: &mut dyn Module, tensors: &BTreeMap<String, Tenso
         });
     }
     module.visit_params_mut("", &mut |name, param| {
-        let dtype = param.data()?.dtype();
+        let dtype = param.tensor()?.dtype();
         let tensor = tensors.get(name).ok_or_else(|| Error::MissingTensor {
             op: OP,
             name: name.to_string(),

@@ -18,6 +18,24 @@ pub enum Error {
         /// The parameter's name as stored in the [`Parameter`](crate::Parameter).
         name: String,
     },
+    /// A parameter built deferred (shape and dtype only) was used before being materialised.
+    #[error(
+        "parameter `{name}` is deferred (shape and dtype only, no data): wrap its module with \
+         fully_shard, which materialises each rank's shard, or call materialize_module first"
+    )]
+    Deferred {
+        /// The parameter's name as stored in the [`Parameter`](crate::Parameter).
+        name: String,
+    },
+    /// A deferred parameter could not be materialised (no recipe and no init hook, or the hook
+    /// failed or returned the wrong block).
+    #[error("parameter `{name}`: cannot materialise: {reason}")]
+    Materialize {
+        /// The parameter's name.
+        name: String,
+        /// Why, in words.
+        reason: String,
+    },
     /// `backward` was called without a preceding `forward` (or twice after one forward).
     #[error("{module}: backward called without a preceding forward")]
     BackwardBeforeForward {

@@ -172,10 +172,12 @@ impl Gpt {
             if is_norm {
                 return Ok(());
             }
-            let data = param.data()?;
+            // `tensor`, not `data`: inside `deferred_init` the parameter has only a shape, and
+            // the fresh tensors below are deferred too, remembering their recipe.
+            let data = param.tensor()?;
             let (shape, dtype) = (data.shape().to_vec(), data.dtype());
             if name.ends_with(".bias") {
-                data.zero_()?;
+                param.data = Some(Tensor::zeros(&shape, dtype)?);
                 return Ok(());
             }
             let std = if name.ends_with("c_proj.weight") {
@@ -193,6 +195,15 @@ impl Gpt {
         })
     }
 
+    /// The same model as [`Gpt::new`], built deferred: every parameter has its shape, dtype
+    /// and init recipe but no storage, so the model costs no memory until `fully_shard`
+    /// materialises each rank's shard (or [`materialize_module`](crate::materialize_module)
+    /// the whole of it). Any block materialised alone equals, bit for bit, the same block of
+    /// [`Gpt::new`]'s parameter; `wte` stays one parameter, so the lm_head stays tied.
+    pub fn new_deferred(config: GptConfig) -> Result<Self> {
+        hypershard_tensor::deferred_init(|| Gpt::new(config))
+    }
+
     /// The configuration.
     pub fn config(&self) -> &GptConfig {
         &self.config
@@ -203,11 +214,11 @@ impl Gpt {
     pub fn num_params(&self, non_embedding: bool) -> Result<usize> {
         let mut total = 0;
         self.visit_params("", &mut |_, param| {
-            total += param.data()?.numel();
+            total += param.tensor()?.numel();
             Ok(())
         })?;
         if non_embedding {
-            total -= self.wpe.data()?.numel();
+            total -= self.wpe.tensor()?.numel();
         }
         Ok(total)
     }

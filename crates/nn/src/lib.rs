@@ -61,7 +61,7 @@ pub use module::{
 };
 pub use module_list::ModuleList;
 pub use norm::{LayerNorm, LayerNormConfig, RmsNorm, RmsNormConfig};
-pub use param::Parameter;
+pub use param::{InitFn, InitRequest, Parameter, materialize_module};
 pub use sequential::Sequential;
 pub use threads::with_num_threads;
 pub use transformer::{Block, BlockConfig, Mlp};

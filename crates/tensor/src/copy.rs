@@ -28,7 +28,7 @@ impl Tensor {
     /// A contiguous copy in new storage (torch's `clone()`).
     pub fn deep_copy(&self) -> Result<Tensor> {
         let guard = self.storage.read();
-        let host = guard.host();
+        let host = guard.host("deep_copy")?;
         with_bits!(self.dtype, T => {
             let data = self.gather(host.typed::<T>());
             Tensor::build_raw::<T>("deep_copy", &self.shape, self.dtype, |o| o.copy_from_slice(&data))
@@ -53,7 +53,7 @@ impl Tensor {
             return Ok(self.clone());
         }
         let guard = self.storage.read();
-        let host = guard.host();
+        let host = guard.host("to_dtype")?;
         with_repr!(self.dtype, S => {
             let src = host.typed::<S>();
             with_repr!(dtype, D => Tensor::build::<D>("to_dtype", &self.shape, |out| {
@@ -110,8 +110,8 @@ impl Tensor {
             return self.copy_from(&detached);
         }
         let mut guards = read_write(&src.storage, &self.storage);
-        let src_host = guards.src.host();
-        let dst_host = guards.dst.host_mut();
+        let src_host = guards.src.host("copy_from")?;
+        let dst_host = guards.dst.host_mut("copy_from")?;
         let src_idx = StridedIndices::new(&self.shape, &src_strides, src.offset);
         let contiguous_pair =
             self.is_contiguous() && src.is_contiguous() && src.shape == self.shape;
@@ -151,7 +151,7 @@ impl Tensor {
     pub fn fill_(&self, value: f64) -> Result<()> {
         self.check_writable("fill_")?;
         let mut guard = self.storage.write();
-        let host = guard.host_mut();
+        let host = guard.host_mut("fill_")?;
         with_repr!(self.dtype, T => {
             let v = T::from_f64(value);
             let d = host.typed_mut::<T>();

@@ -231,6 +231,23 @@ pub enum Error {
         /// The block's shape.
         block_shape: Vec<usize>,
     },
+    /// The tensor is deferred (shape and dtype only): it has no data to read or write.
+    #[error(
+        "{op}: the tensor is deferred (shape and dtype only, no data); materialise it first \
+         (fully_shard materialises each rank's shard)"
+    )]
+    Deferred {
+        /// The operation that needed the data.
+        op: &'static str,
+    },
+    /// A tensor cannot be materialised from its deferred recipe.
+    #[error("{op}: cannot materialise: {reason}")]
+    NotMaterializable {
+        /// The operation that failed.
+        op: &'static str,
+        /// Why.
+        reason: &'static str,
+    },
     /// A safetensors file holds a dtype this crate does not support.
     #[error("{op}: tensor {name:?} has unsupported safetensors dtype {dtype}")]
     UnsupportedFileDType {

@@ -7,9 +7,10 @@
 //!
 //! # Storage
 //!
-//! [`Storage`] is an enum (`#[non_exhaustive]`) whose only variant today is
-//! [`Storage::Host`]: a [`HostBuffer`], 64-byte aligned and zero-initialised, built from a
-//! `Vec` of 64-byte blocks so that no `unsafe` is needed. Device memory is a separate type,
+//! [`Storage`] is an enum (`#[non_exhaustive]`): [`Storage::Host`] is a [`HostBuffer`], 64-byte
+//! aligned and zero-initialised, built from a `Vec` of 64-byte blocks so that no `unsafe` is
+//! needed; [`Storage::Deferred`] has no bytes at all, only a length and a recipe (the meta
+//! device: see [`deferred`]), so a model can be described on a rank that could not hold it. Device memory is a separate type,
 //! `cuda::CudaTensor` (feature `cuda`), so the CPU path never branches on it. Tensors hold
 //! an `Arc<`[`SharedStorage`]`>`; the storage is freed when the last view of it is dropped.
 //!
@@ -57,6 +58,7 @@
 mod copy;
 #[cfg(feature = "cuda")]
 pub mod cuda;
+pub mod deferred;
 mod dtype;
 mod error;
 mod io;
@@ -70,6 +72,7 @@ mod storage;
 mod tensor;
 mod view;
 
+pub use deferred::{DeferredStorage, Fill, deferred_init, in_deferred_init};
 pub use dtype::{DType, Element};
 pub use error::{Error, Result};
 pub use io::{load_safetensors, load_safetensors_file, save_safetensors, save_safetensors_file};

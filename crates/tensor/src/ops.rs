@@ -71,8 +71,8 @@ fn binary_typed<T: Arith>(
 ) -> Result<Tensor> {
     let guards = read_pair(&a.storage, &b.storage);
     let (sa, sb) = guards.get();
-    let da = sa.host().typed::<T>();
-    let db = sb.host().typed::<T>();
+    let da = sa.host(op_name)?.typed::<T>();
+    let db = sb.host(op_name)?.typed::<T>();
     let (lhs, rhs) = ((a, da), (b, db));
     match op {
         BinaryOp::Add => zip_new(op_name, lhs, rhs, shape, T::add),
@@ -174,7 +174,7 @@ impl Tensor {
     pub fn scale_(&self, alpha: f64) -> Result<()> {
         self.check_writable("scale_")?;
         let mut guard = self.storage.write();
-        let host = guard.host_mut();
+        let host = guard.host_mut("scale_")?;
         with_arith!(self.dtype, "scale_", T => {
             map_in_place::<T>(self, host.typed_mut::<T>(), |x| T::scale(x, alpha));
         });
@@ -239,8 +239,8 @@ impl Tensor {
             return self.update(&detached, op, kernel);
         }
         let mut guards = read_write(&src.storage, &self.storage);
-        let s = guards.src.host();
-        let d = guards.dst.host_mut();
+        let s = guards.src.host(op)?;
+        let d = guards.dst.host_mut(op)?;
         kernel(self.dtype, self, d, src, &src_strides, s)
     }
 

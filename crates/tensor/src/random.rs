@@ -144,7 +144,25 @@ fn round_into<T: Arith>(value: f64, high: Option<f64>) -> T {
 impl Tensor {
     /// A random tensor of `shape`: element `i` (row-major) is `init.value_at(i)` rounded to
     /// `dtype` (float dtypes only). See the [`random`](crate::random) module for the generator.
+    ///
+    /// Inside [`deferred_init`](crate::deferred_init) it allocates nothing and returns a
+    /// deferred tensor that remembers `init` (checked now, as the eager path would).
     pub fn random(shape: &[usize], dtype: DType, init: RandomInit) -> Result<Tensor> {
+        if crate::deferred::in_deferred_init() {
+            init.validate("random")?;
+            if !dtype.is_float() {
+                return Err(Error::UnsupportedDType {
+                    op: "random",
+                    dtype,
+                });
+            }
+            return Tensor::deferred_with(
+                "random",
+                shape,
+                dtype,
+                Some(crate::deferred::Fill::Random(init)),
+            );
+        }
         let zeros = vec![0; shape.len()];
         Tensor::random_block(
             Block {

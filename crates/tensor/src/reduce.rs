@@ -84,7 +84,7 @@ impl Tensor {
             outer_shape.clone()
         };
         let guard = self.storage.read();
-        let host = guard.host();
+        let host = guard.host(op)?;
         with_arith!(self.dtype, op, T => {
             let data = host.typed::<T>();
             let bases = StridedIndices::new(&outer_shape, &outer_strides, self.offset);

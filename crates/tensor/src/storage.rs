@@ -215,20 +215,26 @@ impl std::fmt::Debug for HostBuffer {
 
 /// Where a tensor's bytes live.
 ///
-/// Today only host memory exists; a device variant (a CUDA buffer behind the `cuda` feature)
-/// will be added, which is why the enum is `#[non_exhaustive]`.
+/// Host memory, or no memory at all: a [`Deferred`](Storage::Deferred) storage carries only its
+/// length and how it would be filled (PyTorch's meta device). A device variant (a CUDA buffer
+/// behind the `cuda` feature) will be added, which is why the enum is `#[non_exhaustive]`.
 #[derive(Debug, Clone)]
 #[non_exhaustive]
 pub enum Storage {
     /// 64-byte aligned host memory.
     Host(HostBuffer),
+    /// No bytes: the tensor has a shape and a dtype but its data was never allocated (see
+    /// [`deferred_init`](crate::deferred_init)). Every kernel refuses it with
+    /// [`Error::Deferred`](crate::Error::Deferred).
+    Deferred(crate::deferred::DeferredStorage),
 }
 
 impl Storage {
-    /// Length in bytes.
+    /// Length in bytes (what the data would take, for a deferred storage).
     pub fn len(&self) -> usize {
         match self {
             Storage::Host(buf) => buf.len(),
+            Storage::Deferred(deferred) => deferred.len(),
         }
     }
 
@@ -237,17 +243,25 @@ impl Storage {
         self.len() == 0
     }
 
-    /// The host buffer, for kernels that run on the CPU.
-    pub(crate) fn host(&self) -> &HostBuffer {
+    /// Whether this is a deferred (shape-only) storage.
+    pub fn is_deferred(&self) -> bool {
+        matches!(self, Storage::Deferred(_))
+    }
+
+    /// The host buffer, for kernels that run on the CPU; a deferred storage is
+    /// [`Error::Deferred`](crate::Error::Deferred) naming `op`.
+    pub(crate) fn host(&self, op: &'static str) -> crate::Result<&HostBuffer> {
         match self {
-            Storage::Host(buf) => buf,
+            Storage::Host(buf) => Ok(buf),
+            Storage::Deferred(_) => Err(crate::Error::Deferred { op }),
         }
     }
 
-    /// The host buffer, mutably.
-    pub(crate) fn host_mut(&mut self) -> &mut HostBuffer {
+    /// The host buffer, mutably (see [`host`](Storage::host)).
+    pub(crate) fn host_mut(&mut self, op: &'static str) -> crate::Result<&mut HostBuffer> {
         match self {
-            Storage::Host(buf) => buf,
+            Storage::Host(buf) => Ok(buf),
+            Storage::Deferred(_) => Err(crate::Error::Deferred { op }),
         }
     }
 }
@@ -383,8 +397,15 @@ mod tests {
     #[test]
     fn shared_storage_write_is_visible_to_readers() {
         let shared = SharedStorage::new(Storage::Host(HostBuffer::zeroed(4)));
-        shared.write().host_mut().as_bytes_mut()[2] = 7;
-        assert_eq!(shared.read().host().as_bytes(), &[0, 0, 7, 0]);
+        shared
+            .write()
+            .host_mut("test")
+            .expect("host storage")
+            .as_bytes_mut()[2] = 7;
+        assert_eq!(
+            shared.read().host("test").expect("host storage").as_bytes(),
+            &[0, 0, 7, 0]
+        );
         assert_eq!(shared.read().len(), 4);
         assert!(!shared.read().is_empty());
     }

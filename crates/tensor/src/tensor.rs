@@ -3,6 +3,7 @@
 use std::fmt;
 use std::sync::Arc;
 
+use crate::deferred::Fill;
 use crate::dtype::sealed::Repr;
 use crate::dtype::{BoolByte, Element, with_repr};
 use crate::layout::{StridedIndices, checked_numel, contiguous_strides, is_contiguous};
@@ -113,9 +114,14 @@ impl Tensor {
 
     /// A contiguous tensor over freshly allocated storage.
     pub(crate) fn from_host(buf: HostBuffer, dtype: DType, shape: Vec<usize>) -> Tensor {
+        Tensor::from_storage(Storage::Host(buf), dtype, shape)
+    }
+
+    /// A contiguous tensor over `storage`.
+    pub(crate) fn from_storage(storage: Storage, dtype: DType, shape: Vec<usize>) -> Tensor {
         let strides = contiguous_strides(&shape);
         Tensor {
-            storage: Arc::new(SharedStorage::new(Storage::Host(buf))),
+            storage: Arc::new(SharedStorage::new(storage)),
             dtype,
             shape,
             strides,
@@ -284,6 +290,13 @@ impl Tensor {
         match Arc::try_unwrap(storage) {
             Ok(shared) => match shared.into_inner() {
                 Storage::Host(buf) => Ok(buf),
+                other => Err(Tensor {
+                    storage: Arc::new(SharedStorage::new(other)),
+                    dtype,
+                    shape,
+                    strides,
+                    offset,
+                }),
             },
             Err(storage) => Err(Tensor {
                 storage,
@@ -304,6 +317,9 @@ impl Tensor {
     /// # Ok::<(), hypershard_tensor::Error>(())
     /// ```
     pub fn zeros(shape: &[usize], dtype: DType) -> Result<Tensor> {
+        if crate::deferred::in_deferred_init() {
+            return Tensor::deferred_with("zeros", shape, dtype, Some(Fill::Constant(0.0)));
+        }
         // All-zero bytes are 0 (or false) in every dtype.
         with_repr!(dtype, T => Tensor::build::<T>("zeros", shape, |_| {}))
     }
@@ -316,6 +332,14 @@ impl Tensor {
     /// A tensor with every element `value`, converted to `dtype` (rounded to nearest for floats,
     /// truncated and saturated for integers, `value != 0` for bool).
     pub fn full(shape: &[usize], value: f64, dtype: DType) -> Result<Tensor> {
+        if crate::deferred::in_deferred_init() {
+            return Tensor::deferred_with("full", shape, dtype, Some(Fill::Constant(value)));
+        }
+        Tensor::eager_full(shape, value, dtype)
+    }
+
+    /// [`Tensor::full`], allocated even inside a deferred scope.
+    pub(crate) fn eager_full(shape: &[usize], value: f64, dtype: DType) -> Result<Tensor> {
         with_repr!(dtype, T => {
             let v = T::from_f64(value);
             Tensor::build::<T>("full", shape, |out| out.fill(v))
@@ -392,7 +416,7 @@ impl Tensor {
     pub fn to_vec<T: Element>(&self) -> Result<Vec<T>> {
         self.check_dtype::<T>("to_vec")?;
         let guard = self.storage.read();
-        Ok(self.gather(guard.host().typed::<T>()))
+        Ok(self.gather(guard.host("to_vec")?.typed::<T>()))
     }
 
     /// The elements of a bool tensor in row-major order.
@@ -400,7 +424,7 @@ impl Tensor {
         self.check_dtype::<BoolByte>("to_bools")?;
         let guard = self.storage.read();
         Ok(self
-            .gather(guard.host().typed::<BoolByte>())
+            .gather(guard.host("to_bools")?.typed::<BoolByte>())
             .into_iter()
             .map(|b| b.0 != 0)
             .collect())
@@ -409,15 +433,16 @@ impl Tensor {
     /// The elements converted to `f64`, whatever the dtype (bool gives 0 or 1).
     pub fn to_f64_vec(&self) -> Result<Vec<f64>> {
         let guard = self.storage.read();
+        let host = guard.host("to_f64_vec")?;
         Ok(with_repr!(self.dtype, T => {
-            self.gather(guard.host().typed::<T>()).into_iter().map(T::to_f64).collect()
+            self.gather(host.typed::<T>()).into_iter().map(T::to_f64).collect()
         }))
     }
 
     /// The elements as little-endian bytes, row-major.
     pub fn to_bytes(&self) -> Result<Vec<u8>> {
         let guard = self.storage.read();
-        let host = guard.host();
+        let host = guard.host("to_bytes")?;
         Ok(crate::dtype::with_bits!(self.dtype, T => {
             bytemuck::cast_slice::<T, u8>(&self.gather(host.typed::<T>())).to_vec()
         }))
@@ -439,7 +464,7 @@ impl Tensor {
             });
         }
         let guard = self.storage.read();
-        Ok(guard.host().typed::<T>()[self.offset])
+        Ok(guard.host("item")?.typed::<T>()[self.offset])
     }
 
     /// The only element of a one-element tensor, converted to `f64`.
@@ -451,7 +476,8 @@ impl Tensor {
             });
         }
         let guard = self.storage.read();
-        Ok(with_repr!(self.dtype, T => guard.host().typed::<T>()[self.offset].to_f64()))
+        let host = guard.host("item_f64")?;
+        Ok(with_repr!(self.dtype, T => host.typed::<T>()[self.offset].to_f64()))
     }
 
     /// Runs `f` on the elements of a contiguous tensor, in place in the storage (no copy).
@@ -464,7 +490,7 @@ impl Tensor {
         self.check_contiguous("with_data")?;
         let guard = self.storage.read();
         Ok(f(
-            &guard.host().typed::<T>()[self.offset..self.offset + self.numel()]
+            &guard.host("with_data")?.typed::<T>()[self.offset..self.offset + self.numel()]
         ))
     }
 
@@ -487,7 +513,7 @@ impl Tensor {
         let mut guard = self.storage.write();
         let n = self.numel();
         Ok(f(
-            &mut guard.host_mut().typed_mut::<T>()[self.offset..self.offset + n]
+            &mut guard.host_mut("with_data_mut")?.typed_mut::<T>()[self.offset..self.offset + n]
         ))
     }
 

@@ -10,6 +10,8 @@ use std::collections::BTreeMap;
 use std::fs::File;
 use std::io::{BufWriter, Read, Seek, SeekFrom, Write};
 use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
 
 use hypershard_tensor::DType;
 use serde_json::{Map, Value, json};
@@ -146,6 +148,9 @@ pub struct StoredTensor {
 pub struct SafetensorsIndex {
     path: PathBuf,
     tensors: BTreeMap<String, StoredTensor>,
+    /// Data bytes read through this index and its clones (headers not counted): what the
+    /// sharded-loading tests assert, so a rank is seen to read only its own rows.
+    bytes_read: Arc<AtomicU64>,
 }
 
 /// Headers above this size are refused (a corrupt length must not allocate gigabytes).
@@ -210,6 +215,7 @@ impl SafetensorsIndex {
         Ok(SafetensorsIndex {
             path: path.to_path_buf(),
             tensors,
+            bytes_read: Arc::new(AtomicU64::new(0)),
         })
     }
 
@@ -218,24 +224,69 @@ impl SafetensorsIndex {
         &self.tensors
     }
 
-    /// Reads the bytes of one tensor.
-    pub fn read(&self, name: &str) -> Result<(StoredTensor, Vec<u8>)> {
-        let stored = self
+    /// The path of the file.
+    pub fn path(&self) -> &Path {
+        &self.path
+    }
+
+    /// Data bytes read so far through this index and its clones.
+    pub fn bytes_read(&self) -> u64 {
+        self.bytes_read.load(Ordering::Relaxed)
+    }
+
+    /// Reads rows `start..start + len` of dim 0 of one tensor: one contiguous byte range of
+    /// the file (row-major), so a rank loading its `Shard(0)` block never reads the rest.
+    pub fn read_rows(
+        &self,
+        name: &str,
+        start: usize,
+        len: usize,
+    ) -> Result<(StoredTensor, Vec<u8>)> {
+        let stored = self.stored(name)?;
+        let rows = stored.shape.first().copied().unwrap_or(1);
+        let in_range = start.checked_add(len).is_some_and(|end| end <= rows);
+        if !in_range {
+            return Err(safetensors_error(
+                &self.path,
+                format!("tensor {name}: rows {start}..{start}+{len} outside its {rows} rows"),
+            ));
+        }
+        let row_bytes = stored.shape.iter().skip(1).product::<usize>() * stored.dtype.size_of();
+        // invariant: the whole range was checked against the file length at open, and these
+        // rows lie inside it.
+        let begin = stored.begin + (start * row_bytes) as u64;
+        let bytes = self.read_range(begin, len * row_bytes)?;
+        Ok((stored, bytes))
+    }
+
+    fn stored(&self, name: &str) -> Result<StoredTensor> {
+        Ok(self
             .tensors
             .get(name)
             .ok_or_else(|| Error::MissingTensor {
                 name: name.to_string(),
             })?
-            .clone();
+            .clone())
+    }
+
+    fn read_range(&self, begin: u64, len: usize) -> Result<Vec<u8>> {
         let path = &self.path;
         let mut file = File::open(path).map_err(|e| Error::io(FileAction::Read, path, e))?;
-        file.seek(SeekFrom::Start(stored.begin))
+        file.seek(SeekFrom::Start(begin))
             .map_err(|e| Error::io(FileAction::Read, path, e))?;
-        // invariant: the range was checked against the file length, which fits in memory
-        // addressing on the platforms we build for.
-        let mut bytes = vec![0u8; (stored.end - stored.begin) as usize];
+        let mut bytes = vec![0u8; len];
         file.read_exact(&mut bytes)
             .map_err(|e| Error::io(FileAction::Read, path, e))?;
+        self.bytes_read.fetch_add(len as u64, Ordering::Relaxed);
+        Ok(bytes)
+    }
+
+    /// Reads the bytes of one tensor.
+    pub fn read(&self, name: &str) -> Result<(StoredTensor, Vec<u8>)> {
+        let stored = self.stored(name)?;
+        // invariant: the range was checked against the file length, which fits in memory
+        // addressing on the platforms we build for.
+        let bytes = self.read_range(stored.begin, (stored.end - stored.begin) as usize)?;
         Ok((stored, bytes))
     }
 }

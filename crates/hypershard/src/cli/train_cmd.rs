@@ -120,6 +120,11 @@ pub struct TrainArgs {
     /// Initial weights: a safetensors file with nanoGPT parameter names.
     #[arg(long)]
     init: Option<PathBuf>,
+    /// Build the whole model on every rank before sharding it. By default the model is built
+    /// deferred (shapes only) and each rank materialises only its own shard, so start-up
+    /// memory per rank falls with the number of ranks; the values are the same either way.
+    #[arg(long)]
+    eager_init: bool,
     /// Output directory (default: a new runs/train-NNN).
     #[arg(long)]
     out: Option<PathBuf>,
@@ -197,6 +202,7 @@ fn build_config(args: &TrainArgs, out: PathBuf) -> Result<TrainConfig, Error> {
         param_dtype: args.param_dtype.dtype(),
         reduce_dtype: args.reduce_dtype.dtype(),
         init: args.init.clone(),
+        eager_init: args.eager_init,
         out,
         resume: args.resume,
         checkpoint_every: args.checkpoint_every,

@@ -316,6 +316,9 @@ pub struct TrainConfig {
     pub reduce_dtype: DType,
     /// Initial weights (nanoGPT names).
     pub init: Option<PathBuf>,
+    /// Build the whole model on every rank before sharding (the old path, for comparison);
+    /// by default the model is built deferred and each rank materialises only its shard.
+    pub eager_init: bool,
     /// Output directory.
     pub out: PathBuf,
     /// Continue from `OUT/checkpoints`.

@@ -6,6 +6,7 @@
 
 mod config;
 mod fault;
+mod init_file;
 mod optimizer;
 mod plot;
 mod report;
@@ -16,6 +17,7 @@ pub use config::{
     LrSchedule, MODEL_PRESETS, MeshSpec, ModelConfig, ModelShape, OptimConfig, TrainConfig,
 };
 pub use fault::{FAULT_ENV, Fault, FaultPoint};
+pub use init_file::attach_init_file;
 pub use optimizer::{Moments, ShardedAdamW};
 pub use plot::plot_losses;
 pub use report::{LossRecord, Reporter, ReporterConfig, TrainSummary, print_summary, read_losses};

@@ -242,7 +242,7 @@ pub fn load(
 pub fn global_shapes(module: &dyn Module) -> Result<BTreeMap<String, Vec<usize>>> {
     let mut shapes = BTreeMap::new();
     module.visit_params("", &mut |name, param| {
-        shapes.insert(name.to_string(), param.data()?.shape().to_vec());
+        shapes.insert(name.to_string(), param.tensor()?.shape().to_vec());
         Ok(())
     })?;
     Ok(shapes)

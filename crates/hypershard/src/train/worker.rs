@@ -15,6 +15,7 @@ use serde_json::json;
 
 use super::config::TrainConfig;
 use super::fault::{Fault, FaultPoint};
+use super::init_file::attach_init_file;
 use super::optimizer::ShardedAdamW;
 use super::report::{LossRecord, Reporter, ReporterConfig, TrainSummary};
 use super::shards::{SaveOptions, ShardContext, global_shapes, load, save};
@@ -95,9 +96,16 @@ impl Trainer {
             }
             None => None,
         };
-        let mut gpt = Gpt::new(config.model.gpt())?;
+        // Deferred: no rank ever holds the whole model; fully_shard below materialises each
+        // rank's shard alone (from the init recipe or the --init file's rows), equal bit for
+        // bit to the same block of the eagerly built model.
+        let mut gpt = if config.eager_init {
+            Gpt::new(config.model.gpt())?
+        } else {
+            Gpt::new_deferred(config.model.gpt())?
+        };
         if let Some(init) = &config.init {
-            gpt.load_safetensors_file(init)?;
+            attach_init_file(&mut gpt, init)?;
         }
         let shapes = global_shapes(&gpt)?;
         let mesh = if config.mesh.replicas == 1 {
