@@ -206,6 +206,16 @@ impl BufferPool {
         Ok(Tensor::from_host_buffer(storage, &[numel], dtype)?)
     }
 
+    /// The most bytes ever handed out at once (gather outputs, which hold the unsharded
+    /// parameters, and reduce inputs) and the bytes cached for reuse now.
+    pub fn stats(&self) -> crate::mesh::CommBufferStats {
+        let inner = self.lock();
+        crate::mesh::CommBufferStats {
+            peak_in_use_bytes: inner.peak_outstanding,
+            cached_bytes: inner.cached_bytes,
+        }
+    }
+
     /// How many requests were served from the pool and how many allocated.
     #[cfg(test)]
     pub fn hits_and_misses(&self) -> (usize, usize) {

@@ -51,7 +51,7 @@ pub use config::{
     ReshardAfterForward, ShardPlacementFn,
 };
 pub use error::{FsdpError, Result};
-pub use mesh::DataParallelMesh;
+pub use mesh::{CommBufferStats, DataParallelMesh};
 pub use module::{
     FsdpModule, Rejected, RejectedGroup, UnitHandle, fully_shard, fully_shard_children,
     fully_shard_group, has_params,

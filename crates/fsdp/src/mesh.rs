@@ -147,6 +147,13 @@ impl DataParallelMesh {
     }
 
     /// The pool of communication buffers shared by every unit over this mesh.
+    /// What FSDP's communication buffers on this rank cost: the most bytes in use at once
+    /// (all-gather outputs, which hold the unsharded parameters while a unit computes, and
+    /// reduce-scatter inputs) and what the pool keeps cached for reuse.
+    pub fn comm_buffer_stats(&self) -> CommBufferStats {
+        self.pool.stats()
+    }
+
     pub(crate) fn pool(&self) -> &Arc<BufferPool> {
         &self.pool
     }
@@ -197,4 +204,14 @@ impl std::fmt::Debug for DataParallelMesh {
             )
             .finish()
     }
+}
+
+/// The memory of FSDP's communication buffers on one rank (see
+/// [`DataParallelMesh::comm_buffer_stats`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct CommBufferStats {
+    /// The most bytes handed out at once.
+    pub peak_in_use_bytes: usize,
+    /// Bytes kept for reuse now.
+    pub cached_bytes: usize,
 }

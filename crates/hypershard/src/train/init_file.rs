@@ -50,11 +50,10 @@ fn read_block(
         source,
     };
     let mut block = Tensor::from_bytes(&bytes, &rows_shape, stored.dtype).map_err(tensor_error)?;
-    for dim in 1..request.shape.len() {
-        if request.shape[dim] != rows_shape[dim] {
-            block = block
-                .narrow(dim, request.offset[dim], request.shape[dim])
-                .map_err(tensor_error)?;
+    let wanted = request.offset.iter().zip(request.shape).zip(&rows_shape);
+    for (dim, ((&offset, &want), &have)) in wanted.enumerate().skip(1) {
+        if want != have {
+            block = block.narrow(dim, offset, want).map_err(tensor_error)?;
         }
     }
     block

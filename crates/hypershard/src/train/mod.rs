@@ -7,6 +7,7 @@
 mod config;
 mod fault;
 mod init_file;
+mod memory;
 mod optimizer;
 mod plot;
 mod report;
@@ -18,6 +19,7 @@ pub use config::{
 };
 pub use fault::{FAULT_ENV, Fault, FaultPoint};
 pub use init_file::attach_init_file;
+pub use memory::{RankMemory, proc_status_bytes};
 pub use optimizer::{Moments, ShardedAdamW};
 pub use plot::plot_losses;
 pub use report::{LossRecord, Reporter, ReporterConfig, TrainSummary, print_summary, read_losses};

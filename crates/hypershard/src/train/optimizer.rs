@@ -50,6 +50,14 @@ impl ShardedAdamW {
         }
     }
 
+    /// Bytes of the moments held (both moments of every local shard, f32).
+    pub fn moment_bytes(&self) -> u64 {
+        self.moments
+            .values()
+            .map(|m| ((m.exp_avg.len() + m.exp_avg_sq.len()) * size_of::<f32>()) as u64)
+            .sum()
+    }
+
     /// Steps every parameter of `module` that has a gradient, at learning rate `lr`.
     pub fn step(&mut self, module: &mut dyn Module, lr: f64) -> Result<()> {
         self.step += 1;

@@ -37,8 +37,8 @@ pub struct TrainSummary {
     pub tokens_per_second: f64,
     /// Bytes this rank sent through collectives per step.
     pub bytes_per_step: f64,
-    /// Peak tensor memory of each rank, in bytes.
-    pub peak_bytes_per_rank: Vec<u64>,
+    /// Where each rank's memory went, in rank order.
+    pub memory: Vec<super::memory::RankMemory>,
     /// The last evaluation loss, if evaluated.
     pub eval_loss: Option<f64>,
     /// The loss plot.
@@ -179,7 +179,7 @@ impl Reporter {
         self,
         plot: &Path,
         bytes_per_step: f64,
-        peak_bytes_per_rank: Vec<u64>,
+        memory: Vec<super::memory::RankMemory>,
     ) -> Result<TrainSummary> {
         if let Some(bar) = &self.bar {
             bar.finish_and_clear();
@@ -200,7 +200,7 @@ impl Reporter {
             last_loss: self.records.last().map_or(f64::NAN, |r| r.loss),
             tokens_per_second: self.tokens_per_second(),
             bytes_per_step,
-            peak_bytes_per_rank,
+            memory,
             eval_loss: self.evals.last().map(|(_, l)| *l),
             plot: plot.to_path_buf(),
         })
@@ -233,6 +233,29 @@ fn human_bytes(bytes: f64) -> String {
     format!("{value:.1} {}", UNITS[unit])
 }
 
+/// Prints where each rank's memory went: one line per rank when they differ, one line for
+/// all when they agree to the MiB.
+fn print_memory(memory: &[super::memory::RankMemory]) {
+    let mib = |b: u64| human_bytes(b as f64);
+    let line = |m: &super::memory::RankMemory| {
+        format!(
+            "state {}, comm buffers {}, activations >= {}; tracker peak {}; RSS peak {} (idle {})",
+            mib(m.state_bytes),
+            mib(m.comm_buffer_bytes),
+            mib(m.activation_bytes),
+            mib(m.tracker_peak_bytes),
+            mib(m.peak_rss_bytes),
+            mib(m.idle_rss_bytes),
+        )
+    };
+    // State is parameters + gradients + AdamW moments (the moments are plain vectors, outside
+    // the tensor tracker); activations are the tracker's peak less the rest, a lower bound.
+    println!("  peak memory per rank:");
+    for (rank, m) in memory.iter().enumerate() {
+        println!("    rank {rank}: {}", line(m));
+    }
+}
+
 /// Prints the summary to stdout.
 pub fn print_summary(summary: &TrainSummary) {
     println!("done: {} steps", summary.steps_run);
@@ -248,12 +271,7 @@ pub fn print_summary(summary: &TrainSummary) {
         "  comm        {} per step per rank",
         human_bytes(summary.bytes_per_step)
     );
-    let peaks: Vec<String> = summary
-        .peak_bytes_per_rank
-        .iter()
-        .map(|b| human_bytes(*b as f64))
-        .collect();
-    println!("  peak memory {} (per rank)", peaks.join(", "));
+    print_memory(&summary.memory);
     println!("  loss plot   {}", summary.plot.display());
 }
 
@@ -288,7 +306,11 @@ mod tests {
         resumed.step(record(2, 2.5)).unwrap();
         resumed.step(record(3, 2.0)).unwrap();
         let summary = resumed
-            .finish(&dir.join("loss.svg"), 100.0, vec![1, 2])
+            .finish(
+                &dir.join("loss.svg"),
+                100.0,
+                vec![super::super::memory::RankMemory::default(); 2],
+            )
             .unwrap();
         assert_eq!((summary.first_loss, summary.last_loss), (2.5, 2.0));
         let read = read_losses(&losses).unwrap();

@@ -16,6 +16,7 @@ use serde_json::json;
 use super::config::TrainConfig;
 use super::fault::{Fault, FaultPoint};
 use super::init_file::attach_init_file;
+use super::memory::{MemoryMeter, gather_memory};
 use super::optimizer::ShardedAdamW;
 use super::report::{LossRecord, Reporter, ReporterConfig, TrainSummary};
 use super::shards::{SaveOptions, ShardContext, global_shapes, load, save};
@@ -46,6 +47,8 @@ struct Trainer {
     fault: Option<Fault>,
     /// The step being trained (where a fault fires).
     step: u64,
+    /// Where this rank's memory goes.
+    meter: MemoryMeter,
 }
 
 fn ids_tensor(name: &str, ids: &[u32], shape: &[usize]) -> Result<Tensor> {
@@ -71,6 +74,7 @@ fn corpus(config: &TrainConfig) -> Result<(TokenData, Option<TokenData>)> {
 
 impl Trainer {
     fn new(config: TrainConfig, world: Arc<dyn Communicator>) -> Result<Trainer> {
+        let meter = MemoryMeter::start();
         let counter = CommCounter::new(Arc::clone(&world));
         let counted: Arc<dyn Communicator> = counter.clone();
         let (train, eval) = corpus(&config)?;
@@ -137,6 +141,7 @@ impl Trainer {
             eval,
             fault: Fault::from_env(),
             step: 0,
+            meter,
         })
     }
 
@@ -246,6 +251,7 @@ impl Trainer {
             self.clip_gradients()?;
         }
         self.optimizer.step(&mut self.model, lr)?;
+        self.meter.after_step(&self.model, &self.optimizer)?;
         let mean = self
             .world
             .all_reduce_vec(vec![loss_sum / accum as f64], ReduceOp::Avg)?;
@@ -374,18 +380,15 @@ pub fn run_rank(config: TrainConfig, world: Arc<dyn Communicator>) -> Result<Opt
     let steps_run = total.saturating_sub(start).max(1) as f64;
     let sent: u64 = sum_bytes(&trainer.counter);
     let bytes_per_step = sent as f64 / steps_run;
-    let peak = i64::try_from(hypershard_tensor::memory::process().peak_bytes).unwrap_or(i64::MAX);
-    let peaks: Vec<u64> = trainer
-        .world
-        .all_gather_vec(vec![peak])?
-        .into_iter()
-        .map(|p| u64::try_from(p).unwrap_or(0))
-        .collect();
+    let own = trainer
+        .meter
+        .report(trainer.mesh.comm_buffer_stats().peak_in_use_bytes);
+    let memory = gather_memory(trainer.world.as_ref(), own)?;
     match reporter {
         Some(reporter) => Ok(Some(reporter.finish(
             &trainer.config.out.join("loss.svg"),
             bytes_per_step,
-            peaks,
+            memory,
         )?)),
         None => Ok(None),
     }
