@@ -6,19 +6,15 @@ use std::path::PathBuf;
 use std::process::{Command, Output, Stdio};
 use std::time::{Duration, Instant};
 
+#[path = "support/example.rs"]
+mod example;
+
 fn hypershard() -> PathBuf {
     PathBuf::from(env!("CARGO_BIN_EXE_hypershard"))
 }
 
-/// `cargo test` builds the package's examples next to its binaries, in `examples/`.
 fn allreduce_example() -> PathBuf {
-    let path = hypershard()
-        .parent()
-        .expect("binary has a parent directory") // invariant: an absolute file path.
-        .join("examples")
-        .join("allreduce");
-    assert!(path.exists(), "example not built at {}", path.display());
-    path
+    example::allreduce()
 }
 
 fn run_launch(args: &[&str], env: &[(&str, &str)]) -> (Output, Duration) {
