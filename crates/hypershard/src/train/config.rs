@@ -408,6 +408,15 @@ mod tests {
                 "{bad}"
             );
         }
+        // (2⁶² + 1)·4 wraps around to 4 in 64 bits: refused, not matched against 4 ranks.
+        match MeshSpec::parse("4611686018427387905x4") {
+            Err(Error::InvalidMesh { reason, .. }) => {
+                assert_eq!(reason, "the rank count (the product) overflows");
+            }
+            other => panic!("expected InvalidMesh, got {other:?}"),
+        }
+        let big = MeshSpec::parse("4294967296x4294967295").unwrap();
+        assert_eq!(big.ranks(), 4294967296 * 4294967295);
         let mesh = MeshSpec::parse("2x2").unwrap();
         mesh.check_world("2x2", 4).unwrap();
         assert!(matches!(
@@ -481,5 +490,38 @@ mod tests {
             ModelShape::resolve("nope"),
             Err(Error::InvalidModel { .. })
         ));
+        // Shape errors describe the fields, not a Debug dump of the struct.
+        match shape.config(256, 0) {
+            Err(Error::InvalidModel { text, reason }) => {
+                assert_eq!(text, "block_size 16, n_layer 1, n_head 5, n_embd 12");
+                assert_eq!(reason, "n_head 5 must divide n_embd 12");
+            }
+            other => panic!("expected InvalidModel, got {other:?}"),
+        }
+        for (dropout, ok) in [
+            (0.0, true),
+            (0.5, true),
+            (1.0, false),
+            (-0.1, false),
+            (f64::NAN, false),
+        ] {
+            let shape = ModelShape {
+                dropout,
+                n_head: 3,
+                ..shape
+            };
+            assert_eq!(shape.config(256, 0).is_ok(), ok, "dropout {dropout}");
+        }
+        let wide = ModelShape {
+            n_embd: usize::MAX / 2,
+            n_head: 1,
+            ..shape
+        };
+        match wide.config(256, 0) {
+            Err(Error::InvalidModel { reason, .. }) => {
+                assert_eq!(reason, "its parameter count overflows a machine word");
+            }
+            other => panic!("expected InvalidModel, got {other:?}"),
+        }
     }
 }
