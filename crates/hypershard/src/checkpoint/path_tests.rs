@@ -62,7 +62,10 @@ fn point_at(dir: &Path, file: &str) {
 fn open_promptly(dir: &Path) -> Result<Checkpoint, Error> {
     let (send, receive) = mpsc::channel();
     let dir = dir.to_path_buf();
-    std::thread::spawn(move || send.send(Checkpoint::open(&dir)));
+    std::thread::spawn(move || {
+        // The receiver is gone only once the wait below has failed the test.
+        let _ = send.send(Checkpoint::open(&dir));
+    });
     receive
         .recv_timeout(Duration::from_secs(10))
         .expect("Checkpoint::open returned within 10 s")
