@@ -312,6 +312,14 @@ fn output_and_init_paths_get_their_own_messages() {
             losses_dir.display()
         ),
     );
+    assert_one_error_line(
+        &run(&train_args(existing.to_str().unwrap(), &[])),
+        &format!(
+            "--out {}: is not a directory (the run's outputs go into one)",
+            existing.display()
+        ),
+    );
+    assert_eq!(std::fs::read(&existing).unwrap(), b"keep me\n");
     assert!(!out.exists());
     // `export --out` that exists (without --force) or is a directory.
     train_ok(&out, &["--steps", "1"]);
@@ -457,6 +465,13 @@ fn resume_refuses_what_does_not_continue_the_checkpoint() {
     assert_eq!(resumed[4].step, 4);
     assert_eq!(resumed[4].loss, straight_losses[4].loss);
     assert_ne!(resumed[5].loss, straight_losses[5].loss);
+    // On a checkpoint that has moments, --reset-optimizer ignores them: the same losses as
+    // the checkpoint without any.
+    let reset = dir.join("reset");
+    copy_dir(&base, &reset);
+    train_ok(&reset, &["--resume", "--steps", "6", "--reset-optimizer"]);
+    let reset_losses = read_losses(&reset.join("losses.jsonl")).unwrap();
+    assert_eq!(reset_losses[5].loss, resumed[5].loss);
 }
 
 #[test]

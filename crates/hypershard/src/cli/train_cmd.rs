@@ -341,6 +341,13 @@ fn build_config(args: &TrainArgs, out: PathBuf) -> Result<TrainConfig, Error> {
 /// The checks that would otherwise fail on every rank at once: data readable and well
 /// formed, resume target present and of the same model, nothing overwritten.
 fn preflight(config: &TrainConfig, args: &TrainArgs) -> Result<(), Error> {
+    if config.out.exists() && !config.out.is_dir() {
+        return Err(Error::InvalidOutput {
+            flag: "--out",
+            path: config.out.clone(),
+            reason: "is not a directory (the run's outputs go into one)".to_string(),
+        });
+    }
     let tokenizer = Tokenizer::new(config.tokenizer)?;
     let data = load_tokens(&config.data, &tokenizer)?;
     data.check_vocab(config.model.vocab_size)?;
