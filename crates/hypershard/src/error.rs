@@ -201,11 +201,87 @@ pub enum Error {
         /// The tokenizer name.
         tokenizer: &'static str,
     },
-    /// A `--mesh` string is not `N` or `AxB`.
-    #[error("invalid --mesh {text:?}: expected N or AxB with positive integers, e.g. 4 or 2x2")]
+    /// A `--mesh` string is not `N` or `AxB`, or its rank count overflows.
+    #[error("invalid --mesh {text:?}: {reason}")]
     InvalidMesh {
         /// The text given.
         text: String,
+        /// Why it is rejected.
+        reason: String,
+    },
+    /// A command-line value is out of range, not finite, or overflows what it sizes.
+    #[error("invalid {flag} {value}: {reason}")]
+    InvalidFlag {
+        /// The flag (`--lr`).
+        flag: &'static str,
+        /// The value as given.
+        value: String,
+        /// What it must be.
+        reason: String,
+    },
+    /// The training loss (mean over the ranks) is NaN or infinite: the run stops before
+    /// recording or checkpointing the step.
+    #[error(
+        "the loss of step {step} is {loss} (not finite); stopped without saving a checkpoint of it (lower --lr, or pass --allow-nonfinite to continue anyway)"
+    )]
+    NonFiniteLoss {
+        /// The step whose loss is not finite.
+        step: u64,
+        /// The loss.
+        loss: f64,
+    },
+    /// Parameters became NaN or infinite: a checkpoint of them is refused.
+    #[error(
+        "{count} parameter values are not finite after step {step}; refused to save a checkpoint of them (pass --allow-nonfinite to save anyway)"
+    )]
+    NonFiniteParameters {
+        /// The step whose checkpoint was refused.
+        step: u64,
+        /// Non-finite values over every rank's shards.
+        count: u64,
+    },
+    /// `--resume` was asked for a run the checkpoint does not continue.
+    #[error("cannot --resume from {path}: {reason}", path = path.display())]
+    ResumeRefused {
+        /// The checkpoint directory.
+        path: PathBuf,
+        /// What differs, and the flag that overrides it if one does.
+        reason: String,
+    },
+    /// A checkpoint's `metadata.json` (or a root's `latest` pointer) names a path outside its
+    /// directory, or one that is not a regular file.
+    #[error("checkpoint {dir}: {named_in} names {file:?}, which {reason}", dir = dir.display())]
+    UnsafeCheckpointPath {
+        /// The checkpoint directory (or root, for `latest`).
+        dir: PathBuf,
+        /// The file holding the name: `metadata.json` or `latest`.
+        named_in: &'static str,
+        /// The name as written.
+        file: String,
+        /// What is wrong with it.
+        reason: String,
+    },
+    /// A checkpoint's model tensors do not match its own model configuration.
+    #[error("checkpoint {path} does not match its model config: tensor {name} is {found}, the model needs {expected}", path = path.display())]
+    ModelTensorMismatch {
+        /// The checkpoint directory.
+        path: PathBuf,
+        /// The tensor's checkpoint name.
+        name: String,
+        /// What the model configuration needs (`shape [..]`, or `absent`).
+        expected: String,
+        /// What the checkpoint holds.
+        found: String,
+    },
+    /// An output path given on the command line cannot be written as asked.
+    #[error("{flag} {path}: {reason}", path = path.display())]
+    InvalidOutput {
+        /// The flag.
+        flag: &'static str,
+        /// The path.
+        path: PathBuf,
+        /// Why (a directory, not a regular file, exists, not writable).
+        reason: String,
     },
     /// The mesh does not hold `--nproc` ranks.
     #[error("--mesh {mesh} holds {mesh_ranks} ranks but --nproc is {nproc}")]

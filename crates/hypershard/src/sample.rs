@@ -117,16 +117,8 @@ pub fn sample_from_checkpoint(
 ) -> Result<SampleOutput> {
     let checkpoint = Checkpoint::open(path)?;
     let meta = checkpoint.metadata();
-    // The checkpoint leaves the seed out of the model config (it does not change the model).
-    let mut fields = meta.model_config.clone();
-    if let Some(object) = fields.as_object_mut() {
-        object.insert("seed".to_string(), serde_json::json!(0));
-    }
-    let model_config: crate::train::ModelConfig =
-        serde_json::from_value(fields).map_err(|source| Error::Json {
-            path: checkpoint.dir().join(crate::checkpoint::METADATA_FILE),
-            source,
-        })?;
+    // Every tensor of the model is present with its shape before any is read.
+    let model_config = crate::train::check_model_tensors(&checkpoint)?;
     let tokenizer_kind: TokenizerKind =
         serde_json::from_value(meta.state["tokenizer"].clone()).unwrap_or(TokenizerKind::Bytes);
     let tokenizer = Tokenizer::new(tokenizer_kind)?;

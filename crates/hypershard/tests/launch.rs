@@ -6,28 +6,26 @@ use std::path::PathBuf;
 use std::process::{Command, Output, Stdio};
 use std::time::{Duration, Instant};
 
+#[path = "support/example.rs"]
+mod example;
+
 fn hypershard() -> PathBuf {
     PathBuf::from(env!("CARGO_BIN_EXE_hypershard"))
 }
 
-/// `cargo test` builds the package's examples next to its binaries, in `examples/`.
 fn allreduce_example() -> PathBuf {
-    let path = hypershard()
-        .parent()
-        .expect("binary has a parent directory") // invariant: an absolute file path.
-        .join("examples")
-        .join("allreduce");
-    assert!(path.exists(), "example not built at {}", path.display());
-    path
+    example::allreduce()
 }
 
 fn run_launch(args: &[&str], env: &[(&str, &str)]) -> (Output, Duration) {
+    // Built (the first time) before the clock starts: the timings are the launcher's.
+    let example = allreduce_example();
     let started = Instant::now();
     let output = Command::new(hypershard())
         .arg("launch")
         .args(args)
         .arg("--")
-        .arg(allreduce_example())
+        .arg(example)
         .envs(env.iter().copied())
         .env("HYPERSHARD_TIMEOUT", "20")
         .stdin(Stdio::null())
@@ -97,10 +95,11 @@ fn a_port_in_use_is_one_clear_error_line() {
 
 #[test]
 fn sigterm_is_forwarded_to_every_rank() {
+    let example = allreduce_example();
     let started = Instant::now();
     let mut child = Command::new(hypershard())
         .args(["launch", "--nproc-per-node", "2", "--"])
-        .arg(allreduce_example())
+        .arg(example)
         .env("HYPERSHARD_EXAMPLE_HANG", "1")
         .stdin(Stdio::null())
         .stdout(Stdio::piped())

@@ -11,18 +11,15 @@ use hypershard_collectives::auth::JobSecret;
 use hypershard_collectives::store::TcpStore;
 use hypershard_collectives::{Error, ProtocolViolation};
 
+#[path = "support/example.rs"]
+mod example;
+
 fn hypershard() -> PathBuf {
     PathBuf::from(env!("CARGO_BIN_EXE_hypershard"))
 }
 
 fn allreduce_example() -> PathBuf {
-    let path = hypershard()
-        .parent()
-        .expect("binary has a parent directory") // invariant: an absolute file path.
-        .join("examples")
-        .join("allreduce");
-    assert!(path.exists(), "example not built at {}", path.display());
-    path
+    example::allreduce()
 }
 
 #[test]

@@ -38,4 +38,6 @@ pub use writer::{
 };
 
 #[cfg(test)]
+mod path_tests;
+#[cfg(test)]
 mod tests;

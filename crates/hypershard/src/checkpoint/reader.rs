@@ -1,8 +1,8 @@
 //! Loading: open a checkpoint directory and read any block of any tensor, assembled from
 //! whichever saved blocks overlap it, so a checkpoint saved on one layout loads on another.
 
-use std::collections::BTreeMap;
-use std::path::{Path, PathBuf};
+use std::collections::{BTreeMap, BTreeSet};
+use std::path::{Component, Path, PathBuf};
 use std::sync::{Arc, Mutex};
 
 use hypershard_tensor::Tensor;
@@ -80,6 +80,18 @@ impl Checkpoint {
         let bytes =
             std::fs::read(&meta_path).map_err(|e| Error::io(FileAction::Read, &meta_path, e))?;
         let metadata = parse_metadata(&bytes, &dir)?;
+        // Every shard file that exists is checked now, so a FIFO or a symlink out of the
+        // directory is refused before anything reads; a missing one is reported when read.
+        let files: BTreeSet<&str> = metadata
+            .tensors
+            .values()
+            .flat_map(|entry| entry.blocks.iter().map(|b| b.file.as_str()))
+            .collect();
+        for file in files {
+            if std::fs::symlink_metadata(dir.join(file)).is_ok() {
+                confine_on_disk(&dir, file)?;
+            }
+        }
         Ok(Checkpoint {
             dir,
             metadata,
@@ -132,7 +144,8 @@ impl Checkpoint {
         if let Some(index) = files.get(name) {
             return Ok(Arc::clone(index));
         }
-        let index = Arc::new(SafetensorsIndex::open(&self.dir.join(name))?);
+        let path = confine_on_disk(&self.dir, name)?;
+        let index = Arc::new(SafetensorsIndex::open(&path)?);
         files.insert(name.to_string(), Arc::clone(&index));
         Ok(index)
     }
@@ -216,10 +229,94 @@ pub(crate) fn parse_metadata(bytes: &[u8], dir: &Path) -> Result<CheckpointMetad
     }
     for (name, entry) in &metadata.tensors {
         entry_dtype(name, entry)?;
+        for saved in &entry.blocks {
+            confine_name(dir, METADATA_FILE, &saved.file)?;
+        }
         let blocks: Vec<Block> = entry.blocks.iter().map(|b| b.block.clone()).collect();
         super::block::check_exact_cover(name, &entry.shape, &blocks)?;
     }
     Ok(metadata)
+}
+
+/// Checks, without touching the file system, that `name` (written in `named_in`) is a
+/// relative path that stays below `dir`: not empty, not absolute, no `..`.
+pub(crate) fn confine_name(dir: &Path, named_in: &'static str, name: &str) -> Result<()> {
+    let refuse = |reason: &str| Error::UnsafeCheckpointPath {
+        dir: dir.to_path_buf(),
+        named_in,
+        file: name.to_string(),
+        reason: reason.to_string(),
+    };
+    let path = Path::new(name);
+    if path.components().next().is_none() {
+        return Err(refuse("is empty"));
+    }
+    for component in path.components() {
+        match component {
+            Component::Normal(_) | Component::CurDir => {}
+            Component::ParentDir => return Err(refuse("climbs out of the directory with `..`")),
+            Component::RootDir | Component::Prefix(_) => {
+                return Err(refuse("is an absolute path, not one inside the checkpoint"));
+            }
+        }
+    }
+    Ok(())
+}
+
+/// Resolves the shard file `name` of checkpoint `dir` and checks, before it is opened, that
+/// it is a regular file inside the directory: a symlink (or symlinked parent) may not lead
+/// out of it, and a FIFO, device or directory is refused (opening a FIFO for reading blocks
+/// until a writer appears, which would hang `export`). The guard is against a crafted
+/// `metadata.json`; the directory itself is trusted not to change between this check and the
+/// open.
+pub(crate) fn confine_on_disk(dir: &Path, name: &str) -> Result<PathBuf> {
+    confine_name(dir, METADATA_FILE, name)?;
+    let refuse = |reason: String| Error::UnsafeCheckpointPath {
+        dir: dir.to_path_buf(),
+        named_in: METADATA_FILE,
+        file: name.to_string(),
+        reason,
+    };
+    let path = dir.join(name);
+    let base = dir
+        .canonicalize()
+        .map_err(|e| Error::io(FileAction::Read, dir, e))?;
+    let resolved = path
+        .canonicalize()
+        .map_err(|e| Error::io(FileAction::Read, &path, e))?;
+    if !resolved.starts_with(&base) {
+        return Err(refuse(format!(
+            "resolves through a symlink to {}, outside the checkpoint directory",
+            resolved.display()
+        )));
+    }
+    let kind = std::fs::metadata(&resolved)
+        .map_err(|e| Error::io(FileAction::Read, &path, e))?
+        .file_type();
+    if !kind.is_file() {
+        return Err(refuse(format!(
+            "is not a regular file (it is {})",
+            describe_file_type(kind)
+        )));
+    }
+    Ok(resolved)
+}
+
+fn describe_file_type(kind: std::fs::FileType) -> &'static str {
+    use std::os::unix::fs::FileTypeExt;
+    if kind.is_dir() {
+        "a directory"
+    } else if kind.is_fifo() {
+        "a FIFO"
+    } else if kind.is_socket() {
+        "a socket"
+    } else if kind.is_char_device() {
+        "a character device"
+    } else if kind.is_block_device() {
+        "a block device"
+    } else {
+        "not a file"
+    }
 }
 
 /// The first field (a dotted path) where two JSON values differ, with both values as text.

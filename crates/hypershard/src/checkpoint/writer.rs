@@ -242,7 +242,11 @@ impl CheckpointDir {
     pub fn latest(&self) -> Result<Option<PathBuf>> {
         let pointer = self.root.join(LATEST_FILE);
         match std::fs::read_to_string(&pointer) {
-            Ok(text) => Ok(Some(self.root.join(text.trim()))),
+            Ok(text) => {
+                // `latest` names a sibling directory; a crafted one must not lead elsewhere.
+                super::reader::confine_name(&self.root, LATEST_FILE, text.trim())?;
+                Ok(Some(self.root.join(text.trim())))
+            }
             Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(None),
             Err(e) => Err(Error::io(FileAction::Read, pointer, e)),
         }

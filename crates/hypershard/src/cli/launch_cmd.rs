@@ -34,6 +34,13 @@ pub struct LaunchArgs {
 }
 
 pub fn run(args: LaunchArgs) -> Result<(), Error> {
+    super::checks::product(
+        &[
+            ("--nproc-per-node", args.nproc_per_node),
+            ("--nnodes", args.nnodes),
+        ],
+        "the world size",
+    )?;
     let mut command = args.command.into_iter();
     // invariant: clap requires at least one value for `command`.
     let program = command.next().unwrap_or_default();

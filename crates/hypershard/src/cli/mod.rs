@@ -1,7 +1,9 @@
 //! Argument parsing and dispatch for the `hypershard` binary.
 
+mod checks;
 mod export_cmd;
 mod launch_cmd;
+mod resume;
 mod sample_cmd;
 mod train_cmd;
 

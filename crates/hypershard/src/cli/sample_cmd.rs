@@ -30,6 +30,8 @@ pub struct SampleArgs {
 }
 
 pub fn run(args: SampleArgs) -> Result<(), Error> {
+    // A NaN or infinite temperature turns every logit into NaN or zero: refuse it up front.
+    super::checks::positive_float("--temperature", args.temperature)?;
     let output = sample_from_checkpoint(
         &args.checkpoint,
         &args.prompt,

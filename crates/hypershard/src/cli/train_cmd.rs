@@ -7,7 +7,8 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use clap::Args;
-use hypershard::checkpoint::Checkpoint;
+use hypershard::FileAction;
+use hypershard::checkpoint::{Checkpoint, SafetensorsIndex};
 use hypershard::data::{DataOrder, Tokenizer, TokenizerKind, default_corpus_path, load_tokens};
 use hypershard::launch::{LaunchConfig, launch};
 use hypershard::tensor::DType;
@@ -16,6 +17,8 @@ use hypershard::train::{
     run_rank,
 };
 use hypershard::{Error, collectives};
+
+use super::{checks, resume};
 
 /// The variable through which the parent hands its chosen output directory to the ranks.
 const OUT_ENV: &str = "HYPERSHARD_TRAIN_OUT";
@@ -131,6 +134,17 @@ pub struct TrainArgs {
     /// Continue from the newest checkpoint in --out.
     #[arg(long)]
     resume: bool,
+    /// With --resume: accept a --seed or --data-order other than the checkpoint's.
+    #[arg(long, requires = "resume")]
+    override_resume_config: bool,
+    /// With --resume: start AdamW afresh (zero moments, step count 0), also when the
+    /// checkpoint holds no optimizer state.
+    #[arg(long, requires = "resume")]
+    reset_optimizer: bool,
+    /// Keep training (and checkpointing) when the loss or the parameters become NaN or
+    /// infinite, instead of stopping with an error.
+    #[arg(long)]
+    allow_nonfinite: bool,
     /// Save a checkpoint every K steps (and always at the end).
     #[arg(long, default_value_t = 0)]
     checkpoint_every: u64,
@@ -154,10 +168,10 @@ fn fresh_out_dir() -> PathBuf {
 }
 
 /// Refuses to start a fresh run over an output directory that holds one.
-fn check_fresh(out: &Path, losses: &Path) -> Result<(), Error> {
+fn check_fresh(out: &Path) -> Result<(), Error> {
     for existing in [
         checkpoint_root(out),
-        losses.to_path_buf(),
+        out.join("losses.jsonl"),
         out.join("loss.svg"),
     ] {
         if existing.exists() {
@@ -167,12 +181,129 @@ fn check_fresh(out: &Path, losses: &Path) -> Result<(), Error> {
     Ok(())
 }
 
+/// Checks the losses file can be written as asked: not a directory or a device, not an
+/// existing file a fresh run would truncate, writable when a resumed run appends to it.
+fn check_losses(path: &Path, explicit: bool, resume: bool) -> Result<(), Error> {
+    let refuse = |reason: &str| Error::InvalidOutput {
+        flag: "--losses",
+        path: path.to_path_buf(),
+        reason: reason.to_string(),
+    };
+    match std::fs::metadata(path) {
+        Ok(meta) if meta.is_dir() => Err(refuse(
+            "is a directory (name the file the losses are written to)",
+        )),
+        Ok(meta) if !meta.is_file() => Err(refuse(
+            "is not a regular file (the losses are written to one, one JSON line per step)",
+        )),
+        Ok(_) if !resume && explicit => Err(refuse(
+            "already exists (name a new file, or pass --resume to append to it)",
+        )),
+        Ok(_) if resume => {
+            // Opened for appending and closed: nothing is written, but a read-only file or
+            // file system is reported now rather than by rank 0 after the launch.
+            std::fs::OpenOptions::new()
+                .append(true)
+                .open(path)
+                .map(drop)
+                .map_err(|e| Error::io(FileAction::Write, path, e))
+        }
+        Ok(_) => Ok(()),
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
+            match path.parent().filter(|p| !p.as_os_str().is_empty()) {
+                Some(parent) if parent.exists() && !parent.is_dir() => Err(refuse(&format!(
+                    "cannot be created: {} is not a directory",
+                    parent.display()
+                ))),
+                _ => Ok(()),
+            }
+        }
+        Err(e) => Err(Error::io(FileAction::Read, path, e)),
+    }
+}
+
+/// Range checks of every numeric flag (see `checks`), before anything is read or written.
+fn check_flags(args: &TrainArgs) -> Result<(), Error> {
+    checks::at_least("--nproc", args.nproc as u64, 1)?;
+    checks::at_least("--nnodes", args.nnodes as u64, 1)?;
+    if args.node_rank >= args.nnodes {
+        return Err(Error::InvalidFlag {
+            flag: "--node-rank",
+            value: args.node_rank.to_string(),
+            reason: format!("must be below --nnodes {}", args.nnodes),
+        });
+    }
+    checks::product(
+        &[("--nproc", args.nproc), ("--nnodes", args.nnodes)],
+        "the world size",
+    )?;
+    checks::steps("--steps", args.steps, 1)?;
+    checks::steps("--warmup-steps", args.warmup_steps, 0)?;
+    if let Some(decay) = args.lr_decay_steps {
+        checks::steps("--lr-decay-steps", decay, 1)?;
+    }
+    checks::at_least("--batch-size", args.batch_size as u64, 1)?;
+    checks::at_least("--grad-accum", args.grad_accum as u64, 1)?;
+    checks::positive_float("--lr", args.lr)?;
+    if let Some(min_lr) = args.min_lr {
+        checks::float_in("--min-lr", min_lr, 0.0, args.lr, false)?;
+    }
+    checks::float_in(
+        "--weight-decay",
+        args.weight_decay,
+        0.0,
+        f64::INFINITY,
+        false,
+    )?;
+    checks::float_in("--beta1", args.beta1, 0.0, 1.0, true)?;
+    checks::float_in("--beta2", args.beta2, 0.0, 1.0, true)?;
+    checks::float_in("--grad-clip", args.grad_clip, 0.0, f64::INFINITY, false)?;
+    Ok(())
+}
+
+/// The batch sizes the flags and the model multiply out to must fit: tokens per step in
+/// `usize`, and tokens seen by the last step in `u64`.
+fn check_batch(args: &TrainArgs, block_size: usize) -> Result<(), Error> {
+    let tokens_per_step = checks::product(
+        &[
+            ("--model", block_size),
+            ("--batch-size", args.batch_size),
+            ("--grad-accum", args.grad_accum),
+            ("--nproc", args.nproc),
+            ("--nnodes", args.nnodes),
+        ],
+        "the tokens per step",
+    )?;
+    let total = u64::try_from(tokens_per_step)
+        .ok()
+        .and_then(|t| t.checked_mul(args.steps));
+    if total.is_none() {
+        return Err(Error::InvalidFlag {
+            flag: "--steps",
+            value: args.steps.to_string(),
+            reason: format!("times {tokens_per_step} tokens per step overflows the token count"),
+        });
+    }
+    Ok(())
+}
+
 fn build_config(args: &TrainArgs, out: PathBuf) -> Result<TrainConfig, Error> {
+    check_flags(args)?;
     let mesh = MeshSpec::parse(&args.mesh)?;
-    mesh.check_world(&args.mesh, args.nproc.saturating_mul(args.nnodes))?;
+    mesh.check_world(&args.mesh, args.nproc * args.nnodes)?;
     let tokenizer = Tokenizer::new(args.tokenizer)?;
     let shape = ModelShape::resolve(&args.model)?;
-    let model = shape.config(tokenizer.vocab_size(), args.seed)?;
+    // Errors about the shape name what --model was given (a preset or the JSON file).
+    let model = shape
+        .config(tokenizer.vocab_size(), args.seed)
+        .map_err(|error| match error {
+            Error::InvalidModel { reason, .. } => Error::InvalidModel {
+                text: args.model.clone(),
+                reason,
+            },
+            other => other,
+        })?;
+    check_batch(args, model.block_size)?;
     let losses = args
         .losses
         .clone()
@@ -205,6 +336,8 @@ fn build_config(args: &TrainArgs, out: PathBuf) -> Result<TrainConfig, Error> {
         eager_init: args.eager_init,
         out,
         resume: args.resume,
+        reset_optimizer: args.reset_optimizer,
+        allow_nonfinite: args.allow_nonfinite,
         checkpoint_every: args.checkpoint_every,
         eval_every: args.eval_every,
         losses,
@@ -213,7 +346,14 @@ fn build_config(args: &TrainArgs, out: PathBuf) -> Result<TrainConfig, Error> {
 
 /// The checks that would otherwise fail on every rank at once: data readable and well
 /// formed, resume target present and of the same model, nothing overwritten.
-fn preflight(config: &TrainConfig) -> Result<(), Error> {
+fn preflight(config: &TrainConfig, args: &TrainArgs) -> Result<(), Error> {
+    if config.out.exists() && !config.out.is_dir() {
+        return Err(Error::InvalidOutput {
+            flag: "--out",
+            path: config.out.clone(),
+            reason: "is not a directory (the run's outputs go into one)".to_string(),
+        });
+    }
     let tokenizer = Tokenizer::new(config.tokenizer)?;
     let data = load_tokens(&config.data, &tokenizer)?;
     data.check_vocab(config.model.vocab_size)?;
@@ -226,22 +366,30 @@ fn preflight(config: &TrainConfig) -> Result<(), Error> {
             needed,
         });
     }
-    if let Some(init) = &config.init
-        && !init.is_file()
-    {
-        return Err(Error::io(
-            hypershard::FileAction::Read,
-            init,
-            std::io::Error::from(std::io::ErrorKind::NotFound),
-        ));
+    if let Some(init) = &config.init {
+        check_init(init)?;
     }
     if config.resume {
         let checkpoint = Checkpoint::open(&checkpoint_root(&config.out))?;
         checkpoint.check_model_config(&config.model.to_json())?;
+        resume::check(&checkpoint, config, args.override_resume_config)?;
     } else {
-        check_fresh(&config.out, &config.losses)?;
+        check_fresh(&config.out)?;
     }
-    Ok(())
+    check_losses(&config.losses, args.losses.is_some(), config.resume)
+}
+
+/// `--init` must be a regular file with a well-formed safetensors header (errors name it).
+fn check_init(init: &Path) -> Result<(), Error> {
+    let meta = std::fs::metadata(init).map_err(|e| Error::io(FileAction::Read, init, e))?;
+    if !meta.is_file() {
+        return Err(Error::InvalidFlag {
+            flag: "--init",
+            value: init.display().to_string(),
+            reason: "is not a regular file (a safetensors file is expected)".to_string(),
+        });
+    }
+    SafetensorsIndex::open(init).map(drop)
 }
 
 pub fn run(args: TrainArgs) -> Result<(), Error> {
@@ -250,9 +398,8 @@ pub fn run(args: TrainArgs) -> Result<(), Error> {
     }
     let out = args.out.clone().unwrap_or_else(fresh_out_dir);
     let config = build_config(&args, out.clone())?;
-    preflight(&config)?;
-    std::fs::create_dir_all(&out)
-        .map_err(|e| Error::io(hypershard::FileAction::CreateDir, &out, e))?;
+    preflight(&config, &args)?;
+    std::fs::create_dir_all(&out).map_err(|e| Error::io(FileAction::CreateDir, &out, e))?;
     let world_size = args.nproc * args.nnodes;
     if world_size == 1 {
         let world = collectives::local::spawn_world(1)?.remove(0);
@@ -262,7 +409,7 @@ pub fn run(args: TrainArgs) -> Result<(), Error> {
         return Ok(());
     }
     let program = std::env::current_exe()
-        .map_err(|e| Error::io(hypershard::FileAction::Read, "current executable", e))?;
+        .map_err(|e| Error::io(FileAction::Read, "current executable", e))?;
     let mut worker_args: Vec<OsString> = std::env::args_os().skip(1).collect();
     worker_args.push("--worker".into());
     let launch_config = LaunchConfig {

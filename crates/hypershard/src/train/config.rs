@@ -21,33 +21,42 @@ pub struct MeshSpec {
 }
 
 impl MeshSpec {
-    /// Parses `N` or `RxS`.
+    /// Parses `N` or `RxS`. Each number must be positive and their product (the rank count)
+    /// must fit in `usize`: `4611686018427387905x4` would otherwise wrap around to 4.
     pub fn parse(text: &str) -> Result<MeshSpec> {
-        let bad = || Error::InvalidMesh {
+        let bad = |reason: &str| Error::InvalidMesh {
             text: text.to_string(),
+            reason: reason.to_string(),
         };
+        const SHAPE: &str = "expected N or AxB with positive integers, e.g. 4 or 2x2";
         let parts: Vec<&str> = text.trim().split(['x', 'X', '*']).collect();
         let numbers: Vec<usize> = parts
             .iter()
             .map(|p| p.trim().parse::<usize>().ok().filter(|n| *n > 0))
             .collect::<Option<Vec<_>>>()
-            .ok_or_else(bad)?;
-        match numbers.as_slice() {
-            [n] => Ok(MeshSpec {
+            .ok_or_else(|| bad(SHAPE))?;
+        let spec = match numbers.as_slice() {
+            [n] => MeshSpec {
                 replicas: 1,
                 shards: *n,
-            }),
-            [r, s] => Ok(MeshSpec {
+            },
+            [r, s] => MeshSpec {
                 replicas: *r,
                 shards: *s,
-            }),
-            _ => Err(bad()),
+            },
+            _ => return Err(bad(SHAPE)),
+        };
+        if spec.replicas.checked_mul(spec.shards).is_none() {
+            return Err(bad("the rank count (the product) overflows"));
         }
+        Ok(spec)
     }
 
     /// Ranks in the mesh.
     pub fn ranks(&self) -> usize {
-        self.replicas * self.shards
+        // Saturating: `parse` refuses products that overflow, and a deserialized spec that
+        // overflows must not wrap around to a small count that matches the world.
+        self.replicas.saturating_mul(self.shards)
     }
 
     /// Checks the mesh holds exactly `world_size` ranks.
@@ -135,11 +144,19 @@ impl ModelShape {
                 let shape: ModelShape =
                     serde_json::from_slice(&bytes).map_err(|e| Error::InvalidModel {
                         text: text.to_string(),
-                        reason: e.to_string(),
+                        reason: format!("not a model config (nanoGPT GPTConfig fields): {e}"),
                     })?;
                 Ok(shape)
             }
         }
+    }
+
+    /// The fields as a person reads them, for errors about a shape not read from a file.
+    pub fn describe(&self) -> String {
+        format!(
+            "block_size {}, n_layer {}, n_head {}, n_embd {}",
+            self.block_size, self.n_layer, self.n_head, self.n_embd
+        )
     }
 
     /// The full model configuration for a vocabulary of `tokenizer_vocab` ids.
@@ -156,7 +173,7 @@ impl ModelShape {
             seed,
         };
         let invalid = |reason: String| Error::InvalidModel {
-            text: format!("{self:?}"),
+            text: self.describe(),
             reason,
         };
         if vocab_size < tokenizer_vocab {
@@ -170,9 +187,20 @@ impl ModelShape {
                 self.n_head, self.n_embd
             )));
         }
-        if self.block_size == 0 || self.n_layer == 0 {
+        if self.block_size == 0 || self.n_layer == 0 || self.n_embd == 0 {
             return Err(invalid(
-                "block_size and n_layer must be positive".to_string(),
+                "block_size, n_layer and n_embd must be positive".to_string(),
+            ));
+        }
+        if !(0.0..1.0).contains(&self.dropout) {
+            return Err(invalid(format!(
+                "dropout {} must be in [0, 1)",
+                self.dropout
+            )));
+        }
+        if config.parameter_count().is_none() {
+            return Err(invalid(
+                "its parameter count overflows a machine word".to_string(),
             ));
         }
         Ok(config)
@@ -214,6 +242,27 @@ impl ModelConfig {
             dtype: DType::F32,
             seed: self.seed,
         }
+    }
+
+    /// Parameters of the GPT (nanoGPT's layout, biases included when `bias`), or `None` when
+    /// the count overflows `usize`: every size a rank later allocates is below it.
+    pub fn parameter_count(&self) -> Option<usize> {
+        let c = self.n_embd;
+        let bias = usize::from(self.bias);
+        let c2 = c.checked_mul(c)?;
+        // Per block: ln_1, ln_2 (weight, bias), c_attn (3c·c + 3c), attn c_proj (c·c + c),
+        // c_fc (4c·c + 4c), mlp c_proj (4c·c + c).
+        let norms = c.checked_mul(2 + 2 * bias)?;
+        let weights = c2.checked_mul(12)?;
+        let biases = c.checked_mul(9 * bias)?;
+        let block = norms.checked_add(weights)?.checked_add(biases)?;
+        let blocks = block.checked_mul(self.n_layer)?;
+        let embeddings = self
+            .vocab_size
+            .checked_add(self.block_size)?
+            .checked_mul(c)?;
+        let ln_f = c.checked_mul(1 + bias)?;
+        blocks.checked_add(embeddings)?.checked_add(ln_f)
     }
 
     /// The JSON that checkpoints store and compare. The seed is left out: resuming or
@@ -323,6 +372,11 @@ pub struct TrainConfig {
     pub out: PathBuf,
     /// Continue from `OUT/checkpoints`.
     pub resume: bool,
+    /// On resume, start AdamW afresh (zero moments, step count 0) instead of loading it.
+    pub reset_optimizer: bool,
+    /// Keep going when the loss or the parameters are not finite (by default the run stops
+    /// with [`Error::NonFiniteLoss`] and checkpoints nothing non-finite).
+    pub allow_nonfinite: bool,
     /// Save a checkpoint every K steps (0: only at the end).
     pub checkpoint_every: u64,
     /// Evaluate on the held-out tenth every K steps (0: never).
@@ -357,6 +411,15 @@ mod tests {
                 "{bad}"
             );
         }
+        // (2⁶² + 1)·4 wraps around to 4 in 64 bits: refused, not matched against 4 ranks.
+        match MeshSpec::parse("4611686018427387905x4") {
+            Err(Error::InvalidMesh { reason, .. }) => {
+                assert_eq!(reason, "the rank count (the product) overflows");
+            }
+            other => panic!("expected InvalidMesh, got {other:?}"),
+        }
+        let big = MeshSpec::parse("4294967296x4294967295").unwrap();
+        assert_eq!(big.ranks(), 4294967296 * 4294967295);
         let mesh = MeshSpec::parse("2x2").unwrap();
         mesh.check_world("2x2", 4).unwrap();
         assert!(matches!(
@@ -430,5 +493,38 @@ mod tests {
             ModelShape::resolve("nope"),
             Err(Error::InvalidModel { .. })
         ));
+        // Shape errors describe the fields, not a Debug dump of the struct.
+        match shape.config(256, 0) {
+            Err(Error::InvalidModel { text, reason }) => {
+                assert_eq!(text, "block_size 16, n_layer 1, n_head 5, n_embd 12");
+                assert_eq!(reason, "n_head 5 must divide n_embd 12");
+            }
+            other => panic!("expected InvalidModel, got {other:?}"),
+        }
+        for (dropout, ok) in [
+            (0.0, true),
+            (0.5, true),
+            (1.0, false),
+            (-0.1, false),
+            (f64::NAN, false),
+        ] {
+            let shape = ModelShape {
+                dropout,
+                n_head: 3,
+                ..shape
+            };
+            assert_eq!(shape.config(256, 0).is_ok(), ok, "dropout {dropout}");
+        }
+        let wide = ModelShape {
+            n_embd: usize::MAX / 2,
+            n_head: 1,
+            ..shape
+        };
+        match wide.config(256, 0) {
+            Err(Error::InvalidModel { reason, .. }) => {
+                assert_eq!(reason, "its parameter count overflows a machine word");
+            }
+            other => panic!("expected InvalidModel, got {other:?}"),
+        }
     }
 }

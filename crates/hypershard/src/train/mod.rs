@@ -6,12 +6,14 @@
 
 mod config;
 mod fault;
+mod finite;
 mod init_file;
 mod memory;
 mod optimizer;
 mod plot;
 mod report;
 mod shards;
+mod tensor_set;
 mod worker;
 
 pub use config::{
@@ -24,4 +26,5 @@ pub use optimizer::{Moments, ShardedAdamW};
 pub use plot::plot_losses;
 pub use report::{LossRecord, Reporter, ReporterConfig, TrainSummary, print_summary, read_losses};
 pub use shards::{ShardPlace, global_shapes, load_whole, model_key, place};
+pub use tensor_set::{check_model_tensors, gpt_tensor_shapes, saved_model_config};
 pub use worker::{EVAL_FRACTION, checkpoint_root, run_rank};

@@ -15,6 +15,7 @@ use serde_json::json;
 
 use super::config::TrainConfig;
 use super::fault::{Fault, FaultPoint};
+use super::finite::check_finite_parameters;
 use super::init_file::attach_init_file;
 use super::memory::{MemoryMeter, gather_memory};
 use super::optimizer::ShardedAdamW;
@@ -159,18 +160,19 @@ impl Trainer {
         checkpoint.check_model_config(&self.config.model.to_json())?;
         let state = &checkpoint.metadata().state;
         let step = checkpoint.step();
-        self.optimizer.step = state["optimizer_step"].as_u64().unwrap_or(step);
+        // --reset-optimizer: fresh moments, and bias correction from step 0 again.
+        let optimizer = if self.config.reset_optimizer {
+            None
+        } else {
+            self.optimizer.step = state["optimizer_step"].as_u64().unwrap_or(step);
+            Some(&mut self.optimizer)
+        };
         let ctx = ShardContext {
             mesh: &self.mesh,
             world: self.world.as_ref(),
             global_shapes: &self.shapes,
         };
-        load(
-            &ctx,
-            &checkpoint,
-            &mut self.model,
-            Some(&mut self.optimizer),
-        )?;
+        load(&ctx, &checkpoint, &mut self.model, optimizer)?;
         Ok(step)
     }
 
@@ -280,6 +282,9 @@ impl Trainer {
 
     fn save(&mut self, steps_done: u64) -> Result<()> {
         let _span = tracing::info_span!("train.checkpoint", step = steps_done).entered();
+        if !self.config.allow_nonfinite {
+            check_finite_parameters(&self.model, self.world.as_ref(), steps_done)?;
+        }
         let info = CommitInfo {
             step: steps_done,
             world_size: self.world.size(),
@@ -356,6 +361,10 @@ pub fn run_rank(config: TrainConfig, world: Arc<dyn Communicator>) -> Result<Opt
     trainer.counter.reset();
     for step in start..total {
         let loss = trainer.train_step(step)?;
+        // The loss is the mean over the ranks, so every rank stops here alike.
+        if !loss.is_finite() && !trainer.config.allow_nonfinite {
+            return Err(Error::NonFiniteLoss { step, loss });
+        }
         let lr = trainer.config.optim.lr_at(step, total);
         if let Some(reporter) = reporter.as_mut() {
             reporter.step(LossRecord {
