@@ -667,6 +667,7 @@ impl FsdpModule {
     pub fn forward(&mut self, input: &Tensor) -> Result<Tensor> {
         let schedule = self.lazy_init();
         let result = self.forward_hooks(&schedule, input);
+        self.idle_on_error(&result);
         Self::root_result(result)
     }
 
@@ -678,7 +679,16 @@ impl FsdpModule {
             }));
         };
         let result = self.backward_hooks(&schedule, grad_output);
+        self.idle_on_error(&result);
         Self::root_result(result)
+    }
+
+    /// A hook that failed leaves the unit `Idle`, so the caller may retry the step (the
+    /// transitions are asserted only along successful paths).
+    fn idle_on_error<T>(&self, result: &Result<T>) {
+        if result.is_err() {
+            lock(&self.group).training = TrainingState::Idle;
+        }
     }
 
     /// An nn error that carries a nested unit's hook error (through the `Module` trait)
@@ -735,6 +745,16 @@ impl Module for FsdpModule {
 
     fn backward(&mut self, grad_output: &Tensor) -> hypershard_nn::Result<Tensor> {
         FsdpModule::backward(self, grad_output).map_err(Self::to_nn_error)
+    }
+
+    // The wrapper is transparent: the wrapped module's own caches and random streams (a leaf
+    // such as `Linear` has no children to reach them through) are its.
+    fn clear_cache(&mut self) -> hypershard_nn::Result<()> {
+        self.inner.clear_cache()
+    }
+
+    fn visit_rng_counters_mut(&mut self, f: &mut dyn FnMut(&mut u64)) -> hypershard_nn::Result<()> {
+        self.inner.visit_rng_counters_mut(f)
     }
 
     fn visit_params(&self, prefix: &str, f: &mut ParamVisitor<'_>) -> hypershard_nn::Result<()> {

@@ -5,11 +5,25 @@ use std::sync::Mutex;
 
 use hypershard_tensor::Tensor;
 
-use super::{FsdpModule, ForwardDtypes, cast_if};
-use crate::error::Result;
+use super::{ForwardDtypes, FsdpModule, cast_if};
+use crate::error::{FsdpError, Result};
 use crate::group::{ParamGroup, PostForward};
-use crate::param::TrainingState;
+use crate::param::{ShardedState, TrainingState};
 use crate::schedule::{Schedule, ScheduledUnit, lock};
+
+/// Moves `group` to `next`, refusing a transition the state machine does not have
+/// ([`TrainingState::may_enter`]).
+fn enter(group: &mut ParamGroup, next: TrainingState) -> Result<()> {
+    if !group.training.may_enter(next) {
+        return Err(FsdpError::TrainingTransition {
+            unit: group.unit.clone(),
+            from: group.training,
+            to: next,
+        });
+    }
+    group.training = next;
+    Ok(())
+}
 
 impl FsdpModule {
     fn prefetch(&self, targets: Vec<ScheduledUnit>) -> Result<()> {
@@ -35,11 +49,13 @@ impl FsdpModule {
     pub(super) fn forward_hooks(&mut self, schedule: &Schedule, input: &Tensor) -> Result<Tensor> {
         if self.is_root {
             schedule.begin_forward()?;
+        } else if schedule.in_backward() {
+            return self.recompute_forward(input);
         }
         let explicit = {
             let mut group = lock(&self.group);
             group.check_forward_order(self.member)?;
-            group.training = TrainingState::Forward;
+            enter(&mut group, TrainingState::Forward)?;
             // A group's later members find the parameters the first member gathered.
             group.wait_unshard()?;
             group.install(self.inner.as_mut(), self.member)?;
@@ -78,7 +94,7 @@ impl FsdpModule {
                     }
                 }
             }
-            group.training = TrainingState::Idle;
+            enter(&mut group, TrainingState::Idle)?;
         }
         schedule.record_post_forward(self.id);
         self.last_dtypes = Some(ForwardDtypes {
@@ -88,11 +104,36 @@ impl FsdpModule {
         cast_if(&output, self.mp.output_dtype)
     }
 
-    pub(super) fn backward_hooks(&mut self, schedule: &Schedule, grad_output: &Tensor) -> Result<Tensor> {
+    pub(super) fn backward_hooks(
+        &mut self,
+        schedule: &Schedule,
+        grad_output: &Tensor,
+    ) -> Result<Tensor> {
+        if self.is_root {
+            schedule.begin_backward();
+        }
         let explicit = {
             let mut group = lock(&self.group);
             group.check_backward_order(self.member)?;
-            group.training = TrainingState::PreBackward;
+            let recomputed = group.training == TrainingState::ForwardInBackward;
+            enter(&mut group, TrainingState::PreBackward)?;
+            if recomputed {
+                // The recomputation gathered the parameters for this backward; anything else
+                // would be a second all-gather.
+                if let Some(param) = group
+                    .params
+                    .iter()
+                    .find(|p| p.member == self.member && p.state != ShardedState::Unsharded)
+                {
+                    return Err(FsdpError::InvalidState {
+                        unit: group.unit.clone(),
+                        param: param.name.clone(),
+                        op: "pre-backward after a recomputed forward",
+                        expected: &[ShardedState::Unsharded],
+                        actual: param.state,
+                    });
+                }
+            }
             group.wait_unshard()?;
             group.install(self.inner.as_mut(), self.member)?;
             group.backward_prefetch.clone()
@@ -112,9 +153,9 @@ impl FsdpModule {
         schedule.finish_pending()?;
         let (pending, last) = {
             let mut group = lock(&self.group);
-            group.training = TrainingState::PostBackward;
+            enter(&mut group, TrainingState::PostBackward)?;
             let pending = group.post_backward(self.inner.as_mut(), self.member)?;
-            group.training = TrainingState::Idle;
+            enter(&mut group, TrainingState::Idle)?;
             (pending, group.controls.is_last_backward)
         };
         if let Some(pending) = pending {
@@ -127,5 +168,34 @@ impl FsdpModule {
             Some(d) => cast_if(&grad_input, Some(d.input)),
             None => Ok(grad_input),
         }
+    }
+
+    /// A nested unit's forward while the root's backward runs: activation checkpointing
+    /// recomputing it just before the unit's own backward (FSDP2 skips its forward hooks in
+    /// the same situation). The parameters are gathered (the prefetched backward all-gather,
+    /// or one issued now) and stay unsharded for the backward that follows, whose unshard is
+    /// then a no-op: the unit still all-gathers once in backward. Nothing is prefetched and no
+    /// forward order is recorded; the backward hooks prefetch as usual.
+    fn recompute_forward(&mut self, input: &Tensor) -> Result<Tensor> {
+        {
+            let mut group = lock(&self.group);
+            // Only the member whose backward runs next may recompute.
+            group.check_backward_order(self.member)?;
+            enter(&mut group, TrainingState::ForwardInBackward)?;
+            group.wait_unshard()?;
+            group.install(self.inner.as_mut(), self.member)?;
+        }
+        let input_dtype = input.dtype();
+        let x = if self.mp.cast_forward_inputs {
+            cast_if(input, self.mp.param_dtype)?
+        } else {
+            input.clone()
+        };
+        let output = self.inner.forward(&x)?;
+        self.last_dtypes = Some(ForwardDtypes {
+            input: input_dtype,
+            inner_output: output.dtype(),
+        });
+        cast_if(&output, self.mp.output_dtype)
     }
 }
