@@ -6,17 +6,18 @@
 mod common;
 
 use std::collections::BTreeMap;
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
 
 use common::counted_world;
 use hypershard_collectives::{CommCounter, OpKind};
 use hypershard_fsdp::{
-    DataParallelMesh, FsdpError, FullyShardConfig, ReshardAfterForward, TrainingState, fully_shard,
-    fully_shard_children, has_params,
+    DataParallelMesh, FsdpError, FullyShardConfig, ReshardAfterForward, ShardedState,
+    TrainingState, UnitHandle, fully_shard, fully_shard_children, has_params,
 };
 use hypershard_nn::optim::{AdamW, AdamWConfig};
 use hypershard_nn::{
-    Checkpointed, DEFAULT_IGNORE_INDEX, Gpt, GptConfig, Module, cross_entropy, replace_module,
+    Checkpointed, DEFAULT_IGNORE_INDEX, Gpt, GptConfig, Linear, LinearConfig, Module, ParamVisitor,
+    ParamVisitorMut, Sequential, cross_entropy, replace_module,
 };
 use hypershard_tensor::{DType, Tensor};
 
@@ -211,4 +212,128 @@ fn checkpointing_gathers_backward_within_the_smaller_post_forward_group() {
     // ToGroupOf(2) at world 4: forward gathers over all 4 ranks, backward (the recomputation)
     // within the pair, from the post-forward shard; still one each per unit.
     check(4, 0.1, ReshardAfterForward::ToGroupOf(2), 1 + 2 * LAYERS);
+}
+
+/// What a probe inside a unit saw: the call, the unit's training state and whether its
+/// parameters were gathered.
+type Seen = Arc<Mutex<Vec<(&'static str, TrainingState, bool)>>>;
+
+/// A parameterless module inside a unit that records the unit's state at every call.
+struct Probe {
+    unit: Arc<Mutex<Option<UnitHandle>>>,
+    seen: Seen,
+}
+
+impl Probe {
+    fn observe(&self, call: &'static str) {
+        let unit = self.unit.lock().expect("probe lock");
+        let unit = unit
+            .as_ref()
+            .expect("the handle is set before the first forward");
+        let gathered = unit
+            .params()
+            .iter()
+            .all(|p| p.state == ShardedState::Unsharded);
+        let state = unit.training_state();
+        self.seen
+            .lock()
+            .expect("probe lock")
+            .push((call, state, gathered));
+    }
+}
+
+impl Module for Probe {
+    fn kind(&self) -> &'static str {
+        "Probe"
+    }
+    fn forward(&mut self, input: &Tensor) -> hypershard_nn::Result<Tensor> {
+        self.observe("forward");
+        Ok(input.clone())
+    }
+    fn backward(&mut self, grad_output: &Tensor) -> hypershard_nn::Result<Tensor> {
+        self.observe("backward");
+        Ok(grad_output.clone())
+    }
+    fn visit_params(&self, _: &str, _: &mut ParamVisitor<'_>) -> hypershard_nn::Result<()> {
+        Ok(())
+    }
+    fn visit_params_mut(
+        &mut self,
+        _: &str,
+        _: &mut ParamVisitorMut<'_>,
+    ) -> hypershard_nn::Result<()> {
+        Ok(())
+    }
+}
+
+/// One step of `[unit(probe, linear)]` under a parameterless root at world 2, the unit
+/// checkpointed from outside or inside; returns what the probe saw on rank 0.
+fn probe_step(wrapping: Wrapping) -> Vec<(&'static str, TrainingState, bool)> {
+    let comms = hypershard_collectives::local::spawn_world(2).expect("world");
+    let seen = hypershard_testkit::run_ranks(2, move |rank| {
+        let mesh = DataParallelMesh::fsdp(comms[rank].clone())?;
+        let config = FullyShardConfig::new(mesh);
+        let handle = Arc::new(Mutex::new(None));
+        let seen: Seen = Arc::new(Mutex::new(Vec::new()));
+        let linear = Linear::new(LinearConfig {
+            in_features: 4,
+            out_features: 3,
+            bias: true,
+            dtype: DType::F32,
+            seed: 1,
+        })?;
+        let probe = Probe {
+            unit: handle.clone(),
+            seen: seen.clone(),
+        };
+        let block: Box<dyn Module> = Box::new(Sequential::default().with(probe).with(linear));
+        let block = match wrapping {
+            Wrapping::CheckpointThenShard => {
+                fully_shard(Box::new(Checkpointed::new(block)), config.clone())?
+            }
+            _ => fully_shard(block, config.clone())?,
+        };
+        *handle.lock().expect("probe lock") = Some(block.handle());
+        let block: Box<dyn Module> = match wrapping {
+            Wrapping::ShardThenCheckpoint => Box::new(Checkpointed::new(Box::new(block))),
+            _ => Box::new(block),
+        };
+        let mut root = fully_shard(Box::new(Sequential::new(vec![block])), config)?;
+        let out = root.forward(&Tensor::ones(&[2, 4], DType::F32)?)?;
+        root.backward(&Tensor::ones(out.shape(), DType::F32)?)?;
+        let state = handle
+            .lock()
+            .expect("probe lock")
+            .as_ref()
+            .map(UnitHandle::training_state);
+        assert_eq!(state, Some(TrainingState::Idle));
+        let seen = seen.lock().expect("probe lock").clone();
+        Ok::<_, FsdpError>(seen)
+    })
+    .unwrap_or_else(|e| panic!("{wrapping:?}: {e}"));
+    seen.into_iter().next().expect("rank 0")
+}
+
+#[test]
+fn a_unit_recomputed_from_outside_runs_forward_in_backward_on_gathered_parameters() {
+    use TrainingState::*;
+    // The recomputation runs in ForwardInBackward on the parameters it gathered, and the
+    // unit's backward runs on those same parameters.
+    assert_eq!(
+        probe_step(Wrapping::ShardThenCheckpoint),
+        [
+            ("forward", Forward, true),
+            ("forward", ForwardInBackward, true),
+            ("backward", PreBackward, true),
+        ]
+    );
+    // Checkpointed inside the unit: the recomputation runs within the unit's backward hook.
+    assert_eq!(
+        probe_step(Wrapping::CheckpointThenShard),
+        [
+            ("forward", Forward, true),
+            ("forward", PreBackward, true),
+            ("backward", PreBackward, true),
+        ]
+    );
 }

@@ -120,6 +120,10 @@ pub struct TrainArgs {
     /// Initial weights: a safetensors file with nanoGPT parameter names.
     #[arg(long)]
     init: Option<PathBuf>,
+    /// Recompute each transformer block's forward in backward instead of keeping its
+    /// activations (one more forward per block, no extra all-gather).
+    #[arg(long)]
+    activation_checkpointing: bool,
     /// Output directory (default: a new runs/train-NNN).
     #[arg(long)]
     out: Option<PathBuf>,
@@ -197,6 +201,7 @@ fn build_config(args: &TrainArgs, out: PathBuf) -> Result<TrainConfig, Error> {
         param_dtype: args.param_dtype.dtype(),
         reduce_dtype: args.reduce_dtype.dtype(),
         init: args.init.clone(),
+        activation_checkpointing: args.activation_checkpointing,
         out,
         resume: args.resume,
         checkpoint_every: args.checkpoint_every,

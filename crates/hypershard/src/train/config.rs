@@ -316,6 +316,8 @@ pub struct TrainConfig {
     pub reduce_dtype: DType,
     /// Initial weights (nanoGPT names).
     pub init: Option<PathBuf>,
+    /// Checkpoint every transformer block's activations (`--activation-checkpointing`).
+    pub activation_checkpointing: bool,
     /// Output directory.
     pub out: PathBuf,
     /// Continue from `OUT/checkpoints`.
