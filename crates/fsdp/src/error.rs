@@ -2,7 +2,7 @@
 
 use hypershard_tensor::DType;
 
-use crate::param::ShardedState;
+use crate::param::{ShardedState, TrainingState};
 
 /// Everything that can go wrong while sharding, unsharding or reducing.
 ///
@@ -102,6 +102,18 @@ pub enum FsdpError {
         expected: &'static [ShardedState],
         /// The state found.
         actual: ShardedState,
+    },
+    /// A unit's hook ran in a training state that does not allow it (a forward recomputed
+    /// during backward and then a new forward instead of the unit's backward, or a hook
+    /// re-entered).
+    #[error("{unit}: cannot go from training state {from:?} to {to:?}")]
+    TrainingTransition {
+        /// The unit (the kind of the wrapped module and its id).
+        unit: String,
+        /// The state the unit was in.
+        from: TrainingState,
+        /// The state the hook needed to enter.
+        to: TrainingState,
     },
     /// The module's parameter was replaced behind fully_shard's back (its storage changed).
     #[error("parameter `{param}` was replaced outside fully_shard (use load_state_dict)")]

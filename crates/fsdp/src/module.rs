@@ -10,9 +10,11 @@ use hypershard_tensor::{DType, Tensor};
 use crate::build::build_group;
 use crate::config::{FullyShardConfig, MixedPrecisionPolicy, ReshardAfterForward};
 use crate::error::{FsdpError, Result};
-use crate::group::{ParamGroup, PostForward};
+use crate::group::ParamGroup;
 use crate::param::{FsdpParamInfo, ParamRole, ShardedState, TrainingState};
 use crate::schedule::{Schedule, ScheduledUnit, lock};
+
+mod hooks;
 
 /// Unit ids: unique in the process, so the schedule can tell units apart.
 static NEXT_UNIT_ID: AtomicUsize = AtomicUsize::new(0);
@@ -665,6 +667,7 @@ impl FsdpModule {
     pub fn forward(&mut self, input: &Tensor) -> Result<Tensor> {
         let schedule = self.lazy_init();
         let result = self.forward_hooks(&schedule, input);
+        self.idle_on_error(&result);
         Self::root_result(result)
     }
 
@@ -676,7 +679,16 @@ impl FsdpModule {
             }));
         };
         let result = self.backward_hooks(&schedule, grad_output);
+        self.idle_on_error(&result);
         Self::root_result(result)
+    }
+
+    /// A hook that failed leaves the unit `Idle`, so the caller may retry the step (the
+    /// transitions are asserted only along successful paths).
+    fn idle_on_error<T>(&self, result: &Result<T>) {
+        if result.is_err() {
+            lock(&self.group).training = TrainingState::Idle;
+        }
     }
 
     /// An nn error that carries a nested unit's hook error (through the `Module` trait)
@@ -690,123 +702,6 @@ impl FsdpModule {
                 }
             }
             other => other,
-        }
-    }
-
-    fn prefetch(&self, targets: Vec<ScheduledUnit>) -> Result<()> {
-        for target in targets {
-            if target.id == self.id {
-                continue;
-            }
-            lock(&target.group).issue_unshard()?;
-        }
-        Ok(())
-    }
-
-    fn explicit_targets(list: &[std::sync::Weak<Mutex<ParamGroup>>]) -> Vec<ScheduledUnit> {
-        list.iter()
-            .filter_map(|weak| weak.upgrade())
-            .map(|group| {
-                let id = lock(&group).id;
-                ScheduledUnit { id, group }
-            })
-            .collect()
-    }
-
-    fn forward_hooks(&mut self, schedule: &Schedule, input: &Tensor) -> Result<Tensor> {
-        if self.is_root {
-            schedule.begin_forward()?;
-        }
-        let explicit = {
-            let mut group = lock(&self.group);
-            group.check_forward_order(self.member)?;
-            group.training = TrainingState::Forward;
-            // A group's later members find the parameters the first member gathered.
-            group.wait_unshard()?;
-            group.install(self.inner.as_mut(), self.member)?;
-            group.forward_prefetch.clone()
-        };
-        schedule.record_pre_forward(self.id);
-        let targets = match explicit {
-            Some(list) => Self::explicit_targets(&list),
-            None => schedule.next_in_forward(self.id).into_iter().collect(),
-        };
-        self.prefetch(targets)?;
-        let input_dtype = input.dtype();
-        let x = if self.mp.cast_forward_inputs {
-            cast_if(input, self.mp.param_dtype)?
-        } else {
-            input.clone()
-        };
-        let output = self.inner.forward(&x)?;
-        {
-            let mut group = lock(&self.group);
-            let last = group.forward_done(self.member);
-            // The root keeps its parameters: backward starts with it (FSDP2's heuristic).
-            if !self.is_root {
-                let to_post_forward = match group.post_forward {
-                    PostForward::Reshard => Some(false),
-                    PostForward::ToGroup => Some(true),
-                    PostForward::Keep => None,
-                };
-                if let Some(to_post_forward) = to_post_forward {
-                    // A group frees the parameters after its last member's forward; each
-                    // earlier member's module gets its shards back at once.
-                    if last {
-                        group.reshard(self.inner.as_mut(), self.member, to_post_forward)?;
-                    } else {
-                        group.uninstall(self.inner.as_mut(), self.member)?;
-                    }
-                }
-            }
-            group.training = TrainingState::Idle;
-        }
-        schedule.record_post_forward(self.id);
-        self.last_dtypes = Some(ForwardDtypes {
-            input: input_dtype,
-            inner_output: output.dtype(),
-        });
-        cast_if(&output, self.mp.output_dtype)
-    }
-
-    fn backward_hooks(&mut self, schedule: &Schedule, grad_output: &Tensor) -> Result<Tensor> {
-        let explicit = {
-            let mut group = lock(&self.group);
-            group.check_backward_order(self.member)?;
-            group.training = TrainingState::PreBackward;
-            group.wait_unshard()?;
-            group.install(self.inner.as_mut(), self.member)?;
-            group.backward_prefetch.clone()
-        };
-        let targets = match explicit {
-            Some(list) => Self::explicit_targets(&list),
-            None => schedule.next_in_backward(self.id).into_iter().collect(),
-        };
-        self.prefetch(targets)?;
-        let dtypes = self.last_dtypes;
-        let grad = match dtypes {
-            Some(d) => cast_if(grad_output, Some(d.inner_output))?,
-            None => grad_output.clone(),
-        };
-        let grad_input = self.inner.backward(&grad)?;
-        // The previous unit's reduce-scatter ran while this unit computed; finish it now.
-        schedule.finish_pending()?;
-        let (pending, last) = {
-            let mut group = lock(&self.group);
-            group.training = TrainingState::PostBackward;
-            let pending = group.post_backward(self.inner.as_mut(), self.member)?;
-            group.training = TrainingState::Idle;
-            (pending, group.controls.is_last_backward)
-        };
-        if let Some(pending) = pending {
-            schedule.push_pending(self.group.clone(), pending);
-        }
-        if self.is_root && last {
-            schedule.drain()?;
-        }
-        match dtypes {
-            Some(d) => cast_if(&grad_input, Some(d.input)),
-            None => Ok(grad_input),
         }
     }
 
@@ -850,6 +745,16 @@ impl Module for FsdpModule {
 
     fn backward(&mut self, grad_output: &Tensor) -> hypershard_nn::Result<Tensor> {
         FsdpModule::backward(self, grad_output).map_err(Self::to_nn_error)
+    }
+
+    // The wrapper is transparent: the wrapped module's own caches and random streams (a leaf
+    // such as `Linear` has no children to reach them through) are its.
+    fn clear_cache(&mut self) -> hypershard_nn::Result<()> {
+        self.inner.clear_cache()
+    }
+
+    fn visit_rng_counters_mut(&mut self, f: &mut dyn FnMut(&mut u64)) -> hypershard_nn::Result<()> {
+        self.inner.visit_rng_counters_mut(f)
     }
 
     fn visit_params(&self, prefix: &str, f: &mut ParamVisitor<'_>) -> hypershard_nn::Result<()> {

@@ -26,10 +26,31 @@ pub enum TrainingState {
     Idle,
     /// Inside the unit's forward.
     Forward,
+    /// The unit's forward ran again during backward (activation checkpointing recomputes it)
+    /// and its backward has not started: the parameters stay unsharded for that backward, so
+    /// the recomputation's all-gather is the backward's.
+    ForwardInBackward,
     /// Inside the unit's backward, before the wrapped module's backward returned.
     PreBackward,
     /// Reducing gradients after the wrapped module's backward.
     PostBackward,
+}
+
+impl TrainingState {
+    /// Whether a unit may go from `self` to `next`: `Idle → Forward → Idle` in forward,
+    /// `Idle → ForwardInBackward → PreBackward` when backward recomputes the forward, and
+    /// `Idle | ForwardInBackward → PreBackward → PostBackward → Idle` in backward.
+    pub(crate) fn may_enter(self, next: TrainingState) -> bool {
+        use TrainingState::*;
+        matches!(
+            (self, next),
+            (Idle, Forward | ForwardInBackward | PreBackward)
+                | (Forward, Idle)
+                | (ForwardInBackward, PreBackward)
+                | (PreBackward, PostBackward)
+                | (PostBackward, Idle)
+        )
+    }
 }
 
 /// How a parameter is distributed.

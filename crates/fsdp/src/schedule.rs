@@ -27,6 +27,9 @@ struct ScheduleState {
     post_forward_order: Vec<usize>,
     /// Reductions issued and not yet finished, oldest first.
     pending: VecDeque<(Arc<Mutex<ParamGroup>>, PendingReduce)>,
+    /// Whether the root's backward has begun and no forward has begun since: a nested unit's
+    /// forward now is a recomputation (activation checkpointing), not a new step.
+    in_backward: bool,
 }
 
 /// Shared by a root and every unit it discovered.
@@ -70,7 +73,19 @@ impl Schedule {
             state.last_forward_order = std::mem::take(&mut state.forward_order);
         }
         state.post_forward_order.clear();
+        state.in_backward = false;
         Ok(())
+    }
+
+    /// At the root's pre-backward: from now until the next forward, nested forwards are
+    /// recomputations.
+    pub fn begin_backward(&self) {
+        self.state().in_backward = true;
+    }
+
+    /// Whether the root's backward is running (or ran, with no forward since).
+    pub fn in_backward(&self) -> bool {
+        self.state().in_backward
     }
 
     pub fn record_pre_forward(&self, id: usize) {

@@ -281,6 +281,10 @@ impl Module for TpLinear {
         }
     }
 
+    fn clear_cache(&mut self) -> hypershard_nn::Result<()> {
+        self.linear.clear_cache()
+    }
+
     fn visit_params(&self, prefix: &str, f: &mut ParamVisitor<'_>) -> hypershard_nn::Result<()> {
         self.linear.visit_params(prefix, f)?;
         if let Some(bias) = &self.bias {

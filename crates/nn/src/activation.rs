@@ -241,6 +241,11 @@ macro_rules! activation_module {
                 apply_grad($kind, &*self, &input, grad_output)
             }
 
+            fn clear_cache(&mut self) -> Result<()> {
+                self.input = None;
+                Ok(())
+            }
+
             fn visit_params(&self, _prefix: &str, _f: &mut ParamVisitor<'_>) -> Result<()> {
                 Ok(())
             }

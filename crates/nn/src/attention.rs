@@ -420,6 +420,11 @@ impl Module for CausalSelfAttention {
         self.c_attn.backward(&grad_qkv)
     }
 
+    fn clear_cache(&mut self) -> Result<()> {
+        self.cache = None;
+        self.visit_children_mut(&mut |_, child| child.clear_cache())
+    }
+
     fn visit_params(&self, prefix: &str, f: &mut ParamVisitor<'_>) -> Result<()> {
         self.c_attn.visit_params(&join_name(prefix, "c_attn"), f)?;
         self.c_proj.visit_params(&join_name(prefix, "c_proj"), f)

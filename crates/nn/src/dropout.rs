@@ -116,6 +116,16 @@ impl Module for Dropout {
         }
     }
 
+    fn clear_cache(&mut self) -> Result<()> {
+        self.mask = None;
+        Ok(())
+    }
+
+    fn visit_rng_counters_mut(&mut self, f: &mut dyn FnMut(&mut u64)) -> Result<()> {
+        f(&mut self.calls);
+        Ok(())
+    }
+
     fn set_training(&mut self, training: bool) -> Result<()> {
         self.training = training;
         Ok(())

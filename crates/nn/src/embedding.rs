@@ -166,6 +166,11 @@ impl Module for Embedding {
         Ok(Tensor::zeros(ids.shape(), dtype)?)
     }
 
+    fn clear_cache(&mut self) -> Result<()> {
+        self.ids = None;
+        Ok(())
+    }
+
     fn visit_params(&self, prefix: &str, f: &mut ParamVisitor<'_>) -> Result<()> {
         f(&join_name(prefix, "weight"), &self.weight)
     }

@@ -166,6 +166,20 @@ pub enum Error {
         #[source]
         source: Box<dyn std::error::Error + Send + Sync + 'static>,
     },
+    /// Activation checkpointing could not replay a forward: the wrapped module has a
+    /// different number of random streams (dropout layers) than when its forward ran, so the
+    /// recomputation would not draw the same masks.
+    #[error(
+        "Checkpointed({module}): {expected} random streams at forward, {actual} at the recomputation"
+    )]
+    RecomputeMismatch {
+        /// The kind of the wrapped module.
+        module: &'static str,
+        /// The number of random streams when the forward ran.
+        expected: usize,
+        /// The number now.
+        actual: usize,
+    },
     /// A size does not fit the integer type a kernel needs.
     #[error("{op}: size {size} does not fit the kernel's index type")]
     SizeOverflow {

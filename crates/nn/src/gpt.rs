@@ -444,6 +444,24 @@ impl Module for Gpt {
         self.h.visit_children_mut("transformer.h", f)
     }
 
+    fn clear_cache(&mut self) -> Result<()> {
+        self.cache = None;
+        self.drop.clear_cache()?;
+        self.ln_f.clear_cache()?;
+        for block in self.h.iter_mut() {
+            block.clear_cache()?;
+        }
+        Ok(())
+    }
+
+    fn visit_rng_counters_mut(&mut self, f: &mut dyn FnMut(&mut u64)) -> Result<()> {
+        self.drop.visit_rng_counters_mut(f)?;
+        for block in self.h.iter_mut() {
+            block.visit_rng_counters_mut(f)?;
+        }
+        Ok(())
+    }
+
     fn set_training(&mut self, training: bool) -> Result<()> {
         self.drop.training = training;
         for block in self.h.iter_mut() {

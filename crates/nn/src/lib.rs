@@ -42,6 +42,7 @@ mod module_list;
 mod norm;
 pub mod optim;
 mod param;
+mod recompute;
 mod sequential;
 pub mod special;
 mod threads;
@@ -62,6 +63,7 @@ pub use module::{
 pub use module_list::ModuleList;
 pub use norm::{LayerNorm, LayerNormConfig, RmsNorm, RmsNormConfig};
 pub use param::{InitFn, InitRequest, Parameter, materialize_module};
+pub use recompute::Checkpointed;
 pub use sequential::Sequential;
 pub use threads::with_num_threads;
 pub use transformer::{Block, BlockConfig, Mlp};

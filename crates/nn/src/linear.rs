@@ -270,6 +270,11 @@ impl Module for Linear {
         Ok(grad_input)
     }
 
+    fn clear_cache(&mut self) -> Result<()> {
+        self.input = None;
+        Ok(())
+    }
+
     fn visit_params(&self, prefix: &str, f: &mut ParamVisitor<'_>) -> Result<()> {
         f(&join_name(prefix, "weight"), &self.weight)?;
         if let Some(bias) = &self.bias {

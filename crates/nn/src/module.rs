@@ -61,6 +61,25 @@ pub trait Module: Send {
         self.visit_children_mut(&mut |_, child| child.set_training(training))
     }
 
+    /// Drops what the last `forward` cached for `backward` (activation checkpointing frees a
+    /// block's activations this way); a `backward` after it is
+    /// [`Error::BackwardBeforeForward`](crate::Error::BackwardBeforeForward) until the next
+    /// `forward`. The default clears every child; a module that caches anything itself
+    /// overrides it (and still clears its children), so a module that does not only keeps
+    /// its activations longer than asked, never computes a wrong gradient.
+    fn clear_cache(&mut self) -> Result<()> {
+        self.visit_children_mut(&mut |_, child| child.clear_cache())
+    }
+
+    /// Calls `f` with every random-stream counter of this module and the modules below it (a
+    /// dropout layer's count of masks drawn), always in the same order, so that a
+    /// recomputation can rewind them and draw the same masks again. The default visits the
+    /// children; a module that draws random numbers itself, or holds modules it does not
+    /// expose as children, overrides it.
+    fn visit_rng_counters_mut(&mut self, f: &mut dyn FnMut(&mut u64)) -> Result<()> {
+        self.visit_children_mut(&mut |_, child| child.visit_rng_counters_mut(&mut *f))
+    }
+
     /// This module as `Any`, for wrappers that need to find their own kind among the children
     /// of a module (the outermost `fully_shard` unit discovers the nested units this way).
     /// Plain layers keep the default, `None`.

@@ -329,6 +329,11 @@ impl Module for LayerNorm {
         Ok(grads.grad_input)
     }
 
+    fn clear_cache(&mut self) -> Result<()> {
+        self.cache = None;
+        Ok(())
+    }
+
     fn visit_params(&self, prefix: &str, f: &mut ParamVisitor<'_>) -> Result<()> {
         f(&join_name(prefix, "weight"), &self.weight)?;
         if let Some(bias) = &self.bias {
@@ -418,6 +423,11 @@ impl Module for RmsNorm {
         )?;
         self.weight.accumulate_grad(grads.grad_weight)?;
         Ok(grads.grad_input)
+    }
+
+    fn clear_cache(&mut self) -> Result<()> {
+        self.cache = None;
+        Ok(())
     }
 
     fn visit_params(&self, prefix: &str, f: &mut ParamVisitor<'_>) -> Result<()> {

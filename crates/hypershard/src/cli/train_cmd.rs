@@ -128,6 +128,10 @@ pub struct TrainArgs {
     /// memory per rank falls with the number of ranks; the values are the same either way.
     #[arg(long)]
     eager_init: bool,
+    /// Recompute each transformer block's forward in backward instead of keeping its
+    /// activations (one more forward per block, no extra all-gather).
+    #[arg(long)]
+    activation_checkpointing: bool,
     /// Output directory (default: a new runs/train-NNN).
     #[arg(long)]
     out: Option<PathBuf>,
@@ -334,6 +338,7 @@ fn build_config(args: &TrainArgs, out: PathBuf) -> Result<TrainConfig, Error> {
         reduce_dtype: args.reduce_dtype.dtype(),
         init: args.init.clone(),
         eager_init: args.eager_init,
+        activation_checkpointing: args.activation_checkpointing,
         out,
         resume: args.resume,
         reset_optimizer: args.reset_optimizer,

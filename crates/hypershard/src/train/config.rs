@@ -368,6 +368,8 @@ pub struct TrainConfig {
     /// Build the whole model on every rank before sharding (the old path, for comparison);
     /// by default the model is built deferred and each rank materialises only its shard.
     pub eager_init: bool,
+    /// Checkpoint every transformer block's activations (`--activation-checkpointing`).
+    pub activation_checkpointing: bool,
     /// Output directory.
     pub out: PathBuf,
     /// Continue from `OUT/checkpoints`.

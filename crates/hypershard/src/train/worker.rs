@@ -9,7 +9,9 @@ use hypershard_fsdp::{
     DataParallelMesh, FsdpModule, FullyShardConfig, MixedPrecisionPolicy, fully_shard,
     fully_shard_children, has_params,
 };
-use hypershard_nn::{DEFAULT_IGNORE_INDEX, Gpt, Module, cross_entropy};
+use hypershard_nn::{
+    Checkpointed, DEFAULT_IGNORE_INDEX, Gpt, Module, cross_entropy, replace_module,
+};
 use hypershard_tensor::{DType, Tensor};
 use serde_json::json;
 
@@ -124,6 +126,13 @@ impl Trainer {
             reduce_dtype: (config.reduce_dtype != DType::F32).then_some(config.reduce_dtype),
             ..MixedPrecisionPolicy::default()
         };
+        if config.activation_checkpointing {
+            // Checkpoint first, then shard: each unit's hooks wrap the recomputation, so its
+            // backward all-gather serves it (docs/fsdp.md, activation checkpointing).
+            for block in gpt.blocks_mut().iter_mut() {
+                replace_module(block, |b| Ok(Box::new(Checkpointed::new(b))))?;
+            }
+        }
         // Each transformer block is its own unit; the root keeps wte, wpe and ln_f.
         fully_shard_children(&mut gpt, &fsdp, &mut |name, block| {
             name.starts_with("transformer.h.") && has_params(block)
