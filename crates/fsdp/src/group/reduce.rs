@@ -1,0 +1,369 @@
+//! Gradient reduction after backward: unsharded gradients copied into one reduce-scatter
+//! input per bucket, the reduce-scatters (and, for HSDP, the all-reduces over replicas, and
+//! the all-reduce of replicated parameters) issued, and on finish the reduced shards
+//! accumulated into the sharded gradients.
+
+use std::collections::HashMap;
+
+use hypershard_collectives::{Buffer, ReduceOp};
+use hypershard_nn::Module;
+use hypershard_tensor::{DType, Tensor};
+
+use super::{
+    ParamGroup, PendingReduce, TpGroup, buffer_dtype, check_len, host_bytes, host_bytes_mut,
+};
+use crate::bridge::fill_zero;
+use crate::bucket::{BucketPlan, SlotWriter};
+use crate::config::GradReduceOp;
+use crate::error::Result;
+use crate::param::ParamRole;
+
+impl ParamGroup {
+    fn reduce_scatter_op(&self) -> ReduceOp {
+        match (self.controls.gradient_scaling_factor, self.reduce_op) {
+            (Some(factor), _) => ReduceOp::PreMulSum(factor),
+            (None, GradReduceOp::Avg) => ReduceOp::Avg,
+            (None, GradReduceOp::Sum) => ReduceOp::Sum,
+        }
+    }
+
+    fn replicate_all_reduce_op(&self) -> ReduceOp {
+        match (self.controls.gradient_scaling_factor, self.reduce_op) {
+            (Some(_), _) | (None, GradReduceOp::Sum) => ReduceOp::Sum,
+            (None, GradReduceOp::Avg) => ReduceOp::Avg,
+        }
+    }
+
+    /// After member `member`'s wrapped backward: takes its unsharded gradients. The member
+    /// whose backward runs last (member 0, the whole module of a one-module unit) then either
+    /// keeps every member's gradients (no gradient sync) or issues the reduce-scatters (and
+    /// the replicate-parameter all-reduce), returning them in flight. Each member's module
+    /// gets its shards back when asked (`reshard_after_backward`), and the unsharded
+    /// parameters are freed once no member holds them.
+    pub fn post_backward(
+        &mut self,
+        module: &mut dyn Module,
+        member: usize,
+    ) -> Result<Option<PendingReduce>> {
+        let _span = tracing::debug_span!("fsdp.post_backward", unit = %self.unit, member).entered();
+        let sync = self.controls.requires_gradient_sync;
+        let reshard = self.controls.reshard_after_backward;
+        if self.members > 1 {
+            self.backward_next = member.checked_sub(1);
+        }
+        // Take every unsharded gradient off the module, adding what earlier unsynchronised
+        // micro-steps left; earlier members of a group left theirs in `collected`.
+        let mut grads = std::mem::take(&mut self.collected);
+        grads.resize(self.params.len(), None);
+        let mut taken = Vec::new();
+        {
+            let Some(by_name) = self.by_name.get(member) else {
+                return Ok(None);
+            };
+            let params = &mut self.params;
+            module.visit_params_mut("", &mut |name, slot| {
+                let Some(&index) = by_name.get(name) else {
+                    return Ok(());
+                };
+                let param = &mut params[index];
+                if !param.installed || !param.requires_grad {
+                    return Ok(());
+                }
+                taken.push(index);
+                let mut grad = slot.grad.take();
+                if let Some(acc) = param.unsharded_grad_accum.take() {
+                    grad = Some(match grad {
+                        Some(g) => {
+                            acc.add_(&g)?;
+                            acc
+                        }
+                        None => acc,
+                    });
+                }
+                if !sync && !reshard {
+                    // Stay unsharded: the module keeps accumulating into the same tensor.
+                    slot.grad = grad;
+                } else {
+                    grads[index] = grad;
+                }
+                Ok(())
+            })?;
+        }
+        if sync {
+            // The tensors the reduced shards land in are made now, while this member's
+            // module still holds the unsharded parameters, so that resharding hands them to
+            // the module as its `grad` (a group's earlier members cannot be reached later).
+            let fresh_ok = self.mesh.replicate().is_none() || self.controls.requires_all_reduce;
+            for index in taken {
+                let fresh = fresh_ok && self.params[index].role == ParamRole::Sharded;
+                let target = self.grad_target(index, fresh)?;
+                self.targets.insert(index, target);
+            }
+        }
+        if reshard {
+            self.uninstall(module, member)?;
+        }
+        if member != 0 {
+            self.collected = grads;
+            return Ok(None);
+        }
+        let pending = if sync {
+            self.reduce_in_flight = true;
+            Some(self.issue_reductions(&grads)?)
+        } else {
+            for (param, grad) in self.params.iter_mut().zip(grads) {
+                if grad.is_some() {
+                    param.unsharded_grad_accum = grad;
+                }
+            }
+            None
+        };
+        if reshard && !self.any_installed() {
+            self.release(false)?;
+        }
+        Ok(pending)
+    }
+
+    /// The tensor the reduced gradient of parameter `index` lands in, and whether it is new.
+    ///
+    /// An existing gradient is added into. A new one is zeros, or, with `fresh_ok` (the
+    /// caller copies the reduced shard over every element), stale pooled memory, which saves
+    /// the zero-fill and the read of the add.
+    fn grad_target(&mut self, index: usize, fresh_ok: bool) -> Result<(Tensor, bool)> {
+        let pool = self.mesh.pool().clone();
+        let param = &mut self.params[index];
+        let shape = param.sharded.shape().to_vec();
+        let (existing, dtype) = if self.mp.fp32_main_grad {
+            (&mut param.main_grad, DType::F32)
+        } else {
+            (&mut param.sharded_grad, param.orig_dtype)
+        };
+        if let Some(t) = existing {
+            return Ok((t.clone(), false));
+        }
+        let (target, fresh) = if fresh_ok {
+            (pool.tensor(&shape, dtype)?, true)
+        } else {
+            (Tensor::zeros(&shape, dtype)?, false)
+        };
+        *existing = Some(target.clone());
+        Ok((target, fresh))
+    }
+
+    fn issue_reductions(&mut self, grads: &[Option<Tensor>]) -> Result<PendingReduce> {
+        let mut targets = HashMap::new();
+        let shard_comm = self.mesh.shard().clone();
+        let shard_world = shard_comm.size();
+        let mut reduce_scatters = Vec::with_capacity(self.reduce_plan.len());
+        let op = self.reduce_scatter_op();
+        let pool = self.mesh.pool().clone();
+        // New gradients may skip their zero-fill when the reduced shard is copied over them
+        // in this backward's finish; a deferred HSDP all-reduce leaves them untouched, so
+        // they must be zeros then.
+        let fresh_ok = self.mesh.replicate().is_none() || self.controls.requires_all_reduce;
+        for bucket_index in 0..self.reduce_plan.len() {
+            let bucket = self.reduce_plan[bucket_index].clone();
+            let dtype = buffer_dtype(bucket.dtype, &self.unit)?;
+            let size = bucket.dtype.size_of();
+            let mut input = pool.take(dtype, bucket.per_rank * shard_world);
+            {
+                // Rank-major order, so the regions come in increasing order; slots of
+                // parameters without a gradient are zeroed by the writer.
+                let mut writer =
+                    SlotWriter::new(host_bytes_mut(&mut input, "reduce-scatter copy-in")?);
+                for rank in 0..shard_world {
+                    for (&member, &offset) in bucket.members.iter().zip(&bucket.offsets) {
+                        let param = &self.params[member];
+                        let Some(grad) = &grads[member] else {
+                            continue;
+                        };
+                        let slot_len = param.layout.slot_numel()? * size;
+                        let start = (rank * bucket.per_rank + offset) * size;
+                        param.layout.pack_from_full(
+                            grad,
+                            rank,
+                            bucket.dtype,
+                            writer.region(start, slot_len, "reduce-scatter copy-in")?,
+                        )?;
+                    }
+                }
+                writer.finish();
+            }
+            for &member in &bucket.members {
+                let target = match self.targets.remove(&member) {
+                    Some(target) => target,
+                    None => self.grad_target(member, fresh_ok)?,
+                };
+                targets.insert(member, target);
+            }
+            let output = pool.take(dtype, bucket.per_rank);
+            reduce_scatters.push(shard_comm.reduce_scatter_async(input, output, op));
+        }
+        let mut replicate_all_reduces = Vec::with_capacity(self.replicate_plan.len());
+        let all_reduce_op = match (self.controls.gradient_scaling_factor, self.reduce_op) {
+            (Some(factor), _) => ReduceOp::PreMulSum(factor),
+            (None, GradReduceOp::Avg) => ReduceOp::Avg,
+            (None, GradReduceOp::Sum) => ReduceOp::Sum,
+        };
+        for bucket_index in 0..self.replicate_plan.len() {
+            let bucket = self.replicate_plan[bucket_index].clone();
+            let dtype = buffer_dtype(bucket.dtype, &self.unit)?;
+            let size = bucket.dtype.size_of();
+            let mut buffer = pool.take(dtype, bucket.per_rank);
+            {
+                let mut writer =
+                    SlotWriter::new(host_bytes_mut(&mut buffer, "all-reduce copy-in")?);
+                for (&member, &offset) in bucket.members.iter().zip(&bucket.offsets) {
+                    let param = &self.params[member];
+                    let Some(grad) = &grads[member] else {
+                        continue;
+                    };
+                    let slot_len = param.layout.slot_numel()? * size;
+                    let start = offset * size;
+                    param.layout.pack(
+                        grad,
+                        bucket.dtype,
+                        writer.region(start, slot_len, "all-reduce copy-in")?,
+                    )?;
+                }
+                writer.finish();
+            }
+            for &member in &bucket.members {
+                let target = match self.targets.remove(&member) {
+                    Some(target) => target,
+                    None => self.grad_target(member, false)?,
+                };
+                targets.insert(member, target);
+            }
+            replicate_all_reduces.push(self.mesh.world().all_reduce_async(buffer, all_reduce_op));
+        }
+        Ok(PendingReduce {
+            reduce_scatters,
+            replicate_all_reduces,
+            targets,
+        })
+    }
+
+    /// Waits for a unit's reductions, runs the HSDP all-reduce (or defers it) and adds the
+    /// reduced shards into the gradients.
+    pub fn finish_reduce(&mut self, pending: PendingReduce) -> Result<()> {
+        let _span = tracing::debug_span!("fsdp.reduce_wait", unit = %self.unit).entered();
+        self.reduce_in_flight = false;
+        let shard_rank = self.mesh.shard_rank();
+        let PendingReduce {
+            reduce_scatters,
+            replicate_all_reduces,
+            targets,
+        } = pending;
+        let pool = self.mesh.pool().clone();
+        let mut outputs = Vec::with_capacity(reduce_scatters.len());
+        for work in reduce_scatters {
+            let pair = work.wait()?;
+            pool.give(pair.input);
+            outputs.push(pair.output);
+        }
+        let replicate = self.mesh.replicate().cloned();
+        let all_reduce_op = self.replicate_all_reduce_op();
+        for (bucket_index, mut output) in outputs.into_iter().enumerate() {
+            let bucket = self.reduce_plan[bucket_index].clone();
+            check_len(&output, bucket.per_rank, "reduce-scatter copy-out")?;
+            if let Some(replicate) = &replicate {
+                if let Some(partial) = self.partial_outputs[bucket_index].take() {
+                    add_buffers(&mut output, &partial, bucket.dtype)?;
+                }
+                if !self.controls.requires_all_reduce {
+                    // Nothing lands in the gradients this time; new ones must read as zeros.
+                    for member in &bucket.members {
+                        if let Some((target, true)) = targets.get(member) {
+                            fill_zero(target)?;
+                        }
+                    }
+                    self.partial_outputs[bucket_index] = Some(output);
+                    continue;
+                }
+                let _span = tracing::debug_span!("fsdp.all_reduce", unit = %self.unit).entered();
+                output = replicate.all_reduce_async(output, all_reduce_op).wait()?;
+            }
+            if let (Some(tail), Some(tp)) = (bucket.tp_tail, &self.tp) {
+                let _span = tracing::debug_span!("fsdp.tp_all_reduce", unit = %self.unit).entered();
+                tp_all_reduce_tail(&mut output, tail, &bucket, tp, &pool)?;
+            }
+            let bytes = host_bytes(&output, "reduce-scatter copy-out")?;
+            let size = bucket.dtype.size_of();
+            for (&member, &offset) in bucket.members.iter().zip(&bucket.offsets) {
+                let param = &self.params[member];
+                let slot_len = param.layout.slot_numel()? * size;
+                let start = offset * size;
+                if let Some((target, fresh)) = targets.get(&member) {
+                    param.layout.unpack_shard_into(
+                        &bytes[start..start + slot_len],
+                        shard_rank,
+                        bucket.dtype,
+                        target,
+                        !fresh,
+                    )?;
+                }
+            }
+            pool.give(output);
+        }
+        for (bucket_index, work) in replicate_all_reduces.into_iter().enumerate() {
+            let buffer = work.wait()?;
+            let bucket = &self.replicate_plan[bucket_index];
+            check_len(&buffer, bucket.per_rank, "all-reduce copy-out")?;
+            let bytes = host_bytes(&buffer, "all-reduce copy-out")?;
+            let size = bucket.dtype.size_of();
+            for (&member, &offset) in bucket.members.iter().zip(&bucket.offsets) {
+                let param = &self.params[member];
+                let slot_len = param.layout.slot_numel()? * size;
+                let start = offset * size;
+                if let Some((target, fresh)) = targets.get(&member) {
+                    param.layout.unpack_shard_into(
+                        &bytes[start..start + slot_len],
+                        0,
+                        bucket.dtype,
+                        target,
+                        !fresh,
+                    )?;
+                }
+            }
+            pool.give(buffer);
+        }
+        Ok(())
+    }
+}
+
+/// All-reduces the elements `tail..` of a reduced shard buffer (the TP-replicated members of
+/// its bucket) over the TP group, in place.
+fn tp_all_reduce_tail(
+    output: &mut Buffer,
+    tail: usize,
+    bucket: &BucketPlan,
+    tp: &TpGroup,
+    pool: &crate::bucket::BufferPool,
+) -> Result<()> {
+    let size = bucket.dtype.size_of();
+    let len = bucket.per_rank.saturating_sub(tail);
+    let mut part = pool.take(buffer_dtype(bucket.dtype, "tp all-reduce")?, len);
+    host_bytes_mut(&mut part, "tp all-reduce copy-in")?
+        .copy_from_slice(&host_bytes(output, "tp all-reduce copy-in")?[tail * size..]);
+    let part = tp.comm.all_reduce_async(part, tp.op).wait()?;
+    check_len(&part, len, "tp all-reduce copy-out")?;
+    host_bytes_mut(output, "tp all-reduce copy-out")?[tail * size..]
+        .copy_from_slice(host_bytes(&part, "tp all-reduce copy-out")?);
+    pool.give(part);
+    Ok(())
+}
+
+/// `acc += other` elementwise for two host buffers of one dtype.
+fn add_buffers(acc: &mut Buffer, other: &Buffer, dtype: DType) -> Result<()> {
+    check_len(other, acc.len(), "partial reduce-scatter sum")?;
+    let shape = [acc.len()];
+    let a = Tensor::from_bytes(host_bytes(acc, "partial sum")?, &shape, dtype)?;
+    let b = Tensor::from_bytes(host_bytes(other, "partial sum")?, &shape, dtype)?;
+    a.add_(&b)?;
+    crate::bridge::with_bytes(&a, |bytes| -> Result<()> {
+        host_bytes_mut(acc, "partial sum")?.copy_from_slice(bytes);
+        Ok(())
+    })??;
+    Ok(())
+}
