@@ -97,7 +97,7 @@ fn main() -> std::result::Result<(), Box<dyn std::error::Error>> {
             let x = Tensor::random(&[1, seq, n_embd], DType::F32, init(2))?;
             let g = Tensor::random(&[1, seq, n_embd], DType::F32, init(3))?;
             let g3 = Tensor::random(&[1, seq, 3 * n_embd], DType::F32, init(4))?;
-            let mut projections = |c_attn: &mut Linear, c_proj: &mut Linear| -> Result<f64> {
+            let projections = |c_attn: &mut Linear, c_proj: &mut Linear| -> Result<f64> {
                 Ok(step(c_attn, &x, &g3)? + step(c_proj, &x, &g)?)
             };
             // One untimed step each warms the caches and the recycled buffers.

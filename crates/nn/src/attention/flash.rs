@@ -77,8 +77,27 @@ fn mm_nn<F: Float>(a: &[F], b: &[F], (m, k, n): (usize, usize, usize), c: &mut [
     gemm_into(a, b, GemmShape::new(m, k, n, MatmulOptions::default())?, c)
 }
 
-/// `c[m, n] = a[k, m]ᵀ · b[k, n]`.
-fn mm_tn<F: Float>(a: &[F], b: &[F], (m, k, n): (usize, usize, usize), c: &mut [F]) -> Result<()> {
+/// `c[m, n] = a[k, m]ᵀ · b[k, n]`: `a` is transposed into `scratch` (at least `m · k` long)
+/// so the packing-free kernel can take the product; the general GEMM reads `a` transposed
+/// in place when it does not.
+fn mm_tn<F: Float>(
+    a: &[F],
+    b: &[F],
+    (m, k, n): (usize, usize, usize),
+    c: &mut [F],
+    scratch: &mut [F],
+) -> Result<()> {
+    if m < crate::kernels::small_gemm::MAX_ROWS && crate::kernels::small_gemm::available() {
+        let at = &mut scratch[..m * k];
+        for (p, row) in a.chunks_exact(m).enumerate() {
+            for (i, &x) in row.iter().enumerate() {
+                at[i * k + p] = x;
+            }
+        }
+        if F::small_gemm_nn(at, b, m, k, n, c) {
+            return Ok(());
+        }
+    }
     let options = MatmulOptions {
         transpose_a: true,
         transpose_b: false,
@@ -233,6 +252,7 @@ struct BackwardScratch<F> {
     mask: Vec<F>,
     grad: Vec<F>,
     tmp: Vec<F>,
+    transposed: Vec<F>,
     dk: Vec<F>,
     dv: Vec<F>,
 }
@@ -259,6 +279,7 @@ fn backward_head<F: Float>(
         mask: vec![F::ZERO; masked_len],
         grad: vec![F::ZERO; tile * tile],
         tmp: vec![F::ZERO; tile * d],
+        transposed: vec![F::ZERO; tile * tile],
         dk: vec![F::ZERO; tile * d],
         dv: vec![F::ZERO; tile * d],
     };
@@ -300,7 +321,7 @@ fn backward_head<F: Float>(
                 probs
             };
             let tmp = &mut s.tmp[..cols * d];
-            mm_tn(dropped, dout_block, (cols, rows, d), tmp)?;
+            mm_tn(dropped, dout_block, (cols, rows, d), tmp, &mut s.transposed)?;
             add_assign(dv_block, tmp);
             let grad = &mut s.grad[..n];
             mm_nt(dout_block, v_block, (rows, d, cols), grad)?;
@@ -321,7 +342,7 @@ fn backward_head<F: Float>(
             mm_nn(grad, k_block, (rows, cols, d), tmp)?;
             add_assign(&mut dq[r0 * d..(r0 + rows) * d], tmp);
             let tmp = &mut s.tmp[..cols * d];
-            mm_tn(grad, q_block, (cols, rows, d), tmp)?;
+            mm_tn(grad, q_block, (cols, rows, d), tmp, &mut s.transposed)?;
             add_assign(dk_block, tmp);
         }
         dk[c0 * d..(c0 + cols) * d].copy_from_slice(dk_block);
@@ -487,13 +508,14 @@ mod tests {
 
     #[test]
     fn tiled_forward_and_gradients_match_the_materialised_path() {
-        // T = 1, 7, 64, 130 at the module's tile (130 ends in a ragged 2-row block) and small
+        // T = 1, 7, 64, 130 at the module's tile (130 ends in a ragged 2-row block) and other
         // tiles, so many blocks, ragged edges and the diagonal blocks are all covered.
         for seq in [1, 7, 64, 130] {
             check::<f32>(dims(2, seq, 128, 2), TILE, None, 1e-5);
             check::<f64>(dims(2, seq, 128, 2), TILE, None, 1e-12);
         }
-        for (seq, tile) in [(7, 2), (7, 3), (37, 8), (64, 16), (130, 32)] {
+        // Tile 64 takes f32 past the packing-free kernels (fewer than 64 rows) to the GEMM.
+        for (seq, tile) in [(7, 2), (7, 3), (37, 8), (64, 16), (130, 64), (200, 64)] {
             check::<f32>(dims(1, seq, 12, 3), tile, None, 1e-5);
             check::<f64>(dims(1, seq, 12, 3), tile, None, 1e-12);
         }
