@@ -57,18 +57,6 @@ impl HeadMask<'_> {
     }
 }
 
-/// `c[m, n] = a[m, k] · b[n, k]ᵀ`, by the packing-free kernel when it takes the shape.
-fn mm_nt<F: Float>(a: &[F], b: &[F], (m, k, n): (usize, usize, usize), c: &mut [F]) -> Result<()> {
-    if F::small_gemm_nt(a, b, m, k, n, c) {
-        return Ok(());
-    }
-    let options = MatmulOptions {
-        transpose_a: false,
-        transpose_b: true,
-    };
-    gemm_into(a, b, GemmShape::new(m, k, n, options)?, c)
-}
-
 /// `c[m, n] = a[m, k] · b[k, n]`, by the packing-free kernel when it takes the shape.
 fn mm_nn<F: Float>(a: &[F], b: &[F], (m, k, n): (usize, usize, usize), c: &mut [F]) -> Result<()> {
     if F::small_gemm_nn(a, b, m, k, n, c) {
@@ -105,6 +93,28 @@ fn mm_tn<F: Float>(
     gemm_into(a, b, GemmShape::new(m, k, n, options)?, c)
 }
 
+/// `x` `[T, D]` with each block of `tile` rows transposed in place of itself: block
+/// `c0 .. c0 + cols` becomes the `[D, cols]` matrix at the same offset `c0 · D`. The tiles'
+/// products `a · blockᵀ` then run as `a · (transposed block)` on the kernels without
+/// transposes: the packing-free `a · bᵀ` kernel reduces each output across a vector, which
+/// costs as much as its multiply-adds when `D` is a head width.
+fn transpose_blocks<F: Float>(x: &[F], seq: usize, d: usize, tile: usize) -> Vec<F> {
+    let mut out = vec![F::ZERO; x.len()];
+    for c0 in (0..seq).step_by(tile) {
+        let cols = tile.min(seq - c0);
+        let (src, dst) = (
+            &x[c0 * d..(c0 + cols) * d],
+            &mut out[c0 * d..(c0 + cols) * d],
+        );
+        for (j, row) in src.chunks_exact(d).enumerate() {
+            for (p, &value) in row.iter().enumerate() {
+                dst[p * cols + j] = value;
+            }
+        }
+    }
+    out
+}
+
 /// The number of columns of key block `c0 .. c0 + cols` that row `row` sees (`col ≤ row`).
 /// Key blocks start at or left of the query block's first row, so this is at least 1.
 fn visible(row: usize, c0: usize, cols: usize) -> usize {
@@ -131,6 +141,7 @@ fn forward_head<F: Float>(
 ) -> Result<()> {
     let scale = F::of(1.0 / (d as f64).sqrt());
     let neg_inf = F::of(f64::NEG_INFINITY);
+    let k_t = transpose_blocks(k, seq, d, tile);
     let mut s = ForwardScratch {
         scores: vec![F::ZERO; tile * tile],
         mask: vec![F::ZERO; if mask.is_some() { tile * tile } else { 0 }],
@@ -150,9 +161,9 @@ fn forward_head<F: Float>(
         for c0 in (0..=r0).step_by(tile) {
             let cols = tile.min(seq - c0);
             let scores = &mut s.scores[..rows * cols];
-            mm_nt(
+            mm_nn(
                 q_block,
-                &k[c0 * d..(c0 + cols) * d],
+                &k_t[c0 * d..(c0 + cols) * d],
                 (rows, d, cols),
                 scores,
             )?;
@@ -272,6 +283,10 @@ fn backward_head<F: Float>(
         .zip(o.chunks_exact(d))
         .map(|(g, y)| g.iter().zip(y).map(|(&a, &b)| a * b).sum())
         .collect();
+    let (k_t, v_t) = (
+        transpose_blocks(k, seq, d, tile),
+        transpose_blocks(v, seq, d, tile),
+    );
     let masked_len = if mask.is_some() { tile * tile } else { 0 };
     let mut s = BackwardScratch {
         probs: vec![F::ZERO; tile * tile],
@@ -286,7 +301,8 @@ fn backward_head<F: Float>(
     dq.fill(F::ZERO);
     for c0 in (0..seq).step_by(tile) {
         let cols = tile.min(seq - c0);
-        let (k_block, v_block) = (&k[c0 * d..(c0 + cols) * d], &v[c0 * d..(c0 + cols) * d]);
+        let k_block = &k[c0 * d..(c0 + cols) * d];
+        let (k_t_block, v_t_block) = (&k_t[c0 * d..(c0 + cols) * d], &v_t[c0 * d..(c0 + cols) * d]);
         let dk_block = &mut s.dk[..cols * d];
         let dv_block = &mut s.dv[..cols * d];
         dk_block.fill(F::ZERO);
@@ -298,7 +314,7 @@ fn backward_head<F: Float>(
             let q_block = &q[r0 * d..(r0 + rows) * d];
             let dout_block = &dout[r0 * d..(r0 + rows) * d];
             let probs = &mut s.probs[..n];
-            mm_nt(q_block, k_block, (rows, d, cols), probs)?;
+            mm_nn(q_block, k_t_block, (rows, d, cols), probs)?;
             for i in 0..rows {
                 let row = r0 + i;
                 let seen = visible(row, c0, cols);
@@ -324,7 +340,7 @@ fn backward_head<F: Float>(
             mm_tn(dropped, dout_block, (cols, rows, d), tmp, &mut s.transposed)?;
             add_assign(dv_block, tmp);
             let grad = &mut s.grad[..n];
-            mm_nt(dout_block, v_block, (rows, d, cols), grad)?;
+            mm_nn(dout_block, v_t_block, (rows, d, cols), grad)?;
             if mask.is_some() {
                 for (g, &f) in grad.iter_mut().zip(s.mask[..n].iter()) {
                     *g *= f;
