@@ -268,15 +268,32 @@ struct BackwardScratch<F> {
     dv: Vec<F>,
 }
 
+/// One head's operands in backward, each `[T, D]` except the log-sum-exp `[T]`.
+struct HeadOperands<'a, F> {
+    q: &'a [F],
+    k: &'a [F],
+    v: &'a [F],
+    o: &'a [F],
+    dout: &'a [F],
+    lse: &'a [F],
+}
+
 /// One head's backward: `dq, dk, dv` `[T, D]` from `q, k, v`, the output `o` and its gradient
-/// `dout` `[T, D]`, and the forward's log-sum-exp `[T]`.
+/// `dout`, and the forward's log-sum-exp.
 fn backward_head<F: Float>(
-    (q, k, v, o, dout): (&[F], &[F], &[F], &[F], &[F]),
-    lse: &[F],
+    head: &HeadOperands<'_, F>,
     (seq, d, tile): (usize, usize, usize),
     mask: Option<HeadMask<'_>>,
     (dq, dk, dv): (&mut [F], &mut [F], &mut [F]),
 ) -> Result<()> {
+    let HeadOperands {
+        q,
+        k,
+        v,
+        o,
+        dout,
+        lse,
+    } = *head;
     let scale = F::of(1.0 / (d as f64).sqrt());
     let delta: Vec<F> = dout
         .chunks_exact(d)
@@ -397,13 +414,15 @@ pub(super) fn backward<F: Float>(
                 vec![F::ZERO; t * d],
             ];
             let [dq, dk, dv] = &mut grads;
-            backward_head(
-                (&q, &k, &v, &o, &dout),
-                &lse[bh * t..(bh + 1) * t],
-                (t, d, tile),
-                head_mask,
-                (dq, dk, dv),
-            )?;
+            let head = HeadOperands {
+                q: &q,
+                k: &k,
+                v: &v,
+                o: &o,
+                dout: &dout,
+                lse: &lse[bh * t..(bh + 1) * t],
+            };
+            backward_head(&head, (t, d, tile), head_mask, (dq, dk, dv))?;
             Ok(grads)
         })
         .collect::<Result<_>>()?;
