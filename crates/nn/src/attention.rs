@@ -194,8 +194,8 @@ impl CausalSelfAttention {
     }
 
     /// The mask for the weights when `attn_dropout` is the plain [`Dropout`] (`Some(None)` in
-    /// evaluation or with `p = 0`), drawing it advances the layer's call counter as its
-    /// `forward` would; `None` when a wrapper replaced the child.
+    /// evaluation or with `p = 0`; drawing a mask advances the layer's call counter as its
+    /// `forward` would), or `None` when a wrapper replaced the child.
     fn fused_dropout(&mut self) -> Option<Option<DropMask>> {
         self.attn_dropout
             .as_any_mut()
@@ -337,6 +337,15 @@ impl Module for CausalSelfAttention {
     fn forward(&mut self, input: &Tensor) -> Result<Tensor> {
         let dims = self.dims("CausalSelfAttention::forward", input.shape())?;
         let qkv = self.c_attn.forward(input)?;
+        // A replaced `c_attn` could return another shape; the kernels index by `dims`.
+        let qkv_shape = [dims.batch, dims.seq, 3 * dims.n_embd];
+        if qkv.shape() != qkv_shape {
+            return Err(Error::ShapeMismatch {
+                op: "CausalSelfAttention::forward",
+                lhs: qkv_shape.to_vec(),
+                rhs: qkv.shape().to_vec(),
+            });
+        }
         let y = match self.fused_dropout() {
             Some(mask) => self.forward_flash(&qkv, dims, mask)?,
             None => self.forward_dense(&qkv, dims)?,

@@ -2,14 +2,15 @@
 //! public API: a module whose `attn_dropout` child is wrapped (so it is no longer the plain
 //! `Dropout`) takes the path that builds the `[B, H, T, T]` weights, and is the reference for
 //! the output, the input gradient and every parameter gradient. Also finite differences
-//! across several tiles, and the peak tensor memory of forward + backward.
+//! across several tiles, the peak tensor memory of forward + backward, and a typed error for
+//! a replaced projection of the wrong width.
 
 mod common;
 
 use common::{check_module, random};
 use hypershard_nn::{
-    CausalSelfAttention, CausalSelfAttentionConfig, Module, ParamVisitor, ParamVisitorMut, Result,
-    replace_module, with_num_threads, zero_grad,
+    CausalSelfAttention, CausalSelfAttentionConfig, Error, Linear, LinearConfig, Module,
+    ParamVisitor, ParamVisitorMut, Result, replace_module, with_num_threads, zero_grad,
 };
 use hypershard_tensor::DType;
 use hypershard_tensor::Tensor;
@@ -192,5 +193,34 @@ fn peak_memory_stays_far_below_the_weights_of_every_head() {
     assert!(
         tiled_peak < weights_bytes / 4,
         "tiled peak {tiled_peak} (dense {dense_peak}) vs weights {weights_bytes}"
+    );
+}
+
+#[test]
+fn a_replaced_projection_of_the_wrong_width_is_a_typed_error() {
+    // invariant: valid configs.
+    let mut attn = CausalSelfAttention::new(config(8, 2, 0.0, DType::F32)).expect("attention");
+    attn.visit_children_mut(&mut |name, child| {
+        if name == "c_attn" {
+            replace_module(child, |_| {
+                Ok(Box::new(Linear::new(LinearConfig {
+                    in_features: 8,
+                    out_features: 16,
+                    bias: false,
+                    dtype: DType::F32,
+                    seed: 1,
+                })?))
+            })?;
+        }
+        Ok(())
+    })
+    .expect("replace c_attn");
+    let x = random(&[1, 5, 8], DType::F32, 1);
+    let err = attn
+        .forward(&x)
+        .expect_err("c_attn gives [1, 5, 16], not [1, 5, 24]");
+    assert!(
+        matches!(&err, Error::ShapeMismatch { lhs, rhs, .. } if lhs == &[1, 5, 24] && rhs == &[1, 5, 16]),
+        "{err:?}"
     );
 }
