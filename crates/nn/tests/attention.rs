@@ -133,10 +133,12 @@ fn f32_and_f64_match_the_materialised_path() {
 fn half_precision_matches_the_materialised_path_to_its_rounding() {
     // Both paths compute in f32 and round the attention output and gradients to the dtype
     // at the same points; a last-bit difference in f32 can flip one rounding, so the bound
-    // is a few units of the dtype's last place (2⁻⁸ for bf16, 2⁻¹¹ for f16) times the
+    // is two units of the dtype's last place (2⁻⁸ for bf16, 2⁻¹¹ for f16) times the
     // values' magnitude, not 1e-5.
-    check_parity(DType::BF16, 0.0, 3e-2);
-    check_parity(DType::F16, 0.25, 4e-3);
+    for dropout in [0.0, 0.25] {
+        check_parity(DType::BF16, dropout, 8e-3);
+        check_parity(DType::F16, dropout, 1e-3);
+    }
 }
 
 #[test]
