@@ -20,12 +20,13 @@
 //! Extra memory beyond q, k, v and the output: the log-sum-exp (`B·H·T` values) kept for
 //! backward, and per running task a few `tile × tile` and `tile × D` scratch buffers.
 
+use hypershard_tensor::DType;
 use rayon::prelude::*;
 
 use super::Dims;
 use crate::Result;
 use crate::dropout::DropMask;
-use crate::kernels::{Float, add_assign};
+use crate::kernels::{Float, add_assign, small_gemm};
 use crate::linalg::{GemmShape, MatmulOptions, gemm_into};
 
 /// What the forward returns: the attention output `[B, T, C]` (heads side by side, before
@@ -75,8 +76,10 @@ fn mm_tn<F: Float>(
     c: &mut [F],
     scratch: &mut [F],
 ) -> Result<()> {
-    if m < crate::kernels::small_gemm::MAX_ROWS && crate::kernels::small_gemm::available() {
-        let at = &mut scratch[..m * k];
+    // Only f32 has the packing-free kernels; the transpose would be wasted on f64.
+    let small =
+        F::COMPUTE_DTYPE == DType::F32 && m < small_gemm::MAX_ROWS && small_gemm::available();
+    if let (true, Some(at), true) = (small, scratch.get_mut(..m * k), a.len() == m * k) {
         for (p, row) in a.chunks_exact(m).enumerate() {
             for (i, &x) in row.iter().enumerate() {
                 at[i * k + p] = x;
