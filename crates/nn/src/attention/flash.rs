@@ -77,8 +77,9 @@ fn mm_tn<F: Float>(
     scratch: &mut [F],
 ) -> Result<()> {
     // Only f32 has the packing-free kernels; the transpose would be wasted on f64.
-    let small =
-        F::COMPUTE_DTYPE == DType::F32 && m < small_gemm::MAX_ROWS && small_gemm::available();
+    let small = F::COMPUTE_DTYPE == DType::F32
+        && (1..small_gemm::MAX_ROWS).contains(&m)
+        && small_gemm::available();
     if let (true, Some(at), true) = (small, scratch.get_mut(..m * k), a.len() == m * k) {
         for (p, row) in a.chunks_exact(m).enumerate() {
             for (i, &x) in row.iter().enumerate() {
