@@ -18,7 +18,8 @@
 //! mask, as `dropout(softmax(s))` requires.
 //!
 //! Extra memory beyond q, k, v and the output: the log-sum-exp (`B·H·T` values) kept for
-//! backward, and per running task a few `tile × tile` and `tile × D` scratch buffers.
+//! backward, and per running task the head's gathered `[T, D]` operands (with block-wise
+//! transposed copies of k and v) and a few `tile × tile` and `tile × D` scratch buffers.
 
 use hypershard_tensor::DType;
 use rayon::prelude::*;
