@@ -107,9 +107,16 @@ fn main() -> std::result::Result<(), Box<dyn std::error::Error>> {
             projections(&mut c_attn, &mut c_proj)?;
             let (mut dense_ms, mut tiled_ms) = (Vec::new(), Vec::new());
             let (mut dense_attn, mut tiled_attn) = (Vec::new(), Vec::new());
-            for _ in 0..reps {
-                let d = step(&mut dense, &x, &g)?;
-                let t = step(&mut tiled, &x, &g)?;
+            for rep in 0..reps {
+                // Alternate which path goes first, so neither always runs on the caches and
+                // recycled buffers the other left behind.
+                let (d, t) = if rep % 2 == 0 {
+                    let d = step(&mut dense, &x, &g)?;
+                    (d, step(&mut tiled, &x, &g)?)
+                } else {
+                    let t = step(&mut tiled, &x, &g)?;
+                    (step(&mut dense, &x, &g)?, t)
+                };
                 let p = projections(&mut c_attn, &mut c_proj)?;
                 dense_ms.push(d);
                 tiled_ms.push(t);

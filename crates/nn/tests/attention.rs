@@ -156,7 +156,7 @@ fn evaluation_mode_skips_the_dropout_on_both_paths() {
 
 #[test]
 fn backward_across_tiles_matches_finite_differences() {
-    // T = 70 spans three 32-row tiles (the last a ragged 6-row one) in both directions.
+    // T = 70 spans two 64-row tiles (the second a ragged 6-row one) in both directions.
     // invariant: a valid config.
     let mut attn = CausalSelfAttention::new(config(4, 2, 0.0, DType::F64)).expect("attention");
     check_module(&mut attn, &[1, 70, 4], 61);
