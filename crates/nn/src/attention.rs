@@ -1,14 +1,27 @@
 //! Causal multi-head self-attention with nanoGPT's names: `c_attn` (the fused q, k, v
 //! projection) and `c_proj` (the output projection).
+//!
+//! The attention itself runs the tiled kernels of [`flash`], which keep only a log-sum-exp per
+//! row for backward; [`dense`] materialises the weights, for an `attn_dropout` child that a
+//! wrapper replaced (and as the tests' reference).
+
+mod dense;
+mod flash;
 
 use hypershard_tensor::{DType, Tensor};
-use rayon::prelude::*;
 
+use crate::dropout::DropMask;
 use crate::elementwise::check_float;
-use crate::kernels::{Float, load, store, with_float};
-use crate::linalg::{GemmShape, MatmulOptions, gemm};
+use crate::kernels::{Float, load, store, with_float, with_values};
 use crate::module::{ChildVisitorMut, ParamVisitor, ParamVisitorMut, join_name};
 use crate::{Dropout, Error, Linear, LinearConfig, Module, Result};
+
+/// The query and key block size of the tiled kernels. Every tile product runs on the
+/// packing-free f32 kernels (`kernels::small_gemm`) in pieces of 32 rows, which beat the
+/// packing GEMM at these sizes; with 64 the products' other side is 64 wide (a key block or
+/// a head of GPT-2's width), which those kernels handle best. At C = 768, H = 12,
+/// T = 64..512, forward + backward of the kernels alone measured 64 faster than 32 and 128.
+const TILE: usize = 64;
 
 /// How to build a [`CausalSelfAttention`].
 #[derive(Debug, Clone, Copy, PartialEq)]
@@ -34,8 +47,15 @@ pub struct CausalSelfAttentionConfig {
 ///
 /// The children are `c_attn` (`Linear(C, 3C)`), `c_proj` (`Linear(C, C)`), `attn_dropout`
 /// and `resid_dropout`, all called through [`Module`], so a wrapper can replace any of them.
-/// The attention itself runs one task per (batch, head) pair on rayon's threads; its scores
-/// never touch the masked upper triangle.
+///
+/// The attention runs one task per (batch, head) pair on rayon's threads, tiled over query
+/// and key blocks with an online softmax: blocks above the causal diagonal are skipped, the
+/// `[T, T]` weights are never stored, and backward recomputes them from the per-row
+/// log-sum-exp, so the extra memory is `O(B·H·T)` instead of `O(B·H·T²)`. While
+/// `attn_dropout` is the plain [`Dropout`] it was built as, its masks are drawn inside the
+/// kernel, element for element the ones its `forward` would have drawn; if a wrapper replaced
+/// it, the weights are materialised as a `[B, H, T, T]` tensor and passed through it as
+/// before.
 pub struct CausalSelfAttention {
     c_attn: Box<dyn Module>,
     c_proj: Box<dyn Module>,
@@ -55,15 +75,27 @@ impl std::fmt::Debug for CausalSelfAttention {
     }
 }
 
-/// What backward needs, in the compute type: the fused projection `[B, T, 3C]`, the attention
-/// weights before and after dropout `[B, H, T, T]` (one tensor when dropout is off), the
-/// sizes, and the dtype of the input.
-struct AttentionCache {
-    qkv: Tensor,
-    probs: Tensor,
-    dropped_probs: Tensor,
-    dims: Dims,
-    dtype: DType,
+/// What backward needs, in the compute type.
+enum AttentionCache {
+    /// The tiled path: the fused projection `[B, T, 3C]`, the attention output `[B, T, C]`
+    /// (before `c_proj`, unrounded), the per-row log-sum-exp `[B, H, T]` and the dropout mask.
+    Flash {
+        qkv: Tensor,
+        out: Tensor,
+        lse: Tensor,
+        mask: Option<DropMask>,
+        dims: Dims,
+        dtype: DType,
+    },
+    /// The materialised path: the fused projection and the weights before and after the
+    /// `attn_dropout` child `[B, H, T, T]` (one tensor when it is the identity).
+    Dense {
+        qkv: Tensor,
+        probs: Tensor,
+        dropped_probs: Tensor,
+        dims: Dims,
+        dtype: DType,
+    },
 }
 
 /// The sizes of one attention call.
@@ -105,175 +137,14 @@ impl Dims {
     }
 }
 
-/// `S = scale · q kᵀ` with a row-wise causal softmax: row `i` covers columns `0..=i`, the rest
-/// are exactly 0. One fused pass per row for the maximum, the exponentials and their sum.
-fn causal_softmax<F: Float>(scores: &mut [F], seq: usize, scale: F) {
-    if seq == 0 {
-        return;
+/// `t` as a contiguous tensor of the compute type `F`: `t` itself (shared storage) when it
+/// already is one, a converted copy otherwise.
+fn compute_tensor<F: Float>(t: &Tensor) -> Result<Tensor> {
+    if t.dtype() == F::COMPUTE_DTYPE && t.is_contiguous() {
+        Ok(t.clone())
+    } else {
+        Ok(Tensor::from_vec(load::<F>(t)?, t.shape())?)
     }
-    for (i, row) in scores.chunks_exact_mut(seq).enumerate() {
-        let (visible, masked) = row.split_at_mut(i + 1);
-        let max = visible
-            .iter()
-            .fold(visible[0] * scale, |m, &v| m.max(v * scale));
-        let mut sum = F::ZERO;
-        for v in visible.iter_mut() {
-            let e = (*v * scale - max).exp();
-            *v = e;
-            sum += e;
-        }
-        let inv = F::ONE / sum;
-        for v in visible.iter_mut() {
-            *v *= inv;
-        }
-        masked.fill(F::ZERO);
-    }
-}
-
-/// The gradient of the scores from the gradient of the softmax output, scaled:
-/// `dS = scale · P ⊙ (dP − rowsum(dP ⊙ P))` (zero on the masked triangle, where `P = 0`).
-fn softmax_backward<F: Float>(probs: &[F], grad_probs: &mut [F], seq: usize, scale: F) {
-    if seq == 0 {
-        return;
-    }
-    for (p_row, g_row) in probs
-        .chunks_exact(seq)
-        .zip(grad_probs.chunks_exact_mut(seq))
-    {
-        let dot: F = p_row.iter().zip(g_row.iter()).map(|(&p, &g)| p * g).sum();
-        for (g, &p) in g_row.iter_mut().zip(p_row) {
-            *g = scale * p * (*g - dot);
-        }
-    }
-}
-
-/// Which operands of a GEMM are transposed.
-fn options(transpose_a: bool, transpose_b: bool) -> MatmulOptions {
-    MatmulOptions {
-        transpose_a,
-        transpose_b,
-    }
-}
-
-/// The softmax weights `[B·H][T, T]` of every head.
-fn attention_probs<F: Float>(qkv: &[F], dims: Dims) -> Result<Vec<F>> {
-    let (t, d) = (dims.seq, dims.head_dim());
-    let scale = F::of(1.0 / (d as f64).sqrt());
-    let scores_shape = GemmShape::new(t, d, t, options(false, true))?;
-    let heads: Vec<Vec<F>> = (0..dims.batch * dims.n_head)
-        .into_par_iter()
-        .map(|bh| {
-            let (b, h) = (bh / dims.n_head, bh % dims.n_head);
-            let q = dims.gather_head(qkv, b, h, 0);
-            let k = dims.gather_head(qkv, b, h, 1);
-            let mut scores = gemm(&q, &k, scores_shape)?;
-            causal_softmax(&mut scores, t, scale);
-            Ok(scores)
-        })
-        .collect::<Result<_>>()?;
-    Ok(heads.concat())
-}
-
-/// `y = P v` for every head, assembled into `[B, T, C]`.
-fn attention_output<F: Float>(qkv: &[F], probs: &[F], dims: Dims) -> Result<Vec<F>> {
-    let (t, d) = (dims.seq, dims.head_dim());
-    let shape = GemmShape::new(t, t, d, MatmulOptions::default())?;
-    let heads: Vec<Vec<F>> = (0..dims.batch * dims.n_head)
-        .into_par_iter()
-        .map(|bh| {
-            let (b, h) = (bh / dims.n_head, bh % dims.n_head);
-            let v = dims.gather_head(qkv, b, h, 2);
-            gemm(&probs[bh * t * t..(bh + 1) * t * t], &v, shape)
-        })
-        .collect::<Result<_>>()?;
-    let mut y = vec![F::ZERO; dims.batch * t * dims.n_embd];
-    for (bh, head) in heads.iter().enumerate() {
-        let (b, h) = (bh / dims.n_head, bh % dims.n_head);
-        for (ti, src) in head.chunks_exact(d).enumerate() {
-            let start = (b * t + ti) * dims.n_embd + h * d;
-            y[start..start + d].copy_from_slice(src);
-        }
-    }
-    Ok(y)
-}
-
-/// Per head: `dP' = dy vᵀ` (the gradient of the weights after dropout) and `dv = P'ᵀ dy`.
-struct ValueGrads<F> {
-    grad_dropped_probs: Vec<F>,
-    grad_v: Vec<Vec<F>>,
-}
-
-fn value_backward<F: Float>(
-    qkv: &[F],
-    dropped_probs: &[F],
-    grad_y: &[F],
-    dims: Dims,
-) -> Result<ValueGrads<F>> {
-    let (t, d) = (dims.seq, dims.head_dim());
-    let dp_shape = GemmShape::new(t, d, t, options(false, true))?;
-    let dv_shape = GemmShape::new(t, t, d, options(true, false))?;
-    let per_head: Vec<(Vec<F>, Vec<F>)> = (0..dims.batch * dims.n_head)
-        .into_par_iter()
-        .map(|bh| {
-            let (b, h) = (bh / dims.n_head, bh % dims.n_head);
-            let v = dims.gather_head(qkv, b, h, 2);
-            let dy = dims.gather_output_head(grad_y, b, h);
-            let dp = gemm(&dy, &v, dp_shape)?;
-            let dv = gemm(&dropped_probs[bh * t * t..(bh + 1) * t * t], &dy, dv_shape)?;
-            Ok((dp, dv))
-        })
-        .collect::<Result<_>>()?;
-    let mut grad_dropped_probs = Vec::with_capacity(dropped_probs.len());
-    let mut grad_v = Vec::with_capacity(per_head.len());
-    for (dp, dv) in per_head {
-        grad_dropped_probs.extend_from_slice(&dp);
-        grad_v.push(dv);
-    }
-    Ok(ValueGrads {
-        grad_dropped_probs,
-        grad_v,
-    })
-}
-
-/// Per head: `dS` from `dP`, then `dq = dS k` and `dk = dSᵀ q`; assembles `dq, dk, dv` into the
-/// fused `[B, T, 3C]` gradient of `c_attn`'s output.
-fn query_key_backward<F: Float>(
-    qkv: &[F],
-    probs: &[F],
-    grad_probs: &[F],
-    grad_v: &[Vec<F>],
-    dims: Dims,
-) -> Result<Vec<F>> {
-    let (t, d) = (dims.seq, dims.head_dim());
-    let scale = F::of(1.0 / (d as f64).sqrt());
-    let dq_shape = GemmShape::new(t, t, d, MatmulOptions::default())?;
-    let dk_shape = GemmShape::new(t, t, d, options(true, false))?;
-    let per_head: Vec<(Vec<F>, Vec<F>)> = (0..dims.batch * dims.n_head)
-        .into_par_iter()
-        .map(|bh| {
-            let (b, h) = (bh / dims.n_head, bh % dims.n_head);
-            let q = dims.gather_head(qkv, b, h, 0);
-            let k = dims.gather_head(qkv, b, h, 1);
-            let range = bh * t * t..(bh + 1) * t * t;
-            let mut ds = grad_probs[range.clone()].to_vec();
-            softmax_backward(&probs[range], &mut ds, t, scale);
-            let dq = gemm(&ds, &k, dq_shape)?;
-            let dk = gemm(&ds, &q, dk_shape)?;
-            Ok((dq, dk))
-        })
-        .collect::<Result<_>>()?;
-    let row_len = 3 * dims.n_embd;
-    let mut grad_qkv = vec![F::ZERO; dims.batch * t * row_len];
-    for (bh, ((dq, dk), dv)) in per_head.iter().zip(grad_v).enumerate() {
-        let (b, h) = (bh / dims.n_head, bh % dims.n_head);
-        for (part, src) in [dq, dk, dv].into_iter().enumerate() {
-            for (ti, row) in src.chunks_exact(d).enumerate() {
-                let start = (b * t + ti) * row_len + part * dims.n_embd + h * d;
-                grad_qkv[start..start + d].copy_from_slice(row);
-            }
-        }
-    }
-    Ok(grad_qkv)
 }
 
 impl CausalSelfAttention {
@@ -322,6 +193,124 @@ impl CausalSelfAttention {
         self.n_head
     }
 
+    /// The mask for the weights when `attn_dropout` is the plain [`Dropout`] (`Some(None)` in
+    /// evaluation or with `p = 0`; drawing a mask advances the layer's call counter as its
+    /// `forward` would), or `None` when a wrapper replaced the child.
+    fn fused_dropout(&mut self) -> Option<Option<DropMask>> {
+        self.attn_dropout
+            .as_any_mut()
+            .and_then(|any| any.downcast_mut::<Dropout>())
+            .map(Dropout::draw_mask)
+    }
+
+    /// The tiled forward: returns the attention output `[B, T, C]` in `qkv`'s dtype.
+    fn forward_flash(
+        &mut self,
+        qkv: &Tensor,
+        dims: Dims,
+        mask: Option<DropMask>,
+    ) -> Result<Tensor> {
+        const OP: &str = "CausalSelfAttention::forward";
+        let dtype = qkv.dtype();
+        let y_shape = [dims.batch, dims.seq, dims.n_embd];
+        let lse_shape = [dims.batch, dims.n_head, dims.seq];
+        let (qkv, out, lse) = with_float!(OP, dtype, F => {
+            let qkv = compute_tensor::<F>(qkv)?;
+            let flash = with_values::<F, _>(&qkv, |values| {
+                flash::forward(values, dims, TILE, mask.as_ref())
+            })??;
+            (
+                qkv,
+                Tensor::from_vec(flash.y, &y_shape)?,
+                Tensor::from_vec(flash.lse, &lse_shape)?,
+            )
+        });
+        let y = if dtype == out.dtype() {
+            out.clone()
+        } else {
+            out.to_dtype(dtype)?
+        };
+        self.cache = Some(AttentionCache::Flash {
+            qkv,
+            out,
+            lse,
+            mask,
+            dims,
+            dtype,
+        });
+        Ok(y)
+    }
+
+    /// The materialised forward, through the `attn_dropout` child.
+    fn forward_dense(&mut self, qkv: &Tensor, dims: Dims) -> Result<Tensor> {
+        const OP: &str = "CausalSelfAttention::forward";
+        let dtype = qkv.dtype();
+        let probs_shape = [dims.batch, dims.n_head, dims.seq, dims.seq];
+        let (qkv_cached, probs) = with_float!(OP, dtype, F => {
+            let qkv_values = load::<F>(qkv)?;
+            let probs = dense::attention_probs(&qkv_values, dims)?;
+            (
+                Tensor::from_vec(qkv_values, qkv.shape())?,
+                Tensor::from_vec(probs, &probs_shape)?,
+            )
+        });
+        let dropped_probs = self.attn_dropout.forward(&probs)?;
+        let y = with_float!(OP, dtype, F => {
+            let y = dense::attention_output(
+                &load::<F>(&qkv_cached)?,
+                &load::<F>(&dropped_probs)?,
+                dims,
+            )?;
+            store(y, &[dims.batch, dims.seq, dims.n_embd], dtype)?
+        });
+        self.cache = Some(AttentionCache::Dense {
+            qkv: qkv_cached,
+            probs,
+            dropped_probs,
+            dims,
+            dtype,
+        });
+        Ok(y)
+    }
+
+    /// The materialised backward: the gradient of `c_attn`'s output.
+    fn backward_dense(
+        &mut self,
+        (qkv, probs, dropped_probs): (&Tensor, &Tensor, &Tensor),
+        grad_y: &Tensor,
+        dims: Dims,
+        dtype: DType,
+    ) -> Result<Tensor> {
+        const OP: &str = "CausalSelfAttention::backward";
+        let probs_shape = [dims.batch, dims.n_head, dims.seq, dims.seq];
+        let (grad_dropped, grad_v) = with_float!(OP, dtype, F => {
+            let grads = dense::value_backward(
+                &load::<F>(qkv)?,
+                &load::<F>(dropped_probs)?,
+                &load::<F>(grad_y)?,
+                dims,
+            )?;
+            let grad_v: Vec<Tensor> = grads
+                .grad_v
+                .into_iter()
+                .map(|dv| Tensor::from_vec(dv, &[dims.seq, dims.head_dim()]))
+                .collect::<std::result::Result<_, _>>()?;
+            (Tensor::from_vec(grads.grad_dropped_probs, &probs_shape)?, grad_v)
+        });
+        let grad_probs = self.attn_dropout.backward(&grad_dropped)?;
+        Ok(with_float!(OP, dtype, F => {
+            let grad_v = grad_v.iter().map(load::<F>).collect::<Result<Vec<_>>>()?;
+            let g = dense::query_key_backward(
+                &load::<F>(qkv)?,
+                &load::<F>(probs)?,
+                &load::<F>(&grad_probs)?,
+                &grad_v,
+                dims,
+            )?;
+            store(g, qkv.shape(), dtype)?
+        }))
+    }
+
     /// The sizes of an input `[B, T, C]`.
     fn dims(&self, op: &'static str, shape: &[usize]) -> Result<Dims> {
         match shape {
@@ -346,31 +335,21 @@ impl Module for CausalSelfAttention {
     }
 
     fn forward(&mut self, input: &Tensor) -> Result<Tensor> {
-        const OP: &str = "CausalSelfAttention::forward";
-        let dims = self.dims(OP, input.shape())?;
+        let dims = self.dims("CausalSelfAttention::forward", input.shape())?;
         let qkv = self.c_attn.forward(input)?;
-        let dtype = qkv.dtype();
-        let probs_shape = [dims.batch, dims.n_head, dims.seq, dims.seq];
-        let (qkv_cached, probs) = with_float!(OP, dtype, F => {
-            let qkv_values = load::<F>(&qkv)?;
-            let probs = attention_probs(&qkv_values, dims)?;
-            (
-                Tensor::from_vec(qkv_values, qkv.shape())?,
-                Tensor::from_vec(probs, &probs_shape)?,
-            )
-        });
-        let dropped_probs = self.attn_dropout.forward(&probs)?;
-        let y = with_float!(OP, dtype, F => {
-            let y = attention_output(&load::<F>(&qkv_cached)?, &load::<F>(&dropped_probs)?, dims)?;
-            store(y, input.shape(), dtype)?
-        });
-        self.cache = Some(AttentionCache {
-            qkv: qkv_cached,
-            probs,
-            dropped_probs,
-            dims,
-            dtype,
-        });
+        // A replaced `c_attn` could return another shape; the kernels index by `dims`.
+        let qkv_shape = [dims.batch, dims.seq, 3 * dims.n_embd];
+        if qkv.shape() != qkv_shape {
+            return Err(Error::ShapeMismatch {
+                op: "CausalSelfAttention::forward",
+                lhs: qkv_shape.to_vec(),
+                rhs: qkv.shape().to_vec(),
+            });
+        }
+        let y = match self.fused_dropout() {
+            Some(mask) => self.forward_flash(&qkv, dims, mask)?,
+            None => self.forward_dense(&qkv, dims)?,
+        };
         let out = self.c_proj.forward(&y)?;
         self.resid_dropout.forward(&out)
     }
@@ -380,7 +359,9 @@ impl Module for CausalSelfAttention {
         let cache = self.cache.take().ok_or(Error::BackwardBeforeForward {
             module: "CausalSelfAttention",
         })?;
-        let dims = cache.dims;
+        let dims = match &cache {
+            AttentionCache::Flash { dims, .. } | AttentionCache::Dense { dims, .. } => *dims,
+        };
         let grad_out = self.resid_dropout.backward(grad_output)?;
         let grad_y = self.c_proj.backward(&grad_out)?;
         if grad_y.shape() != [dims.batch, dims.seq, dims.n_embd] {
@@ -390,33 +371,36 @@ impl Module for CausalSelfAttention {
                 rhs: grad_y.shape().to_vec(),
             });
         }
-        let probs_shape = [dims.batch, dims.n_head, dims.seq, dims.seq];
-        let (grad_dropped, grad_v) = with_float!(OP, cache.dtype, F => {
-            let grads = value_backward(
-                &load::<F>(&cache.qkv)?,
-                &load::<F>(&cache.dropped_probs)?,
-                &load::<F>(&grad_y)?,
+        let grad_qkv = match cache {
+            AttentionCache::Flash {
+                qkv,
+                out,
+                lse,
+                mask,
                 dims,
-            )?;
-            let grad_v: Vec<Tensor> = grads
-                .grad_v
-                .into_iter()
-                .map(|dv| Tensor::from_vec(dv, &[dims.seq, dims.head_dim()]))
-                .collect::<std::result::Result<_, _>>()?;
-            (Tensor::from_vec(grads.grad_dropped_probs, &probs_shape)?, grad_v)
-        });
-        let grad_probs = self.attn_dropout.backward(&grad_dropped)?;
-        let grad_qkv = with_float!(OP, cache.dtype, F => {
-            let grad_v = grad_v.iter().map(load::<F>).collect::<Result<Vec<_>>>()?;
-            let g = query_key_backward(
-                &load::<F>(&cache.qkv)?,
-                &load::<F>(&cache.probs)?,
-                &load::<F>(&grad_probs)?,
-                &grad_v,
+                dtype,
+            } => with_float!(OP, dtype, F => {
+                // Copies of the `[B, T, C]` and `[B, H, T]` operands (no storage is borrowed
+                // twice at once); the largest, `qkv`, is read in place.
+                let dy = load::<F>(&grad_y)?;
+                let (o, row_lse) = (load::<F>(&out)?, load::<F>(&lse)?);
+                drop((out, lse));
+                let shape = qkv.shape().to_vec();
+                let g = with_values::<F, _>(&qkv, |qkv| {
+                    flash::backward((qkv, &o, &row_lse), &dy, dims, TILE, mask.as_ref())
+                })??;
+                // The cache goes before the gradient is stored, lowering the peak.
+                drop(qkv);
+                store(g, &shape, dtype)?
+            }),
+            AttentionCache::Dense {
+                qkv,
+                probs,
+                dropped_probs,
                 dims,
-            )?;
-            store(g, cache.qkv.shape(), cache.dtype)?
-        });
+                dtype,
+            } => self.backward_dense((&qkv, &probs, &dropped_probs), &grad_y, dims, dtype)?,
+        };
         self.c_attn.backward(&grad_qkv)
     }
 
@@ -442,25 +426,5 @@ impl Module for CausalSelfAttention {
         f("c_proj", &mut self.c_proj)?;
         f("attn_dropout", &mut self.attn_dropout)?;
         f("resid_dropout", &mut self.resid_dropout)
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn causal_softmax_rows_sum_to_one_and_mask_the_future() {
-        let mut scores: Vec<f64> = (0..9).map(f64::from).collect();
-        causal_softmax(&mut scores, 3, 1.0);
-        assert_eq!(scores[0], 1.0);
-        assert_eq!(&scores[1..3], &[0.0, 0.0]);
-        // Row 1 sees [3, 4]: softmax = [1, e] / (1 + e).
-        let e = 1f64.exp();
-        assert!((scores[3] - 1.0 / (1.0 + e)).abs() < 1e-15);
-        assert!((scores[4] - e / (1.0 + e)).abs() < 1e-15);
-        assert_eq!(scores[5], 0.0);
-        let last: f64 = scores[6..9].iter().sum();
-        assert!((last - 1.0).abs() < 1e-15);
     }
 }

@@ -51,6 +51,55 @@ impl Dropout {
     }
 }
 
+/// The mask of one training forward: element `i` is kept, scaled by `1/(1 − p)`, unless the
+/// counter-based uniform `(seed, i)` falls below `p`. Any element of the mask can be produced
+/// on its own, so a fused kernel (attention) can regenerate a tile of it where it needs it
+/// instead of materialising the whole mask.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub(crate) struct DropMask {
+    init: RandomInit,
+    p: f64,
+    keep_scale: f64,
+}
+
+impl DropMask {
+    /// The factor of element `index` (row-major over the tensor the mask covers): 0 or
+    /// `1/(1 − p)` (0 for every element when `p = 1`).
+    #[inline]
+    pub(crate) fn scale_at(&self, index: u64) -> f64 {
+        if self.init.value_at(index) < self.p {
+            0.0
+        } else {
+            self.keep_scale
+        }
+    }
+}
+
+impl Dropout {
+    /// The mask of the next training forward, advancing the call counter exactly as
+    /// [`Module::forward`] does; `None` (and no advance) in evaluation or when `p = 0`.
+    ///
+    /// Attention uses this to apply its weights' dropout inside its fused kernel, with the
+    /// masks this layer's own `forward` would have drawn.
+    pub(crate) fn draw_mask(&mut self) -> Option<DropMask> {
+        if !self.training || self.p == 0.0 {
+            return None;
+        }
+        let init = RandomInit::uniform(self.seed.wrapping_add(self.calls), 0.0, 1.0);
+        self.calls += 1;
+        let keep_scale = if self.p < 1.0 {
+            1.0 / (1.0 - self.p)
+        } else {
+            0.0
+        };
+        Some(DropMask {
+            init,
+            p: self.p,
+            keep_scale,
+        })
+    }
+}
+
 /// `x[i] · scales[i]` in the compute type of `x`'s dtype.
 fn scale_elements(op: &'static str, x: &Tensor, scales: &[f64]) -> Result<Tensor> {
     with_float!(op, x.dtype(), F => {
@@ -67,28 +116,15 @@ impl Module for Dropout {
 
     fn forward(&mut self, input: &Tensor) -> Result<Tensor> {
         check_float("Dropout::forward", input.dtype())?;
-        if !self.training || self.p == 0.0 {
+        let Some(mask) = self.draw_mask() else {
             self.mask = Some(MaskCache {
                 scales: None,
                 shape: input.shape().to_vec(),
             });
             return Ok(input.clone());
-        }
-        let init = RandomInit::uniform(self.seed.wrapping_add(self.calls), 0.0, 1.0);
-        self.calls += 1;
-        let keep_scale = if self.p < 1.0 {
-            1.0 / (1.0 - self.p)
-        } else {
-            0.0
         };
         let scales: Vec<f64> = (0..input.numel() as u64)
-            .map(|i| {
-                if init.value_at(i) < self.p {
-                    0.0
-                } else {
-                    keep_scale
-                }
-            })
+            .map(|i| mask.scale_at(i))
             .collect();
         let out = scale_elements("Dropout::forward", input, &scales)?;
         self.mask = Some(MaskCache {
@@ -137,6 +173,12 @@ impl Module for Dropout {
 
     fn visit_params_mut(&mut self, _prefix: &str, _f: &mut ParamVisitorMut<'_>) -> Result<()> {
         Ok(())
+    }
+
+    /// Attention finds its weights' dropout through this, to draw the mask inside its fused
+    /// kernel (see [`Dropout::draw_mask`]).
+    fn as_any_mut(&mut self) -> Option<&mut dyn std::any::Any> {
+        Some(self)
     }
 }
 

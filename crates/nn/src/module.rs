@@ -82,7 +82,8 @@ pub trait Module: Send {
 
     /// This module as `Any`, for wrappers that need to find their own kind among the children
     /// of a module (the outermost `fully_shard` unit discovers the nested units this way).
-    /// Plain layers keep the default, `None`.
+    /// Plain layers keep the default, `None`; `Dropout` offers itself, so attention can find
+    /// its weights' dropout and draw the mask inside its tiled kernel.
     fn as_any_mut(&mut self) -> Option<&mut dyn std::any::Any> {
         None
     }

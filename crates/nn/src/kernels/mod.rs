@@ -55,6 +55,9 @@ pub(crate) trait Float:
     fn tanh(self) -> Self;
     /// The square root.
     fn sqrt(self) -> Self;
+    /// The natural logarithm (the standard library's, for both types: attention takes one
+    /// per row, too few to be worth a vectorised version).
+    fn ln(self) -> Self;
     /// The larger of two values (NaN-ignoring, as `f32::max`).
     fn max(self, other: Self) -> Self;
 
@@ -134,6 +137,10 @@ impl Float for f32 {
         f32::sqrt(self)
     }
     #[inline]
+    fn ln(self) -> Self {
+        f32::ln(self)
+    }
+    #[inline]
     fn max(self, other: Self) -> Self {
         f32::max(self, other)
     }
@@ -204,6 +211,10 @@ impl Float for f64 {
     #[inline]
     fn sqrt(self) -> Self {
         f64::sqrt(self)
+    }
+    #[inline]
+    fn ln(self) -> Self {
+        f64::ln(self)
     }
     #[inline]
     fn max(self, other: Self) -> Self {

@@ -1,0 +1,615 @@
+//! Tiled causal attention with an online softmax (the flash-attention algorithm), which never
+//! holds a head's `[T, T]` weights.
+//!
+//! Forward, per (batch, head) and per block of `tile` query rows: walk the key blocks left of
+//! and on the diagonal (blocks wholly above it are skipped, not masked), and keep per row the
+//! running maximum `m`, the running sum `l` of `exp(s − m)` and the running output
+//! accumulator, rescaling both by `exp(m_old − m_new)` when the maximum grows. At the end the
+//! output row is the accumulator over `l` and the row's log-sum-exp `m + ln l` is kept.
+//!
+//! Backward recomputes each tile's weights from the log-sum-exp, `P = exp(scale·q kᵀ − lse)`,
+//! and forms `dS = scale · P ⊙ (dP − D)` with `D = rowsum(dO ⊙ O)` (which equals the softmax
+//! backward's `rowsum(P ⊙ dP)`, since `O = P' v` row by row). It walks key blocks outermost so
+//! each block's `dk` and `dv` accumulate in a small buffer, and adds into the head's `dq`.
+//!
+//! Dropout on the weights multiplies `P` by a mask drawn per element from the counter-based
+//! generator at the element's index in the `[B, H, T, T]` tensor the materialised path would
+//! have built, so both paths drop the same weights; the normaliser `l` is taken before the
+//! mask, as `dropout(softmax(s))` requires.
+//!
+//! Extra memory beyond q, k, v and the output: the log-sum-exp (`B·H·T` values) kept for
+//! backward, and per running task the head's gathered `[T, D]` operands (with block-wise
+//! transposed copies of k and v) and a few `tile × tile` and `tile × D` scratch buffers.
+
+use hypershard_tensor::DType;
+use rayon::prelude::*;
+
+use super::Dims;
+use crate::Result;
+use crate::dropout::DropMask;
+use crate::kernels::{Float, add_assign, small_gemm};
+use crate::linalg::{GemmShape, MatmulOptions, gemm_into};
+
+/// What the forward returns: the attention output `[B, T, C]` (heads side by side, before
+/// `c_proj`) and every row's log-sum-exp of its scaled scores, `[B, H, T]`.
+pub(super) struct FlashOutput<F> {
+    pub(super) y: Vec<F>,
+    pub(super) lse: Vec<F>,
+}
+
+/// The dropout of the weights of head `bh`: the mask and the index of the head's first weight
+/// in the `[B, H, T, T]` tensor it is drawn over.
+#[derive(Clone, Copy)]
+struct HeadMask<'a> {
+    mask: &'a DropMask,
+    first: u64,
+    seq: usize,
+}
+
+impl HeadMask<'_> {
+    /// Writes the factors of rows `r0 .. r0 + rows`, columns `c0 .. c0 + cols` into `out`
+    /// (`[rows, cols]`).
+    fn fill(&self, r0: usize, c0: usize, rows: usize, cols: usize, out: &mut [impl Float]) {
+        for (i, row) in out.chunks_exact_mut(cols).take(rows).enumerate() {
+            let start = self.first + ((r0 + i) * self.seq + c0) as u64;
+            for (j, m) in row.iter_mut().enumerate() {
+                *m = Float::of(self.mask.scale_at(start + j as u64));
+            }
+        }
+    }
+}
+
+/// `c[m, n] = a[m, k] · b[k, n]` by the packing-free kernel in pieces of [`SMALL_ROWS`] rows;
+/// returns whether it ran (f32 on a CPU with the kernels), else `c` is left to the caller.
+fn small_nn<F: Float>(a: &[F], b: &[F], (m, k, n): (usize, usize, usize), c: &mut [F]) -> bool {
+    let fits = m > 0 && k > 0 && n > 0 && a.len() == m * k && c.len() == m * n;
+    fits && a
+        .chunks(SMALL_ROWS * k)
+        .zip(c.chunks_mut(SMALL_ROWS * n))
+        .all(|(a_rows, c_rows)| F::small_gemm_nn(a_rows, b, a_rows.len() / k, k, n, c_rows))
+}
+
+/// Row pieces of the packing-free kernel, which takes fewer than 64 rows.
+const SMALL_ROWS: usize = 32;
+
+/// `c[m, n] = a[m, k] · b[k, n]`, by the packing-free kernel when it takes the shape.
+fn mm_nn<F: Float>(a: &[F], b: &[F], (m, k, n): (usize, usize, usize), c: &mut [F]) -> Result<()> {
+    if small_nn(a, b, (m, k, n), c) {
+        return Ok(());
+    }
+    gemm_into(a, b, GemmShape::new(m, k, n, MatmulOptions::default())?, c)
+}
+
+/// `c[m, n] = a[k, m]ᵀ · b[k, n]`: `a` is transposed into `scratch` (at least `m · k` long)
+/// so the packing-free kernel can take the product; the general GEMM reads `a` transposed
+/// in place when it does not.
+fn mm_tn<F: Float>(
+    a: &[F],
+    b: &[F],
+    (m, k, n): (usize, usize, usize),
+    c: &mut [F],
+    scratch: &mut [F],
+) -> Result<()> {
+    // Only f32 has the packing-free kernels; the transpose would be wasted on f64.
+    let small = F::COMPUTE_DTYPE == DType::F32 && m > 0 && small_gemm::available();
+    if let (true, Some(at), true) = (small, scratch.get_mut(..m * k), a.len() == m * k) {
+        for (p, row) in a.chunks_exact(m).enumerate() {
+            for (i, &x) in row.iter().enumerate() {
+                at[i * k + p] = x;
+            }
+        }
+        if small_nn(at, b, (m, k, n), c) {
+            return Ok(());
+        }
+    }
+    let options = MatmulOptions {
+        transpose_a: true,
+        transpose_b: false,
+    };
+    gemm_into(a, b, GemmShape::new(m, k, n, options)?, c)
+}
+
+/// `x` `[T, D]` with each block of `tile` rows transposed in place of itself: block
+/// `c0 .. c0 + cols` becomes the `[D, cols]` matrix at the same offset `c0 · D`. The tiles'
+/// products `a · blockᵀ` then run as `a · (transposed block)` on the kernels without
+/// transposes: the packing-free `a · bᵀ` kernel reduces each output across a vector, which
+/// costs as much as its multiply-adds when `D` is a head width.
+fn transpose_blocks<F: Float>(x: &[F], seq: usize, d: usize, tile: usize) -> Vec<F> {
+    let mut out = vec![F::ZERO; x.len()];
+    for c0 in (0..seq).step_by(tile) {
+        let cols = tile.min(seq - c0);
+        let (src, dst) = (
+            &x[c0 * d..(c0 + cols) * d],
+            &mut out[c0 * d..(c0 + cols) * d],
+        );
+        for (j, row) in src.chunks_exact(d).enumerate() {
+            for (p, &value) in row.iter().enumerate() {
+                dst[p * cols + j] = value;
+            }
+        }
+    }
+    out
+}
+
+/// The number of columns of key block `c0 .. c0 + cols` that row `row` sees (`col ≤ row`).
+/// Key blocks start at or left of the query block's first row, so this is at least 1.
+fn visible(row: usize, c0: usize, cols: usize) -> usize {
+    cols.min(row + 1 - c0)
+}
+
+/// Scratch buffers of one running head task.
+struct ForwardScratch<F> {
+    scores: Vec<F>,
+    mask: Vec<F>,
+    pv: Vec<F>,
+    acc: Vec<F>,
+    row_max: Vec<F>,
+    row_sum: Vec<F>,
+}
+
+/// One head's forward: `o[T, D]` and `lse[T]` from `q, k, v` `[T, D]`.
+fn forward_head<F: Float>(
+    (q, k, v): (&[F], &[F], &[F]),
+    (seq, d, tile): (usize, usize, usize),
+    mask: Option<HeadMask<'_>>,
+    o: &mut [F],
+    lse: &mut [F],
+) -> Result<()> {
+    let scale = F::of(1.0 / (d as f64).sqrt());
+    let neg_inf = F::of(f64::NEG_INFINITY);
+    let k_t = transpose_blocks(k, seq, d, tile);
+    let mut s = ForwardScratch {
+        scores: vec![F::ZERO; tile * tile],
+        mask: vec![F::ZERO; if mask.is_some() { tile * tile } else { 0 }],
+        pv: vec![F::ZERO; tile * d],
+        acc: vec![F::ZERO; tile * d],
+        row_max: vec![F::ZERO; tile],
+        row_sum: vec![F::ZERO; tile],
+    };
+    for r0 in (0..seq).step_by(tile) {
+        let rows = tile.min(seq - r0);
+        let acc = &mut s.acc[..rows * d];
+        acc.fill(F::ZERO);
+        s.row_max[..rows].fill(neg_inf);
+        s.row_sum[..rows].fill(F::ZERO);
+        let q_block = &q[r0 * d..(r0 + rows) * d];
+        // Key blocks right of `r0` lie wholly above the diagonal: never visited.
+        for c0 in (0..=r0).step_by(tile) {
+            let cols = tile.min(seq - c0);
+            let scores = &mut s.scores[..rows * cols];
+            mm_nn(
+                q_block,
+                &k_t[c0 * d..(c0 + cols) * d],
+                (rows, d, cols),
+                scores,
+            )?;
+            if let Some(m) = &mask {
+                m.fill(r0, c0, rows, cols, &mut s.mask[..rows * cols]);
+            }
+            for i in 0..rows {
+                let seen = visible(r0 + i, c0, cols);
+                let row = &mut scores[i * cols..(i + 1) * cols];
+                let (vis, hidden) = row.split_at_mut(seen);
+                let block_max = vis
+                    .iter()
+                    .fold(vis[0] * scale, |acc, &x| acc.max(x * scale));
+                let new_max = s.row_max[i].max(block_max);
+                // exp(−∞) = 0 on a row's first block: nothing accumulated yet to rescale.
+                let correction = (s.row_max[i] - new_max).exp();
+                let mut sum = F::ZERO;
+                for x in vis.iter_mut() {
+                    let e = (*x * scale - new_max).exp();
+                    *x = e;
+                    sum += e;
+                }
+                hidden.fill(F::ZERO);
+                s.row_sum[i] = s.row_sum[i] * correction + sum;
+                s.row_max[i] = new_max;
+                if correction != F::ONE {
+                    for a in &mut acc[i * d..(i + 1) * d] {
+                        *a *= correction;
+                    }
+                }
+                if mask.is_some() {
+                    for (x, &f) in vis.iter_mut().zip(&s.mask[i * cols..i * cols + seen]) {
+                        *x *= f;
+                    }
+                }
+            }
+            let pv = &mut s.pv[..rows * d];
+            mm_nn(scores, &v[c0 * d..(c0 + cols) * d], (rows, cols, d), pv)?;
+            add_assign(acc, pv);
+        }
+        for i in 0..rows {
+            let inv = F::ONE / s.row_sum[i];
+            let out = &mut o[(r0 + i) * d..(r0 + i + 1) * d];
+            for (dst, &a) in out.iter_mut().zip(&acc[i * d..(i + 1) * d]) {
+                *dst = a * inv;
+            }
+            lse[r0 + i] = s.row_max[i] + s.row_sum[i].ln();
+        }
+    }
+    Ok(())
+}
+
+/// The forward of every head: `y` `[B, T, C]` and the log-sum-exp `[B, H, T]` from the fused
+/// projection `qkv` `[B, T, 3C]`, in blocks of `tile` rows and columns.
+pub(super) fn forward<F: Float>(
+    qkv: &[F],
+    dims: Dims,
+    tile: usize,
+    mask: Option<&DropMask>,
+) -> Result<FlashOutput<F>> {
+    let (t, d, tile) = (dims.seq, dims.head_dim(), tile.max(1));
+    let heads: Vec<(Vec<F>, Vec<F>)> = (0..dims.batch * dims.n_head)
+        .into_par_iter()
+        .map(|bh| {
+            let (b, h) = (bh / dims.n_head, bh % dims.n_head);
+            let q = dims.gather_head(qkv, b, h, 0);
+            let k = dims.gather_head(qkv, b, h, 1);
+            let v = dims.gather_head(qkv, b, h, 2);
+            let head_mask = mask.map(|mask| HeadMask {
+                mask,
+                first: (bh * t * t) as u64,
+                seq: t,
+            });
+            let mut o = vec![F::ZERO; t * d];
+            let mut lse = vec![F::ZERO; t];
+            forward_head((&q, &k, &v), (t, d, tile), head_mask, &mut o, &mut lse)?;
+            Ok((o, lse))
+        })
+        .collect::<Result<_>>()?;
+    let mut y = vec![F::ZERO; dims.batch * t * dims.n_embd];
+    let mut lse = Vec::with_capacity(dims.batch * dims.n_head * t);
+    for (bh, (o, head_lse)) in heads.iter().enumerate() {
+        let (b, h) = (bh / dims.n_head, bh % dims.n_head);
+        for (ti, src) in o.chunks_exact(d).enumerate() {
+            let start = (b * t + ti) * dims.n_embd + h * d;
+            y[start..start + d].copy_from_slice(src);
+        }
+        lse.extend_from_slice(head_lse);
+    }
+    Ok(FlashOutput { y, lse })
+}
+
+/// Scratch buffers of one running head task in backward.
+struct BackwardScratch<F> {
+    probs: Vec<F>,
+    dropped: Vec<F>,
+    mask: Vec<F>,
+    grad: Vec<F>,
+    tmp: Vec<F>,
+    transposed: Vec<F>,
+    dk: Vec<F>,
+    dv: Vec<F>,
+}
+
+/// One head's operands in backward, each `[T, D]` except the log-sum-exp `[T]`.
+struct HeadOperands<'a, F> {
+    q: &'a [F],
+    k: &'a [F],
+    v: &'a [F],
+    o: &'a [F],
+    dout: &'a [F],
+    lse: &'a [F],
+}
+
+/// One head's backward: `dq, dk, dv` `[T, D]` from `q, k, v`, the output `o` and its gradient
+/// `dout`, and the forward's log-sum-exp.
+fn backward_head<F: Float>(
+    head: &HeadOperands<'_, F>,
+    (seq, d, tile): (usize, usize, usize),
+    mask: Option<HeadMask<'_>>,
+    (dq, dk, dv): (&mut [F], &mut [F], &mut [F]),
+) -> Result<()> {
+    let HeadOperands {
+        q,
+        k,
+        v,
+        o,
+        dout,
+        lse,
+    } = *head;
+    let scale = F::of(1.0 / (d as f64).sqrt());
+    let delta: Vec<F> = dout
+        .chunks_exact(d)
+        .zip(o.chunks_exact(d))
+        .map(|(g, y)| g.iter().zip(y).map(|(&a, &b)| a * b).sum())
+        .collect();
+    let (k_t, v_t) = (
+        transpose_blocks(k, seq, d, tile),
+        transpose_blocks(v, seq, d, tile),
+    );
+    let masked_len = if mask.is_some() { tile * tile } else { 0 };
+    let mut s = BackwardScratch {
+        probs: vec![F::ZERO; tile * tile],
+        dropped: vec![F::ZERO; masked_len],
+        mask: vec![F::ZERO; masked_len],
+        grad: vec![F::ZERO; tile * tile],
+        tmp: vec![F::ZERO; tile * d],
+        transposed: vec![F::ZERO; tile * tile],
+        dk: vec![F::ZERO; tile * d],
+        dv: vec![F::ZERO; tile * d],
+    };
+    dq.fill(F::ZERO);
+    for c0 in (0..seq).step_by(tile) {
+        let cols = tile.min(seq - c0);
+        let k_block = &k[c0 * d..(c0 + cols) * d];
+        let (k_t_block, v_t_block) = (&k_t[c0 * d..(c0 + cols) * d], &v_t[c0 * d..(c0 + cols) * d]);
+        let dk_block = &mut s.dk[..cols * d];
+        let dv_block = &mut s.dv[..cols * d];
+        dk_block.fill(F::ZERO);
+        dv_block.fill(F::ZERO);
+        // Query blocks above `c0` see none of these keys: never visited.
+        for r0 in (c0..seq).step_by(tile) {
+            let rows = tile.min(seq - r0);
+            let n = rows * cols;
+            let q_block = &q[r0 * d..(r0 + rows) * d];
+            let dout_block = &dout[r0 * d..(r0 + rows) * d];
+            let probs = &mut s.probs[..n];
+            mm_nn(q_block, k_t_block, (rows, d, cols), probs)?;
+            for i in 0..rows {
+                let row = r0 + i;
+                let seen = visible(row, c0, cols);
+                let (vis, hidden) = probs[i * cols..(i + 1) * cols].split_at_mut(seen);
+                for x in vis.iter_mut() {
+                    *x = (*x * scale - lse[row]).exp();
+                }
+                hidden.fill(F::ZERO);
+            }
+            // The weights after dropout, `P' = P ⊙ M`, feed `dv`; `dP = dP' ⊙ M` below.
+            let dropped: &[F] = if let Some(m) = &mask {
+                let factors = &mut s.mask[..n];
+                m.fill(r0, c0, rows, cols, factors);
+                let dropped = &mut s.dropped[..n];
+                for ((x, &p), &f) in dropped.iter_mut().zip(probs.iter()).zip(factors.iter()) {
+                    *x = p * f;
+                }
+                dropped
+            } else {
+                probs
+            };
+            let tmp = &mut s.tmp[..cols * d];
+            mm_tn(dropped, dout_block, (cols, rows, d), tmp, &mut s.transposed)?;
+            add_assign(dv_block, tmp);
+            let grad = &mut s.grad[..n];
+            mm_nn(dout_block, v_t_block, (rows, d, cols), grad)?;
+            if mask.is_some() {
+                for (g, &f) in grad.iter_mut().zip(s.mask[..n].iter()) {
+                    *g *= f;
+                }
+            }
+            // dS = scale · P ⊙ (dP − D); zero where P is (the masked triangle).
+            for i in 0..rows {
+                let dl = delta[r0 + i];
+                let p_row = &s.probs[i * cols..(i + 1) * cols];
+                for (g, &p) in grad[i * cols..(i + 1) * cols].iter_mut().zip(p_row) {
+                    *g = scale * p * (*g - dl);
+                }
+            }
+            let tmp = &mut s.tmp[..rows * d];
+            mm_nn(grad, k_block, (rows, cols, d), tmp)?;
+            add_assign(&mut dq[r0 * d..(r0 + rows) * d], tmp);
+            let tmp = &mut s.tmp[..cols * d];
+            mm_tn(grad, q_block, (cols, rows, d), tmp, &mut s.transposed)?;
+            add_assign(dk_block, tmp);
+        }
+        dk[c0 * d..(c0 + cols) * d].copy_from_slice(dk_block);
+        dv[c0 * d..(c0 + cols) * d].copy_from_slice(dv_block);
+    }
+    Ok(())
+}
+
+/// The backward of every head: the gradient of the fused projection `[B, T, 3C]` from `qkv`,
+/// the forward's output `y` `[B, T, C]` and log-sum-exp `[B, H, T]`, and the gradient of `y`.
+pub(super) fn backward<F: Float>(
+    (qkv, y, lse): (&[F], &[F], &[F]),
+    grad_y: &[F],
+    dims: Dims,
+    tile: usize,
+    mask: Option<&DropMask>,
+) -> Result<Vec<F>> {
+    let (t, d, tile) = (dims.seq, dims.head_dim(), tile.max(1));
+    let per_head: Vec<[Vec<F>; 3]> = (0..dims.batch * dims.n_head)
+        .into_par_iter()
+        .map(|bh| {
+            let (b, h) = (bh / dims.n_head, bh % dims.n_head);
+            let q = dims.gather_head(qkv, b, h, 0);
+            let k = dims.gather_head(qkv, b, h, 1);
+            let v = dims.gather_head(qkv, b, h, 2);
+            let o = dims.gather_output_head(y, b, h);
+            let dout = dims.gather_output_head(grad_y, b, h);
+            let head_mask = mask.map(|mask| HeadMask {
+                mask,
+                first: (bh * t * t) as u64,
+                seq: t,
+            });
+            let mut grads = [
+                vec![F::ZERO; t * d],
+                vec![F::ZERO; t * d],
+                vec![F::ZERO; t * d],
+            ];
+            let [dq, dk, dv] = &mut grads;
+            let head = HeadOperands {
+                q: &q,
+                k: &k,
+                v: &v,
+                o: &o,
+                dout: &dout,
+                lse: &lse[bh * t..(bh + 1) * t],
+            };
+            backward_head(&head, (t, d, tile), head_mask, (dq, dk, dv))?;
+            Ok(grads)
+        })
+        .collect::<Result<_>>()?;
+    let row_len = 3 * dims.n_embd;
+    let mut grad_qkv = vec![F::ZERO; dims.batch * t * row_len];
+    for (bh, grads) in per_head.iter().enumerate() {
+        let (b, h) = (bh / dims.n_head, bh % dims.n_head);
+        for (part, src) in grads.iter().enumerate() {
+            for (ti, row) in src.chunks_exact(d).enumerate() {
+                let start = (b * t + ti) * row_len + part * dims.n_embd + h * d;
+                grad_qkv[start..start + d].copy_from_slice(row);
+            }
+        }
+    }
+    Ok(grad_qkv)
+}
+
+#[cfg(test)]
+mod tests {
+    use hypershard_tensor::{RandomInit, Tensor};
+
+    use super::super::{TILE, dense};
+    use super::*;
+    use crate::Dropout;
+
+    fn random<F: Float>(len: usize, seed: u64) -> Vec<F> {
+        // invariant: a 1-D float tensor of a small length.
+        Tensor::random(
+            &[len],
+            F::COMPUTE_DTYPE,
+            RandomInit::uniform(seed, -2.0, 2.0),
+        )
+        .and_then(|t| t.to_vec::<F>())
+        .expect("random")
+    }
+
+    fn dims(batch: usize, seq: usize, n_embd: usize, n_head: usize) -> Dims {
+        Dims {
+            batch,
+            seq,
+            n_embd,
+            n_head,
+        }
+    }
+
+    /// The materialised path on slices, with the mask applied to the weights and to their
+    /// gradient as the `attn_dropout` child would: `(y, grad_qkv)`.
+    fn reference<F: Float>(
+        qkv: &[F],
+        grad_y: &[F],
+        dims: Dims,
+        mask: Option<&DropMask>,
+    ) -> (Vec<F>, Vec<F>) {
+        let apply = |values: &[F]| -> Vec<F> {
+            match mask {
+                None => values.to_vec(),
+                Some(m) => (0..values.len())
+                    .map(|i| values[i] * F::of(m.scale_at(i as u64)))
+                    .collect(),
+            }
+        };
+        // invariant: the slices match `dims` by construction.
+        let probs = dense::attention_probs(qkv, dims).expect("probs");
+        let dropped = apply(&probs);
+        let y = dense::attention_output(qkv, &dropped, dims).expect("output");
+        let grads = dense::value_backward(qkv, &dropped, grad_y, dims).expect("dv");
+        let grad_probs = apply(&grads.grad_dropped_probs);
+        let g = dense::query_key_backward(qkv, &probs, &grad_probs, &grads.grad_v, dims)
+            .expect("dq dk");
+        (y, g)
+    }
+
+    /// `max |got − want| ≤ tol · max(max |want|, 1)`, naming `what` on failure: relative to
+    /// the gradient's scale, with the inputs' scale (1) as the floor for gradients that are
+    /// zero up to rounding (`dq` and `dk` at `T = 1`, where the softmax is constant).
+    fn assert_close<F: Float>(got: &[F], want: &[F], tol: f64, what: &str) {
+        assert_eq!(got.len(), want.len(), "{what}: lengths");
+        let scale = want.iter().fold(0f64, |m, x| m.max(x.as_f64().abs()));
+        let err = got
+            .iter()
+            .zip(want)
+            .fold(0f64, |m, (g, w)| m.max((g.as_f64() - w.as_f64()).abs()));
+        assert!(
+            err <= tol * scale.max(1.0),
+            "{what}: max error {err} vs scale {scale}"
+        );
+    }
+
+    /// Splits a `[B, T, 3C]` gradient into its q, k and v columns.
+    fn split<F: Float>(g: &[F], n_embd: usize) -> [Vec<F>; 3] {
+        let mut parts = [Vec::new(), Vec::new(), Vec::new()];
+        for row in g.chunks_exact(3 * n_embd) {
+            for (part, cols) in parts.iter_mut().zip(row.chunks_exact(n_embd)) {
+                part.extend_from_slice(cols);
+            }
+        }
+        parts
+    }
+
+    fn check<F: Float>(dims: Dims, tile: usize, mask: Option<&DropMask>, tol: f64) {
+        let what = format!("T={} tile={tile} mask={}", dims.seq, mask.is_some());
+        let qkv = random::<F>(dims.batch * dims.seq * 3 * dims.n_embd, 1 + dims.seq as u64);
+        let grad_y = random::<F>(dims.batch * dims.seq * dims.n_embd, 99);
+        let (y_ref, g_ref) = reference(&qkv, &grad_y, dims, mask);
+        // invariant: the slices match `dims` by construction.
+        let out = forward(&qkv, dims, tile, mask).expect("forward");
+        assert_close(&out.y, &y_ref, tol, &format!("{what} y"));
+        let g = backward((&qkv, &out.y, &out.lse), &grad_y, dims, tile, mask).expect("backward");
+        let names = ["dq", "dk", "dv"];
+        for ((got, want), name) in split(&g, dims.n_embd)
+            .iter()
+            .zip(&split(&g_ref, dims.n_embd))
+            .zip(names)
+        {
+            assert_close(got, want, tol, &format!("{what} {name}"));
+        }
+    }
+
+    #[test]
+    fn tiled_forward_and_gradients_match_the_materialised_path() {
+        // T = 1, 7, 64, 130 at the module's tile (130 ends in a ragged 2-row block) and other
+        // tiles, so many blocks, ragged edges and the diagonal blocks are all covered.
+        for seq in [1, 7, 64, 130] {
+            check::<f32>(dims(2, seq, 128, 2), TILE, None, 1e-5);
+            check::<f64>(dims(2, seq, 128, 2), TILE, None, 1e-12);
+        }
+        for (seq, tile) in [(7, 2), (7, 3), (37, 8), (64, 16), (130, 32), (200, 48)] {
+            check::<f32>(dims(1, seq, 12, 3), tile, None, 1e-5);
+            check::<f64>(dims(1, seq, 12, 3), tile, None, 1e-12);
+        }
+    }
+
+    #[test]
+    fn tiled_dropout_matches_the_materialised_path_with_the_same_mask() {
+        let mut dropout = Dropout::new(0.3, 5).expect("dropout");
+        for (seq, tile) in [(1, TILE), (7, 3), (70, TILE), (130, 16)] {
+            // invariant: training with p > 0 draws a mask.
+            let mask = dropout.draw_mask().expect("mask");
+            check::<f32>(dims(2, seq, 12, 2), tile, Some(&mask), 1e-5);
+            check::<f64>(dims(2, seq, 12, 2), tile, Some(&mask), 1e-12);
+        }
+    }
+
+    #[test]
+    fn log_sum_exp_matches_its_definition() {
+        let d = dims(1, 9, 8, 2);
+        let qkv = random::<f64>(9 * 24, 3);
+        let out = forward(&qkv, d, 4, None).expect("forward");
+        let scale = 1.0 / 2.0; // head width 4
+        for h in 0..2 {
+            let q = d.gather_head(&qkv, 0, h, 0);
+            let k = d.gather_head(&qkv, 0, h, 1);
+            for i in 0..9 {
+                let sum: f64 = (0..=i)
+                    .map(|j| {
+                        let s: f64 = (0..4).map(|c| q[i * 4 + c] * k[j * 4 + c]).sum();
+                        (s * scale).exp()
+                    })
+                    .sum();
+                let got = out.lse[h * 9 + i];
+                assert!((got - sum.ln()).abs() < 1e-13, "head {h} row {i}: {got}");
+            }
+        }
+    }
+
+    #[test]
+    fn a_zero_length_sequence_gives_empty_outputs() {
+        let d = dims(2, 0, 8, 2);
+        let out = forward::<f32>(&[], d, TILE, None).expect("forward");
+        assert!(out.y.is_empty() && out.lse.is_empty());
+        let g = backward::<f32>((&[], &[], &[]), &[], d, TILE, None).expect("backward");
+        assert!(g.is_empty());
+    }
+}
