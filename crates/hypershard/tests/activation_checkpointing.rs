@@ -13,23 +13,6 @@ fn scratch() -> PathBuf {
     dir
 }
 
-/// A size the summary prints (`797.0 KiB`), in bytes.
-fn parse_bytes(text: &str) -> f64 {
-    let mut parts = text.split_whitespace();
-    let value: f64 = parts
-        .next()
-        .and_then(|v| v.parse().ok())
-        .unwrap_or_else(|| panic!("no size in {text:?}"));
-    let scale = match parts.next() {
-        Some("B") => 1.0,
-        Some("KiB") => 1024.0,
-        Some("MiB") => 1024.0 * 1024.0,
-        Some("GiB") => 1024.0 * 1024.0 * 1024.0,
-        other => panic!("unknown unit {other:?} in {text:?}"),
-    };
-    value * scale
-}
-
 /// What one run reports: the per-step losses' bits, the summary's line of bytes communicated
 /// per step, and rank 0's peak tensor memory.
 #[derive(Debug)]
@@ -85,11 +68,18 @@ fn train(model: &Path, out: &Path, extra: &[&str]) -> Report {
             .trim()
             .to_string()
     };
-    let peak = line("peak memory");
+    // Rank 0's tensor-storage peak, from the summary rank 0 writes.
+    let summary: serde_json::Value = serde_json::from_str(
+        &std::fs::read_to_string(out.join("summary.json")).expect("summary.json"),
+    )
+    .expect("summary is JSON");
+    let peak_bytes = summary["memory"][0]["tracker_peak_bytes"]
+        .as_f64()
+        .expect("rank 0's tracker peak");
     Report {
         losses,
         comm: line("comm"),
-        peak_bytes: parse_bytes(peak.split(',').next().unwrap_or_default()),
+        peak_bytes,
     }
 }
 
