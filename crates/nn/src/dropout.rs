@@ -176,7 +176,7 @@ impl Module for Dropout {
     }
 
     /// Attention finds its weights' dropout through this, to draw the mask inside its fused
-    /// kernel (see [`Dropout::draw_mask`]).
+    /// kernel (see `Dropout::draw_mask`).
     fn as_any_mut(&mut self) -> Option<&mut dyn std::any::Any> {
         Some(self)
     }

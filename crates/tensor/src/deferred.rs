@@ -6,7 +6,7 @@
 //! storage is [`Storage::Deferred`](crate::Storage::Deferred), which carries the byte length and
 //! the recipe ([`Fill`]) the factory would have used. Shapes, dtypes, views and parameter
 //! counts work as usual; any kernel that reads or writes the data is
-//! [`Error::Deferred`](crate::Error::Deferred) naming the kernel.
+//! [`Error::Deferred`] naming the kernel.
 //!
 //! The recipe makes sharded materialisation exact: [`Tensor::materialize_block`] builds any
 //! block of the tensor alone, and because the random generator is counter-based (see
