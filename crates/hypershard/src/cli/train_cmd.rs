@@ -13,7 +13,7 @@ use hypershard::data::{DataOrder, Tokenizer, TokenizerKind, default_corpus_path,
 use hypershard::launch::{LaunchConfig, launch};
 use hypershard::tensor::DType;
 use hypershard::train::{
-    LrSchedule, MeshSpec, ModelShape, OptimConfig, TrainConfig, checkpoint_root, print_summary,
+    HF_CONFIG_FILE, HF_WEIGHTS_FILE, HfGpt2Config, LrSchedule, MeshSpec, ModelShape, OptimConfig, TrainConfig, checkpoint_root, print_summary,
     run_rank,
 };
 use hypershard::{Error, collectives};
@@ -62,9 +62,10 @@ pub struct TrainArgs {
     /// Data-parallel mesh: N (FSDP over N ranks) or RxS (HSDP: R replicas of S-way shards).
     #[arg(long, default_value = "2x2")]
     mesh: String,
-    /// Model: a preset (tiny, small, medium, gpt2) or a JSON file of nanoGPT GPTConfig fields.
-    #[arg(long, default_value = "small")]
-    model: String,
+    /// Model: a preset (tiny, small, medium, gpt2) or a JSON file of nanoGPT GPTConfig fields
+    /// (default: small, or with --init-from-hf the checkpoint's config.json).
+    #[arg(long)]
+    model: Option<String>,
     /// Corpus: a text file, or a nanoGPT .bin of little-endian u16 token ids
     /// (default: the Shakespeare shipped in data/).
     #[arg(long)]
@@ -123,6 +124,11 @@ pub struct TrainArgs {
     /// Initial weights: a safetensors file with nanoGPT parameter names.
     #[arg(long)]
     init: Option<PathBuf>,
+    /// Initial weights from a Hugging Face GPT-2 folder (config.json and model.safetensors as
+    /// transformers' save_pretrained writes them); the model is the one its config.json
+    /// describes, or --model checked against it.
+    #[arg(long, value_name = "DIR", conflicts_with = "init")]
+    init_from_hf: Option<PathBuf>,
     /// Each rank's memory budget (e.g. `1.25GiB`, `800MiB`, bytes): every rank runs in its own
     /// memory cgroup with this limit, so a rank that needs more is stopped by the kernel and
     /// the error names it. Needs a writable cgroup (v1 or v2).
@@ -296,18 +302,42 @@ fn check_batch(args: &TrainArgs, block_size: usize) -> Result<(), Error> {
     Ok(())
 }
 
+/// The `--model` preset when none is given.
+const DEFAULT_MODEL: &str = "small";
+
+/// The model of `--init-from-hf DIR`: its config.json's, or `--model`'s checked against it
+/// (with the checkpoint's vocabulary when `--model` names none).
+fn hf_shape(dir: &Path, model: Option<&str>) -> Result<ModelShape, Error> {
+    let hf = HfGpt2Config::load(dir)?;
+    let Some(text) = model else {
+        return Ok(hf.model_shape());
+    };
+    let mut shape = ModelShape::resolve(text)?;
+    hf.check_shape(&shape)
+        .map_err(|reason| Error::HfCheckpoint {
+            path: dir.join(HF_CONFIG_FILE),
+            reason,
+        })?;
+    shape.vocab_size = Some(hf.vocab_size);
+    Ok(shape)
+}
+
 fn build_config(args: &TrainArgs, out: PathBuf) -> Result<TrainConfig, Error> {
     check_flags(args)?;
     let mesh = MeshSpec::parse(&args.mesh)?;
     mesh.check_world(&args.mesh, args.nproc * args.nnodes)?;
     let tokenizer = Tokenizer::new(args.tokenizer)?;
-    let shape = ModelShape::resolve(&args.model)?;
+    let model_text = args.model.as_deref().unwrap_or(DEFAULT_MODEL);
+    let shape = match &args.init_from_hf {
+        Some(dir) => hf_shape(dir, args.model.as_deref())?,
+        None => ModelShape::resolve(model_text)?,
+    };
     // Errors about the shape name what --model was given (a preset or the JSON file).
     let model = shape
         .config(tokenizer.vocab_size(), args.seed)
         .map_err(|error| match error {
             Error::InvalidModel { reason, .. } => Error::InvalidModel {
-                text: args.model.clone(),
+                text: model_text.to_string(),
                 reason,
             },
             other => other,
@@ -342,6 +372,7 @@ fn build_config(args: &TrainArgs, out: PathBuf) -> Result<TrainConfig, Error> {
         param_dtype: args.param_dtype.dtype(),
         reduce_dtype: args.reduce_dtype.dtype(),
         init: args.init.clone(),
+        init_from_hf: args.init_from_hf.clone(),
         eager_init: args.eager_init,
         activation_checkpointing: args.activation_checkpointing,
         out,
@@ -378,6 +409,16 @@ fn preflight(config: &TrainConfig, args: &TrainArgs) -> Result<(), Error> {
     }
     if let Some(init) = &config.init {
         check_init(init)?;
+    }
+    if let Some(dir) = &config.init_from_hf {
+        SafetensorsIndex::open(&dir.join(HF_WEIGHTS_FILE))?;
+        if HfGpt2Config::load(dir)?.approximates_gelu() {
+            eprintln!(
+                "note: {} asks for a tanh-approximated GELU; hypershard computes the exact GELU \
+                 (as nanoGPT does with GPT-2 weights), so logits differ slightly from transformers'",
+                dir.join(HF_CONFIG_FILE).display()
+            );
+        }
     }
     if config.resume {
         let checkpoint = Checkpoint::open(&checkpoint_root(&config.out))?;

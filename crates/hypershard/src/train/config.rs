@@ -365,6 +365,8 @@ pub struct TrainConfig {
     pub reduce_dtype: DType,
     /// Initial weights (nanoGPT names).
     pub init: Option<PathBuf>,
+    /// Initial weights from a Hugging Face GPT-2 folder (`config.json`, `model.safetensors`).
+    pub init_from_hf: Option<PathBuf>,
     /// Build the whole model on every rank before sharding (the old path, for comparison);
     /// by default the model is built deferred and each rank materialises only its shard.
     pub eager_init: bool,

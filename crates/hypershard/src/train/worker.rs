@@ -18,6 +18,7 @@ use serde_json::json;
 use super::config::TrainConfig;
 use super::fault::{Fault, FaultPoint};
 use super::finite::check_finite_parameters;
+use super::hf::attach_hf_init;
 use super::init_file::attach_init_file;
 use super::memory::{MemoryMeter, gather_memory};
 use super::optimizer::ShardedAdamW;
@@ -113,6 +114,9 @@ impl Trainer {
         };
         if let Some(init) = &config.init {
             attach_init_file(&mut gpt, init)?;
+        }
+        if let Some(dir) = &config.init_from_hf {
+            attach_hf_init(&mut gpt, dir)?;
         }
         let shapes = global_shapes(&gpt)?;
         let mesh = if config.mesh.replicas == 1 {
