@@ -75,10 +75,7 @@ fn run_hf(args: &ExportArgs) -> Result<(), Error> {
     for file in [HF_CONFIG_FILE, HF_WEIGHTS_FILE] {
         let path = args.out.join(file);
         if path.exists() && !args.force {
-            return Err(refuse(
-                &path,
-                "already exists (pass --force to replace it)",
-            ));
+            return Err(refuse(&path, "already exists (pass --force to replace it)"));
         }
     }
     let checkpoint = Checkpoint::open(&args.checkpoint)?;

@@ -13,8 +13,8 @@ use hypershard::data::{DataOrder, Tokenizer, TokenizerKind, default_corpus_path,
 use hypershard::launch::{LaunchConfig, launch};
 use hypershard::tensor::DType;
 use hypershard::train::{
-    HF_CONFIG_FILE, HF_WEIGHTS_FILE, HfGpt2Config, LrSchedule, MeshSpec, ModelShape, OptimConfig, TrainConfig, checkpoint_root, print_summary,
-    run_rank,
+    HF_CONFIG_FILE, HF_WEIGHTS_FILE, HfGpt2Config, LrSchedule, MeshSpec, ModelShape, OptimConfig,
+    TrainConfig, checkpoint_root, print_summary, run_rank,
 };
 use hypershard::{Error, collectives};
 

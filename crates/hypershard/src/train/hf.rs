@@ -118,7 +118,10 @@ impl HfGpt2Config {
         if let Some(kind) = self.model_type.as_deref().filter(|k| *k != "gpt2") {
             return Err(format!("model_type is {kind:?}, not \"gpt2\""));
         }
-        if let Some(inner) = self.n_inner.filter(|n| Some(*n) != self.n_embd.checked_mul(4)) {
+        if let Some(inner) = self
+            .n_inner
+            .filter(|n| Some(*n) != self.n_embd.checked_mul(4))
+        {
             return Err(format!(
                 "n_inner {inner} is not 4 · n_embd = {} (the only MLP width supported)",
                 self.n_embd.saturating_mul(4)
@@ -155,7 +158,9 @@ impl HfGpt2Config {
     /// GELU (as nanoGPT does when it loads GPT-2), so its logits differ slightly from
     /// `transformers`'.
     pub fn approximates_gelu(&self) -> bool {
-        self.activation_function.as_deref().is_some_and(|a| a != "gelu")
+        self.activation_function
+            .as_deref()
+            .is_some_and(|a| a != "gelu")
     }
 
     /// The model shape this config describes (biases on, no dropout).
@@ -179,7 +184,11 @@ impl HfGpt2Config {
             ("n_layer", shape.n_layer, self.n_layer),
             ("n_head", shape.n_head, self.n_head),
             ("n_embd", shape.n_embd, self.n_embd),
-            ("vocab_size", shape.vocab_size.unwrap_or(self.vocab_size), self.vocab_size),
+            (
+                "vocab_size",
+                shape.vocab_size.unwrap_or(self.vocab_size),
+                self.vocab_size,
+            ),
         ];
         for (field, ours, theirs) in pairs {
             if ours != theirs {
@@ -409,12 +418,11 @@ pub fn export_hf(checkpoint: &Checkpoint, dir: &Path, overwrite: bool) -> Result
             transpose: is_conv1d_weight(name),
         })
     })?;
-    let text = serde_json::to_vec_pretty(&hf_config_json(&config)).map_err(|source| {
-        Error::Json {
+    let text =
+        serde_json::to_vec_pretty(&hf_config_json(&config)).map_err(|source| Error::Json {
             path: config_path.clone(),
             source,
-        }
-    })?;
+        })?;
     write_atomically(&config_path, &text)?;
     Ok(summary)
 }

@@ -108,9 +108,11 @@ pub fn attach_init_file(module: &mut dyn Module, path: &Path) -> Result<Safetens
         if param.is_deferred() {
             let reader = index.clone();
             param.init = Some(Arc::new(move |request: InitRequest<'_>| {
-                read_block(&reader, request.name, request).map_err(|error| hypershard_nn::Error::Materialize {
-                    name: request.name.to_string(),
-                    reason: error.to_string(),
+                read_block(&reader, request.name, request).map_err(|error| {
+                    hypershard_nn::Error::Materialize {
+                        name: request.name.to_string(),
+                        reason: error.to_string(),
+                    }
                 })
             }));
             return Ok(());
