@@ -382,12 +382,12 @@ pub fn hf_config_json(config: &ModelConfig) -> serde_json::Value {
         "tie_word_embeddings": true,
         "torch_dtype": "float32",
     });
-    // GPT-2's end-of-text id, where the vocabulary has it.
-    if config.vocab_size > 50_256
-        && let Some(object) = value.as_object_mut()
-    {
-        object.insert("bos_token_id".into(), json!(50_256));
-        object.insert("eos_token_id".into(), json!(50_256));
+    // GPT-2's end-of-text id where the vocabulary has it; otherwise none (transformers'
+    // default, 50256, would lie outside a smaller vocabulary).
+    let end_of_text = (config.vocab_size > 50_256).then_some(50_256);
+    if let Some(object) = value.as_object_mut() {
+        object.insert("bos_token_id".into(), json!(end_of_text));
+        object.insert("eos_token_id".into(), json!(end_of_text));
     }
     value
 }
