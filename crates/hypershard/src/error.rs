@@ -200,8 +200,8 @@ pub enum Error {
         /// Ranks × accumulation steps.
         parts: usize,
     },
-    /// The gpt2 tokenizer could not be built or could not decode.
-    #[error("gpt2 tokenizer: {reason}")]
+    /// A tokenizer could not be built.
+    #[error("tokenizer: {reason}")]
     Tokenizer {
         /// What went wrong.
         reason: String,
