@@ -63,7 +63,7 @@ struct Layout {
 /// and a copy of the tied lm_head alongside, and a config.json.
 fn write_hf(dir: &Path, gpt: &Gpt, layout: Layout) {
     std::fs::create_dir_all(dir).expect("dir");
-    let c = gpt.config().clone();
+    let c = *gpt.config();
     let t = c.block_size + layout.extra_positions;
     let mut tensors: Vec<(String, Tensor)> = Vec::new();
     for (name, tensor) in params(gpt) {
@@ -471,7 +471,7 @@ fn the_cli_loads_an_hf_folder_trains_exports_it_and_reloads_it_equal() {
         n_embd: 32,
         ..config(0)
     };
-    let mut reloaded = Gpt::new(model_config.clone()).expect("model");
+    let mut reloaded = Gpt::new(model_config).expect("model");
     attach_hf_init(&mut reloaded, &exported).expect("reload");
     let mut reference = Gpt::new(model_config).expect("model");
     reference
