@@ -322,6 +322,34 @@ fn folders_that_do_not_match_are_refused_naming_what_differs() {
     let config = hypershard::train::HfGpt2Config::load(&hf).expect("good config");
     assert!(!config.approximates_gelu());
     let shape = config.model_shape();
+    // A --model shape is checked against config.json, field by field.
+    let deeper = hypershard::train::ModelShape {
+        n_layer: 3,
+        ..shape
+    };
+    let reason = config.check_shape(&deeper).expect_err("deeper");
+    assert_eq!(
+        reason,
+        "--model has n_layer 3, the checkpoint's config.json 2"
+    );
+    let longer = hypershard::train::ModelShape {
+        block_size: 14,
+        ..shape
+    };
+    assert!(
+        config
+            .check_shape(&longer)
+            .expect_err("longer")
+            .contains("n_positions 13")
+    );
+    let shorter = hypershard::train::ModelShape {
+        block_size: 8,
+        vocab_size: None,
+        ..shape
+    };
+    config
+        .check_shape(&shorter)
+        .expect("a shorter block keeps the first positions");
     assert_eq!(
         (
             shape.vocab_size,
