@@ -200,8 +200,8 @@ pub enum Error {
         /// Ranks × accumulation steps.
         parts: usize,
     },
-    /// The gpt2 tokenizer could not be built or could not decode.
-    #[error("gpt2 tokenizer: {reason}")]
+    /// A tokenizer could not be built.
+    #[error("tokenizer: {reason}")]
     Tokenizer {
         /// What went wrong.
         reason: String,
@@ -361,6 +361,29 @@ pub enum Error {
         path: PathBuf,
         /// What is wrong with it, naming the tensor.
         reason: String,
+    },
+    /// A Hugging Face GPT-2 folder (`config.json` + `model.safetensors`) cannot be read as, or
+    /// does not match, the model.
+    #[error("Hugging Face GPT-2 checkpoint {path}: {reason}", path = path.display())]
+    HfCheckpoint {
+        /// The folder or the file in it.
+        path: PathBuf,
+        /// What is wrong, naming the field or tensor.
+        reason: String,
+    },
+    /// A nanoGPT dataset's `meta.pkl` cannot be read or is not what nanoGPT writes.
+    #[error("{path}: {reason}", path = path.display())]
+    DatasetMeta {
+        /// The `meta.pkl` file.
+        path: PathBuf,
+        /// What is wrong with it.
+        reason: String,
+    },
+    /// A text holds a character the dataset's vocabulary (`meta.pkl`) does not.
+    #[error("{text:?} is not in the dataset's character vocabulary")]
+    NotInVocabulary {
+        /// The character.
+        text: String,
     },
     /// A tensor is not in the checkpoint.
     #[error("tensor {name} is not in the checkpoint")]

@@ -121,14 +121,31 @@ pub fn sample_from_checkpoint(
     let model_config = crate::train::check_model_tensors(&checkpoint)?;
     let tokenizer_kind: TokenizerKind =
         serde_json::from_value(meta.state["tokenizer"].clone()).unwrap_or(TokenizerKind::Bytes);
-    let tokenizer = Tokenizer::new(tokenizer_kind)?;
+    // A char-level run records its dataset's table, so sampling needs no dataset.
+    let vocabulary: Option<Vec<String>> =
+        serde_json::from_value(meta.state["vocabulary"].clone()).unwrap_or(None);
+    let tokenizer = Tokenizer::from_parts(tokenizer_kind, vocabulary.as_deref())?;
     let gpt_config: GptConfig = model_config.gpt();
     let mut model = Gpt::new(gpt_config)?;
     load_whole(&checkpoint, &mut model)?;
-    let mut prompt_ids = tokenizer.encode(prompt);
+    let mut prompt_ids = tokenizer.encode(prompt)?;
     if prompt_ids.is_empty() {
         // nanoGPT starts from a newline when given no prompt.
-        prompt_ids = tokenizer.encode("\n");
+        prompt_ids = tokenizer.encode("\n")?;
+    }
+    // A model trained on token files may have fewer ids than its tokenizer.
+    if let Some(token) = prompt_ids
+        .iter()
+        .find(|t| **t as usize >= model_config.vocab_size)
+    {
+        return Err(Error::InvalidFlag {
+            flag: "--prompt",
+            value: format!("{prompt:?}"),
+            reason: format!(
+                "encodes to token {token}, not below the model's vocabulary size {}",
+                model_config.vocab_size
+            ),
+        });
     }
     let tokens = generate(&mut model, &prompt_ids, config)?;
     Ok(SampleOutput {

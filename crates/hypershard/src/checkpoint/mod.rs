@@ -29,7 +29,7 @@ mod safetensors_file;
 mod writer;
 
 pub use block::{Block, check_exact_cover, copy_overlap};
-pub use export::{ExportSummary, export_consolidated};
+pub use export::{ExportAs, ExportSummary, export_consolidated, export_tensors};
 pub use metadata::{CheckpointMetadata, FORMAT, METADATA_FILE, SavedBlock, TensorEntry, VERSION};
 pub use reader::{Checkpoint, resolve};
 pub use safetensors_file::{SafetensorsIndex, StoredTensor, TensorHeader, write_streaming};

@@ -259,6 +259,53 @@ impl SafetensorsIndex {
         Ok((stored, bytes))
     }
 
+    /// Reads the block `rows × cols` of a 2-d tensor, row-major: one read of `cols.1`
+    /// elements per row. For a tensor stored transposed (Hugging Face's `Conv1D` weights,
+    /// `[in, out]`), a rank's `Shard(0)` rows of the model's `[out, in]` weight are columns of
+    /// the file, so this reads them without reading the other ranks' columns.
+    pub fn read_submatrix(
+        &self,
+        name: &str,
+        rows: (usize, usize),
+        cols: (usize, usize),
+    ) -> Result<(StoredTensor, Vec<u8>)> {
+        use std::os::unix::fs::FileExt;
+        let stored = self.stored(name)?;
+        let [n_rows, n_cols] = stored.shape[..] else {
+            return Err(safetensors_error(
+                &self.path,
+                format!("tensor {name} has shape {:?}, not 2-d", stored.shape),
+            ));
+        };
+        let fits = |(start, len): (usize, usize), n: usize| {
+            start.checked_add(len).is_some_and(|end| end <= n)
+        };
+        if !fits(rows, n_rows) || !fits(cols, n_cols) {
+            return Err(safetensors_error(
+                &self.path,
+                format!(
+                    "tensor {name}: block rows {}+{} cols {}+{} outside its {n_rows}x{n_cols}",
+                    rows.0, rows.1, cols.0, cols.1
+                ),
+            ));
+        }
+        let size = stored.dtype.size_of();
+        let path = &self.path;
+        let file = File::open(path).map_err(|e| Error::io(FileAction::Read, path, e))?;
+        let row_len = cols.1 * size;
+        let mut bytes = vec![0u8; rows.1 * row_len];
+        for (i, chunk) in bytes.chunks_exact_mut(row_len.max(1)).enumerate() {
+            // invariant: the block lies inside the tensor (checked above), whose byte range
+            // was checked against the file length at open.
+            let at = stored.begin + (((rows.0 + i) * n_cols + cols.0) * size) as u64;
+            file.read_exact_at(chunk, at)
+                .map_err(|e| Error::io(FileAction::Read, path, e))?;
+        }
+        self.bytes_read
+            .fetch_add(bytes.len() as u64, Ordering::Relaxed);
+        Ok((stored, bytes))
+    }
+
     fn stored(&self, name: &str) -> Result<StoredTensor> {
         Ok(self
             .tensors

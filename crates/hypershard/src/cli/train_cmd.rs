@@ -9,12 +9,15 @@ use std::time::Duration;
 use clap::Args;
 use hypershard::FileAction;
 use hypershard::checkpoint::{Checkpoint, SafetensorsIndex};
-use hypershard::data::{DataOrder, Tokenizer, TokenizerKind, default_corpus_path, load_tokens};
+use hypershard::data::{
+    DataOrder, Tokenizer, TokenizerKind, dataset_meta, default_corpus_path, has_val_split,
+    is_token_data, load_dataset,
+};
 use hypershard::launch::{LaunchConfig, launch};
 use hypershard::tensor::DType;
 use hypershard::train::{
-    LrSchedule, MeshSpec, ModelShape, OptimConfig, TrainConfig, checkpoint_root, print_summary,
-    run_rank,
+    HF_CONFIG_FILE, HF_WEIGHTS_FILE, HfGpt2Config, LrSchedule, MeshSpec, ModelShape, OptimConfig,
+    TrainConfig, checkpoint_root, print_summary, run_rank,
 };
 use hypershard::{Error, collectives};
 
@@ -62,11 +65,13 @@ pub struct TrainArgs {
     /// Data-parallel mesh: N (FSDP over N ranks) or RxS (HSDP: R replicas of S-way shards).
     #[arg(long, default_value = "2x2")]
     mesh: String,
-    /// Model: a preset (tiny, small, medium, gpt2) or a JSON file of nanoGPT GPTConfig fields.
-    #[arg(long, default_value = "small")]
-    model: String,
-    /// Corpus: a text file, or a nanoGPT .bin of little-endian u16 token ids
-    /// (default: the Shakespeare shipped in data/).
+    /// Model: a preset (tiny, small, medium, gpt2) or a JSON file of nanoGPT GPTConfig fields
+    /// (default: small, or with --init-from-hf the checkpoint's config.json).
+    #[arg(long)]
+    model: Option<String>,
+    /// Corpus: a text file, a nanoGPT .bin of little-endian u16 token ids, or a nanoGPT dataset
+    /// folder (train.bin, val.bin, and meta.pkl whose vocabulary and char tokenizer are then
+    /// used) (default: the Shakespeare shipped in data/).
     #[arg(long)]
     data: Option<PathBuf>,
     /// Tokenizer for text corpora.
@@ -123,6 +128,11 @@ pub struct TrainArgs {
     /// Initial weights: a safetensors file with nanoGPT parameter names.
     #[arg(long)]
     init: Option<PathBuf>,
+    /// Initial weights from a Hugging Face GPT-2 folder (config.json and model.safetensors as
+    /// transformers' save_pretrained writes them); the model is the one its config.json
+    /// describes, or --model checked against it.
+    #[arg(long, value_name = "DIR", conflicts_with = "init")]
+    init_from_hf: Option<PathBuf>,
     /// Each rank's memory budget (e.g. `1.25GiB`, `800MiB`, bytes): every rank runs in its own
     /// memory cgroup with this limit, so a rank that needs more is stopped by the kernel and
     /// the error names it. Needs a writable cgroup (v1 or v2).
@@ -157,9 +167,10 @@ pub struct TrainArgs {
     /// Save a checkpoint every K steps (and always at the end).
     #[arg(long, default_value_t = 0)]
     checkpoint_every: u64,
-    /// Evaluate on the held-out last tenth of the corpus every K steps (0: never).
-    #[arg(long, default_value_t = 0)]
-    eval_every: u64,
+    /// Evaluate every K steps on the dataset's val.bin, or else on the held-out last tenth of
+    /// the corpus (0: never; default: 10 times per run when --data has a val.bin, else never).
+    #[arg(long)]
+    eval_every: Option<u64>,
     /// Per-step losses, one JSON object per line (default: OUT/losses.jsonl).
     #[arg(long)]
     losses: Option<PathBuf>,
@@ -296,23 +307,75 @@ fn check_batch(args: &TrainArgs, block_size: usize) -> Result<(), Error> {
     Ok(())
 }
 
+/// The `--model` preset when none is given.
+const DEFAULT_MODEL: &str = "small";
+
+/// The model of `--init-from-hf DIR`: its config.json's, or `--model`'s checked against it
+/// (with the checkpoint's vocabulary when `--model` names none).
+fn hf_shape(dir: &Path, model: Option<&str>) -> Result<ModelShape, Error> {
+    let hf = HfGpt2Config::load(dir)?;
+    let Some(text) = model else {
+        return Ok(hf.model_shape());
+    };
+    let mut shape = ModelShape::resolve(text)?;
+    hf.check_shape(&shape)
+        .map_err(|reason| Error::HfCheckpoint {
+            path: dir.join(HF_CONFIG_FILE),
+            reason,
+        })?;
+    shape.vocab_size = Some(hf.vocab_size);
+    Ok(shape)
+}
+
 fn build_config(args: &TrainArgs, out: PathBuf) -> Result<TrainConfig, Error> {
     check_flags(args)?;
     let mesh = MeshSpec::parse(&args.mesh)?;
     mesh.check_world(&args.mesh, args.nproc * args.nnodes)?;
-    let tokenizer = Tokenizer::new(args.tokenizer)?;
-    let shape = ModelShape::resolve(&args.model)?;
+    let data = args.data.clone().unwrap_or_else(default_corpus_path);
+    // A dataset folder's meta.pkl brings its vocabulary size and, for characters, its tokenizer.
+    let meta = dataset_meta(&data)?;
+    let vocabulary = meta.as_ref().and_then(|m| m.itos.clone());
+    let tokenizer_kind = match vocabulary {
+        Some(_) => TokenizerKind::Char,
+        None => args.tokenizer,
+    };
+    let tokenizer = Tokenizer::from_parts(tokenizer_kind, vocabulary.as_deref())?;
+    let default_vocab = meta
+        .as_ref()
+        .map_or(tokenizer.vocab_size(), |m| m.vocab_size);
+    let model_text = args.model.as_deref().unwrap_or(DEFAULT_MODEL);
+    let shape = match &args.init_from_hf {
+        Some(dir) => hf_shape(dir, args.model.as_deref())?,
+        None => ModelShape::resolve(model_text)?,
+    };
     // Errors about the shape name what --model was given (a preset or the JSON file).
     let model = shape
-        .config(tokenizer.vocab_size(), args.seed)
+        .config(default_vocab, args.seed)
         .map_err(|error| match error {
             Error::InvalidModel { reason, .. } => Error::InvalidModel {
-                text: args.model.clone(),
+                text: model_text.to_string(),
                 reason,
             },
             other => other,
         })?;
+    // A text corpus is encoded here: the model must cover every id the tokenizer produces.
+    // Token files are checked against their largest id instead (preflight, and each rank).
+    if !is_token_data(&data) && model.vocab_size < tokenizer.vocab_size() {
+        return Err(Error::InvalidModel {
+            text: model_text.to_string(),
+            reason: format!(
+                "vocab_size {} is smaller than the tokenizer's {}",
+                model.vocab_size,
+                tokenizer.vocab_size()
+            ),
+        });
+    }
     check_batch(args, model.block_size)?;
+    let eval_every = args.eval_every.unwrap_or(if has_val_split(&data) {
+        (args.steps / 10).max(1)
+    } else {
+        0
+    });
     let losses = args
         .losses
         .clone()
@@ -320,8 +383,9 @@ fn build_config(args: &TrainArgs, out: PathBuf) -> Result<TrainConfig, Error> {
     Ok(TrainConfig {
         model,
         mesh,
-        data: args.data.clone().unwrap_or_else(default_corpus_path),
-        tokenizer: args.tokenizer,
+        data,
+        tokenizer: tokenizer_kind,
+        vocabulary,
         data_order: args.data_order,
         steps: args.steps,
         micro_batch: args.batch_size,
@@ -342,6 +406,7 @@ fn build_config(args: &TrainArgs, out: PathBuf) -> Result<TrainConfig, Error> {
         param_dtype: args.param_dtype.dtype(),
         reduce_dtype: args.reduce_dtype.dtype(),
         init: args.init.clone(),
+        init_from_hf: args.init_from_hf.clone(),
         eager_init: args.eager_init,
         activation_checkpointing: args.activation_checkpointing,
         out,
@@ -349,7 +414,7 @@ fn build_config(args: &TrainArgs, out: PathBuf) -> Result<TrainConfig, Error> {
         reset_optimizer: args.reset_optimizer,
         allow_nonfinite: args.allow_nonfinite,
         checkpoint_every: args.checkpoint_every,
-        eval_every: args.eval_every,
+        eval_every,
         losses,
     })
 }
@@ -364,20 +429,34 @@ fn preflight(config: &TrainConfig, args: &TrainArgs) -> Result<(), Error> {
             reason: "is not a directory (the run's outputs go into one)".to_string(),
         });
     }
-    let tokenizer = Tokenizer::new(config.tokenizer)?;
-    let data = load_tokens(&config.data, &tokenizer)?;
-    data.check_vocab(config.model.vocab_size)?;
+    let tokenizer = Tokenizer::from_parts(config.tokenizer, config.vocabulary.as_deref())?;
+    let data = load_dataset(&config.data, &tokenizer)?;
     let needed = config.model.block_size + 2;
-    if data.len() < needed {
-        return Err(Error::DataTooShort {
-            path: config.data.clone(),
-            tokens: data.len(),
-            block_size: config.model.block_size,
-            needed,
-        });
+    // The validation split is cut into windows only when evaluated.
+    let evaluated = data.val.as_ref().filter(|_| config.eval_every > 0);
+    for split in std::iter::once(&data.train).chain(evaluated) {
+        split.check_vocab(config.model.vocab_size)?;
+        if split.len() < needed {
+            return Err(Error::DataTooShort {
+                path: split.path.clone(),
+                tokens: split.len(),
+                block_size: config.model.block_size,
+                needed,
+            });
+        }
     }
     if let Some(init) = &config.init {
         check_init(init)?;
+    }
+    if let Some(dir) = &config.init_from_hf {
+        SafetensorsIndex::open(&dir.join(HF_WEIGHTS_FILE))?;
+        if HfGpt2Config::load(dir)?.approximates_gelu() {
+            eprintln!(
+                "note: {} asks for a tanh-approximated GELU; hypershard computes the exact GELU \
+                 (as nanoGPT does with GPT-2 weights), so logits differ slightly from transformers'",
+                dir.join(HF_CONFIG_FILE).display()
+            );
+        }
     }
     if config.resume {
         let checkpoint = Checkpoint::open(&checkpoint_root(&config.out))?;

@@ -82,7 +82,7 @@ pub fn load_tokens(path: &Path, tokenizer: &Tokenizer) -> Result<TokenData> {
             path: path.to_path_buf(),
             valid_up_to: e.valid_up_to(),
         })?;
-        tokenizer.encode(text)
+        tokenizer.encode(text)?
     };
     Ok(TokenData {
         path: path.to_path_buf(),

@@ -159,9 +159,12 @@ impl ModelShape {
         )
     }
 
-    /// The full model configuration for a vocabulary of `tokenizer_vocab` ids.
-    pub fn config(&self, tokenizer_vocab: usize, seed: u64) -> Result<ModelConfig> {
-        let vocab_size = self.vocab_size.unwrap_or(tokenizer_vocab);
+    /// The full model configuration, with `default_vocab` ids when the shape names no
+    /// vocabulary size (the tokenizer's, or a dataset's `meta.pkl`'s). Whether the vocabulary
+    /// covers the data is checked against the data (a text corpus needs the tokenizer's ids,
+    /// token files their largest id), not here.
+    pub fn config(&self, default_vocab: usize, seed: u64) -> Result<ModelConfig> {
+        let vocab_size = self.vocab_size.unwrap_or(default_vocab);
         let config = ModelConfig {
             vocab_size,
             block_size: self.block_size,
@@ -176,10 +179,8 @@ impl ModelShape {
             text: self.describe(),
             reason,
         };
-        if vocab_size < tokenizer_vocab {
-            return Err(invalid(format!(
-                "vocab_size {vocab_size} is smaller than the tokenizer's {tokenizer_vocab}"
-            )));
+        if vocab_size == 0 {
+            return Err(invalid("vocab_size must be positive".to_string()));
         }
         if self.n_head == 0 || !self.n_embd.is_multiple_of(self.n_head) {
             return Err(invalid(format!(
@@ -363,8 +364,13 @@ pub struct TrainConfig {
     pub param_dtype: DType,
     /// FSDP's dtype for gradient reduction (`--reduce-dtype`).
     pub reduce_dtype: DType,
+    /// The char tokenizer's table (`itos` of the dataset's `meta.pkl`), recorded in
+    /// checkpoints so `sample` decodes without the dataset.
+    pub vocabulary: Option<Vec<String>>,
     /// Initial weights (nanoGPT names).
     pub init: Option<PathBuf>,
+    /// Initial weights from a Hugging Face GPT-2 folder (`config.json`, `model.safetensors`).
+    pub init_from_hf: Option<PathBuf>,
     /// Build the whole model on every rank before sharding (the old path, for comparison);
     /// by default the model is built deferred and each rank materialises only its shard.
     pub eager_init: bool,

@@ -29,10 +29,11 @@ fn init_error(path: &Path, reason: String) -> Error {
     }
 }
 
-/// Reads the block `request` asks for from `index`: its rows of dim 0 as one byte range, the
-/// other dims narrowed afterwards, cast to the parameter's dtype.
-fn read_block(
+/// Reads the block `request` asks for from the tensor `stored_name` of `index`: its rows of
+/// dim 0 as one byte range, the other dims narrowed afterwards, cast to the parameter's dtype.
+pub(super) fn read_block(
     index: &SafetensorsIndex,
+    stored_name: &str,
     request: InitRequest<'_>,
 ) -> std::result::Result<Tensor, Error> {
     let (start, len) = match (request.offset.first(), request.shape.first()) {
@@ -40,7 +41,7 @@ fn read_block(
         // A 0-d parameter is one element.
         _ => (0, 1),
     };
-    let (stored, bytes) = index.read_rows(request.name, start, len)?;
+    let (stored, bytes) = index.read_rows(stored_name, start, len)?;
     let mut rows_shape = stored.shape.clone();
     if let Some(first) = rows_shape.first_mut() {
         *first = len;
@@ -107,9 +108,11 @@ pub fn attach_init_file(module: &mut dyn Module, path: &Path) -> Result<Safetens
         if param.is_deferred() {
             let reader = index.clone();
             param.init = Some(Arc::new(move |request: InitRequest<'_>| {
-                read_block(&reader, request).map_err(|error| hypershard_nn::Error::Materialize {
-                    name: request.name.to_string(),
-                    reason: error.to_string(),
+                read_block(&reader, request.name, request).map_err(|error| {
+                    hypershard_nn::Error::Materialize {
+                        name: request.name.to_string(),
+                        reason: error.to_string(),
+                    }
                 })
             }));
             return Ok(());
@@ -124,7 +127,7 @@ pub fn attach_init_file(module: &mut dyn Module, path: &Path) -> Result<Safetens
             shape: &shape,
             dtype: tensor.dtype(),
         };
-        match read_block(&index, request) {
+        match read_block(&index, name, request) {
             Ok(block) => param.data = Some(block),
             Err(error) => failure = Some(error),
         }

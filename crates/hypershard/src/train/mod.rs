@@ -7,6 +7,7 @@
 mod config;
 mod fault;
 mod finite;
+mod hf;
 mod init_file;
 mod memory;
 mod optimizer;
@@ -20,6 +21,10 @@ pub use config::{
     LrSchedule, MODEL_PRESETS, MeshSpec, ModelConfig, ModelShape, OptimConfig, TrainConfig,
 };
 pub use fault::{FAULT_ENV, Fault, FaultPoint};
+pub use hf::{
+    HF_CONFIG_FILE, HF_WEIGHTS_FILE, HfGpt2Config, attach_hf_init, export_hf, hf_config_json,
+    is_conv1d_weight,
+};
 pub use init_file::attach_init_file;
 pub use memory::{RankMemory, proc_status_bytes};
 pub use optimizer::{Moments, ShardedAdamW};

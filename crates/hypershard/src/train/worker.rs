@@ -18,13 +18,16 @@ use serde_json::json;
 use super::config::TrainConfig;
 use super::fault::{Fault, FaultPoint};
 use super::finite::check_finite_parameters;
+use super::hf::attach_hf_init;
 use super::init_file::attach_init_file;
 use super::memory::{MemoryMeter, gather_memory};
 use super::optimizer::ShardedAdamW;
 use super::report::{LossRecord, Reporter, ReporterConfig, TrainSummary};
 use super::shards::{SaveOptions, ShardContext, global_shapes, load, save};
 use crate::checkpoint::{Checkpoint, CheckpointDir, CommitInfo};
-use crate::data::{BatchLayout, Batcher, DataOrder, MicroBatch, TokenData, Tokenizer, load_tokens};
+use crate::data::{
+    BatchLayout, Batcher, DataOrder, Dataset, MicroBatch, TokenData, Tokenizer, load_dataset,
+};
 use crate::error::{Error, Result};
 
 /// The fraction of the corpus held out for `--eval-every`.
@@ -62,16 +65,21 @@ fn ids_tensor(name: &str, ids: &[u32], shape: &[usize]) -> Result<Tensor> {
     })
 }
 
-/// Loads the corpus and splits off the evaluation tenth when asked.
+/// Loads the corpus; when asked to evaluate, on the dataset's `val.bin` or else on a
+/// held-out tenth split off the end.
 fn corpus(config: &TrainConfig) -> Result<(TokenData, Option<TokenData>)> {
-    let tokenizer = Tokenizer::new(config.tokenizer)?;
-    let data = load_tokens(&config.data, &tokenizer)?;
-    data.check_vocab(config.model.vocab_size)?;
-    if config.eval_every > 0 {
-        let (train, eval) = data.split_tail(EVAL_FRACTION);
-        Ok((train, Some(eval)))
-    } else {
-        Ok((data, None))
+    let tokenizer = Tokenizer::from_parts(config.tokenizer, config.vocabulary.as_deref())?;
+    let Dataset { train, val } = load_dataset(&config.data, &tokenizer)?;
+    for split in std::iter::once(&train).chain(&val) {
+        split.check_vocab(config.model.vocab_size)?;
+    }
+    match (config.eval_every, val) {
+        (0, _) => Ok((train, None)),
+        (_, Some(val)) => Ok((train, Some(val))),
+        (_, None) => {
+            let (train, eval) = train.split_tail(EVAL_FRACTION);
+            Ok((train, Some(eval)))
+        }
     }
 }
 
@@ -113,6 +121,9 @@ impl Trainer {
         };
         if let Some(init) = &config.init {
             attach_init_file(&mut gpt, init)?;
+        }
+        if let Some(dir) = &config.init_from_hf {
+            attach_hf_init(&mut gpt, dir)?;
         }
         let shapes = global_shapes(&gpt)?;
         let mesh = if config.mesh.replicas == 1 {
@@ -311,6 +322,7 @@ impl Trainer {
                 },
                 "rng": {"kind": "counter", "seed": self.config.seed, "position": steps_done},
                 "tokenizer": self.config.tokenizer,
+                "vocabulary": self.config.vocabulary,
                 "mesh": self.config.mesh,
                 "seed": self.config.seed,
             }),
