@@ -115,6 +115,19 @@ pub enum Error {
         /// How it ended.
         status: ExitKind,
     },
+    /// A rank went over `--max-rank-memory` and the kernel stopped it.
+    #[error(
+        "rank {rank} went over --max-rank-memory ({limit_mib:.1} MiB) and was killed ({status}); \
+         stopped the other ranks"
+    )]
+    RankOverMemory {
+        /// The global rank.
+        rank: usize,
+        /// The limit, in MiB.
+        limit_mib: f64,
+        /// How it ended.
+        status: ExitKind,
+    },
     /// The launcher was interrupted by a signal, which it forwarded to the ranks.
     #[error("interrupted by signal {signal}; forwarded it to every rank")]
     Interrupted {

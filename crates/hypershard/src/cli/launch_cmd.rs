@@ -25,6 +25,9 @@ pub struct LaunchArgs {
     /// Rendezvous port on node 0 (default: a free port; required with --nnodes > 1).
     #[arg(long)]
     master_port: Option<u16>,
+    /// Each rank's memory budget (e.g. `1.25GiB`): a memory cgroup per rank with this limit.
+    #[arg(long, value_name = "SIZE", value_parser = hypershard::launch::parse_size)]
+    max_rank_memory: Option<u64>,
     /// Seconds a stopped rank gets between SIGTERM and SIGKILL.
     #[arg(long, default_value_t = 5.0)]
     stop_timeout: f64,
@@ -60,6 +63,7 @@ pub fn run(args: LaunchArgs) -> Result<(), Error> {
         extra_env: Vec::new(),
         stop_timeout,
         rank0_owns_terminal: false,
+        max_rank_memory: args.max_rank_memory,
     };
     launch(&config)?;
     Ok(())

@@ -123,6 +123,11 @@ pub struct TrainArgs {
     /// Initial weights: a safetensors file with nanoGPT parameter names.
     #[arg(long)]
     init: Option<PathBuf>,
+    /// Each rank's memory budget (e.g. `1.25GiB`, `800MiB`, bytes): every rank runs in its own
+    /// memory cgroup with this limit, so a rank that needs more is stopped by the kernel and
+    /// the error names it. Needs a writable cgroup (v1 or v2).
+    #[arg(long, value_name = "SIZE", value_parser = hypershard::launch::parse_size)]
+    max_rank_memory: Option<u64>,
     /// Build the whole model on every rank before sharding it. By default the model is built
     /// deferred (shapes only) and each rank materialises only its own shard, so start-up
     /// memory per rank falls with the number of ranks; the values are the same either way.
@@ -406,7 +411,8 @@ pub fn run(args: TrainArgs) -> Result<(), Error> {
     preflight(&config, &args)?;
     std::fs::create_dir_all(&out).map_err(|e| Error::io(FileAction::CreateDir, &out, e))?;
     let world_size = args.nproc * args.nnodes;
-    if world_size == 1 {
+    // One rank runs in this process, unless it needs a cgroup of its own.
+    if world_size == 1 && args.max_rank_memory.is_none() {
         let world = collectives::local::spawn_world(1)?.remove(0);
         if let Some(summary) = run_rank(config, world)? {
             print_summary(&summary);
@@ -428,6 +434,7 @@ pub fn run(args: TrainArgs) -> Result<(), Error> {
         extra_env: vec![(OUT_ENV.into(), out.into_os_string())],
         stop_timeout: Duration::from_secs(5),
         rank0_owns_terminal: true,
+        max_rank_memory: args.max_rank_memory,
     };
     launch(&launch_config)?;
     Ok(())

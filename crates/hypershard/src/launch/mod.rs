@@ -16,6 +16,7 @@
 //! otherwise, on a single node, generates a fresh random one and hands it to the ranks in
 //! `HYPERSHARD_JOB_SECRET`. It never prints it.
 
+mod memory_limit;
 mod output;
 mod port;
 mod signal;
@@ -26,6 +27,7 @@ use std::process::{Child, Command, ExitStatus, Stdio};
 use std::sync::mpsc;
 use std::time::{Duration, Instant};
 
+pub use memory_limit::{RankCgroups, parse_size};
 pub use output::Sink;
 pub use port::{check_port_free, free_port};
 pub use signal::{SIGINT, SIGKILL, SIGTERM, SignalLatch, signal_group};
@@ -66,6 +68,9 @@ pub struct LaunchConfig {
     /// Local rank 0 writes straight to the launcher's terminal, unprefixed, so that a progress
     /// bar it draws works (`hypershard train` sets this); the other ranks stay prefixed.
     pub rank0_owns_terminal: bool,
+    /// Each rank's memory budget in bytes (`--max-rank-memory`), enforced by a memory cgroup
+    /// per rank; `None`: no limit.
+    pub max_rank_memory: Option<u64>,
 }
 
 impl LaunchConfig {
@@ -82,6 +87,7 @@ impl LaunchConfig {
             extra_env: Vec::new(),
             stop_timeout: Duration::from_secs(5),
             rank0_owns_terminal: false,
+            max_rank_memory: None,
         }
     }
 
@@ -261,6 +267,10 @@ pub fn launch(config: &LaunchConfig) -> Result<LaunchReport> {
     };
     let latch = SignalLatch::install()?;
     let world_size = config.world_size();
+    let cgroups = match config.max_rank_memory {
+        Some(limit) => Some(RankCgroups::create(config.nproc_per_node, limit)?),
+        None => None,
+    };
     let (done_sender, done_receiver) = mpsc::channel();
     let mut streams = 0usize;
     let mut ranks: Vec<RankProcess> = Vec::with_capacity(config.nproc_per_node);
@@ -319,6 +329,16 @@ pub fn launch(config: &LaunchConfig) -> Result<LaunchReport> {
                 streams += 1;
             }
         }
+        // Into its cgroup before it allocates anything large: the rank's first act is the
+        // rendezvous, which waits for every rank to be spawned.
+        if let Some(cgroups) = &cgroups
+            && let Err(error) = cgroups.add(local_rank, child.id())
+        {
+            let _ = child.kill();
+            let _ = child.wait();
+            stop_all(&mut ranks, config.stop_timeout);
+            return Err(error);
+        }
         ranks.push(RankProcess {
             rank,
             child,
@@ -350,7 +370,17 @@ pub fn launch(config: &LaunchConfig) -> Result<LaunchReport> {
             master_port,
             world_size,
         }),
-        Some(StopReason::RankFailed { rank, status }) => Err(Error::RankFailed { rank, status }),
+        Some(StopReason::RankFailed { rank, status }) => {
+            let local_rank = rank - config.node_rank * config.nproc_per_node;
+            match &cgroups {
+                Some(cgroups) if cgroups.hit_limit(local_rank) => Err(Error::RankOverMemory {
+                    rank,
+                    limit_mib: cgroups.limit() as f64 / (1u64 << 20) as f64,
+                    status,
+                }),
+                _ => Err(Error::RankFailed { rank, status }),
+            }
+        }
         Some(StopReason::Interrupted { signal }) => Err(Error::Interrupted { signal }),
     }
 }

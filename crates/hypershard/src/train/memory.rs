@@ -8,8 +8,10 @@ use super::optimizer::ShardedAdamW;
 use crate::error::Result;
 
 /// One rank's memory over a run, in bytes.
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, serde::Serialize)]
 pub struct RankMemory {
+    /// The global rank these figures are of.
+    pub rank: usize,
     /// Parameters, gradients and optimizer moments this rank holds (its shards), at the
     /// largest they were: measured after an optimizer step, when all three exist.
     pub state_bytes: u64,
@@ -21,7 +23,10 @@ pub struct RankMemory {
     pub activation_bytes: u64,
     /// The peak of all tensor storage the allocator tracker counted on this rank.
     pub tracker_peak_bytes: u64,
-    /// The process's peak resident set (`VmHWM`), everything included.
+    /// The process's peak resident set (`VmHWM`) once the model was built and sharded,
+    /// before the first step: the start-up cost.
+    pub startup_peak_rss_bytes: u64,
+    /// The process's peak resident set (`VmHWM`) over the whole run, everything included.
     pub peak_rss_bytes: u64,
     /// The process's resident set before the model was built (code, libraries, runtime).
     pub idle_rss_bytes: u64,
@@ -60,6 +65,7 @@ pub fn param_and_grad_bytes(model: &dyn Module) -> Result<u64> {
 #[derive(Debug, Default)]
 pub struct MemoryMeter {
     idle_rss: u64,
+    startup_peak_rss: u64,
     /// Parameters and gradients, and moments, at the largest measured state.
     params_and_grads: u64,
     moments: u64,
@@ -72,6 +78,11 @@ impl MemoryMeter {
             idle_rss: proc_status_bytes("VmRSS"),
             ..MemoryMeter::default()
         }
+    }
+
+    /// Records the start-up peak: call once the model is built and sharded.
+    pub fn after_build(&mut self) {
+        self.startup_peak_rss = proc_status_bytes("VmHWM");
     }
 
     /// Measures the training state: call after an optimizer step, before gradients are
@@ -87,19 +98,24 @@ impl MemoryMeter {
     }
 
     /// This rank's figures.
-    pub fn report(&self, comm_buffer_peak: usize) -> RankMemory {
+    pub fn report(&self, rank: usize, comm_buffer_peak: usize) -> RankMemory {
         let tracker_peak = hypershard_tensor::memory::process().peak_bytes as u64;
         let comm = comm_buffer_peak as u64;
         RankMemory {
+            rank,
             state_bytes: self.params_and_grads + self.moments,
             comm_buffer_bytes: comm,
             activation_bytes: tracker_peak.saturating_sub(self.params_and_grads + comm),
             tracker_peak_bytes: tracker_peak,
+            startup_peak_rss_bytes: self.startup_peak_rss,
             peak_rss_bytes: proc_status_bytes("VmHWM"),
             idle_rss_bytes: self.idle_rss,
         }
     }
 }
+
+/// The fields of [`RankMemory`], as sent between ranks.
+const FIELDS: usize = 7;
 
 /// Every rank's figures, in rank order (collective over `world`).
 pub fn gather_memory(world: &dyn Communicator, own: RankMemory) -> Result<Vec<RankMemory>> {
@@ -109,20 +125,24 @@ pub fn gather_memory(world: &dyn Communicator, own: RankMemory) -> Result<Vec<Ra
         to_i64(own.comm_buffer_bytes),
         to_i64(own.activation_bytes),
         to_i64(own.tracker_peak_bytes),
+        to_i64(own.startup_peak_rss_bytes),
         to_i64(own.peak_rss_bytes),
         to_i64(own.idle_rss_bytes),
     ];
     let all = world.all_gather_vec(fields)?;
     let back = |v: i64| u64::try_from(v).unwrap_or(0);
     Ok(all
-        .chunks_exact(6)
-        .map(|f| RankMemory {
+        .chunks_exact(FIELDS)
+        .enumerate()
+        .map(|(rank, f)| RankMemory {
+            rank,
             state_bytes: back(f[0]),
             comm_buffer_bytes: back(f[1]),
             activation_bytes: back(f[2]),
             tracker_peak_bytes: back(f[3]),
-            peak_rss_bytes: back(f[4]),
-            idle_rss_bytes: back(f[5]),
+            startup_peak_rss_bytes: back(f[4]),
+            peak_rss_bytes: back(f[5]),
+            idle_rss_bytes: back(f[6]),
         })
         .collect())
 }

@@ -24,11 +24,13 @@ pub struct LossRecord {
     pub tokens: u64,
 }
 
-/// The end-of-run figures.
-#[derive(Clone, Debug, PartialEq)]
+/// The end-of-run figures; rank 0 also writes them to `OUT/summary.json`.
+#[derive(Clone, Debug, PartialEq, serde::Serialize)]
 pub struct TrainSummary {
     /// Steps run in this invocation.
     pub steps_run: u64,
+    /// Ranks in the job.
+    pub world_size: usize,
     /// Loss of the first step run.
     pub first_loss: f64,
     /// Loss of the last step run.
@@ -181,6 +183,7 @@ impl Reporter {
         bytes_per_step: f64,
         memory: Vec<super::memory::RankMemory>,
     ) -> Result<TrainSummary> {
+        let world_size = memory.len();
         if let Some(bar) = &self.bar {
             bar.finish_and_clear();
         }
@@ -194,8 +197,9 @@ impl Reporter {
             curve = self.records.iter().map(|r| (r.step, r.loss)).collect();
         }
         super::plot::plot_losses(plot, &curve, &self.evals)?;
-        Ok(TrainSummary {
+        let summary = TrainSummary {
             steps_run: self.records.len() as u64,
+            world_size,
             first_loss: self.records.first().map_or(f64::NAN, |r| r.loss),
             last_loss: self.records.last().map_or(f64::NAN, |r| r.loss),
             tokens_per_second: self.tokens_per_second(),
@@ -203,7 +207,15 @@ impl Reporter {
             memory,
             eval_loss: self.evals.last().map(|(_, l)| *l),
             plot: plot.to_path_buf(),
-        })
+        };
+        // Next to the plot, for scripts and benchmarks (non-finite losses become null).
+        let path = plot.with_file_name("summary.json");
+        let text = serde_json::to_string_pretty(&summary).map_err(|source| Error::Json {
+            path: path.clone(),
+            source,
+        })?;
+        std::fs::write(&path, text + "\n").map_err(|e| Error::io(FileAction::Write, &path, e))?;
+        Ok(summary)
     }
 }
 
@@ -239,12 +251,14 @@ fn print_memory(memory: &[super::memory::RankMemory]) {
     let mib = |b: u64| human_bytes(b as f64);
     let line = |m: &super::memory::RankMemory| {
         format!(
-            "state {}, comm buffers {}, activations >= {}; tracker peak {}; RSS peak {} (idle {})",
+            "state {}, comm buffers {}, activations >= {}; tracker peak {}; RSS peak {} \
+             (start-up {}, idle {})",
             mib(m.state_bytes),
             mib(m.comm_buffer_bytes),
             mib(m.activation_bytes),
             mib(m.tracker_peak_bytes),
             mib(m.peak_rss_bytes),
+            mib(m.startup_peak_rss_bytes),
             mib(m.idle_rss_bytes),
         )
     };

@@ -139,6 +139,8 @@ impl Trainer {
         })?;
         let model = fully_shard(Box::new(gpt), fsdp).map_err(|rejected| rejected.error)?;
         let optimizer = ShardedAdamW::new(config.optim);
+        let mut meter = meter;
+        meter.after_build();
         Ok(Trainer {
             config,
             world,
@@ -400,7 +402,7 @@ pub fn run_rank(config: TrainConfig, world: Arc<dyn Communicator>) -> Result<Opt
     let bytes_per_step = sent as f64 / steps_run;
     let own = trainer
         .meter
-        .report(trainer.mesh.comm_buffer_stats().peak_in_use_bytes);
+        .report(rank, trainer.mesh.comm_buffer_stats().peak_in_use_bytes);
     let memory = gather_memory(trainer.world.as_ref(), own)?;
     match reporter {
         Some(reporter) => Ok(Some(reporter.finish(
