@@ -124,7 +124,9 @@ impl GptShape {
         let b = u64::from(self.bias);
         // LayerNorm: weight (+ bias). Attention: c_attn C→3C, c_proj C→C. MLP: C→4C→C.
         let layer_norm = c + b * c;
-        let block = 2 * layer_norm + (3 * c * c + b * 3 * c) + (c * c + b * c)
+        let block = 2 * layer_norm
+            + (3 * c * c + b * 3 * c)
+            + (c * c + b * c)
             + (4 * c * c + b * 4 * c)
             + (4 * c * c + b * c);
         v * c + t * c + self.n_layer as u64 * block + layer_norm
@@ -162,10 +164,10 @@ pub struct RankMemory {
 pub struct TrainSummary {
     /// Optimizer steps run.
     pub steps_run: u64,
-    /// Loss of the first step.
-    pub first_loss: f64,
-    /// Loss of the last step.
-    pub last_loss: f64,
+    /// Loss of the first step (`null` when it was not finite).
+    pub first_loss: Option<f64>,
+    /// Loss of the last step (`null` when it was not finite).
+    pub last_loss: Option<f64>,
     /// Training throughput.
     pub tokens_per_second: f64,
     /// Ranks.
@@ -550,7 +552,10 @@ mod tests {
             24 * (12 * c * c + 13 * c) + 50_304 * c + 256 * c + 2 * c
         );
         assert_eq!(demo.training_state_bytes(), 16 * demo.params());
-        let no_bias = GptShape { bias: false, ..demo };
+        let no_bias = GptShape {
+            bias: false,
+            ..demo
+        };
         assert_eq!(no_bias.params(), 24 * (12 * c * c + 2 * c) + 50_560 * c + c);
     }
 
@@ -570,8 +575,8 @@ mod tests {
     fn summary(memory: Vec<RankMemory>) -> TrainSummary {
         TrainSummary {
             steps_run: 1,
-            first_loss: 10.9,
-            last_loss: 10.8,
+            first_loss: Some(10.9),
+            last_loss: Some(10.8),
             tokens_per_second: 100.0,
             world_size: memory.len(),
             memory,

@@ -212,14 +212,25 @@ fn drop_checkpoints(out: &Path) {
     if checkpoints.exists()
         && let Err(e) = std::fs::remove_dir_all(&checkpoints)
     {
-        eprintln!("bench-memory: could not delete {}: {e}", checkpoints.display());
+        eprintln!(
+            "bench-memory: could not delete {}: {e}",
+            checkpoints.display()
+        );
     }
 }
 
 fn run_ours(binary: &Path, root: &Path, model: &str, spec: &OursSpec) -> Result<MemoryRun> {
     let case = spec.case();
     let dir = run_dir(root, &case)?;
-    let mut command = train_command(binary, model, spec.world, 1, spec.init, spec.checkpointing, &dir);
+    let mut command = train_command(
+        binary,
+        model,
+        spec.world,
+        1,
+        spec.init,
+        spec.checkpointing,
+        &dir,
+    );
     let finished = run_logged(&mut command, &dir, &case)?;
     drop_checkpoints(&dir);
     let failed = |why: String| {
@@ -259,9 +270,12 @@ struct Torch {
 }
 
 fn find_torch() -> Option<Torch> {
-    let venv = std::env::var_os("TORCH_VENV").map(PathBuf::from).or_else(|| {
-        std::env::var_os("HOME").map(|h| PathBuf::from(h).join(".cache/hypershard-bench/torch-venv"))
-    })?;
+    let venv = std::env::var_os("TORCH_VENV")
+        .map(PathBuf::from)
+        .or_else(|| {
+            std::env::var_os("HOME")
+                .map(|h| PathBuf::from(h).join(".cache/hypershard-bench/torch-venv"))
+        })?;
     let python = venv.join("bin/python");
     let dirs = [
         std::env::var_os("HYPERSHARD_PYTORCH_BENCH_DIR").map(PathBuf::from),
@@ -412,7 +426,12 @@ fn full_or_quick(args: &Args, binary: &Path, root: &Path) -> Result<()> {
             checkpointing,
         };
         // Ours, PyTorch, ours again: the libraries alternate under the same machine load.
-        runs.push(run_ours(binary, root, preset, &ours(Init::Deferred, false))?);
+        runs.push(run_ours(
+            binary,
+            root,
+            preset,
+            &ours(Init::Deferred, false),
+        )?);
         if let Some(torch) = &torch {
             runs.push(run_torch(torch, root, preset, world)?);
         }
@@ -477,7 +496,9 @@ fn full_or_quick(args: &Args, binary: &Path, root: &Path) -> Result<()> {
 }
 
 fn read_torch_version(root: &Path, world: usize) -> Option<String> {
-    let json = root.join(format!("torch-fsdp2-meta-w{world}")).join("torch.jsonl");
+    let json = root
+        .join(format!("torch-fsdp2-meta-w{world}"))
+        .join("torch.jsonl");
     read_torch_row(&json).ok().map(|row| row.torch)
 }
 
@@ -590,8 +611,8 @@ fn run_demo_case(
         under_limit: summary
             .as_ref()
             .map(|s| s.memory.iter().all(|m| m.peak_rss_bytes <= limit_bytes)),
-        first_loss: summary.as_ref().map(|s| s.first_loss),
-        last_loss: summary.as_ref().map(|s| s.last_loss),
+        first_loss: summary.as_ref().and_then(|s| s.first_loss),
+        last_loss: summary.as_ref().and_then(|s| s.last_loss),
     })
 }
 
@@ -615,10 +636,24 @@ fn demo(args: &Args, binary: &Path, root: &Path) -> Result<()> {
     let mut i = 0;
     while i < shapes.len() {
         let shape = shapes[i];
-        let deferred = run_demo_case(binary, root, shape, Init::Deferred, &args.limit, limit_bytes)?;
+        let deferred = run_demo_case(
+            binary,
+            root,
+            shape,
+            Init::Deferred,
+            &args.limit,
+            limit_bytes,
+        )?;
         let fits = deferred.trained;
         runs.push(deferred);
-        runs.push(run_demo_case(binary, root, shape, Init::Eager, &args.limit, limit_bytes)?);
+        runs.push(run_demo_case(
+            binary,
+            root,
+            shape,
+            Init::Eager,
+            &args.limit,
+            limit_bytes,
+        )?);
         // Only when the 354 M model does not fit: the same without the large vocabulary.
         if !fits && shape.vocab_size != 256 {
             shapes.push(GptShape {
@@ -633,7 +668,8 @@ fn demo(args: &Args, binary: &Path, root: &Path) -> Result<()> {
             "{}: trained {} ({}), max peak RSS {} MiB, wall {} s",
             run.case,
             run.trained,
-            run.exit_code.map_or("signal".into(), |c| format!("exit {c}")),
+            run.exit_code
+                .map_or("signal".into(), |c| format!("exit {c}")),
             run.max_peak_rss_mib.map_or("–".into(), |m| m.to_string()),
             run.wall_s
         );
@@ -650,7 +686,8 @@ fn demo(args: &Args, binary: &Path, root: &Path) -> Result<()> {
         activation_checkpointing: true,
         runs,
     };
-    let path = write_json("memory-demo", &report).map_err(io_error(Path::new("memory-demo.json")))?;
+    let path =
+        write_json("memory-demo", &report).map_err(io_error(Path::new("memory-demo.json")))?;
     eprintln!("wrote {}", path.display());
     Ok(())
 }
