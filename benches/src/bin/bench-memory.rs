@@ -307,7 +307,7 @@ fn run_torch(torch: &Torch, root: &Path, preset: &str, world: usize) -> Result<M
     let json = dir.join("torch.jsonl");
     let mut command = Command::new(&torch.python);
     if world > 1 {
-        // One process is the script alone (no FSDP at world 1, as ours); more go through
+        // One process is the script alone (it applies no FSDP at world 1); more go through
         // torchrun.
         command.args(["-m", "torch.distributed.run", "--nproc-per-node"]);
         command.arg(world.to_string());
@@ -631,64 +631,49 @@ fn demo(args: &Args, binary: &Path, root: &Path) -> Result<()> {
         bias: true,
         dropout: 0.0,
     };
-    let mut runs = Vec::new();
-    let mut shapes = vec![shape];
-    let mut i = 0;
-    while i < shapes.len() {
-        let shape = shapes[i];
-        let deferred = run_demo_case(
-            binary,
-            root,
-            shape,
-            Init::Deferred,
-            &args.limit,
-            limit_bytes,
-        )?;
-        let fits = deferred.trained;
-        runs.push(deferred);
-        runs.push(run_demo_case(
-            binary,
-            root,
-            shape,
-            Init::Eager,
-            &args.limit,
-            limit_bytes,
-        )?);
-        // Only when the 354 M model does not fit: the same without the large vocabulary.
-        if !fits && shape.vocab_size != 256 {
-            shapes.push(GptShape {
-                vocab_size: 256,
-                ..shape
-            });
-        }
-        i += 1;
-    }
-    for run in &runs {
-        eprintln!(
-            "{}: trained {} ({}), max peak RSS {} MiB, wall {} s",
-            run.case,
-            run.trained,
-            run.exit_code
-                .map_or("signal".into(), |c| format!("exit {c}")),
-            run.max_peak_rss_mib.map_or("–".into(), |m| m.to_string()),
-            run.wall_s
-        );
-    }
-    let report = DemoReport {
+    let mut report = DemoReport {
         limit: args.limit.clone(),
         limit_bytes,
         limit_mechanism: "hypershard train --max-rank-memory: each rank in its own memory \
-             cgroup (v1 memory.limit_in_bytes); resident memory and page cache charged to the \
-             rank count, a rank over the limit is killed by the kernel",
+             cgroup (v1 memory.limit_in_bytes, v2 memory.max); resident memory and page cache \
+             charged to the rank count, a rank over the limit is killed by the kernel",
         world: DEMO_WORLD,
         batch_size_per_rank: 1,
         steps: DEMO_STEPS,
         activation_checkpointing: true,
-        runs,
+        runs: Vec::new(),
     };
-    let path =
-        write_json("memory-demo", &report).map_err(io_error(Path::new("memory-demo.json")))?;
-    eprintln!("wrote {}", path.display());
+    let mut shapes = vec![shape];
+    let mut i = 0;
+    while i < shapes.len() {
+        let shape = shapes[i];
+        // The eager run first: it is expected to end within seconds. The file is rewritten
+        // after every run, so what ran is on disk however long the rest takes.
+        for init in [Init::Eager, Init::Deferred] {
+            let run = run_demo_case(binary, root, shape, init, &args.limit, limit_bytes)?;
+            eprintln!(
+                "{}: trained {} ({}), max peak RSS {} MiB, wall {} s",
+                run.case,
+                run.trained,
+                run.exit_code
+                    .map_or("signal".into(), |c| format!("exit {c}")),
+                run.max_peak_rss_mib.map_or("–".into(), |m| m.to_string()),
+                run.wall_s
+            );
+            let fits = init == Init::Deferred && run.trained;
+            report.runs.push(run);
+            write_json("memory-demo", &report).map_err(io_error(Path::new("memory-demo.json")))?;
+            // Only when the 354 M model does not fit: the same without the large vocabulary.
+            if init == Init::Deferred && !fits && shape.vocab_size != 256 {
+                shapes.push(GptShape {
+                    vocab_size: 256,
+                    ..shape
+                });
+            }
+        }
+        i += 1;
+    }
+    eprintln!("wrote target/bench/memory-demo.json");
     Ok(())
 }
 
