@@ -9,6 +9,7 @@
 use std::path::PathBuf;
 use std::time::Duration;
 
+pub mod memory;
 pub mod nccl_sweep;
 pub mod world;
 

@@ -309,6 +309,58 @@ fn fsdp_ratios(value: &Value) -> String {
     out
 }
 
+/// The memory suite's target ratios, each with its verdict.
+fn memory_targets(value: &Value) -> String {
+    let Some(Value::Array(targets)) = value.get("targets") else {
+        return String::new();
+    };
+    let mut out = String::new();
+    for t in targets {
+        let name = t.get("name").and_then(Value::as_str).unwrap_or("?");
+        let at_most = number_field(t, "at_most").map_or("?".into(), format_number);
+        let verdict = match t.get("met").and_then(Value::as_bool) {
+            Some(true) => "met",
+            Some(false) => "NOT met",
+            None => "not judged",
+        };
+        match number_field(t, "ratio") {
+            Some(ratio) => {
+                out += &format!(
+                    "- {name}: {} (target at most {at_most}): {verdict}\n",
+                    format_number(ratio)
+                )
+            }
+            None => out += &format!("- {name}: not measured (target at most {at_most})\n"),
+        }
+    }
+    out
+}
+
+/// The memory demonstration's outcome per run.
+fn memory_demo_lines(value: &Value) -> String {
+    let Some(Value::Array(runs)) = value.get("runs") else {
+        return String::new();
+    };
+    let limit = value.get("limit").and_then(Value::as_str).unwrap_or("?");
+    let mut out = String::new();
+    for run in runs {
+        let case = run.get("case").and_then(Value::as_str).unwrap_or("?");
+        let outcome = if run.get("trained").and_then(Value::as_bool) == Some(true) {
+            let peak = number_field(run, "max_peak_rss_mib").map_or("?".into(), format_number);
+            format!("trained; max peak RSS per rank {peak} MiB (limit {limit})")
+        } else {
+            let rank = run
+                .get("failed_rank")
+                .and_then(Value::as_u64)
+                .map_or("no rank named".into(), |r| format!("rank {r}"));
+            format!("did not train ({rank}; limit {limit})")
+        };
+        let wall = number_field(run, "wall_s").map_or("?".into(), format_number);
+        out += &format!("- {case}: {outcome}, {wall} s\n");
+    }
+    out
+}
+
 /// The whole report.
 pub fn render(input: &ReportInput) -> String {
     let mut out = format!("# hypershard benchmarks\n\n{}\n\n", input.invocation);
@@ -360,6 +412,8 @@ pub fn render(input: &ReportInput) -> String {
                     fsdp_ratios(json)
                 )
             }
+            "memory" => out += &format!("\n### targets\n\n{}", memory_targets(json)),
+            "memory-demo" => out += &format!("\n### outcome\n\n{}", memory_demo_lines(json)),
             _ => {}
         }
     }
@@ -531,5 +585,44 @@ mod tests {
             "{text}"
         );
         assert!(text.contains("## fusion\n\nNo results.\n"));
+    }
+
+    #[test]
+    fn the_memory_sections_give_verdicts_and_outcomes() {
+        let memory: Value = serde_json::from_str(
+            r#"{"mode":"full","runs":[{"case":"hypershard-deferred-w1","world":1}],
+                "targets":[
+                  {"name":"startup_per_rank","ratio":0.3,"at_most":0.35,"met":true},
+                  {"name":"training_per_rank_ckpt","ratio":0.61,"at_most":0.5,"met":false},
+                  {"name":"vs_torch_peak_minus_idle","ratio":null,"at_most":0.8,"met":null}]}"#,
+        )
+        .expect("json");
+        let demo: Value = serde_json::from_str(
+            r#"{"limit":"1.25GiB","runs":[
+                {"case":"deferred","trained":true,"max_peak_rss_mib":1000.5,"wall_s":300.0},
+                {"case":"eager","trained":false,"failed_rank":3,"wall_s":20.0}]}"#,
+        )
+        .expect("json");
+        let section = |suite: &str, json| SuiteSection {
+            suite: suite.into(),
+            status: SuiteStatus::Ran { seconds: 1.0 },
+            json: Some(json),
+        };
+        let text = render(&ReportInput {
+            invocation: "`cargo xtask bench memory`".into(),
+            sections: vec![section("memory", memory), section("memory-demo", demo)],
+            gloo: None,
+            plots: Vec::new(),
+        });
+        assert!(text.contains("- startup_per_rank: 0.3000 (target at most 0.3500): met\n"));
+        assert!(text.contains("- training_per_rank_ckpt: 0.6100 (target at most 0.5000): NOT met"));
+        assert!(text.contains("- vs_torch_peak_minus_idle: not measured (target at most 0.8000)"));
+        assert!(
+            text.contains(
+                "- deferred: trained; max peak RSS per rank 1000.5 MiB (limit 1.25GiB), 300 s"
+            ),
+            "{text}"
+        );
+        assert!(text.contains("- eager: did not train (rank 3; limit 1.25GiB), 20 s"));
     }
 }
