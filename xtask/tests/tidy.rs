@@ -97,10 +97,6 @@ const LONG_FILES: &[(&str, &str)] = &[
         "xtask/src/gpu_check.rs",
         "GPU check runner, unsplit until it runs on a GPU",
     ),
-    (
-        "xtask/src/bench.rs",
-        "suite planning; the memory and train suites move to their own files",
-    ),
 ];
 
 /// Process-wide or thread-local state, each with the reason it is not a value the user holds.
