@@ -14,7 +14,10 @@ use crate::planner::validate_placements;
 use crate::process_mesh::ProcessMesh;
 
 /// Lays `full` out on `mesh` as `placements`, taking the values of the rank at mesh
-/// coordinate 0 (PyTorch's `distribute_tensor` with its default `src_data_rank=0`).
+/// coordinate 0 (PyTorch's `distribute_tensor` with its default `src_data_rank=0`), except
+/// for `Partial`: coordinate 0 keeps the value and the others get the op's identity (0 for
+/// sum, 1 for product; avg, max and min keep the value everywhere), where PyTorch gives every
+/// rank `v / n`. The reduced tensor is the value either way, exactly in every dtype.
 ///
 /// Every rank passes a tensor of the same shape and dtype; only the values of coordinate 0
 /// matter. Collective: mesh dims are processed in order, and on each one the rank at

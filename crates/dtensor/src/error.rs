@@ -20,6 +20,38 @@ pub enum Error {
     /// A collective failed (timeout, lost peer, argument mismatch between ranks, ...).
     #[error(transparent)]
     Comm(#[from] hypershard_collectives::Error),
+    /// A rank of [`run_local`](crate::run_local) returned an error.
+    #[error("rank {rank} failed: {source}")]
+    RankFailed {
+        /// The rank.
+        rank: usize,
+        /// Its error.
+        source: Box<Error>,
+    },
+    /// A rank of [`run_local`](crate::run_local) panicked.
+    #[error("rank {rank} panicked: {message}")]
+    RankPanicked {
+        /// The rank.
+        rank: usize,
+        /// The panic message.
+        message: String,
+    },
+    /// Ranks of [`run_local`](crate::run_local) were still running at the deadline.
+    #[error("ranks {unfinished:?} had not finished after {deadline:?}")]
+    RankDeadline {
+        /// The deadline.
+        deadline: std::time::Duration,
+        /// The ranks still running.
+        unfinished: Vec<usize>,
+    },
+    /// A rank's thread could not be started.
+    #[error("could not start the thread of rank {rank}: {reason}")]
+    RankThread {
+        /// The rank.
+        rank: usize,
+        /// Why.
+        reason: String,
+    },
     /// The mesh names a rank that the world communicator does not have.
     #[error(
         "the mesh holds rank {max_rank}, but the world communicator has only {world_size} ranks"

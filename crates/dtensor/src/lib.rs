@@ -61,11 +61,17 @@
 //! ```
 #![deny(missing_docs)]
 
+// The crate README's example runs as a doctest, so it cannot drift from the API.
+#[cfg(doctest)]
+#[doc = include_str!("../README.md")]
+struct ReadmeDoctest;
+
 pub mod bridge;
 mod distribute;
 mod dtensor;
 mod error;
 mod executor;
+mod local;
 mod ops;
 mod pack;
 pub mod planner;
@@ -84,6 +90,7 @@ pub use distribute::distribute_tensor;
 pub use dtensor::DTensor;
 pub use error::{Error, Result};
 pub use executor::RedistributeWork;
+pub use local::run_local;
 pub use ops::OpConfig;
 pub use planner::{Plan, PlanCache, Step, StepKind};
 pub use process_mesh::{ProcessMesh, init_process_mesh};
