@@ -22,6 +22,7 @@ use crate::engine::{JobContext, JobSpec, ProgressEngine};
 use crate::error::Result;
 use crate::op::{BufferPair, OpKind, StridedBlocks};
 use crate::store::Store;
+use crate::watchdog::{GroupSlot, ProgressBoard};
 use crate::work::Work;
 
 /// The backend name reported by [`Communicator::backend`].
@@ -54,6 +55,10 @@ pub(crate) struct Inner {
     next_collective: AtomicU64,
     /// How many splits this rank has made, for deriving the children's group ids.
     pub(crate) splits: AtomicU64,
+    /// The process's progress board (shared by the world and its splits) and this group's
+    /// slot on it, marked at every op's start and end for the stall watchdog.
+    pub(crate) board: Arc<ProgressBoard>,
+    slot: Arc<GroupSlot>,
     /// Working memory reused by every op of this group (ops run one at a time on the
     /// progress thread, so the lock is never contended). Fresh large allocations fault in
     /// every page, which on small VMs costs more than moving the data over loopback, so a
@@ -155,10 +160,13 @@ impl TcpCommunicator {
     ) -> Result<TcpCommunicator> {
         let (rank, world_size) = (mesh.rank(), mesh.world_size());
         let transport = Arc::new(Transport::start(mesh, frame_cap(tcp, world_size))?);
+        let members: Vec<usize> = (0..world_size).collect();
+        let board = Arc::new(ProgressBoard::new(rank));
+        let slot = board.register(WORLD_GROUP, "world", &members);
         TcpCommunicator::new(Inner {
             transport,
             group_id: WORLD_GROUP,
-            members: (0..world_size).collect(),
+            members,
             rank,
             config,
             segment_bytes: tcp.segment_bytes,
@@ -171,6 +179,8 @@ impl TcpCommunicator {
             name: "world".to_string(),
             next_collective: AtomicU64::new(0),
             splits: AtomicU64::new(0),
+            board,
+            slot,
             scratch: Mutex::new(HostBuffer::zeros(DType::U8, 0)),
         })
     }
@@ -183,6 +193,7 @@ impl TcpCommunicator {
         rank: usize,
         name: String,
     ) -> Result<TcpCommunicator> {
+        let slot = parent.board.register(group_id, &name, &members);
         TcpCommunicator::new(Inner {
             transport: Arc::clone(&parent.transport),
             group_id,
@@ -199,6 +210,8 @@ impl TcpCommunicator {
             name,
             next_collective: AtomicU64::new(0),
             splits: AtomicU64::new(0),
+            board: Arc::clone(&parent.board),
+            slot,
             scratch: Mutex::new(HostBuffer::zeros(DType::U8, 0)),
         })
     }
@@ -222,7 +235,17 @@ impl TcpCommunicator {
             bytes,
             timeout: inner.config.timeout,
         };
-        self.engine.submit(spec, move |ctx| job(&inner, ctx))
+        self.engine.submit(spec, move |ctx| {
+            // From here until the job returns, the watchdog sees this rank inside the op.
+            let _entered = inner.slot.enter(ctx.seq, ctx.op);
+            job(&inner, ctx)
+        })
+    }
+
+    /// The progress board of this rank process (shared with every group split from the
+    /// world), which the stall watchdog publishes.
+    pub fn progress_board(&self) -> Arc<ProgressBoard> {
+        Arc::clone(&self.inner.board)
     }
 }
 
