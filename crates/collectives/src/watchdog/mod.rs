@@ -55,10 +55,6 @@ pub fn tick_for(stall: Duration) -> Duration {
     (stall / 12).clamp(Duration::from_millis(50), Duration::from_secs(1))
 }
 
-/// How old a record may be before its rank counts as not responding: three missed ticks.
-pub fn stale_after(stall: Duration) -> Duration {
-    tick_for(stall) * 3 + Duration::from_millis(500)
-}
 
 /// Every rank's latest record in `store` (ranks that never published are absent).
 pub fn read_records(store: &dyn Store, world_size: usize) -> BTreeMap<usize, Record> {
@@ -175,8 +171,7 @@ impl Context {
     fn run(self) {
         let tick = tick_for(self.config.stall_timeout);
         let stall_ms = u64::try_from(self.config.stall_timeout.as_millis()).unwrap_or(u64::MAX);
-        let stale_ms = u64::try_from(stale_after(self.config.stall_timeout).as_millis())
-            .unwrap_or(u64::MAX);
+        let tick_ms = u64::try_from(tick.as_millis()).unwrap_or(u64::MAX);
         let rank = self.board.rank();
         let mut declared: Vec<(u32, u64)> = Vec::new();
         let mut reported = false;
@@ -203,6 +198,7 @@ impl Context {
                     group: group.clone(),
                     waited_ms: group.age_ms,
                     policy: self.config.policy,
+                    tick_ms,
                 };
                 let _ = self
                     .store
@@ -211,16 +207,7 @@ impl Context {
             }
             if !reported && stall_declared(self.store.as_ref()) {
                 reported = true;
-                let declarations = read_declarations(self.store.as_ref(), self.world_size);
-                let records = read_records(self.store.as_ref(), self.world_size);
-                let text = report(
-                    &format!("rank {rank}, host {}, pid {}", self.host, std::process::id()),
-                    &declarations,
-                    &records,
-                    unix_ms(),
-                    stale_ms,
-                );
-                eprintln!("{text}");
+                let declarations = self.print_report();
                 let fail = self.config.policy == StallPolicy::Fail
                     || declarations.iter().any(|d| d.policy == StallPolicy::Fail);
                 if fail {
@@ -238,6 +225,25 @@ impl Context {
             }
             thread::park_timeout(tick);
         }
+        // The rank is ending (often because a peer's abort reached it before this thread's
+        // next tick): a stall declared meanwhile still gets this rank's one report.
+        if !reported && stall_declared(self.store.as_ref()) {
+            self.print_report();
+        }
+    }
+
+    /// Prints this rank's report of the declared stalls; returns the declarations.
+    fn print_report(&self) -> Vec<Declaration> {
+        let declarations = read_declarations(self.store.as_ref(), self.world_size);
+        let records = read_records(self.store.as_ref(), self.world_size);
+        let viewer = format!(
+            "rank {}, host {}, pid {}",
+            self.board.rank(),
+            self.host,
+            std::process::id()
+        );
+        eprintln!("{}", report(&viewer, &declarations, &records, unix_ms()));
+        declarations
     }
 }
 

@@ -36,6 +36,8 @@ pub struct Declaration {
     pub policy: StallPolicy,
     /// Global ranks of the group that had not entered the collective.
     pub missing: Vec<usize>,
+    /// The declaring rank's watchdog tick, in ms (readers derive staleness from it).
+    pub tick_ms: u64,
 }
 
 const DECLARATION_TAG: &str = "hswdstall1";
@@ -65,11 +67,12 @@ impl Declaration {
         }
         .encode();
         format!(
-            "{DECLARATION_TAG}\t{}\t{}\t{}\t{}\n{group}",
+            "{DECLARATION_TAG}\t{}\t{}\t{}\t{}\t{}\n{group}",
             self.waiter,
             self.waited_ms,
             self.policy.as_str(),
-            missing.join(",")
+            missing.join(","),
+            self.tick_ms
         )
     }
 
@@ -77,7 +80,7 @@ impl Declaration {
     pub fn decode(text: &str) -> Option<Declaration> {
         let (head, rest) = text.split_once('\n')?;
         let fields: Vec<&str> = head.split('\t').collect();
-        let [tag, waiter, waited, policy, missing] = fields.as_slice() else {
+        let [tag, waiter, waited, policy, missing, tick] = fields.as_slice() else {
             return None;
         };
         if *tag != DECLARATION_TAG {
@@ -104,7 +107,14 @@ impl Declaration {
             waited_ms: waited.parse().ok()?,
             policy,
             missing,
+            tick_ms: tick.parse().ok()?,
         })
+    }
+
+    /// How old a record may be before its rank counts as not responding: three missed ticks
+    /// of the declaring rank's watchdog, and half a second.
+    pub fn stale_ms(&self) -> u64 {
+        self.tick_ms.saturating_mul(3).saturating_add(500)
     }
 }
 
@@ -152,8 +162,12 @@ pub fn culprits(
     declarations: &[Declaration],
     records: &BTreeMap<usize, Record>,
     now_ms: u64,
-    stale_ms: u64,
 ) -> Vec<usize> {
+    let stale_ms = declarations
+        .iter()
+        .map(Declaration::stale_ms)
+        .max()
+        .unwrap_or(u64::MAX);
     let mut missing: Vec<usize> = declarations
         .iter()
         .flat_map(|d| d.missing.iter().copied())
@@ -208,7 +222,6 @@ pub fn report(
     declarations: &[Declaration],
     records: &BTreeMap<usize, Record>,
     now_ms: u64,
-    stale_ms: u64,
 ) -> String {
     let Some(first) = declarations.first() else {
         return format!("hypershard watchdog ({viewer}): no stall declared");
@@ -236,7 +249,7 @@ pub fn report(
         group.members,
         waiters.join(", ")
     );
-    let blamed = culprits(declarations, records, now_ms, stale_ms);
+    let blamed = culprits(declarations, records, now_ms);
     if first.missing.is_empty() {
         text.push_str("\n  every member entered it");
     } else {
@@ -245,9 +258,27 @@ pub fn report(
             text.push_str(&format!("\n    {}{}", describe(m, records, now_ms), local(m)));
         }
     }
-    for &b in blamed.iter().filter(|b| !first.missing.contains(b)) {
+    // What the other declarations add: ranks that hold up another waiting rank.
+    let mut named = first.missing.clone();
+    for d in &declarations[1..] {
+        for &m in &d.missing {
+            if named.contains(&m) {
+                continue;
+            }
+            named.push(m);
+            text.push_str(&format!(
+                "\n  not entered {} #{} of group {} (rank {} waits in it): {}",
+                d.op(),
+                d.seq(),
+                d.group.name,
+                d.waiter,
+                describe(m, records, now_ms)
+            ));
+        }
+    }
+    for &b in blamed.iter().filter(|b| !named.contains(b)) {
         text.push_str(&format!(
-            "\n  also not responding: {}",
+            "\n  not responding: {}",
             describe(b, records, now_ms)
         ));
     }
@@ -308,13 +339,14 @@ mod tests {
             waited_ms: 3_100,
             policy: StallPolicy::Fail,
             missing,
+            tick_ms: 250,
         };
         assert_eq!(
             Declaration::decode(&declaration.encode()),
             Some(declaration.clone())
         );
-        assert_eq!(culprits(&[declaration.clone()], &records, now, 1_000), vec![2]);
-        let text = report("launcher", &[declaration], &records, now, 1_000);
+        assert_eq!(culprits(&[declaration.clone()], &records, now), vec![2]);
+        let text = report("launcher", &[declaration], &records, now);
         assert!(text.contains("rank 2 (host h, pid 102)"), "{text}");
         assert!(text.contains("all_gather #40 of group g0"), "{text}");
         assert!(text.contains("most likely stuck: rank 2"), "{text}");
@@ -336,8 +368,9 @@ mod tests {
             waited_ms: 9_000,
             policy: StallPolicy::Wait,
             missing,
+            tick_ms: 250,
         };
-        assert_eq!(culprits(&[declaration], &records, now, 2_000), vec![1]);
+        assert_eq!(culprits(&[declaration], &records, now), vec![1]);
         // A rank with no record at all counts as missing.
         records.remove(&1);
         assert_eq!(missing_ranks(0, &records[&0].groups[0], &records), vec![1]);
@@ -345,7 +378,12 @@ mod tests {
 
     #[test]
     fn garbage_is_not_a_declaration() {
-        for bad in ["", "hswdstall1\t1\t2\tfail\t", "hswdstall1\t1\t2\tmaybe\t\nx"] {
+        for bad in [
+            "",
+            "hswdstall1\t1\t2\tfail\t",
+            "hswdstall1\t1\t2\tmaybe\t\t5\nx",
+            "hswdstall1\t1\t2\tfail\t\tx\nhswd1\t1\t0\t\t\t0\t0",
+        ] {
             assert_eq!(Declaration::decode(bad), None, "{bad:?}");
         }
     }
