@@ -19,8 +19,8 @@ use crate::communicator::Communicator;
 use crate::config::CommConfig;
 use crate::dtype::DType;
 use crate::engine::{JobContext, JobSpec, ProgressEngine};
-use crate::error::Result;
-use crate::op::{BufferPair, OpKind, StridedBlocks};
+use crate::error::{Error, Result};
+use crate::op::{BufferPair, BufferRole, OpKind, StridedBlocks};
 use crate::store::Store;
 use crate::watchdog::{GroupSlot, ProgressBoard};
 use crate::work::Work;
@@ -78,6 +78,80 @@ impl Inner {
             *scratch = HostBuffer::zeros(DType::U8, len);
         }
         job(&mut scratch.as_bytes_mut()[..len])
+    }
+
+    /// An error about peers as the user sees it: the ops of a split group work in group
+    /// ranks, but a message must name the rank the user can find (its global rank, the
+    /// `RANK` of its process), so every peer an error names is mapped to the world here.
+    pub(crate) fn global_view(&self, error: Error) -> Error {
+        if self.group_id == WORLD_GROUP {
+            return error;
+        }
+        let global = |rank: usize| self.members.get(rank).copied().unwrap_or(rank);
+        let role = |role: BufferRole| match role {
+            BufferRole::Peer { rank } => BufferRole::Peer { rank: global(rank) },
+            other => other,
+        };
+        match error {
+            Error::PeerLost { op, peer } => Error::PeerLost {
+                op,
+                peer: global(peer),
+            },
+            Error::Timeout { op, after, peer } => Error::Timeout {
+                op,
+                after,
+                peer: peer.map(global),
+            },
+            Error::Protocol { peer, violation } => Error::Protocol {
+                peer: peer.map(global),
+                violation,
+            },
+            Error::ArgumentMismatch {
+                op,
+                argument,
+                peer,
+                reference,
+            } => Error::ArgumentMismatch {
+                op,
+                argument,
+                peer: global(peer),
+                reference: global(reference),
+            },
+            Error::OpMismatch {
+                seq,
+                ours,
+                theirs,
+                peer,
+            } => Error::OpMismatch {
+                seq,
+                ours,
+                theirs,
+                peer: global(peer),
+            },
+            Error::LengthMismatch {
+                op,
+                role: r,
+                expected,
+                got,
+            } => Error::LengthMismatch {
+                op,
+                role: role(r),
+                expected,
+                got,
+            },
+            Error::DTypeMismatch {
+                op,
+                role: r,
+                expected,
+                got,
+            } => Error::DTypeMismatch {
+                op,
+                role: role(r),
+                expected,
+                got,
+            },
+            other => other,
+        }
     }
 
     pub(crate) fn next_seq(&self) -> u64 {
@@ -238,7 +312,7 @@ impl TcpCommunicator {
         self.engine.submit(spec, move |ctx| {
             // From here until the job returns, the watchdog sees this rank inside the op.
             let _entered = inner.slot.enter(ctx.seq, ctx.op);
-            job(&inner, ctx)
+            job(&inner, ctx).map_err(|error| inner.global_view(error))
         })
     }
 
