@@ -104,6 +104,10 @@ impl Default for WatchdogConfig {
     }
 }
 
+/// How long dropping a [`Watchdog`] waits for its thread, which may be inside a store call
+/// to a store that is unreachable: after that the thread is left to end with the process.
+const DROP_WAIT: Duration = Duration::from_secs(1);
+
 /// A running watchdog thread; dropping it stops the thread.
 #[derive(Debug)]
 pub struct Watchdog {
@@ -150,8 +154,14 @@ impl Drop for Watchdog {
             .take();
         if let Some(handle) = handle {
             handle.thread().unpark();
-            // A panicked watchdog has nothing to clean up; Drop must not panic.
-            let _ = handle.join();
+            let deadline = Instant::now() + DROP_WAIT;
+            while !handle.is_finished() && Instant::now() < deadline {
+                thread::sleep(Duration::from_millis(5));
+            }
+            if handle.is_finished() {
+                // A panicked watchdog has nothing to clean up; Drop must not panic.
+                let _ = handle.join();
+            }
         }
     }
 }
