@@ -6,7 +6,9 @@ use std::thread;
 use std::time::Duration;
 
 use hypershard_collectives::tcp::{TcpCommunicator, TcpConfig};
-use hypershard_collectives::{CommConfig, Communicator, CommunicatorExt, Error, MemoryStore, ReduceOp, Store};
+use hypershard_collectives::{
+    CommConfig, Communicator, CommunicatorExt, Error, MemoryStore, ReduceOp, Store,
+};
 
 #[test]
 fn a_split_groups_timeout_names_the_global_rank() {
@@ -32,7 +34,10 @@ fn a_split_groups_timeout_names_the_global_rank() {
             })
         })
         .collect();
-    let results: Vec<_> = ranks.into_iter().map(|r| r.join().unwrap().unwrap()).collect();
+    let results: Vec<_> = ranks
+        .into_iter()
+        .map(|r| r.join().unwrap().unwrap())
+        .collect();
     match &results[1] {
         Some(error @ Error::Timeout { peer, .. }) => {
             assert_eq!(*peer, Some(3), "{error}");

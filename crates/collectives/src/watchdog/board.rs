@@ -416,7 +416,10 @@ mod tests {
         let world = decoded.group(0).unwrap();
         assert_eq!((world.entered, world.running), (1, false));
         let doing = decoded.doing(decoded.unix_ms);
-        assert!(doing.contains("inside all_gather #4 of group world/c1#0"), "{doing}");
+        assert!(
+            doing.contains("inside all_gather #4 of group world/c1#0"),
+            "{doing}"
+        );
     }
 
     #[test]

@@ -55,7 +55,6 @@ pub fn tick_for(stall: Duration) -> Duration {
     (stall / 12).clamp(Duration::from_millis(50), Duration::from_secs(1))
 }
 
-
 /// Every rank's latest record in `store` (ranks that never published are absent).
 pub fn read_records(store: &dyn Store, world_size: usize) -> BTreeMap<usize, Record> {
     (0..world_size)
@@ -284,6 +283,9 @@ mod tests {
     fn ticks_scale_with_the_threshold_within_bounds() {
         assert_eq!(tick_for(Duration::from_secs(30)), Duration::from_secs(1));
         assert_eq!(tick_for(Duration::from_secs(3)), Duration::from_millis(250));
-        assert_eq!(tick_for(Duration::from_millis(10)), Duration::from_millis(50));
+        assert_eq!(
+            tick_for(Duration::from_millis(10)),
+            Duration::from_millis(50)
+        );
     }
 }

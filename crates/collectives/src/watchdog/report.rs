@@ -255,7 +255,11 @@ pub fn report(
     } else {
         text.push_str("\n  not entered:");
         for &m in &first.missing {
-            text.push_str(&format!("\n    {}{}", describe(m, records, now_ms), local(m)));
+            text.push_str(&format!(
+                "\n    {}{}",
+                describe(m, records, now_ms),
+                local(m)
+            ));
         }
     }
     // What the other declarations add: ranks that hold up another waiting rank.
@@ -328,7 +332,10 @@ mod tests {
         records.insert(0, record(0, now, vec![group(0, 41, true, &members)]));
         records.insert(1, record(1, now, vec![group(0, 41, true, &members)]));
         // Rank 2 stopped 3 s ago, one collective behind.
-        records.insert(2, record(2, now - 3_000, vec![group(0, 40, false, &members)]));
+        records.insert(
+            2,
+            record(2, now - 3_000, vec![group(0, 40, false, &members)]),
+        );
         records.insert(3, record(3, now, vec![group(0, 41, true, &members)]));
         let waiting = records[&1].groups[0].clone();
         let missing = missing_ranks(1, &waiting, &records);

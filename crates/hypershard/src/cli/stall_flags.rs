@@ -133,7 +133,9 @@ mod tests {
             .unwrap();
         assert_eq!(config.stall_timeout, Duration::from_millis(2500));
         assert_eq!(
-            args(Some(10.0), Some(2.5), OnStall::Off).watchdog().unwrap(),
+            args(Some(10.0), Some(2.5), OnStall::Off)
+                .watchdog()
+                .unwrap(),
             None
         );
         assert_eq!(

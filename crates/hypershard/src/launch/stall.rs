@@ -65,7 +65,10 @@ impl StallWatch {
         Some(Stall {
             rank,
             pid: records.get(&rank).map(|r| r.pid),
-            host: records.get(&rank).map(|r| r.host.clone()).unwrap_or_default(),
+            host: records
+                .get(&rank)
+                .map(|r| r.host.clone())
+                .unwrap_or_default(),
             declaration: first,
             fail,
             act_at: Instant::now() + grace,
