@@ -2,14 +2,12 @@
 //! hosts the store) keeps a bounded number of threads, refuses the excess, and the run's
 //! losses are those of an undisturbed run.
 
-mod common;
-
 use std::net::{TcpListener, TcpStream};
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
-use common::losses;
+use hypershard::train::read_losses;
 use hypershard_collectives::store::tcp::MAX_PENDING_HANDSHAKES;
 
 const IDLE_CONNECTIONS: usize = 3000;
@@ -51,6 +49,15 @@ fn start(out: &Path, port: u16) -> Child {
         .stderr(Stdio::piped())
         .spawn()
         .expect("hypershard starts")
+}
+
+/// Losses by step, as the run recorded them.
+fn losses(out: &Path) -> Vec<(u64, f64)> {
+    read_losses(&out.join("losses.jsonl"))
+        .unwrap()
+        .into_iter()
+        .map(|r| (r.step, r.loss))
+        .collect()
 }
 
 /// The `Threads:` line of a process's status (`None` once it is gone).

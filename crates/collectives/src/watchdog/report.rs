@@ -352,7 +352,10 @@ mod tests {
             Declaration::decode(&declaration.encode()),
             Some(declaration.clone())
         );
-        assert_eq!(culprits(&[declaration.clone()], &records, now), vec![2]);
+        assert_eq!(
+            culprits(std::slice::from_ref(&declaration), &records, now),
+            vec![2]
+        );
         let text = report("launcher", &[declaration], &records, now);
         assert!(text.contains("rank 2 (host h, pid 102)"), "{text}");
         assert!(text.contains("all_gather #40 of group g0"), "{text}");
