@@ -252,3 +252,50 @@ fn a_rank_killed_in_the_backward_is_named_every_time() {
         started.elapsed()
     );
 }
+
+#[test]
+fn with_on_stall_wait_the_ranks_report_once_and_wait_for_the_deadline() {
+    let run = run(
+        "wait",
+        "forward@2:1:stop",
+        &[
+            "--nproc",
+            "2",
+            "--mesh",
+            "2",
+            "--steps",
+            "40",
+            "--stall-timeout",
+            "1",
+            "--timeout",
+            "6",
+            "--on-stall",
+            "wait",
+        ],
+    );
+    let text = &run.stderr;
+    assert!(!run.success, "{text}");
+    // The live rank and the launcher report the stall once each and say they wait on...
+    assert_eq!(
+        text.matches("hypershard watchdog (rank 0,").count(),
+        1,
+        "{text}"
+    );
+    assert_eq!(
+        text.matches("hypershard watchdog (launcher)").count(),
+        1,
+        "{text}"
+    );
+    assert!(text.contains("waiting on (--on-stall wait)"), "{text}");
+    assert!(!text.contains("stalled the job"), "{text}");
+    // ...until the op deadline ends the wait, naming the stopped peer.
+    assert!(
+        text.contains("timed out after 6s waiting for rank 1"),
+        "{text}"
+    );
+    let after = run.after_fault.expect("the fault line was seen");
+    assert!(
+        after >= Duration::from_secs(5),
+        "ended after {after:?}: {text}"
+    );
+}

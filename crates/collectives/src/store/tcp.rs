@@ -507,7 +507,7 @@ fn accept_loop(listener: &TcpListener, shared: &Arc<Shared>) {
                     }
                 }
             }
-            Err(e) if e.kind() == io::ErrorKind::WouldBlock => thread::sleep(POLL / 5),
+            Err(e) if e.kind() == io::ErrorKind::WouldBlock => wait_readable(listener, POLL / 5),
             Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
             Err(e) => {
                 tracing::warn!(error = %e, "tcp store: accept failed");
@@ -518,6 +518,25 @@ fn accept_loop(listener: &TcpListener, shared: &Arc<Shared>) {
     for handle in connections {
         // Connection threads watch the same stop flag, so these joins end within a poll.
         let _ = handle.join();
+    }
+}
+
+/// Waits until `listener` has a connection to accept, or `timeout` passes. Waking at once
+/// (rather than sleeping a fixed slice) keeps the accept queue drained under a flood of
+/// connections, so a rank's connection is never stuck behind a full backlog.
+fn wait_readable(listener: &TcpListener, timeout: Duration) {
+    use std::os::fd::AsRawFd;
+    let mut fd = libc::pollfd {
+        fd: listener.as_raw_fd(),
+        events: libc::POLLIN,
+        revents: 0,
+    };
+    let millis = libc::c_int::try_from(timeout.as_millis()).unwrap_or(libc::c_int::MAX);
+    // SAFETY: poll(2) reads and writes exactly the one `pollfd` we own and pass with count 1;
+    // the descriptor belongs to `listener`, which outlives the call. Exercised by every
+    // store test (`every_op_round_trips` among them) and by tests/store_flood.rs.
+    unsafe {
+        libc::poll(&mut fd, 1, millis);
     }
 }
 
