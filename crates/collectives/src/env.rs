@@ -279,6 +279,13 @@ pub struct DefaultWorld {
     _tcp: Option<crate::tcp::TcpWorld>,
 }
 
+impl DefaultWorld {
+    /// The TCP world (store, server, communicator) when the backend is `tcp`.
+    pub fn tcp(&self) -> Option<&crate::tcp::TcpWorld> {
+        self._tcp.as_ref()
+    }
+}
+
 impl std::fmt::Debug for DefaultWorld {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("DefaultWorld")

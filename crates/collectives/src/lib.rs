@@ -39,6 +39,7 @@ pub mod reduce;
 pub mod shm;
 pub mod store;
 pub mod tcp;
+pub mod watchdog;
 mod work;
 
 pub use buffer::{Buffer, BufferLocation, HostBuffer};

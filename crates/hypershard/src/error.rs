@@ -115,6 +115,30 @@ pub enum Error {
         /// How it ended.
         status: ExitKind,
     },
+    /// The stall watchdog found a collective held up by this rank; the launcher stopped it
+    /// and the others.
+    #[error(
+        "rank {rank} (pid {pid} on host {host}) stalled the job: rank {waiter} waited \
+         {waited_s:.1}s for it in {op} #{seq} of group {group}; stopped the other ranks"
+    )]
+    RankStalled {
+        /// The global rank blamed.
+        rank: usize,
+        /// Its process id.
+        pid: u32,
+        /// Its host.
+        host: String,
+        /// The global rank that declared the stall.
+        waiter: usize,
+        /// How long it had waited, in seconds.
+        waited_s: f64,
+        /// The op it waited in.
+        op: String,
+        /// The op's sequence number in its group.
+        seq: u64,
+        /// The group's name.
+        group: String,
+    },
     /// A rank went over `--max-rank-memory` and the kernel stopped it.
     #[error(
         "rank {rank} went over --max-rank-memory ({limit_mib:.1} MiB) and was killed ({status}); \

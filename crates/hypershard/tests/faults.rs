@@ -197,7 +197,9 @@ fn a_rank_killed_mid_checkpoint_leaves_the_previous_one_and_resume_matches() {
 #[test]
 fn a_stalled_rank_is_a_timeout_naming_the_op_and_the_peer() {
     let out = scratch("stall");
-    let (output, elapsed) = run(&out, Some("forward@1:1:stop"), &[]);
+    // With the stall watchdog off, the op deadline is what ends the wait (tests/stall.rs
+    // covers the watchdog, which names the stopped rank long before).
+    let (output, elapsed) = run(&out, Some("forward@1:1:stop"), &["--on-stall", "off"]);
     let text = stderr(&output);
     assert!(!output.status.success(), "{text}");
     // Rank 0 waits in an op for the stopped rank 1 until its deadline, then fails with a

@@ -231,10 +231,13 @@ impl Drop for Launcher {
 }
 
 /// The flags every run shares: the tiny model, 4 ranks on a 2x2 HSDP mesh, 2 sequences per
-/// rank, a checkpoint every 2 steps.
+/// rank, a checkpoint every 2 steps, and the stall watchdog off (these tests are about the op
+/// deadline across hosts; tests/stall.rs covers the watchdog).
 fn common_args(out: &Path) -> Vec<String> {
     [
         "train",
+        "--on-stall",
+        "off",
         "--model",
         "tiny",
         "--mesh",

@@ -25,7 +25,10 @@
 //! allocate more than one capped value; a client that breaks the protocol is disconnected and
 //! no other client notices.
 //!
-//! The server runs one thread per connection. Blocking `get`/`wait` requests wait on the
+//! The server runs one thread per connection, and at most [`MAX_PENDING_HANDSHAKES`] of them
+//! for connections still in their handshake (which must end within [`HANDSHAKE_TIMEOUT`]):
+//! connections over that cap are closed at once and logged (at most once a second), and a
+//! client whose connection is closed before the server's hello tries again. Blocking `get`/`wait` requests wait on the
 //! server side in short slices so that [`TcpStoreServer`]'s `Drop` can stop every thread
 //! promptly. The client keeps a small pool of connections: a thread blocked in `wait` holds
 //! one connection, and another thread's `set` through the same [`TcpStore`] opens or reuses
@@ -33,7 +36,7 @@
 
 use std::io::{self, Read, Write};
 use std::net::{Shutdown, SocketAddr, TcpListener, TcpStream, ToSocketAddrs};
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, PoisonError};
 use std::thread::{self, JoinHandle};
 use std::time::{Duration, Instant};
@@ -55,6 +58,15 @@ pub const MAX_KEYS: usize = 4096;
 
 /// How often server threads look at the stop flag.
 const POLL: Duration = Duration::from_millis(50);
+/// The most connections that may be in their handshake at once: each costs a thread, and
+/// until it proves it holds the job secret it is a stranger. Connections over the cap are
+/// closed at once (and logged), so idle or hostile connections cannot pile up threads.
+pub const MAX_PENDING_HANDSHAKES: usize = 64;
+/// How long a connection may take to complete its handshake before it is dropped.
+pub const HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(5);
+/// At most one warning about refused connections per this interval (a flood must not flood
+/// the log or slow the accept loop).
+const REFUSAL_LOG_INTERVAL: Duration = Duration::from_secs(1);
 /// How long a server connection may stall in the middle of a request before it is dropped.
 const MID_REQUEST_STALL: Duration = Duration::from_secs(30);
 /// Extra time a client allows beyond a request's own timeout for the reply to arrive.
@@ -365,6 +377,7 @@ impl TcpStoreServer {
                 store: store.clone(),
                 stop: stop.clone(),
                 secret,
+                pending: AtomicUsize::new(0),
             };
             thread::Builder::new()
                 .name(format!("tcp-store-{}", local_addr.port()))
@@ -416,26 +429,85 @@ struct Shared {
     store: Arc<MemoryStore>,
     stop: Arc<AtomicBool>,
     secret: Option<JobSecret>,
+    /// Connections accepted that have not finished their handshake.
+    pending: AtomicUsize,
+}
+
+/// Counts a connection as pending until its handshake ends, however it ends.
+struct PendingGuard<'a>(Option<&'a AtomicUsize>);
+
+impl PendingGuard<'_> {
+    fn done(&mut self) {
+        if let Some(pending) = self.0.take() {
+            pending.fetch_sub(1, Ordering::SeqCst);
+        }
+    }
+}
+
+impl Drop for PendingGuard<'_> {
+    fn drop(&mut self) {
+        self.done();
+    }
+}
+
+/// Refusals of connections over [`MAX_PENDING_HANDSHAKES`], logged at most once a second.
+struct RefusalLog {
+    refused: u64,
+    last_logged: Option<Instant>,
+}
+
+impl RefusalLog {
+    fn refused(&mut self, peer_addr: SocketAddr) {
+        self.refused += 1;
+        if self
+            .last_logged
+            .is_some_and(|at| at.elapsed() < REFUSAL_LOG_INTERVAL)
+        {
+            return;
+        }
+        self.last_logged = Some(Instant::now());
+        tracing::warn!(
+            %peer_addr,
+            refused = self.refused,
+            limit = MAX_PENDING_HANDSHAKES,
+            "tcp store: too many connections in their handshake; refused this one (refused so far: {})",
+            self.refused
+        );
+    }
 }
 
 fn accept_loop(listener: &TcpListener, shared: &Arc<Shared>) {
     let mut connections: Vec<JoinHandle<()>> = Vec::new();
+    let mut refusals = RefusalLog {
+        refused: 0,
+        last_logged: None,
+    };
     while !shared.stop.load(Ordering::SeqCst) {
         match listener.accept() {
             Ok((stream, peer_addr)) => {
-                let shared = shared.clone();
+                connections.retain(|h| !h.is_finished());
+                if shared.pending.load(Ordering::SeqCst) >= MAX_PENDING_HANDSHAKES {
+                    // Closed without a thread: costs the accept and the close.
+                    let _ = stream.shutdown(Shutdown::Both);
+                    drop(stream);
+                    refusals.refused(peer_addr);
+                    continue;
+                }
+                shared.pending.fetch_add(1, Ordering::SeqCst);
+                let shared_for_thread = shared.clone();
                 let spawned = thread::Builder::new()
                     .name(format!("tcp-store-conn-{peer_addr}"))
-                    .spawn(move || serve_connection(stream, &shared));
+                    .spawn(move || serve_connection(stream, &shared_for_thread));
                 match spawned {
                     Ok(handle) => connections.push(handle),
                     Err(e) => {
+                        // The closure (and its stream) was dropped without running.
+                        shared.pending.fetch_sub(1, Ordering::SeqCst);
                         tracing::warn!(%peer_addr, error = %e, "tcp store: cannot start a connection thread; dropping the client")
                     }
                 }
-                connections.retain(|h| !h.is_finished());
             }
-            Err(e) if e.kind() == io::ErrorKind::WouldBlock => thread::sleep(POLL / 5),
+            Err(e) if e.kind() == io::ErrorKind::WouldBlock => wait_readable(listener, POLL / 5),
             Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
             Err(e) => {
                 tracing::warn!(error = %e, "tcp store: accept failed");
@@ -449,14 +521,35 @@ fn accept_loop(listener: &TcpListener, shared: &Arc<Shared>) {
     }
 }
 
+/// Waits until `listener` has a connection to accept, or `timeout` passes. Waking at once
+/// (rather than sleeping a fixed slice) keeps the accept queue drained under a flood of
+/// connections, so a rank's connection is never stuck behind a full backlog.
+fn wait_readable(listener: &TcpListener, timeout: Duration) {
+    use std::os::fd::AsRawFd;
+    let mut fd = libc::pollfd {
+        fd: listener.as_raw_fd(),
+        events: libc::POLLIN,
+        revents: 0,
+    };
+    let millis = libc::c_int::try_from(timeout.as_millis()).unwrap_or(libc::c_int::MAX);
+    // SAFETY: poll(2) reads and writes exactly the one `pollfd` we own and pass with count 1;
+    // the descriptor belongs to `listener`, which outlives the call. Exercised by every
+    // store test (`every_op_round_trips` among them) and by tests/store_flood.rs.
+    unsafe {
+        libc::poll(&mut fd, 1, millis);
+    }
+}
+
 /// A reader that retries read timeouts until the stop flag is set, so a connection thread
 /// idles cheaply yet stops promptly. Once a request has started, a stall longer than
-/// [`MID_REQUEST_STALL`] drops the client.
+/// [`MID_REQUEST_STALL`] drops the client; before `deadline` (the handshake's) passes, the
+/// handshake must be done.
 struct StopAwareReader<'a> {
     stream: &'a TcpStream,
     stop: &'a AtomicBool,
     stalled_since: Option<Instant>,
     in_request: bool,
+    deadline: Option<Instant>,
 }
 
 impl Read for StopAwareReader<'_> {
@@ -479,6 +572,12 @@ impl Read for StopAwareReader<'_> {
                         io::ErrorKind::WouldBlock | io::ErrorKind::TimedOut
                     ) =>
                 {
+                    if self.deadline.is_some_and(|d| Instant::now() >= d) {
+                        return Err(io::Error::new(
+                            io::ErrorKind::TimedOut,
+                            "the handshake took too long",
+                        ));
+                    }
                     if self.in_request {
                         let since = *self.stalled_since.get_or_insert_with(Instant::now);
                         if since.elapsed() > MID_REQUEST_STALL {
@@ -524,8 +623,12 @@ fn serve_requests(stream: &TcpStream, shared: &Shared) -> std::result::Result<()
         stop,
         stalled_since: None,
         in_request: true,
+        deadline: Some(Instant::now() + HANDSHAKE_TIMEOUT),
     };
+    let mut pending = PendingGuard(Some(&shared.pending));
     authenticate_client(&mut reader, stream, shared.secret.as_ref())?;
+    pending.done();
+    reader.deadline = None;
     loop {
         reader.in_request = false;
         let opcode = match read_u8(&mut reader) {
@@ -762,9 +865,32 @@ impl TcpStore {
         self.addr
     }
 
-    /// Opens a fresh connection and exchanges hellos.
+    /// Opens a fresh connection and exchanges hellos. A server that closes the connection
+    /// before its hello (it is at its cap of pending handshakes, see
+    /// [`MAX_PENDING_HANDSHAKES`]) is tried again until the connect timeout.
     fn open(&self) -> Result<TcpStream> {
         let deadline = Instant::now() + self.connect_timeout;
+        loop {
+            match self.open_once(deadline) {
+                Err(Error::Io {
+                    action: IoAction::Read,
+                    source,
+                    ..
+                }) if matches!(
+                    source.kind(),
+                    io::ErrorKind::UnexpectedEof
+                        | io::ErrorKind::ConnectionReset
+                        | io::ErrorKind::ConnectionAborted
+                ) && Instant::now() < deadline =>
+                {
+                    thread::sleep(Duration::from_millis(50));
+                }
+                other => return other,
+            }
+        }
+    }
+
+    fn open_once(&self, deadline: Instant) -> Result<TcpStream> {
         let stream = loop {
             let left = deadline.saturating_duration_since(Instant::now());
             match TcpStream::connect_timeout(&self.addr, left.max(Duration::from_millis(10))) {

@@ -19,9 +19,10 @@ use crate::communicator::Communicator;
 use crate::config::CommConfig;
 use crate::dtype::DType;
 use crate::engine::{JobContext, JobSpec, ProgressEngine};
-use crate::error::Result;
-use crate::op::{BufferPair, OpKind, StridedBlocks};
+use crate::error::{Error, Result};
+use crate::op::{BufferPair, BufferRole, OpKind, StridedBlocks};
 use crate::store::Store;
+use crate::watchdog::{GroupSlot, ProgressBoard};
 use crate::work::Work;
 
 /// The backend name reported by [`Communicator::backend`].
@@ -54,6 +55,10 @@ pub(crate) struct Inner {
     next_collective: AtomicU64,
     /// How many splits this rank has made, for deriving the children's group ids.
     pub(crate) splits: AtomicU64,
+    /// The process's progress board (shared by the world and its splits) and this group's
+    /// slot on it, marked at every op's start and end for the stall watchdog.
+    pub(crate) board: Arc<ProgressBoard>,
+    slot: Arc<GroupSlot>,
     /// Working memory reused by every op of this group (ops run one at a time on the
     /// progress thread, so the lock is never contended). Fresh large allocations fault in
     /// every page, which on small VMs costs more than moving the data over loopback, so a
@@ -73,6 +78,80 @@ impl Inner {
             *scratch = HostBuffer::zeros(DType::U8, len);
         }
         job(&mut scratch.as_bytes_mut()[..len])
+    }
+
+    /// An error about peers as the user sees it: the ops of a split group work in group
+    /// ranks, but a message must name the rank the user can find (its global rank, the
+    /// `RANK` of its process), so every peer an error names is mapped to the world here.
+    pub(crate) fn global_view(&self, error: Error) -> Error {
+        if self.group_id == WORLD_GROUP {
+            return error;
+        }
+        let global = |rank: usize| self.members.get(rank).copied().unwrap_or(rank);
+        let role = |role: BufferRole| match role {
+            BufferRole::Peer { rank } => BufferRole::Peer { rank: global(rank) },
+            other => other,
+        };
+        match error {
+            Error::PeerLost { op, peer } => Error::PeerLost {
+                op,
+                peer: global(peer),
+            },
+            Error::Timeout { op, after, peer } => Error::Timeout {
+                op,
+                after,
+                peer: peer.map(global),
+            },
+            Error::Protocol { peer, violation } => Error::Protocol {
+                peer: peer.map(global),
+                violation,
+            },
+            Error::ArgumentMismatch {
+                op,
+                argument,
+                peer,
+                reference,
+            } => Error::ArgumentMismatch {
+                op,
+                argument,
+                peer: global(peer),
+                reference: global(reference),
+            },
+            Error::OpMismatch {
+                seq,
+                ours,
+                theirs,
+                peer,
+            } => Error::OpMismatch {
+                seq,
+                ours,
+                theirs,
+                peer: global(peer),
+            },
+            Error::LengthMismatch {
+                op,
+                role: r,
+                expected,
+                got,
+            } => Error::LengthMismatch {
+                op,
+                role: role(r),
+                expected,
+                got,
+            },
+            Error::DTypeMismatch {
+                op,
+                role: r,
+                expected,
+                got,
+            } => Error::DTypeMismatch {
+                op,
+                role: role(r),
+                expected,
+                got,
+            },
+            other => other,
+        }
     }
 
     pub(crate) fn next_seq(&self) -> u64 {
@@ -155,10 +234,13 @@ impl TcpCommunicator {
     ) -> Result<TcpCommunicator> {
         let (rank, world_size) = (mesh.rank(), mesh.world_size());
         let transport = Arc::new(Transport::start(mesh, frame_cap(tcp, world_size))?);
+        let members: Vec<usize> = (0..world_size).collect();
+        let board = Arc::new(ProgressBoard::new(rank));
+        let slot = board.register(WORLD_GROUP, "world", &members);
         TcpCommunicator::new(Inner {
             transport,
             group_id: WORLD_GROUP,
-            members: (0..world_size).collect(),
+            members,
             rank,
             config,
             segment_bytes: tcp.segment_bytes,
@@ -171,6 +253,8 @@ impl TcpCommunicator {
             name: "world".to_string(),
             next_collective: AtomicU64::new(0),
             splits: AtomicU64::new(0),
+            board,
+            slot,
             scratch: Mutex::new(HostBuffer::zeros(DType::U8, 0)),
         })
     }
@@ -183,6 +267,7 @@ impl TcpCommunicator {
         rank: usize,
         name: String,
     ) -> Result<TcpCommunicator> {
+        let slot = parent.board.register(group_id, &name, &members);
         TcpCommunicator::new(Inner {
             transport: Arc::clone(&parent.transport),
             group_id,
@@ -199,6 +284,8 @@ impl TcpCommunicator {
             name,
             next_collective: AtomicU64::new(0),
             splits: AtomicU64::new(0),
+            board: Arc::clone(&parent.board),
+            slot,
             scratch: Mutex::new(HostBuffer::zeros(DType::U8, 0)),
         })
     }
@@ -222,7 +309,17 @@ impl TcpCommunicator {
             bytes,
             timeout: inner.config.timeout,
         };
-        self.engine.submit(spec, move |ctx| job(&inner, ctx))
+        self.engine.submit(spec, move |ctx| {
+            // From here until the job returns, the watchdog sees this rank inside the op.
+            let _entered = inner.slot.enter(ctx.seq, ctx.op);
+            job(&inner, ctx).map_err(|error| inner.global_view(error))
+        })
+    }
+
+    /// The progress board of this rank process (shared with every group split from the
+    /// world), which the stall watchdog publishes.
+    pub fn progress_board(&self) -> Arc<ProgressBoard> {
+        Arc::clone(&self.inner.board)
     }
 }
 

@@ -5,6 +5,7 @@ mod export_cmd;
 mod launch_cmd;
 mod resume;
 mod sample_cmd;
+mod stall_flags;
 mod train_cmd;
 
 use clap::{Parser, Subcommand};

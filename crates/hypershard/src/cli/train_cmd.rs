@@ -21,6 +21,7 @@ use hypershard::train::{
 };
 use hypershard::{Error, collectives};
 
+use super::stall_flags::StallArgs;
 use super::{checks, resume};
 
 /// The variable through which the parent hands its chosen output directory to the ranks.
@@ -174,6 +175,8 @@ pub struct TrainArgs {
     /// Per-step losses, one JSON object per line (default: OUT/losses.jsonl).
     #[arg(long)]
     losses: Option<PathBuf>,
+    #[command(flatten)]
+    stall: StallArgs,
     /// Internal: run as one rank under the launcher.
     #[arg(long, hide = true)]
     worker: bool,
@@ -278,6 +281,7 @@ fn check_flags(args: &TrainArgs) -> Result<(), Error> {
     checks::float_in("--beta1", args.beta1, 0.0, 1.0, true)?;
     checks::float_in("--beta2", args.beta2, 0.0, 1.0, true)?;
     checks::float_in("--grad-clip", args.grad_clip, 0.0, f64::INFINITY, false)?;
+    args.stall.watchdog()?;
     Ok(())
 }
 
@@ -510,7 +514,10 @@ pub fn run(args: TrainArgs) -> Result<(), Error> {
         master_port: args.master_port,
         program: program.into_os_string(),
         args: worker_args,
-        extra_env: vec![(OUT_ENV.into(), out.into_os_string())],
+        extra_env: [(OUT_ENV.into(), out.into_os_string())]
+            .into_iter()
+            .chain(args.stall.rank_env())
+            .collect(),
         stop_timeout: Duration::from_secs(5),
         rank0_owns_terminal: true,
         max_rank_memory: args.max_rank_memory,
@@ -529,6 +536,11 @@ fn run_worker(args: &TrainArgs) -> Result<(), Error> {
     // HYPERSHARD_BACKEND (tcp by default, or mpi) picks the backend; the world keeps the TCP
     // store alive when there is one.
     let world = collectives::init_default_from_env()?;
+    // The stall watchdog (TCP worlds): dropped before the world, which it publishes about.
+    let _watchdog = match (args.stall.watchdog()?, world.tcp()) {
+        (Some(config), Some(tcp)) => Some(collectives::watchdog::Watchdog::start(tcp, config)?),
+        _ => None,
+    };
     let comm: Arc<dyn collectives::Communicator> = world.comm.clone();
     let summary = run_rank(config, Arc::clone(&comm))?;
     // Rank 0 hosts the store: keep it up until every rank is done with it.

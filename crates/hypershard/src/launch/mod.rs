@@ -20,6 +20,7 @@ mod memory_limit;
 mod output;
 mod port;
 mod signal;
+mod stall;
 
 use std::ffi::OsString;
 use std::os::unix::process::{CommandExt, ExitStatusExt};
@@ -146,13 +147,66 @@ struct RankProcess {
     rank: usize,
     child: Child,
     exited: Option<ExitStatus>,
+    /// The signals the launcher sent it: a rank that dies of one of them is a bystander.
+    sent: Vec<i32>,
+}
+
+impl RankProcess {
+    /// Sends `signal` to the rank's process group and remembers it.
+    fn signal(&mut self, signal: i32) {
+        if !self.sent.contains(&signal) {
+            self.sent.push(signal);
+        }
+        signal_group(self.child.id(), signal);
+    }
+
+    /// How much a failure of this rank says about the cause of the job's end: 3 for a
+    /// signal the launcher did not send (killed from outside: kill -9, the OOM killer),
+    /// 1 for a non-zero exit before the launcher signalled it, 0 for a bystander.
+    fn blame(&self, kind: ExitKind) -> u8 {
+        match kind {
+            ExitKind::Signal(signal) if !self.sent.contains(&signal) => 3,
+            ExitKind::Code(_) if self.sent.is_empty() => 1,
+            _ => 0,
+        }
+    }
 }
 
 /// Why the launcher is stopping the ranks early.
-#[derive(Clone, Copy, Debug)]
+#[derive(Clone, Debug)]
 enum StopReason {
-    RankFailed { rank: usize, status: ExitKind },
-    Interrupted { signal: i32 },
+    RankFailed {
+        rank: usize,
+        status: ExitKind,
+        blame: u8,
+    },
+    Stalled(stall::Stall),
+    Interrupted {
+        signal: i32,
+    },
+}
+
+impl StopReason {
+    /// Which reason wins when several appear: an interrupt is never replaced, then a rank
+    /// killed from outside, a stall, a rank that failed on its own, a bystander.
+    fn weight(&self) -> u8 {
+        match self {
+            StopReason::Interrupted { .. } => 5,
+            StopReason::RankFailed { blame, .. } => *blame + u8::from(*blame >= 3),
+            StopReason::Stalled(_) => 3,
+        }
+    }
+}
+
+/// Keeps the weightier of the current reason and `candidate`; returns whether it changed.
+fn offer(reason: &mut Option<StopReason>, candidate: StopReason) -> bool {
+    match reason {
+        Some(current) if current.weight() >= candidate.weight() => false,
+        _ => {
+            *reason = Some(candidate);
+            true
+        }
+    }
 }
 
 fn exit_kind(status: ExitStatus) -> ExitKind {
@@ -343,6 +397,7 @@ pub fn launch(config: &LaunchConfig) -> Result<LaunchReport> {
             rank,
             child,
             exited: None,
+            sent: Vec::new(),
         });
     }
     drop(done_sender);
@@ -354,7 +409,10 @@ pub fn launch(config: &LaunchConfig) -> Result<LaunchReport> {
         "launched ranks"
     );
 
-    let outcome = supervise(&mut ranks, &latch, config.stop_timeout);
+    let watch = store_server
+        .as_ref()
+        .map(|server| stall::StallWatch::new(server.store(), world_size));
+    let outcome = supervise(&mut ranks, &latch, config.stop_timeout, watch);
     drop(store_server);
     // The ranks have exited; give their last lines a moment to come through before the
     // launcher prints its own verdict.
@@ -370,7 +428,28 @@ pub fn launch(config: &LaunchConfig) -> Result<LaunchReport> {
             master_port,
             world_size,
         }),
-        Some(StopReason::RankFailed { rank, status }) => {
+        Some(StopReason::Stalled(stall)) => {
+            let local_pid = ranks
+                .iter()
+                .find(|p| p.rank == stall.rank)
+                .map(|p| p.child.id());
+            let declaration = &stall.declaration;
+            Err(Error::RankStalled {
+                rank: stall.rank,
+                pid: local_pid.or(stall.pid).unwrap_or(0),
+                host: if stall.host.is_empty() {
+                    "unknown".to_string()
+                } else {
+                    stall.host.clone()
+                },
+                waiter: declaration.waiter,
+                waited_s: declaration.waited_ms as f64 / 1000.0,
+                op: declaration.op().to_string(),
+                seq: declaration.seq(),
+                group: declaration.group.name.clone(),
+            })
+        }
+        Some(StopReason::RankFailed { rank, status, .. }) => {
             let local_rank = rank - config.node_rank * config.nproc_per_node;
             match &cgroups {
                 Some(cgroups) if cgroups.hit_limit(local_rank) => Err(Error::RankOverMemory {
@@ -385,29 +464,45 @@ pub fn launch(config: &LaunchConfig) -> Result<LaunchReport> {
     }
 }
 
-/// Polls the ranks until all have exited, stopping the rest on the first failure or signal.
+/// Polls the ranks until all have exited, stopping the rest on the first failure, stall or
+/// signal. The reason returned names the rank most likely at fault, not the first to exit:
+/// when one rank is killed its peers fail within milliseconds (PeerLost), sometimes before
+/// the killed rank's own exit is visible, so a later-seen rank killed from outside still
+/// takes the blame from a rank that merely exited non-zero ([`StopReason::weight`]).
 fn supervise(
     ranks: &mut [RankProcess],
     latch: &SignalLatch,
     stop_timeout: Duration,
+    mut watch: Option<stall::StallWatch>,
 ) -> Result<Option<StopReason>> {
     let mut reason: Option<StopReason> = None;
     let mut kill_at: Option<Instant> = None;
+    let mut pending_stall: Option<stall::Stall> = None;
     loop {
         if let Some(signal) = latch.take() {
-            for process in ranks.iter().filter(|p| p.exited.is_none()) {
-                signal_group(process.child.id(), signal);
+            for process in ranks.iter_mut().filter(|p| p.exited.is_none()) {
+                process.signal(signal);
             }
-            if reason.is_none() {
-                reason = Some(StopReason::Interrupted { signal });
-            }
+            offer(&mut reason, StopReason::Interrupted { signal });
             kill_at.get_or_insert(Instant::now() + stop_timeout);
         }
-        // Every rank that failed since the last poll. When one rank dies, its peers fail
-        // within milliseconds (PeerLost), usually before the next poll, so one poll can see
-        // several failures; the root cause is the rank killed by a signal (nobody else has
-        // signalled anyone yet), else the lowest failed rank.
-        let mut failed: Option<(usize, ExitKind)> = None;
+        if let Some(stall) = watch.as_mut().and_then(stall::StallWatch::poll)
+            && stall.fail
+        {
+            pending_stall = Some(stall);
+        }
+        if pending_stall
+            .as_ref()
+            .is_some_and(|s| Instant::now() >= s.act_at)
+            && let Some(stall) = pending_stall.take()
+        {
+            act_on_stall(ranks, &stall);
+            offer(&mut reason, StopReason::Stalled(stall));
+            kill_at.get_or_insert(Instant::now() + stop_timeout);
+        }
+        // Every rank that failed since the last poll; the weightiest (then the lowest rank)
+        // is this poll's candidate.
+        let mut failed: Option<(usize, ExitKind, u8)> = None;
         for process in ranks.iter_mut() {
             if process.exited.is_some() {
                 continue;
@@ -421,34 +516,57 @@ fn supervise(
             process.exited = Some(status);
             if !status.success() {
                 let kind = exit_kind(status);
-                let by_signal = matches!(kind, ExitKind::Signal(_));
-                let earlier_by_signal = matches!(failed, Some((_, ExitKind::Signal(_))));
-                if failed.is_none() || (by_signal && !earlier_by_signal) {
-                    failed = Some((rank, kind));
+                let blame = process.blame(kind);
+                if failed.is_none_or(|(_, _, b)| blame > b) {
+                    failed = Some((rank, kind, blame));
                 }
             }
         }
-        if let Some((rank, kind)) = failed
-            && reason.is_none()
-        {
-            tracing::info!(rank, status = %kind, "rank failed; stopping the others");
-            reason = Some(StopReason::RankFailed { rank, status: kind });
-            for process in ranks.iter().filter(|p| p.exited.is_none()) {
-                signal_group(process.child.id(), SIGTERM);
+        if let Some((rank, kind, blame)) = failed {
+            let first = reason.is_none();
+            let candidate = StopReason::RankFailed {
+                rank,
+                status: kind,
+                blame,
+            };
+            if offer(&mut reason, candidate) {
+                tracing::info!(rank, status = %kind, "rank failed; stopping the others");
             }
-            kill_at = Some(Instant::now() + stop_timeout);
+            // While a stall's grace runs the ranks are printing their reports and aborting
+            // on their own; otherwise the first failure stops everyone.
+            if first && pending_stall.is_none() {
+                for process in ranks.iter_mut().filter(|p| p.exited.is_none()) {
+                    process.signal(SIGTERM);
+                }
+                kill_at = Some(Instant::now() + stop_timeout);
+            }
         }
         if ranks.iter().all(|p| p.exited.is_some()) {
+            if let Some(stall) = pending_stall.take() {
+                offer(&mut reason, StopReason::Stalled(stall));
+            }
             return Ok(reason);
         }
         if let Some(deadline) = kill_at
             && Instant::now() >= deadline
         {
-            for process in ranks.iter().filter(|p| p.exited.is_none()) {
-                signal_group(process.child.id(), SIGKILL);
+            for process in ranks.iter_mut().filter(|p| p.exited.is_none()) {
+                process.signal(SIGKILL);
             }
         }
         std::thread::sleep(POLL_INTERVAL);
+    }
+}
+
+/// Kills the rank a stall is blamed on (SIGKILL: it may be stopped, and a stopped process
+/// acts on no other signal) and asks the others to stop.
+fn act_on_stall(ranks: &mut [RankProcess], stall: &stall::Stall) {
+    for process in ranks.iter_mut().filter(|p| p.exited.is_none()) {
+        process.signal(if process.rank == stall.rank {
+            SIGKILL
+        } else {
+            SIGTERM
+        });
     }
 }
 

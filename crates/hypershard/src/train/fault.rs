@@ -6,7 +6,8 @@
 //! The value is `<point>@<step>:<rank>` or `<point>@<step>:<rank>:stop`, where `<point>` is
 //! `forward` (before the step's first forward, so the peers are inside its parameter
 //! all-gathers), `backward` (after the forward, so the peers are inside the backward's
-//! reduce-scatters) or `checkpoint` (after this rank wrote its shard of the checkpoint of
+//! reduce-scatters), `optimizer` (after the backward, before gradient clipping and the
+//! optimizer step, so the peers are in the clipping's all-reduce) or `checkpoint` (after this rank wrote its shard of the checkpoint of
 //! `<step>` but before the save commits). Unset: no fault (the only cost is one
 //! comparison per point).
 
@@ -25,6 +26,8 @@ pub enum FaultPoint {
     Forward,
     /// After the step's first forward, before its backward.
     Backward,
+    /// After the backward, before gradient clipping and the optimizer step.
+    Optimizer,
     /// After this rank's checkpoint shard is written, before the save commits.
     Checkpoint,
 }
@@ -50,6 +53,7 @@ impl Fault {
         let point = match point {
             "forward" => FaultPoint::Forward,
             "backward" => FaultPoint::Backward,
+            "optimizer" => FaultPoint::Optimizer,
             "checkpoint" => FaultPoint::Checkpoint,
             _ => return None,
         };
@@ -89,8 +93,9 @@ impl Fault {
             return;
         }
         eprintln!(
-            "{FAULT_ENV}: rank {rank} {} itself at {point:?} of step {step}",
-            if fault.stop { "stops" } else { "kills" }
+            "{FAULT_ENV}: rank {rank} {} itself at {point:?} of step {step} (pid {})",
+            if fault.stop { "stops" } else { "kills" },
+            std::process::id()
         );
         // Each rank leads its own process group (the launcher spawns it so), so signalling
         // the group signals exactly this rank.
@@ -124,6 +129,10 @@ mod tests {
         assert_eq!(
             Fault::parse("checkpoint@4:0").map(|f| f.point),
             Some(FaultPoint::Checkpoint)
+        );
+        assert_eq!(
+            Fault::parse("optimizer@2:3:stop").map(|f| (f.point, f.stop)),
+            Some((FaultPoint::Optimizer, true))
         );
         for bad in [
             "",

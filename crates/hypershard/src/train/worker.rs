@@ -4,6 +4,7 @@
 use std::path::PathBuf;
 use std::sync::Arc;
 
+use hypershard_collectives::watchdog::{Phase, set_phase};
 use hypershard_collectives::{CommCounter, Communicator, CommunicatorExt, ReduceOp};
 use hypershard_fsdp::{
     DataParallelMesh, FsdpModule, FullyShardConfig, MixedPrecisionPolicy, fully_shard,
@@ -204,10 +205,12 @@ impl Trainer {
         let (fault, rank) = (self.fault.as_ref(), self.world.rank());
         if backward {
             Fault::maybe_fire(fault, FaultPoint::Forward, self.step, rank);
+            set_phase(Phase::Forward, self.step);
         }
         let logits = self.model.forward(&ids)?;
         if backward {
             Fault::maybe_fire(fault, FaultPoint::Backward, self.step, rank);
+            set_phase(Phase::Backward, self.step);
         }
         let vocab = self.config.model.vocab_size;
         let flat = logits
@@ -271,6 +274,8 @@ impl Trainer {
             let batch = self.batcher.micro_batch(step, rank, micro);
             loss_sum += self.micro_loss(&batch, 1.0 / accum as f64, true)?;
         }
+        set_phase(Phase::Optimizer, step);
+        Fault::maybe_fire(self.fault.as_ref(), FaultPoint::Optimizer, step, rank);
         if self.config.optim.grad_clip > 0.0 {
             self.clip_gradients()?;
         }
@@ -287,6 +292,7 @@ impl Trainer {
             return Ok(f64::NAN);
         };
         let rank = self.world.rank();
+        set_phase(Phase::Eval, self.step);
         let mut sum = 0.0;
         // A fixed set: the first 4 global batches of the held-out tenth.
         const EVAL_BATCHES: u64 = 4;
@@ -304,6 +310,7 @@ impl Trainer {
 
     fn save(&mut self, steps_done: u64) -> Result<()> {
         let _span = tracing::info_span!("train.checkpoint", step = steps_done).entered();
+        set_phase(Phase::Checkpoint, steps_done);
         if !self.config.allow_nonfinite {
             check_finite_parameters(&self.model, self.world.as_ref(), steps_done)?;
         }
