@@ -122,6 +122,10 @@ const STATICS: &[(&str, &str)] = &[
         "remembers that the kernel lacks futex_waitv",
     ),
     (
+        "crates/collectives/src/watchdog/board.rs",
+        "the training phase and step of this rank process, read by the stall watchdog",
+    ),
+    (
         "crates/dtensor/src/pack.rs",
         "one background thread that frees large wire buffers",
     ),
