@@ -27,7 +27,7 @@ use crate::results::{load_gloo, read_collectives, read_json};
 
 /// Every suite `cargo xtask bench` runs without a suite name, in this order. `memory` is
 /// among them because its `--quick` (the CI smoke) takes about a second once
-/// `hypershard`'s release binary is built (which [`bench`] does when the suite is planned);
+/// `hypershard`'s release binary is built (which [`bench()`] does when the suite is planned);
 /// its full run (minutes) and `--demo` run only when asked for.
 pub const ALL_SUITES: [&str; 6] = ["collectives", "dtensor", "nn", "fsdp", "fusion", "memory"];
 
