@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The MPI backend in CI (issue 11): installs Open MPI and libclang (idempotent), lints the
+# The MPI backend in CI: installs Open MPI and libclang (idempotent), lints the
 # `mpi` feature, runs its unit tests, and runs the whole conformance suite under
 # `mpirun -np 2` and `-np 3` (tests/mpi_conformance.rs; each rank exits non-zero on failure).
 # About 35 s of test time on 2 cores beyond the build.
@@ -9,7 +9,8 @@ cd "$(dirname "$0")/.."
 need=()
 command -v mpirun >/dev/null 2>&1 || need+=(openmpi-bin)
 [ -e /usr/include/x86_64-linux-gnu/mpi/mpi.h ] || [ -e /usr/lib/x86_64-linux-gnu/openmpi/include/mpi.h ] || need+=(libopenmpi-dev)
-ls /usr/lib/llvm-*/lib/libclang*.so* >/dev/null 2>&1 || need+=(libclang-dev)
+# bindgen needs libclang itself; libclang-cpp (a C++ API some packages pull in) does not do.
+ls /usr/lib/llvm-*/lib/libclang.so* /usr/lib/llvm-*/lib/libclang-[0-9]*.so* >/dev/null 2>&1 || need+=(libclang-dev)
 if [ ${#need[@]} -gt 0 ]; then
     SUDO=""
     [ "$(id -u)" -eq 0 ] || SUDO="sudo"
