@@ -2,7 +2,7 @@
 //!
 //! Without a suite every suite runs, in the order of [`ALL_SUITES`]; with one, only it (and
 //! `ARGS` go to its binary). `--quick` passes `--quick` to each binary: the CI smoke, tiny
-//! sizes, no timing claims. `--compare-pytorch` runs the PyTorch peer in the same sitting when
+//! sizes, no timing claims. `--compare-pytorch` runs the PyTorch peer in the same run, interleaved when
 //! a python with torch is found (`HYPERSHARD_TORCH_PYTHON`, else `$TORCH_VENV/bin/python`,
 //! else `~/.cache/hypershard-bench/torch-venv/bin/python`): `bench_gloo.py` interleaved with
 //! the collectives world by world, and the torch sides the nn and fsdp binaries run themselves
@@ -38,7 +38,7 @@ pub struct BenchArgs {
     pub suites: Vec<String>,
     /// `--quick`: the CI smoke.
     pub quick: bool,
-    /// `--compare-pytorch`: run the PyTorch peer in the same sitting.
+    /// `--compare-pytorch`: run the PyTorch peer in the same run, interleaved.
     pub compare_pytorch: bool,
     /// `--report-only`: rebuild report and plots from existing JSON, run nothing.
     pub report_only: bool,
@@ -477,7 +477,7 @@ pub fn fsdp_chart(rows: &[Value]) -> Option<BarChart> {
     }];
     if torch.iter().any(Option::is_some) {
         series.push(BarSeries {
-            label: "PyTorch FSDP2 (same sitting)".into(),
+            label: "PyTorch FSDP2 (interleaved runs)".into(),
             values: torch,
         });
     }

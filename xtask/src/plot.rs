@@ -318,7 +318,7 @@ mod tests {
             [
                 "hypershard tcp",
                 "hypershard tcp+shm",
-                "PyTorch gloo (same sitting)"
+                "PyTorch gloo (interleaved runs)"
             ]
         );
         assert_eq!(curves[0].1, vec![(4096.0, 0.05), (1048576.0, 2.0)]);
@@ -332,7 +332,7 @@ mod tests {
         assert!(plot_busbw(&path, "all_reduce", 2, &rows, Some(&gloo())).expect("plot"));
         let svg = std::fs::read_to_string(&path).expect("svg");
         assert!(svg.starts_with("<svg"), "{svg}");
-        assert!(svg.contains("hypershard tcp") && svg.contains("PyTorch gloo (same sitting)"));
+        assert!(svg.contains("hypershard tcp") && svg.contains("PyTorch gloo (interleaved runs)"));
         assert!(svg.contains("all_reduce, world 2"));
         assert!(svg.matches("<polyline").count() >= 2, "{svg}");
         // Nothing to draw: no file, and the caller is told.

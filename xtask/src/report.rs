@@ -1,7 +1,7 @@
 //! `target/bench/report.md`: one markdown section per suite, a table made from the suite's
 //! JSON (whatever columns it writes, so the suites may evolve without touching the report),
 //! plus the comparisons with PyTorch: busbw ratios against gloo for the collectives, and the
-//! ratios the nn and fsdp suites measured against torch in the same sitting.
+//! ratios the nn and fsdp suites measured against torch in the same run, interleaved.
 
 use std::fmt::Write as _;
 use std::path::PathBuf;
@@ -402,13 +402,13 @@ pub fn render(input: &ReportInput) -> String {
             },
             "nn" => {
                 out += &format!(
-                    "\n### against PyTorch (same sitting)\n\n{}",
+                    "\n### against PyTorch (interleaved runs)\n\n{}",
                     nn_ratios(json)
                 )
             }
             "fsdp" => {
                 out += &format!(
-                    "\n### against PyTorch FSDP2 (same sitting)\n\n{}",
+                    "\n### against PyTorch FSDP2 (interleaved runs)\n\n{}",
                     fsdp_ratios(json)
                 )
             }

@@ -56,7 +56,7 @@ impl GlooSource {
     /// The legend label of the gloo curve.
     pub fn label(&self) -> &'static str {
         match self {
-            GlooSource::SameSitting(_) => "PyTorch gloo (same sitting)",
+            GlooSource::SameSitting(_) => "PyTorch gloo (interleaved runs)",
             GlooSource::ResultsMd(_) => "PyTorch gloo (RESULTS.md, earlier sitting)",
         }
     }
