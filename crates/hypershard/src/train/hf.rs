@@ -14,7 +14,6 @@
 
 use std::collections::BTreeSet;
 use std::path::{Path, PathBuf};
-use std::sync::Arc;
 
 use hypershard_nn::{InitRequest, Module};
 use hypershard_tensor::Tensor;
@@ -22,7 +21,7 @@ use serde::Deserialize;
 use serde_json::json;
 
 use super::config::{ModelConfig, ModelShape};
-use super::init_file::read_block;
+use super::init_file::{load_param, read_block};
 use super::tensor_set::check_model_tensors;
 use crate::checkpoint::{
     Checkpoint, ExportAs, ExportSummary, SafetensorsIndex, export_tensors, write_atomically,
@@ -320,34 +319,12 @@ pub fn attach_hf_init(module: &mut dyn Module, dir: &Path) -> Result<Safetensors
         let Some(source) = next.next() else {
             return Ok(());
         };
-        if failure.is_some() {
-            return Ok(());
-        }
-        if param.is_deferred() {
+        if failure.is_none() {
             let reader = index.clone();
-            param.init = Some(Arc::new(move |request: InitRequest<'_>| {
-                read_hf_block(&reader, &source, request).map_err(|error| {
-                    hypershard_nn::Error::Materialize {
-                        name: request.name.to_string(),
-                        reason: error.to_string(),
-                    }
-                })
-            }));
-            return Ok(());
-        }
-        let tensor = param.tensor()?;
-        let shape = tensor.shape().to_vec();
-        let zeros = vec![0; shape.len()];
-        let request = InitRequest {
-            name,
-            global_shape: &shape,
-            offset: &zeros,
-            shape: &shape,
-            dtype: tensor.dtype(),
-        };
-        match read_hf_block(&index, &source, request) {
-            Ok(block) => param.data = Some(block),
-            Err(error) => failure = Some(error),
+            failure = load_param(name, param, move |request| {
+                read_hf_block(&reader, &source, request)
+            })?
+            .err();
         }
         Ok(())
     })?;

@@ -102,34 +102,12 @@ pub fn attach_init_file(module: &mut dyn Module, path: &Path) -> Result<Safetens
     }
     let mut failure = None;
     module.visit_params_mut("", &mut |name, param| {
-        if failure.is_some() {
-            return Ok(());
-        }
-        if param.is_deferred() {
+        if failure.is_none() {
             let reader = index.clone();
-            param.init = Some(Arc::new(move |request: InitRequest<'_>| {
-                read_block(&reader, request.name, request).map_err(|error| {
-                    hypershard_nn::Error::Materialize {
-                        name: request.name.to_string(),
-                        reason: error.to_string(),
-                    }
-                })
-            }));
-            return Ok(());
-        }
-        let tensor = param.tensor()?;
-        let shape = tensor.shape().to_vec();
-        let zeros = vec![0; shape.len()];
-        let request = InitRequest {
-            name,
-            global_shape: &shape,
-            offset: &zeros,
-            shape: &shape,
-            dtype: tensor.dtype(),
-        };
-        match read_block(&index, name, request) {
-            Ok(block) => param.data = Some(block),
-            Err(error) => failure = Some(error),
+            failure = load_param(name, param, move |request| {
+                read_block(&reader, request.name, request)
+            })?
+            .err();
         }
         Ok(())
     })?;
@@ -137,4 +115,34 @@ pub fn attach_init_file(module: &mut dyn Module, path: &Path) -> Result<Safetens
         Some(error) => Err(error),
         None => Ok(index),
     }
+}
+
+/// Makes `param` take its values from `read`: a deferred parameter gets it as its init hook
+/// (called later with only the blocks this rank owns), a materialised one is read whole now.
+/// The outer `Result` is the module's (a missing tensor), the inner one the file's.
+pub(crate) fn load_param(
+    name: &str,
+    param: &mut hypershard_nn::Parameter,
+    read: impl Fn(InitRequest<'_>) -> Result<Tensor> + Send + Sync + 'static,
+) -> hypershard_nn::Result<Result<()>> {
+    if param.is_deferred() {
+        param.init = Some(Arc::new(move |request: InitRequest<'_>| {
+            read(request).map_err(|error| hypershard_nn::Error::Materialize {
+                name: request.name.to_string(),
+                reason: error.to_string(),
+            })
+        }));
+        return Ok(Ok(()));
+    }
+    let tensor = param.tensor()?;
+    let shape = tensor.shape().to_vec();
+    let zeros = vec![0; shape.len()];
+    let request = InitRequest {
+        name,
+        global_shape: &shape,
+        offset: &zeros,
+        shape: &shape,
+        dtype: tensor.dtype(),
+    };
+    Ok(read(request).map(|block| param.data = Some(block)))
 }
