@@ -2,6 +2,7 @@
 
 mod cli;
 
+use std::io::Write;
 use std::process::ExitCode;
 
 use clap::Parser;
@@ -13,7 +14,10 @@ fn main() -> ExitCode {
         Ok(()) => ExitCode::SUCCESS,
         Err(error) => {
             // One clear line, then a non-zero status that says what happened where it can.
-            eprintln!("hypershard: error: {error}");
+            // The line goes out in one `write` so a rank killed by the launcher while it
+            // reports never leaves half a line for the launcher's own line to run into.
+            let line = format!("hypershard: error: {error}\n");
+            let _ = std::io::stderr().lock().write_all(line.as_bytes());
             ExitCode::from(cli::exit_code(&error))
         }
     }
