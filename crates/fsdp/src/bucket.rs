@@ -206,6 +206,13 @@ impl BufferPool {
         Ok(Tensor::from_host_buffer(storage, &[numel], dtype)?)
     }
 
+    /// Drops every cached buffer (the end of a backward: see `FsdpModule`'s hooks).
+    pub fn release_cached(&self) {
+        let mut inner = self.lock();
+        inner.free.clear();
+        inner.cached_bytes = 0;
+    }
+
     /// The most bytes ever handed out at once (gather outputs, which hold the unsharded
     /// parameters, and reduce inputs) and the bytes cached for reuse now.
     pub fn stats(&self) -> crate::mesh::CommBufferStats {

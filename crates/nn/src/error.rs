@@ -36,6 +36,14 @@ pub enum Error {
         /// Why, in words.
         reason: String,
     },
+    /// A model with a fused loss head ran its forward without targets set for it.
+    #[error(
+        "{module}: the loss head is fused but no targets were set for this forward (LossTargets::for_backward or for_eval)"
+    )]
+    LossTargetsMissing {
+        /// The kind of module, e.g. `"GPT"`.
+        module: &'static str,
+    },
     /// `backward` was called without a preceding `forward` (or twice after one forward).
     #[error("{module}: backward called without a preceding forward")]
     BackwardBeforeForward {

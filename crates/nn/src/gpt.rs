@@ -9,8 +9,10 @@ use hypershard_tensor::{DType, RandomInit, Tensor};
 use crate::checkpoint::{load_state_dict, save_safetensors};
 use crate::elementwise::check_float;
 use crate::embedding::{Embedding, gather_rows, scatter_add_rows};
+use crate::fused_loss::{LossTargets, fused_head};
 use crate::kernels::{Float, add_assign, load, store, with_float, with_values, with_values2};
 use crate::linalg::{GemmShape, MatmulOptions, gemm};
+use crate::loss::TargetClasses;
 use crate::module::{ChildVisitorMut, ParamVisitor, ParamVisitorMut, join_name};
 use crate::{
     Block, BlockConfig, Dropout, Error, LayerNorm, LayerNormConfig, Module, ModuleList, Parameter,
@@ -78,7 +80,15 @@ pub struct Gpt {
     drop: Dropout,
     h: ModuleList,
     ln_f: LayerNorm,
+    /// Set by [`Gpt::fused_loss`]: the forward returns the loss instead of the logits.
+    fused: Option<FusedLoss>,
     cache: Option<GptCache>,
+}
+
+/// The fused loss head's targets handle and ignored class.
+struct FusedLoss {
+    targets: LossTargets,
+    ignore_index: i64,
 }
 
 impl std::fmt::Debug for Gpt {
@@ -89,12 +99,24 @@ impl std::fmt::Debug for Gpt {
     }
 }
 
-/// What backward needs: the token rows and the output of `ln_f`.
+/// What backward needs: the token rows and what the head left.
 struct GptCache {
     rows: Vec<usize>,
     batch: usize,
     seq: usize,
-    final_hidden: Tensor,
+    head: HeadCache,
+}
+
+/// The head's part of the cache.
+enum HeadCache {
+    /// Logits were returned: the output of `ln_f`, for the head's backward.
+    Logits { final_hidden: Tensor },
+    /// The fused loss was returned: its gradients with respect to the output of `ln_f`
+    /// (`[B·T, C]`) and to `wte` as the head weight (`[V, C]`), for a loss gradient of one.
+    Loss {
+        hidden_grad: Tensor,
+        head_grad: Tensor,
+    },
 }
 
 /// The standard deviation of nanoGPT's initialisation.
@@ -154,6 +176,7 @@ impl Gpt {
                 bias: config.bias,
                 dtype: config.dtype,
             })?,
+            fused: None,
             cache: None,
         };
         gpt.init_weights()?;
@@ -202,6 +225,22 @@ impl Gpt {
     /// [`Gpt::new`]'s parameter; `wte` stays one parameter, so the lm_head stays tied.
     pub fn new_deferred(config: GptConfig) -> Result<Self> {
         hypershard_tensor::deferred_init(|| Gpt::new(config))
+    }
+
+    /// Fuses the lm_head with the cross-entropy (torch's `cross_entropy(ignore_index=…)`,
+    /// mean over the counted targets): from now on the forward returns the mean loss as an
+    /// F64 tensor `[1]` against the targets set on the returned handle before each forward,
+    /// and the backward takes that loss's gradient `[1]` (the loss scale, e.g. `1/accum`).
+    ///
+    /// The `[B, T, V]` logits are never held: the head runs in blocks of token rows (see
+    /// `fused_loss.rs`). The loss equals the unfused `cross_entropy(logits)` bit for bit.
+    pub fn fused_loss(&mut self, ignore_index: i64) -> LossTargets {
+        let targets = LossTargets::default();
+        self.fused = Some(FusedLoss {
+            targets: targets.clone(),
+            ignore_index,
+        });
+        targets
     }
 
     /// The configuration.
@@ -280,6 +319,53 @@ impl Gpt {
     }
 }
 
+/// The unfused lm_head's backward from the logits' gradient `g` `[B, T, V]`: `dwte_head =
+/// gᵀ · h`, `[V, N]·[N, C]` (in the compute dtype), and `dh = g · wte`, `[N, V]·[V, C]`.
+fn head_backward(
+    grad_output: &Tensor,
+    final_hidden: &Tensor,
+    wte: &Tensor,
+    [batch, seq, c, v]: [usize; 4],
+) -> Result<(Tensor, Tensor)> {
+    const OP: &str = "Gpt::backward";
+    let expected = [batch, seq, v];
+    if grad_output.shape() != expected {
+        return Err(Error::ShapeMismatch {
+            op: OP,
+            lhs: expected.to_vec(),
+            rhs: grad_output.shape().to_vec(),
+        });
+    }
+    let dtype = wte.dtype();
+    if grad_output.dtype() != dtype {
+        return Err(Error::DTypeMismatch {
+            op: OP,
+            lhs: dtype,
+            rhs: grad_output.dtype(),
+        });
+    }
+    let tokens = batch * seq;
+    Ok(with_float!(OP, dtype, F => {
+        let g = load::<F>(grad_output)?;
+        let dw_shape = GemmShape::new(
+            v,
+            tokens,
+            c,
+            MatmulOptions {
+                transpose_a: true,
+                transpose_b: false,
+            },
+        )?;
+        let head = with_values::<F, _>(final_hidden, |h| gemm(&g, h, dw_shape))??;
+        let dh_shape = GemmShape::new(tokens, v, c, MatmulOptions::default())?;
+        let dh = with_values::<F, _>(wte, |w| gemm(&g, w, dh_shape))??;
+        (
+            Tensor::from_vec(head, &[v, c])?,
+            store(dh, &[batch, seq, c], dtype)?,
+        )
+    }))
+}
+
 /// `wte[ids] + wpe[t]` for every position, `[B·T, C]`.
 fn embed<F: Float>(wte: &[F], wpe: &[F], rows: &[usize], seq: usize, c: usize) -> Vec<F> {
     let mut x = gather_rows(wte, rows, c);
@@ -330,6 +416,37 @@ impl Module for Gpt {
         let final_hidden = self.ln_f.forward(&x)?;
         // The lm_head reads the token embedding afresh: a wrapper may have swapped it.
         let wte = self.wte.data()?;
+        if let Some(fused) = &self.fused {
+            let pending = fused.targets.take("GPT")?;
+            let classes = TargetClasses::new(OP, &pending.targets, v, fused.ignore_index)?;
+            let tokens = batch * seq;
+            let dtype = wte.dtype();
+            let (loss, head) = with_float!(OP, dtype, F => {
+                let hidden = load::<F>(&final_hidden)?;
+                let head = with_values::<F, _>(wte, |w| {
+                    fused_head(OP, &hidden, w, &classes, [tokens, c, v], pending.backward)
+                })??;
+                let loss = head.loss_sum / head.counted as f64;
+                let grads = match head.grads {
+                    Some(grads) => Some((
+                        Tensor::from_vec(grads.hidden, &[tokens, c])?,
+                        Tensor::from_vec(grads.weight, &[v, c])?,
+                    )),
+                    None => None,
+                };
+                (loss, grads)
+            });
+            self.cache = head.map(|(hidden_grad, head_grad)| GptCache {
+                rows,
+                batch,
+                seq,
+                head: HeadCache::Loss {
+                    hidden_grad,
+                    head_grad,
+                },
+            });
+            return Ok(Tensor::from_vec(vec![loss], &[1])?);
+        }
         let shape = GemmShape::new(
             batch * seq,
             c,
@@ -348,7 +465,7 @@ impl Module for Gpt {
             rows,
             batch,
             seq,
-            final_hidden,
+            head: HeadCache::Logits { final_hidden },
         });
         Ok(logits)
     }
@@ -361,44 +478,34 @@ impl Module for Gpt {
             .ok_or(Error::BackwardBeforeForward { module: "GPT" })?;
         let (batch, seq) = (cache.batch, cache.seq);
         let (c, v) = (self.config.n_embd, self.config.vocab_size);
-        let expected = [batch, seq, v];
-        if grad_output.shape() != expected {
-            return Err(Error::ShapeMismatch {
-                op: OP,
-                lhs: expected.to_vec(),
-                rhs: grad_output.shape().to_vec(),
-            });
-        }
         let wte = self.wte.data()?;
         let dtype = wte.dtype();
-        if grad_output.dtype() != dtype {
-            return Err(Error::DTypeMismatch {
-                op: OP,
-                lhs: dtype,
-                rhs: grad_output.dtype(),
-            });
-        }
-        let tokens = batch * seq;
-        // The lm_head: dwte_head = gᵀ · h, [V, N]·[N, C]; dh = g · wte, [N, V]·[V, C].
-        let (head_grad, grad_hidden) = with_float!(OP, dtype, F => {
-            let g = load::<F>(grad_output)?;
-            let dw_shape = GemmShape::new(
-                v,
-                tokens,
-                c,
-                MatmulOptions {
-                    transpose_a: true,
-                    transpose_b: false,
-                },
-            )?;
-            let head = with_values::<F, _>(&cache.final_hidden, |h| gemm(&g, h, dw_shape))??;
-            let dh_shape = GemmShape::new(tokens, v, c, MatmulOptions::default())?;
-            let dh = with_values::<F, _>(wte, |w| gemm(&g, w, dh_shape))??;
-            (
-                Tensor::from_vec(head, &[v, c])?,
-                store(dh, &[batch, seq, c], dtype)?,
-            )
-        });
+        let (head_grad, grad_hidden) = match cache.head {
+            HeadCache::Logits { final_hidden } => {
+                head_backward(grad_output, &final_hidden, wte, [batch, seq, c, v])?
+            }
+            HeadCache::Loss {
+                hidden_grad,
+                head_grad,
+            } => {
+                // The gradients were computed for a loss gradient of one; scale them by the
+                // one given (the loss scale).
+                let expected = [1];
+                let scale = match grad_output.to_f64_vec() {
+                    Ok(values) if grad_output.shape() == expected => values[0],
+                    _ => {
+                        return Err(Error::ShapeMismatch {
+                            op: OP,
+                            lhs: expected.to_vec(),
+                            rhs: grad_output.shape().to_vec(),
+                        });
+                    }
+                };
+                head_grad.scale_(scale)?;
+                let grad_hidden = hidden_grad.scale(scale)?.to_dtype(dtype)?;
+                (head_grad, grad_hidden.view(&[batch, seq, c])?)
+            }
+        };
         let mut g = self.ln_f.backward(&grad_hidden)?;
         for block in self.h.iter_mut().rev() {
             g = block.backward(&g)?;
@@ -408,7 +515,9 @@ impl Module for Gpt {
         let (wte_grad, wpe_grad) = with_float!(OP, dtype, F => {
             let gv = load::<F>(&g)?;
             let mut wte_grad = scatter_add_rows(&gv, &cache.rows, v, c);
-            add_assign(&mut wte_grad, &load::<F>(&head_grad)?);
+            // Borrowed, not loaded: a copy would be a third `[V, C]` buffer.
+            with_values::<F, _>(&head_grad, |head| add_assign(&mut wte_grad, head))?;
+            drop(head_grad);
             let wpe_grad = position_grad(&gv, seq, block_size, c);
             (
                 store(wte_grad, &[v, c], dtype)?,

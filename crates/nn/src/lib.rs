@@ -32,6 +32,7 @@ mod dropout;
 mod elementwise;
 mod embedding;
 mod error;
+mod fused_loss;
 mod gpt;
 mod kernels;
 pub mod linalg;
@@ -53,7 +54,9 @@ pub use attention::{CausalSelfAttention, CausalSelfAttentionConfig};
 pub use dropout::Dropout;
 pub use embedding::{Embedding, EmbeddingConfig};
 pub use error::{Error, Result};
+pub use fused_loss::LossTargets;
 pub use gpt::{Gpt, GptConfig};
+pub use kernels::recycle::release_cached as release_cached_kernel_buffers;
 pub use linear::{Linear, LinearConfig};
 pub use loss::{DEFAULT_IGNORE_INDEX, LossOutput, cross_entropy, mse_loss};
 pub use module::{

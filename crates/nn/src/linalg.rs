@@ -177,6 +177,28 @@ pub(crate) fn gemm<F: Float>(a: &[F], b: &[F], shape: GemmShape) -> Result<Vec<F
 /// [`gemm`] writing into `c`, which must hold exactly `m · n` elements (overwritten, not
 /// accumulated into).
 pub(crate) fn gemm_into<F: Float>(a: &[F], b: &[F], shape: GemmShape, c: &mut [F]) -> Result<()> {
+    gemm_beta_into(a, b, shape, F::ZERO, c)
+}
+
+/// `C += op(A) · op(B)` into `c`, which must hold exactly `m · n` elements: accumulating in
+/// the kernel spares a temporary `[m, n]` product when a gradient is summed over chunks.
+pub(crate) fn gemm_accumulate_into<F: Float>(
+    a: &[F],
+    b: &[F],
+    shape: GemmShape,
+    c: &mut [F],
+) -> Result<()> {
+    gemm_beta_into(a, b, shape, F::ONE, c)
+}
+
+/// `C = op(A) · op(B) + beta · C`, with `beta` zero (overwrite) or one (accumulate).
+fn gemm_beta_into<F: Float>(
+    a: &[F],
+    b: &[F],
+    shape: GemmShape,
+    beta: F,
+    c: &mut [F],
+) -> Result<()> {
     check_lengths(a.len(), b.len(), shape)?;
     let GemmShape { m, k, n, .. } = shape;
     if c.len() != m * n {
@@ -187,7 +209,9 @@ pub(crate) fn gemm_into<F: Float>(a: &[F], b: &[F], shape: GemmShape, c: &mut [F
         });
     }
     if m == 0 || n == 0 || k == 0 {
-        c.fill(F::ZERO);
+        if beta == F::ZERO {
+            c.fill(F::ZERO);
+        }
         return Ok(());
     }
     let threads = rayon::current_num_threads();
@@ -196,9 +220,9 @@ pub(crate) fn gemm_into<F: Float>(a: &[F], b: &[F], shape: GemmShape, c: &mut [F
         let block_rows = m.div_ceil(threads).max(MIN_BLOCK_ROWS);
         c.par_chunks_mut(block_rows * n)
             .enumerate()
-            .try_for_each(|(index, block)| gemm_rows(a, b, shape, index * block_rows, block))
+            .try_for_each(|(index, block)| gemm_rows(a, b, shape, index * block_rows, beta, block))
     } else {
-        gemm_rows(a, b, shape, 0, c)
+        gemm_rows(a, b, shape, 0, beta, c)
     }
 }
 
@@ -208,6 +232,7 @@ fn gemm_rows<F: Float>(
     b: &[F],
     shape: GemmShape,
     first_row: usize,
+    beta: F,
     c_block: &mut [F],
 ) -> Result<()> {
     check_lengths(a.len(), b.len(), shape)?;
@@ -232,7 +257,9 @@ fn gemm_rows<F: Float>(
         size: shape.n,
     })?;
     if rows == 0 || shape.k == 0 {
-        c_block.fill(F::ZERO);
+        if beta == F::ZERO {
+            c_block.fill(F::ZERO);
+        }
         return Ok(());
     }
     if a_offset >= a.len() {
@@ -249,7 +276,9 @@ fn gemm_rows<F: Float>(
     // `(first_row + i)*rs + p*cs` for `i < rows`, `p < k`: elements of `A`. `B` is addressed
     // from its start with its own strides. `c_block` holds exactly `rows * n` elements
     // (checked above) with row stride `n`; it is exclusively borrowed and cannot alias `a`
-    // or `b`. With `beta = 0` the kernel never reads `c_block` before writing it.
+    // or `b`. With `beta = 0` the kernel never reads `c_block` before writing it; otherwise
+    // it reads the initialised elements of a `&mut [F]` (tested by
+    // `accumulate_adds_the_product_to_c_in_parallel_blocks`).
     unsafe {
         F::gemm_raw(
             rows,
@@ -259,6 +288,7 @@ fn gemm_rows<F: Float>(
             [shape.a_row_stride, shape.a_col_stride],
             b.as_ptr(),
             [shape.b_row_stride, shape.b_col_stride],
+            beta,
             c_block.as_mut_ptr(),
             c_row_stride,
         );
@@ -368,6 +398,43 @@ mod tests {
         for (g, e) in c.to_f64_vec().expect("f64").iter().zip(&expected) {
             assert!((g - e).abs() < 1e-12);
         }
+    }
+
+    #[test]
+    fn accumulate_adds_the_product_to_c_in_parallel_blocks() {
+        // 130 × 131 × 129 takes the parallel path with 3 threads (uneven row blocks); the
+        // transposed A and B are the strides the fused loss head uses.
+        let (m, k, n) = (130, 131, 129);
+        let a = random(&[k, m], DType::F64, 11).to_f64_vec().expect("f64");
+        let b = random(&[n, k], DType::F64, 12).to_f64_vec().expect("f64");
+        let start: Vec<f64> = (0..m * n).map(|i| (i % 7) as f64 - 3.0).collect();
+        let options = MatmulOptions {
+            transpose_a: true,
+            transpose_b: true,
+        };
+        let shape = GemmShape::new(m, k, n, options).expect("shape");
+        let pool = rayon::ThreadPoolBuilder::new()
+            .num_threads(3)
+            .build()
+            .expect("pool");
+        let mut c = start.clone();
+        pool.install(|| gemm_accumulate_into(&a, &b, shape, &mut c))
+            .expect("gemm");
+        // The logical operands: Aᵀ stored [k, m] and Bᵀ stored [n, k].
+        let at: Vec<f64> = (0..m * k).map(|i| a[(i % k) * m + i / k]).collect();
+        let bt: Vec<f64> = (0..k * n).map(|i| b[(i % n) * k + i / n]).collect();
+        let product = naive(&at, &bt, m, k, n);
+        for ((got, s), p) in c.iter().zip(&start).zip(&product) {
+            assert!(
+                (got - (s + p)).abs() <= 1e-12 * (1.0 + p.abs()),
+                "{got} vs {s} + {p}"
+            );
+        }
+        // An empty inner dimension leaves an accumulated C as it was.
+        let mut same = start[..6].to_vec();
+        let empty = GemmShape::new(2, 0, 3, MatmulOptions::default()).expect("shape");
+        gemm_accumulate_into::<f64>(&[], &[], empty, &mut same).expect("gemm");
+        assert_eq!(same, start[..6]);
     }
 
     #[test]

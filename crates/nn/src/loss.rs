@@ -62,13 +62,6 @@ pub fn mse_loss(prediction: &Tensor, target: &Tensor) -> Result<LossOutput> {
 pub fn cross_entropy(logits: &Tensor, targets: &Tensor, ignore_index: i64) -> Result<LossOutput> {
     const OP: &str = "cross_entropy";
     check_float(OP, logits.dtype())?;
-    if targets.dtype() != DType::I64 {
-        return Err(Error::DTypeMismatch {
-            op: OP,
-            lhs: DType::I64,
-            rhs: targets.dtype(),
-        });
-    }
     let Some((&classes, leading)) = logits.shape().split_last() else {
         return Err(Error::BadShape {
             op: OP,
@@ -83,25 +76,10 @@ pub fn cross_entropy(logits: &Tensor, targets: &Tensor, ignore_index: i64) -> Re
             rhs: targets.shape().to_vec(),
         });
     }
-    let labels = targets.to_vec::<i64>()?;
-    let mut counted = 0usize;
-    let mut classes_of = Vec::with_capacity(labels.len());
-    for (position, &label) in labels.iter().enumerate() {
-        if label == ignore_index {
-            classes_of.push(None);
-            continue;
-        }
-        let class = usize::try_from(label).ok().filter(|&c| c < classes).ok_or(
-            Error::TargetOutOfRange {
-                op: OP,
-                position,
-                target: label,
-                classes,
-            },
-        )?;
-        counted += 1;
-        classes_of.push(Some(class));
-    }
+    let TargetClasses {
+        classes_of,
+        counted,
+    } = TargetClasses::new(OP, targets, classes, ignore_index)?;
     // torch gives NaN when every target is ignored (0/0); the gradient is then zero.
     let scale = if counted > 0 {
         1.0 / counted as f64
@@ -109,8 +87,10 @@ pub fn cross_entropy(logits: &Tensor, targets: &Tensor, ignore_index: i64) -> Re
         0.0
     };
     with_float!(OP, logits.dtype(), F => {
-        let x = load::<F>(logits)?;
-        let (total, grad) = cross_entropy_rows(&x, &classes_of, classes, F::of(scale));
+        // The loaded copy of the logits becomes the gradient in place.
+        let mut grad = load::<F>(logits)?;
+        let mut total = 0.0;
+        cross_entropy_rows_in_place(&mut grad, &classes_of, classes, F::of(scale), &mut total);
         Ok(LossOutput {
             loss: total / counted as f64,
             grad: store(grad, logits.shape(), logits.dtype())?,
@@ -118,43 +98,92 @@ pub fn cross_entropy(logits: &Tensor, targets: &Tensor, ignore_index: i64) -> Re
     })
 }
 
-/// The summed loss (in f64) and `scale · (softmax − onehot)` per row; ignored rows get zero.
+/// The class of every target position (`None` where it is `ignore_index`) and how many count.
+pub(crate) struct TargetClasses {
+    pub(crate) classes_of: Vec<Option<usize>>,
+    pub(crate) counted: usize,
+}
+
+impl TargetClasses {
+    /// Reads I64 `targets`, checking each against `classes` (`TargetOutOfRange` names the
+    /// position).
+    pub(crate) fn new(
+        op: &'static str,
+        targets: &Tensor,
+        classes: usize,
+        ignore_index: i64,
+    ) -> Result<Self> {
+        if targets.dtype() != DType::I64 {
+            return Err(Error::DTypeMismatch {
+                op,
+                lhs: DType::I64,
+                rhs: targets.dtype(),
+            });
+        }
+        let labels = targets.to_vec::<i64>()?;
+        let mut counted = 0usize;
+        let mut classes_of = Vec::with_capacity(labels.len());
+        for (position, &label) in labels.iter().enumerate() {
+            if label == ignore_index {
+                classes_of.push(None);
+                continue;
+            }
+            let class = usize::try_from(label).ok().filter(|&c| c < classes).ok_or(
+                Error::TargetOutOfRange {
+                    op,
+                    position,
+                    target: label,
+                    classes,
+                },
+            )?;
+            counted += 1;
+            classes_of.push(Some(class));
+        }
+        Ok(TargetClasses {
+            classes_of,
+            counted,
+        })
+    }
+}
+
+/// Turns each row of logits `x` into `scale · (softmax − onehot)` in place (zero for ignored
+/// rows) and adds each row's loss, in order, to `total` (f64), so a caller working through the
+/// logits in chunks never holds a second buffer of their size and sums the rows in the same
+/// order as one call over all of them.
 ///
 /// Each row is one fused pass for the maximum, one for `Σ exp(x − max)` (vectorised for f32),
 /// one for the gradient.
-fn cross_entropy_rows<F: Float>(
-    x: &[F],
+pub(crate) fn cross_entropy_rows_in_place<F: Float>(
+    x: &mut [F],
     classes_of: &[Option<usize>],
     classes: usize,
     scale: F,
-) -> (f64, Vec<F>) {
-    let mut grad = vec![F::ZERO; x.len()];
-    let mut total = 0.0;
+    total: &mut f64,
+) {
     if classes == 0 {
-        return (total, grad);
+        return;
     }
-    for ((row, grad_row), class) in x
-        .chunks_exact(classes)
-        .zip(grad.chunks_exact_mut(classes))
-        .zip(classes_of)
-    {
-        let Some(class) = *class else { continue };
+    for (row, class) in x.chunks_exact_mut(classes).zip(classes_of) {
+        let Some(class) = *class else {
+            row.fill(F::ZERO);
+            continue;
+        };
         let max = row.iter().copied().fold(row[0], F::max);
+        let target_logit = row[class].as_f64();
         let mut sum = F::ZERO;
-        for (g, &v) in grad_row.iter_mut().zip(row) {
-            let e = (v - max).exp();
-            *g = e;
+        for v in row.iter_mut() {
+            let e = (*v - max).exp();
+            *v = e;
             sum += e;
         }
         let log_sum = sum.as_f64().ln() + max.as_f64();
-        total += log_sum - row[class].as_f64();
+        *total += log_sum - target_logit;
         let factor = scale / sum;
-        for g in grad_row.iter_mut() {
+        for g in row.iter_mut() {
             *g *= factor;
         }
-        grad_row[class] -= scale;
+        row[class] -= scale;
     }
-    (total, grad)
 }
 
 #[cfg(test)]

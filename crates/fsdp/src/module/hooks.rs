@@ -163,6 +163,12 @@ impl FsdpModule {
         }
         if self.is_root && last {
             schedule.drain()?;
+            // The step's buffers go back to the allocator before the optimizer step (and a
+            // checkpoint) allocate their own: cached, they would add a step's worth of idle
+            // communication buffers and kernel outputs to the peak. Re-faulting them in the
+            // next step costs far less than the step's compute (docs/memory.md).
+            lock(&self.group).mesh.pool().release_cached();
+            hypershard_nn::release_cached_kernel_buffers();
         }
         match dtypes {
             Some(d) => cast_if(&grad_input, Some(d.input)),

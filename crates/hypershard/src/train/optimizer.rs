@@ -89,29 +89,23 @@ fn step_one(
         return Ok(());
     };
     let data = param.data().map_err(Error::from)?;
-    let grad = grad.to_f64_vec().map_err(tensor_error(name))?;
-    let mut values = data.to_f64_vec().map_err(tensor_error(name))?;
-    if grad.len() != values.len() {
+    let len = data.numel();
+    if grad.numel() != len {
         return Err(Error::InconsistentTensor {
             name: name.to_string(),
-            reason: format!(
-                "gradient of {} elements for {} values",
-                grad.len(),
-                values.len()
-            ),
+            reason: format!("gradient of {} elements for {len} values", grad.numel()),
         });
     }
     let state = moments.entry(name.to_string()).or_insert_with(|| Moments {
-        exp_avg: vec![0.0; values.len()],
-        exp_avg_sq: vec![0.0; values.len()],
+        exp_avg: vec![0.0; len],
+        exp_avg_sq: vec![0.0; len],
     });
-    if state.exp_avg.len() != values.len() {
+    if state.exp_avg.len() != len {
         return Err(Error::InconsistentTensor {
             name: name.to_string(),
             reason: format!(
-                "optimizer state of {} elements for a shard of {}",
+                "optimizer state of {} elements for a shard of {len}",
                 state.exp_avg.len(),
-                values.len()
             ),
         });
     }
@@ -120,27 +114,82 @@ fn step_one(
     } else {
         0.0
     };
-    let exponent = i32::try_from(step).unwrap_or(i32::MAX);
-    let bias_correction1 = 1.0 - config.beta1.powi(exponent);
-    let bias_correction2_sqrt = (1.0 - config.beta2.powi(exponent)).sqrt();
-    let step_size = lr / bias_correction1;
-    for (((p, m), v), g) in values
+    let update = AdamWUpdate::new(config, step, lr, weight_decay);
+    let in_place = data.dtype() == DType::F32
+        && grad.dtype() == DType::F32
+        && data.is_contiguous()
+        && grad.is_contiguous()
+        && !grad.shares_storage(data);
+    if in_place {
+        // The common case (f32 master shards and gradients): one pass over the shard, with
+        // no copy of the values or the gradient. The arithmetic is the fallback's, in f64,
+        // rounded to f32 once per element, so both paths give the same bits.
+        return grad
+            .with_data::<f32, _>(|g| {
+                data.with_data_mut::<f32, _>(|p| {
+                    for (((p, m), v), &g) in p
+                        .iter_mut()
+                        .zip(state.exp_avg.iter_mut())
+                        .zip(state.exp_avg_sq.iter_mut())
+                        .zip(g)
+                    {
+                        *p = update.apply(f64::from(*p), m, v, f64::from(g)) as f32;
+                    }
+                })
+            })
+            .and_then(|inner| inner)
+            .map_err(tensor_error(name));
+    }
+    let grad = grad.to_f64_vec().map_err(tensor_error(name))?;
+    let mut values = data.to_f64_vec().map_err(tensor_error(name))?;
+    for (((p, m), v), &g) in values
         .iter_mut()
         .zip(state.exp_avg.iter_mut())
         .zip(state.exp_avg_sq.iter_mut())
         .zip(&grad)
     {
-        let (mut m64, mut v64) = (f64::from(*m), f64::from(*v));
-        *p *= 1.0 - lr * weight_decay;
-        m64 = config.beta1 * m64 + (1.0 - config.beta1) * g;
-        v64 = config.beta2 * v64 + (1.0 - config.beta2) * g * g;
-        let denom = v64.sqrt() / bias_correction2_sqrt + config.eps;
-        *p -= step_size * m64 / denom;
-        *m = m64 as f32;
-        *v = v64 as f32;
+        *p = update.apply(*p, m, v, g);
     }
     let updated = Tensor::from_vec(values, data.shape()).map_err(tensor_error(name))?;
     data.copy_from(&updated).map_err(tensor_error(name))
+}
+
+/// torch's AdamW for one element, in f64 (the moments are stored in f32).
+struct AdamWUpdate {
+    beta1: f64,
+    beta2: f64,
+    eps: f64,
+    decay: f64,
+    step_size: f64,
+    bias_correction2_sqrt: f64,
+}
+
+impl AdamWUpdate {
+    fn new(config: &OptimConfig, step: u64, lr: f64, weight_decay: f64) -> Self {
+        let exponent = i32::try_from(step).unwrap_or(i32::MAX);
+        let bias_correction1 = 1.0 - config.beta1.powi(exponent);
+        AdamWUpdate {
+            beta1: config.beta1,
+            beta2: config.beta2,
+            eps: config.eps,
+            decay: 1.0 - lr * weight_decay,
+            step_size: lr / bias_correction1,
+            bias_correction2_sqrt: (1.0 - config.beta2.powi(exponent)).sqrt(),
+        }
+    }
+
+    /// The updated value of `p`, updating the moments `m` and `v` with gradient `g`.
+    #[inline]
+    fn apply(&self, p: f64, m: &mut f32, v: &mut f32, g: f64) -> f64 {
+        let (mut m64, mut v64) = (f64::from(*m), f64::from(*v));
+        let p = p * self.decay;
+        m64 = self.beta1 * m64 + (1.0 - self.beta1) * g;
+        v64 = self.beta2 * v64 + (1.0 - self.beta2) * g * g;
+        let denom = v64.sqrt() / self.bias_correction2_sqrt + self.eps;
+        *m = m64 as f32;
+        *v = v64 as f32;
+        p - self.step_size * m64 / denom
+    }
 }
 
 /// The f32 tensor of a moment vector in `shape`.

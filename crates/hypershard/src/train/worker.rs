@@ -10,9 +10,7 @@ use hypershard_fsdp::{
     DataParallelMesh, FsdpModule, FullyShardConfig, MixedPrecisionPolicy, fully_shard,
     fully_shard_children, has_params,
 };
-use hypershard_nn::{
-    Checkpointed, DEFAULT_IGNORE_INDEX, Gpt, Module, cross_entropy, replace_module,
-};
+use hypershard_nn::{Checkpointed, DEFAULT_IGNORE_INDEX, Gpt, LossTargets, Module, replace_module};
 use hypershard_tensor::{DType, Tensor};
 use serde_json::json;
 
@@ -46,6 +44,8 @@ struct Trainer {
     counter: Arc<CommCounter>,
     mesh: Arc<DataParallelMesh>,
     model: FsdpModule,
+    /// The targets of the model's next forward (its loss head is fused).
+    loss_targets: LossTargets,
     optimizer: ShardedAdamW,
     shapes: std::collections::BTreeMap<String, Vec<usize>>,
     batcher: Batcher,
@@ -127,6 +127,9 @@ impl Trainer {
             attach_hf_init(&mut gpt, dir)?;
         }
         let shapes = global_shapes(&gpt)?;
+        // The lm_head and the loss run fused, in blocks of tokens: the [B, T, V] logits and
+        // their gradient are never held whole (docs/memory.md).
+        let loss_targets = gpt.fused_loss(DEFAULT_IGNORE_INDEX);
         let mesh = if config.mesh.replicas == 1 {
             DataParallelMesh::fsdp(counted)?
         } else {
@@ -159,6 +162,7 @@ impl Trainer {
             counter,
             mesh,
             model,
+            loss_targets,
             optimizer,
             shapes,
             batcher,
@@ -207,31 +211,37 @@ impl Trainer {
             Fault::maybe_fire(fault, FaultPoint::Forward, self.step, rank);
             set_phase(Phase::Forward, self.step);
         }
-        let logits = self.model.forward(&ids)?;
+        if backward {
+            self.loss_targets.for_backward(targets);
+        } else {
+            self.loss_targets.for_eval(targets);
+        }
+        let loss = self.model.forward(&ids)?;
         if backward {
             Fault::maybe_fire(fault, FaultPoint::Backward, self.step, rank);
             set_phase(Phase::Backward, self.step);
         }
-        let vocab = self.config.model.vocab_size;
-        let flat = logits
-            .view(&[batch.rows * batch.cols, vocab])
-            .map_err(|source| Error::Tensor {
-                name: "logits".to_string(),
+        let loss = match loss.to_f64_vec() {
+            Ok(values) if values.len() == 1 => values[0],
+            _ => {
+                return Err(Error::Tensor {
+                    name: "loss".to_string(),
+                    source: hypershard_tensor::Error::ShapeMismatch {
+                        op: "loss",
+                        lhs: vec![1],
+                        rhs: loss.shape().to_vec(),
+                    },
+                });
+            }
+        };
+        if backward {
+            let scale = Tensor::from_vec(vec![scale], &[1]).map_err(|source| Error::Tensor {
+                name: "loss scale".to_string(),
                 source,
             })?;
-        let loss = cross_entropy(&flat, &targets, DEFAULT_IGNORE_INDEX)?;
-        if backward {
-            let grad = loss
-                .grad
-                .scale(scale)
-                .and_then(|g| g.view(logits.shape()))
-                .map_err(|source| Error::Tensor {
-                    name: "loss gradient".to_string(),
-                    source,
-                })?;
-            self.model.backward(&grad)?;
+            self.model.backward(&scale)?;
         }
-        Ok(loss.loss)
+        Ok(loss)
     }
 
     /// Clips the global gradient norm (torch's `clip_grad_norm_`): the squares of the local
@@ -240,7 +250,14 @@ impl Trainer {
         let mut sum_sq = 0.0f64;
         self.model.visit_params("", &mut |_, param| {
             if let Some(grad) = &param.grad {
-                sum_sq += grad.to_f64_vec()?.iter().map(|g| g * g).sum::<f64>();
+                // Read in place when possible: a copy would be twice the gradient in f64.
+                sum_sq += if grad.dtype() == DType::F32 && grad.is_contiguous() {
+                    grad.with_data::<f32, _>(|g| {
+                        g.iter().map(|&g| f64::from(g) * f64::from(g)).sum::<f64>()
+                    })?
+                } else {
+                    grad.to_f64_vec()?.iter().map(|g| g * g).sum::<f64>()
+                };
             }
             Ok(())
         })?;

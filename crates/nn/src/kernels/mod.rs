@@ -87,13 +87,14 @@ pub(crate) trait Float:
         false
     }
 
-    /// `C = A · B` through matrixmultiply's `sgemm` / `dgemm` with `alpha = 1`, `beta = 0`;
+    /// `C = A · B + beta · C` through matrixmultiply's `sgemm` / `dgemm` with `alpha = 1`;
     /// `[row, col]` element strides for `A` and `B`, row stride for `C` (column stride 1).
+    /// With `beta = 0` `C` is only written (its old contents may be anything).
     ///
     /// # Safety
     /// For `i < m`, `p < k`, `j < n`: `a + i*a[0] + p*a[1]` and `b + p*b[0] + j*b[1]` must be
-    /// readable elements, `c + i*c_row_stride + j` writable ones, and the `C` range must not
-    /// overlap `A` or `B`.
+    /// readable elements, `c + i*c_row_stride + j` writable (and, when `beta ≠ 0`, initialised)
+    /// ones, and the `C` range must not overlap `A` or `B`.
     #[allow(clippy::too_many_arguments)]
     unsafe fn gemm_raw(
         m: usize,
@@ -103,6 +104,7 @@ pub(crate) trait Float:
         a_strides: [isize; 2],
         b: *const Self,
         b_strides: [isize; 2],
+        beta: Self,
         c: *mut Self,
         c_row_stride: isize,
     );
@@ -158,11 +160,12 @@ impl Float for f32 {
         a_strides: [isize; 2],
         b: *const Self,
         b_strides: [isize; 2],
+        beta: Self,
         c: *mut Self,
         c_row_stride: isize,
     ) {
         // SAFETY: the caller guarantees every addressed element of `a`, `b` and `c` is valid
-        // and that `c` does not overlap the inputs; `beta = 0` means `c` is only written.
+        // (and initialised when `beta ≠ 0`) and that `c` does not overlap the inputs.
         unsafe {
             matrixmultiply::sgemm(
                 m,
@@ -175,7 +178,7 @@ impl Float for f32 {
                 b,
                 b_strides[0],
                 b_strides[1],
-                0.0,
+                beta,
                 c,
                 c_row_stride,
                 1,
@@ -228,11 +231,12 @@ impl Float for f64 {
         a_strides: [isize; 2],
         b: *const Self,
         b_strides: [isize; 2],
+        beta: Self,
         c: *mut Self,
         c_row_stride: isize,
     ) {
         // SAFETY: the caller guarantees every addressed element of `a`, `b` and `c` is valid
-        // and that `c` does not overlap the inputs; `beta = 0` means `c` is only written.
+        // (and initialised when `beta ≠ 0`) and that `c` does not overlap the inputs.
         unsafe {
             matrixmultiply::dgemm(
                 m,
@@ -245,7 +249,7 @@ impl Float for f64 {
                 b,
                 b_strides[0],
                 b_strides[1],
-                0.0,
+                beta,
                 c,
                 c_row_stride,
                 1,

@@ -85,6 +85,16 @@ fn give(blocks: Vec<Block>) {
     list.free.push(blocks);
 }
 
+/// Drops every cached buffer, returning its memory to the allocator (and, for large ones, to
+/// the system). The training step's other phases (the optimizer step, a checkpoint) then do
+/// not run on top of a step's worth of idle kernel outputs; the next step refills the list
+/// with its first allocation of each size.
+pub fn release_cached() {
+    let mut list = lock();
+    list.free.clear();
+    list.cached_bytes = 0;
+}
+
 /// Recycled memory adopted as tensor storage; it returns to the list when dropped.
 struct Recycled {
     blocks: Vec<Block>,
