@@ -48,5 +48,6 @@ pub use frame::{
 pub use handshake::{FLAG_FRAME_CHECKSUM, MESH_MAGIC, MESH_PROTOCOL_VERSION};
 pub use launch::{AGENT_STORE_VAR, Rendezvous, agent_hosts_store, rendezvous_from_env};
 pub use mesh::Mesh;
+pub(crate) use frame::payload_alloc_error;
 pub use transport::{Frame, MailboxKey, Transport, WaitBudget};
 pub use world::{TcpWorld, init_from_env};

@@ -72,7 +72,7 @@ pub fn is_token_file(path: &Path) -> bool {
 /// Reads `path`: a `.bin` file as little-endian `u16` ids, anything else as text encoded with
 /// `tokenizer` (the bytes tokenizer takes any bytes; gpt2 needs UTF-8).
 pub fn load_tokens(path: &Path, tokenizer: &Tokenizer) -> Result<TokenData> {
-    let bytes = std::fs::read(path).map_err(|e| Error::io(FileAction::Read, path, e))?;
+    let bytes = crate::launch::read_file(path)?;
     let tokens = if is_token_file(path) {
         decode_u16_tokens(path, &bytes)?
     } else if let Some(tokens) = tokenizer.encode_bytes(&bytes) {
