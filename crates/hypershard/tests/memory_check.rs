@@ -33,6 +33,26 @@ fn run_limited(args: &[&str]) -> Output {
         .expect("sh runs")
 }
 
+/// What the refusal names as the limit: `ulimit -v` (6 GiB, less the 1 GiB of address space
+/// the estimate adds for the runtime), unless this machine's available memory, less the
+/// 64 MiB runtime, leaves less room (shared by `ranks`).
+fn expected_limit(ranks: u64) -> &'static str {
+    let available = std::fs::read_to_string("/proc/meminfo")
+        .ok()
+        .and_then(|text| {
+            text.lines().find_map(|line| {
+                let kib = line.strip_prefix("MemAvailable:")?.trim().strip_suffix("kB")?;
+                kib.trim().parse::<u64>().ok()
+            })
+        })
+        .map_or(u64::MAX, |kib| kib * 1024 / ranks);
+    if available.saturating_sub(64 << 20) < (LIMIT_KIB << 10) - (1 << 30) {
+        "MemAvailable"
+    } else {
+        "ulimit -v"
+    }
+}
+
 /// One error line (no backtrace, no rank's abort), a failed exit, nothing written to `out`.
 fn assert_refused(output: &Output, out: &Path, needles: &[&str]) {
     let stderr = String::from_utf8_lossy(&output.stderr);
@@ -56,6 +76,10 @@ fn a_huge_batch_under_ulimit_v_is_one_error_line_naming_limit_and_flags() {
         "train",
         "--batch-size",
         "100000000",
+        "--nproc",
+        "1",
+        "--mesh",
+        "1",
         "--steps",
         "2",
         "--out",
@@ -66,19 +90,27 @@ fn a_huge_batch_under_ulimit_v_is_one_error_line_naming_limit_and_flags() {
         &out,
         &[
             "each rank needs about",
-            "6.0 GiB",
-            "ulimit -v",
+            expected_limit(1),
             "--batch-size 100000000",
             "--no-memory-check",
         ],
     );
+    // The same on 4 ranks: refused before any of them starts (no rank's line, no abort).
+    let output = run_limited(&[
+        "train",
+        "--batch-size",
+        "100000000",
+        "--out",
+        out.to_str().unwrap(),
+    ]);
+    assert_refused(&output, &out, &["each rank needs about", "--batch-size 100000000"]);
 }
 
 #[test]
 fn a_huge_model_file_under_ulimit_v_is_refused_naming_the_model() {
     let dir = scratch("model");
     let model = dir.join("wide.json");
-    // 48 layers of width 16384: 155 G parameters, 620 GB of state per rank even sharded 2 ways.
+    // 48 layers of width 16384: 155 G parameters, 1.2 TB of state per rank even sharded 2 ways.
     std::fs::write(
         &model,
         r#"{"block_size": 64, "n_layer": 48, "n_head": 16, "n_embd": 16384}"#,
@@ -89,6 +121,10 @@ fn a_huge_model_file_under_ulimit_v_is_refused_naming_the_model() {
         "train",
         "--model",
         model.to_str().unwrap(),
+        "--nproc",
+        "2",
+        "--mesh",
+        "2",
         "--steps",
         "2",
         "--out",
@@ -97,7 +133,10 @@ fn a_huge_model_file_under_ulimit_v_is_refused_naming_the_model() {
     assert_refused(
         &output,
         &out,
-        &["ulimit -v", "--model (", "n_embd", "sharded 2 ways by --mesh"],
+        &[
+            expected_limit(2),
+            "--model (154634321920 parameters) with 2-way sharding (--mesh)",
+        ],
     );
 }
 

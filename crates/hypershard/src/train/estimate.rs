@@ -237,7 +237,7 @@ fn drivers(config: &TrainConfig, estimate: &MemoryEstimate) -> String {
         format!("--data {}", config.data.display())
     } else {
         format!(
-            "--model ({} parameters) sharded {} ways by --mesh, --param-dtype {}, \
+            "--model ({} parameters) with {}-way sharding (--mesh), --param-dtype {}, \
              --reduce-dtype {}{}",
             m.parameter_count().unwrap_or(usize::MAX),
             config.mesh.shards,
@@ -337,8 +337,11 @@ mod tests {
         let e = estimate(&small, 1000).unwrap();
         let params = small.model.parameter_count().unwrap() as u64;
         assert_eq!(e.state, 16 * params.div_ceil(2));
-        // The root (256·64 + 64·64 + 2·64) is the largest unit; f32 everywhere: 16 B each.
-        assert_eq!(e.comm, (256 * 64 + 64 * 64 + 128) * 16);
+        // A block (12·64² + 13·64) is larger than the root (256·64 + 64·64 + 2·64); f32
+        // everywhere: 16 B per parameter of it.
+        let block_unit = 12 * 64 * 64 + 13 * 64;
+        assert!(block_unit > 256 * 64 + 64 * 64 + 128);
+        assert_eq!(e.comm, block_unit * 16);
         let n = 8 * 64;
         let block = 4 * n * (18 * 64 + 2 * 4 * 64);
         assert_eq!(e.activations, 4 * block + block);
@@ -355,7 +358,14 @@ mod tests {
         mixed.reduce_dtype = DType::BF16;
         assert_eq!(
             estimate(&mixed, 1000).unwrap().comm,
-            (256 * 64 + 64 * 64 + 128) * 10
+            block_unit * 10
+        );
+        // With a large vocabulary the root (the embeddings) is the largest unit.
+        let mut wide_vocab = config("small", 8);
+        wide_vocab.model.vocab_size = 50_304;
+        assert_eq!(
+            estimate(&wide_vocab, 1000).unwrap().comm,
+            (50_304 * 64 + 64 * 64 + 128) * 16
         );
         // --eager-init builds the whole model (4 B a parameter) before sharding it.
         let mut eager = small;
