@@ -41,7 +41,10 @@ fn expected_limit(ranks: u64) -> &'static str {
         .ok()
         .and_then(|text| {
             text.lines().find_map(|line| {
-                let kib = line.strip_prefix("MemAvailable:")?.trim().strip_suffix("kB")?;
+                let kib = line
+                    .strip_prefix("MemAvailable:")?
+                    .trim()
+                    .strip_suffix("kB")?;
                 kib.trim().parse::<u64>().ok()
             })
         })
@@ -103,7 +106,11 @@ fn a_huge_batch_under_ulimit_v_is_one_error_line_naming_limit_and_flags() {
         "--out",
         out.to_str().unwrap(),
     ]);
-    assert_refused(&output, &out, &["each rank needs about", "--batch-size 100000000"]);
+    assert_refused(
+        &output,
+        &out,
+        &["each rank needs about", "--batch-size 100000000"],
+    );
 }
 
 #[test]
@@ -163,7 +170,10 @@ fn sizes_that_overflow_are_refused_even_without_the_check() {
     assert_refused(
         &output,
         &out,
-        &["overflows a 64-bit byte count", &format!("--batch-size {batch}")],
+        &[
+            "overflows a 64-bit byte count",
+            &format!("--batch-size {batch}"),
+        ],
     );
 }
 

@@ -544,7 +544,10 @@ mod tests {
             payload_bytes: 4096,
             ..sample(DType::F32)
         };
-        assert_eq!(FrameHeader::decode(&header.encode(), 5, 4096).unwrap(), header);
+        assert_eq!(
+            FrameHeader::decode(&header.encode(), 5, 4096).unwrap(),
+            header
+        );
     }
 
     #[test]

@@ -28,9 +28,8 @@ use std::thread::{self, JoinHandle};
 use std::time::{Duration, Instant};
 
 use super::frame::{
-    payload_alloc_error,
     FRAME_CHECKSUM_BYTES, FRAME_HEADER_BYTES, FrameHeader, FrameKind, check_header, check_trailer,
-    header_checksum,
+    header_checksum, payload_alloc_error,
 };
 use super::mesh::Mesh;
 use crate::error::{Error, IoAction, ProtocolViolation, Result};

@@ -448,7 +448,10 @@ mod tests {
             drop(std::hint::black_box(slot.enter(seq, OpKind::AllGather)));
         }
         let per_op = start.elapsed().as_secs_f64() / OPS as f64;
-        println!("progress mark (enter + leave): {:.1} ns per op", per_op * 1e9);
+        println!(
+            "progress mark (enter + leave): {:.1} ns per op",
+            per_op * 1e9
+        );
         assert_eq!(board.snapshot("h").groups[0].entered, OPS);
         assert!(per_op < 2e-6, "{:.1} ns per op", per_op * 1e9);
     }

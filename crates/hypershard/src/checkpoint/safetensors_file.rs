@@ -327,9 +327,8 @@ impl SafetensorsIndex {
         let path = &self.path;
         // The size comes from the file's header: a tensor larger than this process may hold
         // is an error naming it, not an abort in the allocator.
-        let mut bytes = crate::launch::zeroed_buffer(len, || {
-            format!("tensor {name} of {}", path.display())
-        })?;
+        let mut bytes =
+            crate::launch::zeroed_buffer(len, || format!("tensor {name} of {}", path.display()))?;
         let mut file = File::open(path).map_err(|e| Error::io(FileAction::Read, path, e))?;
         file.seek(SeekFrom::Start(begin))
             .map_err(|e| Error::io(FileAction::Read, path, e))?;
@@ -407,7 +406,8 @@ mod tests {
         assert_eq!(rows, vec![0u8; 16]);
         assert_eq!(index.bytes_read(), 16);
         // A shape whose byte count overflows must not wrap around to the offsets given.
-        let wrapped = r#"{"w":{"dtype":"F32","shape":[4611686018427387904,4],"data_offsets":[0,0]}}"#;
+        let wrapped =
+            r#"{"w":{"dtype":"F32","shape":[4611686018427387904,4],"data_offsets":[0,0]}}"#;
         let path = crafted("wrapped.safetensors", wrapped, 0);
         match SafetensorsIndex::open(&path) {
             Err(Error::Safetensors { reason, .. }) => {

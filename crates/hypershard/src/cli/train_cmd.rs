@@ -488,7 +488,11 @@ fn check_memory(config: &TrainConfig, args: &TrainArgs, data: &Dataset) -> Resul
     if args.no_memory_check {
         return Ok(());
     }
-    check_fits(config, &estimate, &rank_limits(args.nproc, args.max_rank_memory))
+    check_fits(
+        config,
+        &estimate,
+        &rank_limits(args.nproc, args.max_rank_memory),
+    )
 }
 
 /// `--init` must be a regular file with a well-formed safetensors header (errors name it).

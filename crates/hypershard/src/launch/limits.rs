@@ -34,7 +34,9 @@ impl fmt::Display for LimitSource {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         match self {
             LimitSource::MaxRankMemory => write!(f, "--max-rank-memory"),
-            LimitSource::AddressSpace => write!(f, "RLIMIT_AS, the address-space limit (ulimit -v)"),
+            LimitSource::AddressSpace => {
+                write!(f, "RLIMIT_AS, the address-space limit (ulimit -v)")
+            }
             LimitSource::DataSize => write!(f, "RLIMIT_DATA, the data-size limit (ulimit -d)"),
             LimitSource::Cgroup { file, ranks } => {
                 write!(f, "the memory cgroup limit {}", file.display())?;
@@ -203,7 +205,11 @@ pub fn zeroed_buffer(len: usize, what: impl FnOnce() -> String) -> Result<Vec<u8
 }
 
 /// Reserves room for `additional` more bytes in `buffer` as [`zeroed_buffer`] does.
-pub fn reserve(buffer: &mut Vec<u8>, additional: usize, what: impl FnOnce() -> String) -> Result<()> {
+pub fn reserve(
+    buffer: &mut Vec<u8>,
+    additional: usize,
+    what: impl FnOnce() -> String,
+) -> Result<()> {
     let over = process_limit().filter(|limit| additional as u64 > limit.bytes);
     if let Some(limit) = over {
         return Err(Error::AllocationRefused {

@@ -165,7 +165,8 @@ pub fn estimate(config: &TrainConfig, data_tokens: u64) -> Result<MemoryEstimate
         ],
     )?;
     let unit = block_params.max(root_params);
-    let per_param = 2 * as_u64(config.param_dtype.size_of()) + 4 + as_u64(config.reduce_dtype.size_of());
+    let per_param =
+        2 * as_u64(config.param_dtype.size_of()) + 4 + as_u64(config.reduce_dtype.size_of());
     let comm = product("communication buffers", model_drivers, &[unit, per_param])?;
 
     let tokens = product("activations", batch_drivers, &[b, t])?;
@@ -356,10 +357,7 @@ mod tests {
         let mut mixed = small.clone();
         mixed.param_dtype = DType::BF16;
         mixed.reduce_dtype = DType::BF16;
-        assert_eq!(
-            estimate(&mixed, 1000).unwrap().comm,
-            block_unit * 10
-        );
+        assert_eq!(estimate(&mixed, 1000).unwrap().comm, block_unit * 10);
         // With a large vocabulary the root (the embeddings) is the largest unit.
         let mut wide_vocab = config("small", 8);
         wide_vocab.model.vocab_size = 50_304;
