@@ -522,19 +522,15 @@ pub enum Error {
     },
     /// The estimated memory of one training rank exceeds what it may use.
     #[error(
-        "each rank needs about {needed} ({breakdown}), more than the {limit} it may use under \
-         {limit_source}; the size comes from {drivers} (--no-memory-check starts anyway)"
+        "each rank needs about {needed}, more than the {limit}; the size comes from {drivers} \
+         (--no-memory-check starts anyway)"
     )]
     MemoryEstimate {
-        /// The estimate, human-readable.
+        /// The estimate and its terms, human-readable.
         needed: String,
-        /// Its terms, human-readable.
-        breakdown: String,
-        /// The limit, human-readable.
+        /// The limit and where it comes from, human-readable.
         limit: String,
-        /// Where the limit comes from.
-        limit_source: String,
-        /// The flags (and model fields) that drive the largest terms, with their values.
+        /// The flags (and model fields) that drive the largest term, with their values.
         drivers: String,
     },
     /// A size computed from the flags and the model does not fit a 64-bit byte count.
