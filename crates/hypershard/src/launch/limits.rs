@@ -93,18 +93,30 @@ fn read_number(path: &Path) -> Option<u64> {
 /// (`memory.max` on v2, `memory.limit_in_bytes` on v1), with the file that sets it.
 fn cgroup_limit() -> Option<(u64, PathBuf)> {
     let table = std::fs::read_to_string("/proc/self/cgroup").ok()?;
-    let (root, file, path) = table.lines().find_map(|line| {
+    cgroup_limit_under(&table, Path::new("/sys/fs/cgroup"))
+}
+
+/// [`cgroup_limit`] for the cgroup table `table` (`/proc/self/cgroup`'s text) with the cgroup
+/// file systems mounted at `sys`.
+fn cgroup_limit_under(table: &str, sys: &Path) -> Option<(u64, PathBuf)> {
+    // v1: "4:memory:/a/b"; v2: "0::/a/b". A v1 memory line wins where both exist (hybrid).
+    let v1 = table.lines().find_map(|line| {
         let mut parts = line.splitn(3, ':');
         let (_, controllers, path) = (parts.next()?, parts.next()?, parts.next()?);
-        if controllers.split(',').any(|c| c == "memory") {
-            Some(("/sys/fs/cgroup/memory", "memory.limit_in_bytes", path))
-        } else if controllers.is_empty() {
-            Some(("/sys/fs/cgroup", "memory.max", path))
-        } else {
-            None
-        }
-    })?;
-    let root = Path::new(root);
+        controllers.split(',').any(|c| c == "memory").then_some((
+            sys.join("memory"),
+            "memory.limit_in_bytes",
+            path,
+        ))
+    });
+    let v2 = || {
+        table.lines().find_map(|line| {
+            let path = line.strip_prefix("0::")?;
+            Some((sys.to_path_buf(), "memory.max", path))
+        })
+    };
+    let (root, file, path) = v1.or_else(v2)?;
+    let root = root.as_path();
     let mut dir = root.join(path.trim_start_matches('/'));
     let mut tightest: Option<(u64, PathBuf)> = None;
     loop {
@@ -267,6 +279,43 @@ mod tests {
             Some(14_626_816 * 1024)
         );
         assert_eq!(meminfo_bytes(meminfo, "MemFree"), None);
+    }
+
+    #[test]
+    fn the_tightest_cgroup_limit_up_the_hierarchy_is_found() {
+        let sys = std::env::temp_dir().join(format!("hypershard-cgroup-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&sys);
+        let job = sys.join("job");
+        let rank = job.join("rank0");
+        std::fs::create_dir_all(&rank).unwrap();
+        let v1 = sys.join("memory").join("a").join("b");
+        std::fs::create_dir_all(&v1).unwrap();
+        // v2: the rank's own "max" is no limit; its parent's 2 GiB is, below the root's 8.
+        std::fs::write(rank.join("memory.max"), "max\n").unwrap();
+        std::fs::write(job.join("memory.max"), "2147483648\n").unwrap();
+        std::fs::write(sys.join("memory.max"), "8589934592\n").unwrap();
+        assert_eq!(
+            cgroup_limit_under("0::/job/rank0\n", &sys),
+            Some((2 << 30, job.join("memory.max")))
+        );
+        // v1 (a memory line wins over the unified one); its "no limit" is a huge number.
+        std::fs::write(v1.join("memory.limit_in_bytes"), "9223372036854771712\n").unwrap();
+        std::fs::write(
+            sys.join("memory").join("a").join("memory.limit_in_bytes"),
+            "1073741824\n",
+        )
+        .unwrap();
+        let table = "0::/job/rank0\n4:memory:/a/b\n3:cpu:/\n";
+        assert_eq!(
+            cgroup_limit_under(table, &sys),
+            Some((
+                1 << 30,
+                sys.join("memory").join("a").join("memory.limit_in_bytes")
+            ))
+        );
+        // No memory cgroup at all: no limit.
+        assert_eq!(cgroup_limit_under("3:cpu:/\n", &sys), None);
+        std::fs::remove_dir_all(&sys).unwrap();
     }
 
     #[test]
