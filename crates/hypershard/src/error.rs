@@ -510,6 +510,37 @@ pub enum Error {
         /// The path.
         path: PathBuf,
     },
+    /// A buffer whose size came from a file or a peer cannot be allocated.
+    #[error("cannot allocate {bytes} bytes for {what}: {reason}")]
+    AllocationRefused {
+        /// What the buffer was for (a tensor and its file, a data file, a peer's frame).
+        what: String,
+        /// Its size.
+        bytes: u64,
+        /// Why not: over a limit (named), or refused by the allocator.
+        reason: String,
+    },
+    /// The estimated memory of one training rank exceeds what it may use.
+    #[error(
+        "each rank needs about {needed}, more than the {limit}; the size comes from {drivers} \
+         (--no-memory-check starts anyway)"
+    )]
+    MemoryEstimate {
+        /// The estimate and its terms, human-readable.
+        needed: String,
+        /// The limit and where it comes from, human-readable.
+        limit: String,
+        /// The flags (and model fields) that drive the largest term, with their values.
+        drivers: String,
+    },
+    /// A size computed from the flags and the model does not fit a 64-bit byte count.
+    #[error("the {term} of one rank overflows a 64-bit byte count: reduce {drivers}")]
+    MemoryOverflow {
+        /// Which term overflowed (the logits, the activations, the training state, ...).
+        term: &'static str,
+        /// The flags (and model fields) it is a product of, with their values.
+        drivers: String,
+    },
 }
 
 /// `Result` with this crate's [`Error`].

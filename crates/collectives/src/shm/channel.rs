@@ -42,7 +42,7 @@ use super::wait::{WaitFor, Waited, Watch, wait_until};
 use crate::dtype::DType;
 use crate::error::{Error, IoAction, ProtocolViolation, Result};
 use crate::reduce::ReducePlan;
-use crate::tcp::{FRAME_HEADER_BYTES, Frame, FrameHeader, MailboxKey};
+use crate::tcp::{FRAME_HEADER_BYTES, Frame, FrameHeader, MailboxKey, payload_alloc_error};
 
 /// The ring bytes of one message header (the frame header and zero padding).
 pub const SLOT_HEADER_BYTES: usize = 48;
@@ -1087,7 +1087,7 @@ impl ShmPeer {
         body: Body,
         watch: &dyn Watch,
     ) -> Result<Option<Stashed>> {
-        let mut sink = CopyOut::default();
+        let mut sink = CopyOut::new(self.peer);
         if !self.stream(rx, header, body, watch, &mut sink)? {
             return Ok(None);
         }
@@ -1099,7 +1099,7 @@ impl ShmPeer {
 
     /// Receives the next message under `key` as a whole [`Frame`].
     pub(crate) fn recv_frame(&self, key: MailboxKey, watch: &dyn Watch) -> Result<Frame> {
-        let mut sink = CopyOut::default();
+        let mut sink = CopyOut::new(self.peer);
         let header = self.recv(key, watch, &mut sink)?;
         Ok(Frame {
             header,
@@ -1161,17 +1161,28 @@ fn deliver_stashed(message: Stashed, sink: &mut dyn Sink) -> Result<FrameHeader>
 }
 
 /// A sink that copies the payload into a vector.
-#[derive(Default)]
 struct CopyOut {
+    /// The sender's world rank, for the error when its payload cannot be held.
+    peer: usize,
     bytes: Vec<u8>,
+}
+
+impl CopyOut {
+    fn new(peer: usize) -> CopyOut {
+        CopyOut {
+            peer,
+            bytes: Vec::new(),
+        }
+    }
 }
 
 impl Sink for CopyOut {
     fn accept(&mut self, header: &FrameHeader) -> Result<()> {
-        // invariant: decode checked payload_bytes <= max_payload, an allocatable size.
+        // decode checked payload_bytes <= max_payload; the allocator may still refuse it.
+        let len = usize::try_from(header.payload_bytes).unwrap_or(usize::MAX);
         self.bytes
-            .reserve_exact(usize::try_from(header.payload_bytes).unwrap_or(0));
-        Ok(())
+            .try_reserve_exact(len)
+            .map_err(|_| payload_alloc_error(self.peer, header.payload_bytes))
     }
     fn take(&mut self, _offset: usize, bytes: &[u8]) -> Result<()> {
         self.bytes.extend_from_slice(bytes);
@@ -1181,7 +1192,10 @@ impl Sink for CopyOut {
         1
     }
     fn pull(&mut self, header: &FrameHeader, read: &mut Reader<'_>) -> Result<()> {
-        let len = usize::try_from(header.payload_bytes).unwrap_or(0);
+        let len = usize::try_from(header.payload_bytes).unwrap_or(usize::MAX);
+        self.bytes
+            .try_reserve_exact(len.saturating_sub(self.bytes.len()))
+            .map_err(|_| payload_alloc_error(self.peer, header.payload_bytes))?;
         self.bytes.resize(len, 0);
         read(0, &mut self.bytes)
     }

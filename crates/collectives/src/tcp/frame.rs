@@ -16,7 +16,7 @@
 //! streams the same layout piece by piece).
 
 use crate::dtype::DType;
-use crate::error::{Error, ProtocolViolation, Result};
+use crate::error::{Error, IoAction, ProtocolViolation, Result};
 
 /// The first four bytes of every frame: ASCII `HSFR`.
 pub const FRAME_MAGIC: u32 = u32::from_le_bytes(*b"HSFR");
@@ -52,6 +52,19 @@ pub(crate) fn check_header(
         });
     }
     Ok(computed)
+}
+
+/// The error of a payload from `peer` that this process cannot allocate: the length came
+/// from the peer's header (below the frame cap), so it is reported, never aborted on.
+pub(crate) fn payload_alloc_error(peer: usize, bytes: u64) -> Error {
+    Error::Io {
+        action: IoAction::Read,
+        peer: Some(peer),
+        source: std::io::Error::new(
+            std::io::ErrorKind::OutOfMemory,
+            format!("cannot allocate {bytes} bytes for a frame from rank {peer}"),
+        ),
+    }
 }
 
 /// Checks the trailer `sent` of a checksummed frame from `peer` whose (verified) header is
@@ -507,6 +520,34 @@ mod tests {
                 ..
             })
         ));
+    }
+
+    #[test]
+    fn a_header_claiming_a_huge_payload_is_refused_naming_the_peer_and_the_size() {
+        for claimed in [4097, 1 << 40, u64::MAX] {
+            let header = FrameHeader {
+                payload_bytes: claimed,
+                ..sample(DType::F32)
+            };
+            match FrameHeader::decode(&header.encode(), 5, 4096) {
+                Err(Error::Protocol {
+                    peer: Some(5),
+                    violation: ProtocolViolation::FrameTooLarge { limit, got },
+                }) => {
+                    assert_eq!((limit, got), (4096, claimed));
+                }
+                other => panic!("{claimed}: {other:?}"),
+            }
+        }
+        // At the cap it decodes.
+        let header = FrameHeader {
+            payload_bytes: 4096,
+            ..sample(DType::F32)
+        };
+        assert_eq!(
+            FrameHeader::decode(&header.encode(), 5, 4096).unwrap(),
+            header
+        );
     }
 
     #[test]

@@ -41,6 +41,7 @@ pub use config::{
     AllReduceAlgorithm, BroadcastAlgorithm, CRC32C_VAR, DEFAULT_HALVING_DOUBLING_BYTES,
     DEFAULT_SEGMENT_BYTES, DEFAULT_SMALL_ALL_REDUCE_BYTES, DEFAULT_TREE_BROADCAST_BYTES, TcpConfig,
 };
+pub(crate) use frame::payload_alloc_error;
 pub use frame::{
     FRAME_CHECKSUM_BYTES, FRAME_HEADER_BYTES, FRAME_MAGIC, FrameHeader, FrameKind, decode_frame,
     encode_frame, header_checksum,

@@ -29,7 +29,7 @@ use std::time::{Duration, Instant};
 
 use super::frame::{
     FRAME_CHECKSUM_BYTES, FRAME_HEADER_BYTES, FrameHeader, FrameKind, check_header, check_trailer,
-    header_checksum,
+    header_checksum, payload_alloc_error,
 };
 use super::mesh::Mesh;
 use crate::error::{Error, IoAction, ProtocolViolation, Result};
@@ -100,6 +100,8 @@ enum LossCause {
     Closed,
     /// The peer sent something that is not a valid frame.
     Protocol(ProtocolViolation),
+    /// The payload the peer announced could not be allocated.
+    OutOfMemory { bytes: u64 },
 }
 
 #[derive(Debug, Default)]
@@ -208,18 +210,23 @@ impl Shared {
     }
 
     /// A buffer of exactly `len` bytes, reused from the pool when one is there. Its contents
-    /// are about to be overwritten by `read_exact`, so stale bytes do not matter.
-    fn payload_buffer(&self, len: usize) -> Vec<u8> {
+    /// are about to be overwritten by `read_exact`, so stale bytes do not matter. `len` comes
+    /// from a peer's header (below the frame cap): an allocator that cannot provide it is a
+    /// [`LossCause::OutOfMemory`], not an abort.
+    fn payload_buffer(&self, len: usize) -> std::result::Result<Vec<u8>, LossCause> {
         let reused = self
             .pool
             .lock()
             .unwrap_or_else(std::sync::PoisonError::into_inner)
             .pop();
         let mut buffer = reused.unwrap_or_default();
+        buffer
+            .try_reserve_exact(len.saturating_sub(buffer.len()))
+            .map_err(|_| LossCause::OutOfMemory { bytes: len as u64 })?;
         // Growing writes zeros only past the old length; pooled buffers usually already have
         // the segment size, so this is free in the steady state.
         buffer.resize(len, 0);
-        buffer
+        Ok(buffer)
     }
 
     pub(super) fn recycle(&self, buffer: Vec<u8>) {
@@ -560,6 +567,7 @@ pub(super) fn wait_error(state: &State, budget: &WaitBudget, peer: usize) -> Opt
                 peer: Some(peer),
                 violation: violation.clone(),
             },
+            LossCause::OutOfMemory { bytes } => payload_alloc_error(peer, *bytes),
         });
     }
     if Instant::now() >= budget.deadline {
@@ -795,9 +803,10 @@ fn read_frames(mut stream: TcpStream, limits: ReadLimits, shared: &Shared) {
     let peer = limits.peer;
     let mut staging = Staging::new();
     // A frame that breaks the protocol (a bad header, a failed checksum) ends the connection:
-    // after it the stream position, or the peer, cannot be trusted.
+    // after it the stream position, or the peer, cannot be trusted. So does a payload that
+    // cannot be allocated: it is left unread, mid-stream.
     let fail = |stream: &TcpStream, cause: LossCause| {
-        if matches!(cause, LossCause::Protocol(_)) {
+        if !matches!(cause, LossCause::Closed) {
             let _ = stream.shutdown(Shutdown::Both);
         }
         shared.mark_lost(peer, cause);
@@ -822,7 +831,10 @@ fn read_frames(mut stream: TcpStream, limits: ReadLimits, shared: &Shared) {
             DirectRead::Failed(cause) => return fail(&stream, cause),
             DirectRead::NotPosted => {}
         }
-        let mut payload = shared.payload_buffer(len);
+        let mut payload = match shared.payload_buffer(len) {
+            Ok(payload) => payload,
+            Err(cause) => return fail(&stream, cause),
+        };
         let outcome = if read_summed(&mut stream, &mut payload, &mut crc) {
             read_trailer(&mut stream, &header, crc, peer)
         } else {
@@ -849,6 +861,39 @@ pub(super) mod tests {
     use super::*;
     use crate::dtype::DType;
     use std::net::TcpListener;
+
+    #[test]
+    fn a_payload_that_cannot_be_allocated_is_a_typed_error_naming_the_peer() {
+        let shared = Shared {
+            state: Mutex::default(),
+            arrived: Condvar::new(),
+            pool: Mutex::default(),
+        };
+        // A length no allocator provides (past isize::MAX), as a peer's header could claim
+        // under a cap set that high: refused, not aborted on.
+        let huge = usize::MAX / 2 + 1;
+        match shared.payload_buffer(huge) {
+            Err(LossCause::OutOfMemory { bytes }) => assert_eq!(bytes, huge as u64),
+            other => panic!("{:?}", other.map(|b| b.len()).map_err(|_| "other cause")),
+        }
+        assert_eq!(shared.payload_buffer(24).unwrap(), vec![0u8; 24]);
+        // Waiters on that peer see an I/O error that names it and the size.
+        shared.mark_lost(3, LossCause::OutOfMemory { bytes: 1 << 62 });
+        let budget = WaitBudget::from_now(OpKind::AllReduce, Duration::from_secs(1));
+        match wait_error(&shared.lock(), &budget, 3) {
+            Some(Error::Io {
+                action: IoAction::Read,
+                peer: Some(3),
+                source,
+            }) => {
+                assert_eq!(source.kind(), io::ErrorKind::OutOfMemory);
+                let text = source.to_string();
+                assert!(text.contains(&(1u64 << 62).to_string()), "{text}");
+                assert!(text.contains("rank 3"), "{text}");
+            }
+            other => panic!("{other:?}"),
+        }
+    }
 
     /// Connected streams for a world of `n` ranks: `result[r][p]` leads from `r` to `p`.
     fn stream_mesh(n: usize) -> Vec<Vec<Option<TcpStream>>> {

@@ -77,8 +77,7 @@ impl Checkpoint {
     pub fn open(path: &Path) -> Result<Checkpoint> {
         let dir = resolve(path)?;
         let meta_path = dir.join(METADATA_FILE);
-        let bytes =
-            std::fs::read(&meta_path).map_err(|e| Error::io(FileAction::Read, &meta_path, e))?;
+        let bytes = crate::launch::read_file(&meta_path)?;
         let metadata = parse_metadata(&bytes, &dir)?;
         // Every shard file that exists is checked now, so a FIFO or a symlink out of the
         // directory is refused before anything reads; a missing one is reported when read.
@@ -156,7 +155,17 @@ impl Checkpoint {
         want.check_inside(name, &entry.shape)?;
         let dtype = entry_dtype(name, entry)?;
         let element = dtype.size_of();
-        let mut out = vec![0u8; want.volume() * element];
+        let len = want
+            .volume()
+            .checked_mul(element)
+            .ok_or_else(|| Error::AllocationRefused {
+                what: format!("tensor {name} of checkpoint {}", self.dir.display()),
+                bytes: u64::MAX,
+                reason: "its size overflows a machine word".to_string(),
+            })?;
+        let mut out = crate::launch::zeroed_buffer(len, || {
+            format!("tensor {name} of checkpoint {}", self.dir.display())
+        })?;
         let mut copied = 0usize;
         for saved in &entry.blocks {
             if want.volume() == 0 || saved.block.intersect(want).is_none() {

@@ -193,8 +193,12 @@ impl SafetensorsIndex {
                 safetensors_error(path, format!("malformed header entry for {name}"))
             })?;
             let (dtype, shape, begin, end) = parsed;
-            let expected = shape.iter().product::<usize>() * dtype.size_of();
-            if end < begin || (end - begin) as usize != expected || data_start + end > file_len {
+            // Checked: a crafted shape or offset must not wrap around to a size that matches.
+            let expected = shape
+                .iter()
+                .try_fold(dtype.size_of(), |acc, d| acc.checked_mul(*d));
+            let in_file = data_start.checked_add(end).is_some_and(|e| e <= file_len);
+            if end < begin || expected != usize::try_from(end - begin).ok() || !in_file {
                 return Err(safetensors_error(
                     path,
                     format!(
@@ -252,10 +256,10 @@ impl SafetensorsIndex {
             ));
         }
         let row_bytes = stored.shape.iter().skip(1).product::<usize>() * stored.dtype.size_of();
-        // invariant: the whole range was checked against the file length at open, and these
-        // rows lie inside it.
+        // invariant: the whole range was checked against the file length at open (without
+        // overflow), and these rows lie inside it, so neither product overflows.
         let begin = stored.begin + (start * row_bytes) as u64;
-        let bytes = self.read_range(begin, len * row_bytes)?;
+        let bytes = self.read_range(name, begin, len * row_bytes)?;
         Ok((stored, bytes))
     }
 
@@ -293,7 +297,10 @@ impl SafetensorsIndex {
         let path = &self.path;
         let file = File::open(path).map_err(|e| Error::io(FileAction::Read, path, e))?;
         let row_len = cols.1 * size;
-        let mut bytes = vec![0u8; rows.1 * row_len];
+        // invariant: the block lies inside the tensor, whose size was checked at open.
+        let mut bytes = crate::launch::zeroed_buffer(rows.1 * row_len, || {
+            format!("tensor {name} of {}", path.display())
+        })?;
         for (i, chunk) in bytes.chunks_exact_mut(row_len.max(1)).enumerate() {
             // invariant: the block lies inside the tensor (checked above), whose byte range
             // was checked against the file length at open.
@@ -316,12 +323,15 @@ impl SafetensorsIndex {
             .clone())
     }
 
-    fn read_range(&self, begin: u64, len: usize) -> Result<Vec<u8>> {
+    fn read_range(&self, name: &str, begin: u64, len: usize) -> Result<Vec<u8>> {
         let path = &self.path;
+        // The size comes from the file's header: a tensor larger than this process may hold
+        // is an error naming it, not an abort in the allocator.
+        let mut bytes =
+            crate::launch::zeroed_buffer(len, || format!("tensor {name} of {}", path.display()))?;
         let mut file = File::open(path).map_err(|e| Error::io(FileAction::Read, path, e))?;
         file.seek(SeekFrom::Start(begin))
             .map_err(|e| Error::io(FileAction::Read, path, e))?;
-        let mut bytes = vec![0u8; len];
         file.read_exact(&mut bytes)
             .map_err(|e| Error::io(FileAction::Read, path, e))?;
         self.bytes_read.fetch_add(len as u64, Ordering::Relaxed);
@@ -333,7 +343,7 @@ impl SafetensorsIndex {
         let stored = self.stored(name)?;
         // invariant: the range was checked against the file length, which fits in memory
         // addressing on the platforms we build for.
-        let bytes = self.read_range(stored.begin, (stored.end - stored.begin) as usize)?;
+        let bytes = self.read_range(name, stored.begin, (stored.end - stored.begin) as usize)?;
         Ok((stored, bytes))
     }
 }
@@ -357,6 +367,69 @@ fn parse_entry(entry: &Value) -> Option<(DType, Vec<usize>, u64, u64)> {
 mod tests {
     use super::*;
     use hypershard_tensor::Tensor;
+
+    /// A safetensors file whose header is `header` and whose data is `data_len` bytes of
+    /// holes (a sparse file: nothing is written).
+    fn crafted(name: &str, header: &str, data_len: u64) -> PathBuf {
+        let dir = std::env::temp_dir().join(format!("hypershard-st-huge-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let path = dir.join(name);
+        let mut bytes = (header.len() as u64).to_le_bytes().to_vec();
+        bytes.extend_from_slice(header.as_bytes());
+        std::fs::write(&path, &bytes).unwrap();
+        let file = std::fs::OpenOptions::new().write(true).open(&path).unwrap();
+        file.set_len(bytes.len() as u64 + data_len).unwrap();
+        path
+    }
+
+    #[test]
+    fn a_header_claiming_a_huge_tensor_is_a_typed_error_not_an_abort() {
+        // 4 TiB of f32, and a file (sparse) that really is that long: the header is
+        // consistent, so only the read can refuse it, by the size this process may hold.
+        let huge: u64 = 1 << 40;
+        let header = format!(
+            r#"{{"w":{{"dtype":"F32","shape":[{huge}],"data_offsets":[0,{}]}}}}"#,
+            huge * 4
+        );
+        let path = crafted("huge.safetensors", &header, huge * 4);
+        let index = SafetensorsIndex::open(&path).unwrap();
+        match index.read("w") {
+            Err(Error::AllocationRefused { what, bytes, .. }) => {
+                assert_eq!(bytes, huge * 4);
+                assert!(what.contains("tensor w"), "{what}");
+                assert!(what.contains("huge.safetensors"), "{what}");
+            }
+            other => panic!("{:?}", other.map(|(_, b)| b.len())),
+        }
+        // A few rows of it are an ordinary read.
+        let (_, rows) = index.read_rows("w", 10, 4).unwrap();
+        assert_eq!(rows, vec![0u8; 16]);
+        assert_eq!(index.bytes_read(), 16);
+        // A shape whose byte count overflows must not wrap around to the offsets given.
+        let wrapped =
+            r#"{"w":{"dtype":"F32","shape":[4611686018427387904,4],"data_offsets":[0,0]}}"#;
+        let path = crafted("wrapped.safetensors", wrapped, 0);
+        match SafetensorsIndex::open(&path) {
+            Err(Error::Safetensors { reason, .. }) => {
+                assert!(reason.contains("tensor w"), "{reason}")
+            }
+            other => panic!("{other:?}"),
+        }
+        // An end offset at u64::MAX must not wrap around past the file-length check.
+        let past = format!(
+            r#"{{"w":{{"dtype":"U8","shape":[{}],"data_offsets":[{},{}]}}}}"#,
+            u64::MAX - 100,
+            100,
+            u64::MAX
+        );
+        let path = crafted("past.safetensors", &past, 0);
+        assert!(matches!(
+            SafetensorsIndex::open(&path),
+            Err(Error::Safetensors { .. })
+        ));
+        // The 4 TiB file is all holes, but need not outlive the test.
+        std::fs::remove_dir_all(path.parent().unwrap()).unwrap();
+    }
 
     #[test]
     fn streamed_files_read_back_here_and_in_the_safetensors_crate() {

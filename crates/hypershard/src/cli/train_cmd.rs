@@ -10,14 +10,14 @@ use clap::Args;
 use hypershard::FileAction;
 use hypershard::checkpoint::{Checkpoint, SafetensorsIndex};
 use hypershard::data::{
-    DataOrder, Tokenizer, TokenizerKind, dataset_meta, default_corpus_path, has_val_split,
+    DataOrder, Dataset, Tokenizer, TokenizerKind, dataset_meta, default_corpus_path, has_val_split,
     is_token_data, load_dataset,
 };
-use hypershard::launch::{LaunchConfig, launch};
+use hypershard::launch::{LaunchConfig, launch, rank_limits};
 use hypershard::tensor::DType;
 use hypershard::train::{
     HF_CONFIG_FILE, HF_WEIGHTS_FILE, HfGpt2Config, LrSchedule, MeshSpec, ModelShape, OptimConfig,
-    TrainConfig, checkpoint_root, print_summary, run_rank,
+    TrainConfig, check_fits, checkpoint_root, estimate, print_summary, run_rank,
 };
 use hypershard::{Error, collectives};
 
@@ -139,6 +139,11 @@ pub struct TrainArgs {
     /// the error names it. Needs a writable cgroup (v1 or v2).
     #[arg(long, value_name = "SIZE", value_parser = hypershard::launch::parse_size)]
     max_rank_memory: Option<u64>,
+    /// Start even when the estimated memory of a rank exceeds what it may use (the smallest
+    /// of --max-rank-memory, ulimit -v, ulimit -d, the job's memory cgroup and MemAvailable,
+    /// shared ones divided among this node's ranks). The estimate is an upper one.
+    #[arg(long)]
+    no_memory_check: bool,
     /// Build the whole model on every rank before sharding it. By default the model is built
     /// deferred (shapes only) and each rank materialises only its own shard, so start-up
     /// memory per rank falls with the number of ranks; the values are the same either way.
@@ -449,6 +454,7 @@ fn preflight(config: &TrainConfig, args: &TrainArgs) -> Result<(), Error> {
             });
         }
     }
+    check_memory(config, args, &data)?;
     if let Some(init) = &config.init {
         check_init(init)?;
     }
@@ -470,6 +476,23 @@ fn preflight(config: &TrainConfig, args: &TrainArgs) -> Result<(), Error> {
         check_fresh(&config.out)?;
     }
     check_losses(&config.losses, args.losses.is_some(), config.resume)
+}
+
+/// The estimate of one rank's memory against what a rank of this node may use, before any
+/// rank starts: a run that cannot fit stops here with one line naming the estimate, the limit
+/// and the flags behind it, rather than with every rank aborting in the allocator. Sizes that
+/// overflow are refused even with `--no-memory-check`.
+fn check_memory(config: &TrainConfig, args: &TrainArgs, data: &Dataset) -> Result<(), Error> {
+    let tokens = data.train.len() + data.val.as_ref().map_or(0, |val| val.len());
+    let estimate = estimate(config, tokens as u64)?;
+    if args.no_memory_check {
+        return Ok(());
+    }
+    check_fits(
+        config,
+        &estimate,
+        &rank_limits(args.nproc, args.max_rank_memory),
+    )
 }
 
 /// `--init` must be a regular file with a well-formed safetensors header (errors name it).

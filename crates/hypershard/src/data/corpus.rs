@@ -72,7 +72,7 @@ pub fn is_token_file(path: &Path) -> bool {
 /// Reads `path`: a `.bin` file as little-endian `u16` ids, anything else as text encoded with
 /// `tokenizer` (the bytes tokenizer takes any bytes; gpt2 needs UTF-8).
 pub fn load_tokens(path: &Path, tokenizer: &Tokenizer) -> Result<TokenData> {
-    let bytes = std::fs::read(path).map_err(|e| Error::io(FileAction::Read, path, e))?;
+    let bytes = crate::launch::read_file(path)?;
     let tokens = if is_token_file(path) {
         decode_u16_tokens(path, &bytes)?
     } else if let Some(tokens) = tokenizer.encode_bytes(&bytes) {
@@ -98,10 +98,22 @@ pub fn decode_u16_tokens(path: &Path, bytes: &[u8]) -> Result<Vec<u32>> {
             bytes: bytes.len() as u64,
         });
     }
-    Ok(bytes
-        .chunks_exact(2)
-        .map(|pair| u32::from(u16::from_le_bytes([pair[0], pair[1]])))
-        .collect())
+    // Twice the file's size in memory: reserved fallibly, as the file itself was read.
+    let count = bytes.len() / 2;
+    let mut tokens: Vec<u32> = Vec::new();
+    tokens
+        .try_reserve_exact(count)
+        .map_err(|e| Error::AllocationRefused {
+            what: format!("the token ids of {}", path.display()),
+            bytes: (count as u64).saturating_mul(4),
+            reason: format!("the allocator refused it ({e})"),
+        })?;
+    tokens.extend(
+        bytes
+            .chunks_exact(2)
+            .map(|pair| u32::from(u16::from_le_bytes([pair[0], pair[1]]))),
+    );
+    Ok(tokens)
 }
 
 /// Writes `tokens` as a nanoGPT `.bin` file (every id must fit in `u16`).

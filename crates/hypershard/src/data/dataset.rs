@@ -10,7 +10,7 @@ use serde_pickle::{DeOptions, HashableValue, Value};
 
 use super::corpus::{TokenData, decode_u16_tokens, load_tokens};
 use super::tokenizer::Tokenizer;
-use crate::error::{Error, FileAction, Result};
+use crate::error::{Error, Result};
 
 /// The training split of a dataset folder.
 pub const TRAIN_FILE: &str = "train.bin";
@@ -107,7 +107,7 @@ fn char_table(path: &Path, dict: &BTreeMap<HashableValue, Value>) -> Result<Opti
 
 /// Reads a `meta.pkl` as nanoGPT's `prepare.py` writes it (any pickle protocol).
 pub fn read_meta(path: &Path) -> Result<DatasetMeta> {
-    let bytes = std::fs::read(path).map_err(|e| Error::io(FileAction::Read, path, e))?;
+    let bytes = crate::launch::read_file(path)?;
     let value = serde_pickle::value_from_slice(&bytes, DeOptions::new())
         .map_err(|e| meta_error(path, format!("not a pickle nanoGPT writes: {e}")))?;
     let Value::Dict(dict) = value else {
@@ -162,7 +162,7 @@ pub fn is_token_data(data: &Path) -> bool {
 }
 
 fn read_bin(path: &Path) -> Result<TokenData> {
-    let bytes = std::fs::read(path).map_err(|e| Error::io(FileAction::Read, path, e))?;
+    let bytes = crate::launch::read_file(path)?;
     Ok(TokenData {
         path: path.to_path_buf(),
         tokens: decode_u16_tokens(path, &bytes)?,

@@ -16,6 +16,7 @@
 //! otherwise, on a single node, generates a fresh random one and hands it to the ranks in
 //! `HYPERSHARD_JOB_SECRET`. It never prints it.
 
+mod limits;
 mod memory_limit;
 mod output;
 mod port;
@@ -28,6 +29,9 @@ use std::process::{Child, Command, ExitStatus, Stdio};
 use std::sync::mpsc;
 use std::time::{Duration, Instant};
 
+pub use limits::{
+    LimitSource, MemoryLimit, human_bytes, rank_limits, read_file, reserve, zeroed_buffer,
+};
 pub use memory_limit::{RankCgroups, parse_size};
 pub use output::Sink;
 pub use port::{check_port_free, free_port};

@@ -105,7 +105,7 @@ impl HfGpt2Config {
     /// Reads `DIR/config.json` and checks it describes a model nanoGPT's GPT computes.
     pub fn load(dir: &Path) -> Result<HfGpt2Config> {
         let path = dir.join(HF_CONFIG_FILE);
-        let bytes = std::fs::read(&path).map_err(|e| Error::io(FileAction::Read, &path, e))?;
+        let bytes = crate::launch::read_file(&path)?;
         let config: HfGpt2Config = serde_json::from_slice(&bytes)
             .map_err(|e| hf_error(&path, format!("not a GPT-2 config: {e}")))?;
         config.check().map_err(|reason| hf_error(&path, reason))?;

@@ -5,6 +5,7 @@
 //! [`run_rank`] over the tcp backend.
 
 mod config;
+mod estimate;
 mod fault;
 mod finite;
 mod hf;
@@ -20,6 +21,7 @@ mod worker;
 pub use config::{
     LrSchedule, MODEL_PRESETS, MeshSpec, ModelConfig, ModelShape, OptimConfig, TrainConfig,
 };
+pub use estimate::{MemoryEstimate, check_fits, estimate};
 pub use fault::{FAULT_ENV, Fault, FaultPoint};
 pub use hf::{
     HF_CONFIG_FILE, HF_WEIGHTS_FILE, HfGpt2Config, attach_hf_init, export_hf, hf_config_json,

@@ -1,0 +1,453 @@
+//! Before training: the bytes one rank will need, from the model, the batch, the mesh and the
+//! flags, against what the rank may use, so a run that cannot fit stops with one error line
+//! instead of every rank aborting in the allocator.
+//!
+//! The formula (docs/cli.md, "Memory check") is an upper estimate of the largest terms, not
+//! an exact account. With `N = batch_size · block_size` tokens per micro-step, `P` parameters,
+//! `S` shards per parameter (the second number of `--mesh`), `L` layers of width `C` with `H`
+//! heads, vocabulary `V`, and `U` the parameters of the largest FSDP unit (a block, or the root
+//! with the embeddings):
+//!
+//! - state: `16·⌈P/S⌉` (f32 parameter shard, gradient shard, two AdamW moments), plus `4·P`
+//!   with `--eager-init` (the whole model is built before it is sharded);
+//! - communication buffers: `U·(2·p + 4 + r)` (the gathered unit and the one prefetched in
+//!   `--param-dtype` bytes `p`, the unsharded f32 gradient and its reduce-scatter input in
+//!   `--reduce-dtype` bytes `r`);
+//! - activations: `4·N·(18·C + 2·H·T)` per block kept for backward (its inputs, q/k/v, the
+//!   attention probabilities, the MLP's 4C hidden twice, the norms and residuals), for every
+//!   block, or with `--activation-checkpointing` `4·N·C` per block (its input) plus one block
+//!   recomputed; and one block's worth again for backward's gradients;
+//! - logits: `3·4·N·V` (logits, their softmax, their gradient) plus `2·4·N·C` embeddings;
+//! - data: 4 bytes per corpus token (ids in memory);
+//! - runtime: 64 MiB (code, thread stacks, allocator), and against an address-space limit
+//!   (`ulimit -v`) 1 GiB, which counts reserved rather than used memory.
+
+use crate::error::{Error, Result};
+use crate::launch::{MemoryLimit, human_bytes};
+
+use super::config::TrainConfig;
+
+/// Memory of the process outside the terms: code, libraries, thread stacks, allocator.
+const RUNTIME_BYTES: u64 = 64 << 20;
+
+/// The same against a limit on address space, which counts what threads and allocator arenas
+/// reserve (a rank maps far more than it touches).
+const RUNTIME_ADDRESS_SPACE_BYTES: u64 = 1 << 30;
+
+/// One rank's estimated memory, term by term, in bytes.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct MemoryEstimate {
+    /// Parameter and gradient shards and optimizer moments (and the whole model at start-up
+    /// with `--eager-init`).
+    pub state: u64,
+    /// FSDP's all-gather and reduce-scatter buffers.
+    pub comm: u64,
+    /// Activations kept for backward, and backward's gradients of one block.
+    pub activations: u64,
+    /// Logits, their softmax and gradient, and the embeddings.
+    pub logits: u64,
+    /// The corpus as token ids.
+    pub data: u64,
+}
+
+impl MemoryEstimate {
+    /// The terms' sum, without the runtime (it cannot overflow: each term was checked to be
+    /// below `u64::MAX / 8`).
+    pub fn terms(&self) -> u64 {
+        self.state + self.comm + self.activations + self.logits + self.data
+    }
+
+    /// What a limit is compared with: the terms plus the runtime that limit counts.
+    pub fn needed_under(&self, limit: &MemoryLimit) -> u64 {
+        let runtime = if limit.address_space {
+            RUNTIME_ADDRESS_SPACE_BYTES
+        } else {
+            RUNTIME_BYTES
+        };
+        self.terms() + runtime
+    }
+
+    fn breakdown(&self, runtime: u64) -> String {
+        format!(
+            "state {}, communication buffers {}, activations {}, logits {}, data {}, runtime {}",
+            human_bytes(self.state),
+            human_bytes(self.comm),
+            human_bytes(self.activations),
+            human_bytes(self.logits),
+            human_bytes(self.data),
+            human_bytes(runtime)
+        )
+    }
+}
+
+/// A checked product of `factors`, each term kept below `u64::MAX / 8` so the terms' sum
+/// (five of them) plus the runtime cannot overflow either.
+fn product(term: &'static str, drivers: impl Fn() -> String, factors: &[u64]) -> Result<u64> {
+    factors
+        .iter()
+        .try_fold(1u64, |acc, f| acc.checked_mul(*f))
+        .filter(|bytes| *bytes < u64::MAX / 8)
+        .ok_or_else(|| Error::MemoryOverflow {
+            term,
+            drivers: drivers(),
+        })
+}
+
+fn sum(term: &'static str, drivers: impl Fn() -> String, parts: &[u64]) -> Result<u64> {
+    parts
+        .iter()
+        .try_fold(0u64, |acc, p| acc.checked_add(*p))
+        .filter(|bytes| *bytes < u64::MAX / 8)
+        .ok_or_else(|| Error::MemoryOverflow {
+            term,
+            drivers: drivers(),
+        })
+}
+
+/// The estimate for one rank of `config`, whose corpus holds `data_tokens` tokens.
+pub fn estimate(config: &TrainConfig, data_tokens: u64) -> Result<MemoryEstimate> {
+    let m = &config.model;
+    let as_u64 = |n: usize| n as u64;
+    let (v, t, l, h, c) = (
+        as_u64(m.vocab_size),
+        as_u64(m.block_size),
+        as_u64(m.n_layer),
+        as_u64(m.n_head),
+        as_u64(m.n_embd),
+    );
+    let b = as_u64(config.micro_batch);
+    let s = as_u64(config.mesh.shards.max(1));
+    let model_drivers = || {
+        format!(
+            "--model (n_layer {}, n_embd {}, vocab_size {}, block_size {})",
+            m.n_layer, m.n_embd, m.vocab_size, m.block_size
+        )
+    };
+    let batch_drivers = || {
+        format!(
+            "--batch-size {} and --model (block_size {}, vocab_size {}, n_embd {}, n_head {}, \
+             n_layer {})",
+            config.micro_batch, m.block_size, m.vocab_size, m.n_embd, m.n_head, m.n_layer
+        )
+    };
+    let params = m
+        .parameter_count()
+        .map(as_u64)
+        .ok_or_else(|| Error::MemoryOverflow {
+            term: "parameter count",
+            drivers: model_drivers(),
+        })?;
+    let shard = params.div_ceil(s);
+    let eager = if config.eager_init {
+        product("training state", model_drivers, &[4, params])?
+    } else {
+        0
+    };
+    let shards = product("training state", model_drivers, &[16, shard])?;
+    let state = sum("training state", model_drivers, &[shards, eager])?;
+
+    // The largest unit: a block (12·C² + 13·C with biases) or the root (embeddings, ln_f).
+    let block_params = sum(
+        "communication buffers",
+        model_drivers,
+        &[
+            product("communication buffers", model_drivers, &[12, c, c])?,
+            product("communication buffers", model_drivers, &[13, c])?,
+        ],
+    )?;
+    let root_params = sum(
+        "communication buffers",
+        model_drivers,
+        &[
+            product("communication buffers", model_drivers, &[v, c])?,
+            product("communication buffers", model_drivers, &[t, c])?,
+            product("communication buffers", model_drivers, &[2, c])?,
+        ],
+    )?;
+    let unit = block_params.max(root_params);
+    let per_param =
+        2 * as_u64(config.param_dtype.size_of()) + 4 + as_u64(config.reduce_dtype.size_of());
+    let comm = product("communication buffers", model_drivers, &[unit, per_param])?;
+
+    let tokens = product("activations", batch_drivers, &[b, t])?;
+    let per_token_block = sum(
+        "activations",
+        batch_drivers,
+        &[
+            product("activations", batch_drivers, &[18, c])?,
+            product("activations", batch_drivers, &[2, h, t])?,
+        ],
+    )?;
+    let block_full = product("activations", batch_drivers, &[4, tokens, per_token_block])?;
+    let kept = if config.activation_checkpointing {
+        // Each block's input, and one block recomputed in full during backward.
+        let inputs = product("activations", batch_drivers, &[4, tokens, c, l])?;
+        sum("activations", batch_drivers, &[inputs, block_full])?
+    } else {
+        product("activations", batch_drivers, &[block_full, l])?
+    };
+    let activations = sum("activations", batch_drivers, &[kept, block_full])?;
+
+    let logits = sum(
+        "logits",
+        batch_drivers,
+        &[
+            product("logits", batch_drivers, &[12, tokens, v])?,
+            product("logits", batch_drivers, &[8, tokens, c])?,
+        ],
+    )?;
+    let data = product(
+        "corpus",
+        || format!("--data ({data_tokens} tokens)"),
+        &[4, data_tokens],
+    )?;
+    Ok(MemoryEstimate {
+        state,
+        comm,
+        activations,
+        logits,
+        data,
+    })
+}
+
+/// The flags behind the largest term, with their values, for the error.
+fn drivers(config: &TrainConfig, estimate: &MemoryEstimate) -> String {
+    let m = &config.model;
+    let largest = [
+        estimate.state,
+        estimate.comm,
+        estimate.activations,
+        estimate.logits,
+        estimate.data,
+    ]
+    .into_iter()
+    .max()
+    .unwrap_or(0);
+    if largest == estimate.activations || largest == estimate.logits {
+        let checkpointing = if config.activation_checkpointing {
+            "on"
+        } else {
+            "off"
+        };
+        format!(
+            "--batch-size {} and --model's block_size {}, vocab_size {}, n_embd {}, n_layer {} \
+             (--activation-checkpointing {checkpointing})",
+            config.micro_batch, m.block_size, m.vocab_size, m.n_embd, m.n_layer
+        )
+    } else if largest == estimate.data {
+        format!("--data {}", config.data.display())
+    } else {
+        format!(
+            "--model ({} parameters) with {}-way sharding (--mesh), --param-dtype {}, \
+             --reduce-dtype {}{}",
+            m.parameter_count().unwrap_or(usize::MAX),
+            config.mesh.shards,
+            config.param_dtype,
+            config.reduce_dtype,
+            if config.eager_init {
+                ", --eager-init"
+            } else {
+                ""
+            }
+        )
+    }
+}
+
+/// Refuses a run whose estimate exceeds the tightest of `limits` (each already a per-rank
+/// share) with [`Error::MemoryEstimate`].
+pub fn check_fits(
+    config: &TrainConfig,
+    estimate: &MemoryEstimate,
+    limits: &[MemoryLimit],
+) -> Result<()> {
+    // The limit with the least room left decides (address-space limits count more runtime).
+    let tightest = limits
+        .iter()
+        .min_by_key(|limit| limit.bytes as i128 - i128::from(estimate.needed_under(limit)));
+    let Some(limit) = tightest else {
+        return Ok(());
+    };
+    let needed = estimate.needed_under(limit);
+    if needed <= limit.bytes {
+        return Ok(());
+    }
+    Err(Error::MemoryEstimate {
+        needed: format!(
+            "{} ({})",
+            human_bytes(needed),
+            estimate.breakdown(needed - estimate.terms())
+        ),
+        limit: format!(
+            "{} it may use under {}",
+            human_bytes(limit.bytes),
+            limit.source
+        ),
+        drivers: drivers(config, estimate),
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use std::path::PathBuf;
+
+    use hypershard_tensor::DType;
+
+    use super::*;
+    use crate::data::{DataOrder, TokenizerKind};
+    use crate::launch::LimitSource;
+    use crate::train::{LrSchedule, MeshSpec, ModelShape, OptimConfig};
+
+    fn config(model: &str, batch: usize) -> TrainConfig {
+        TrainConfig {
+            model: ModelShape::resolve(model).unwrap().config(256, 0).unwrap(),
+            mesh: MeshSpec::parse("2x2").unwrap(),
+            data: PathBuf::from("corpus.txt"),
+            tokenizer: TokenizerKind::Bytes,
+            vocabulary: None,
+            data_order: DataOrder::Random,
+            steps: 10,
+            micro_batch: batch,
+            grad_accum: 1,
+            seed: 0,
+            optim: OptimConfig {
+                lr: 1e-3,
+                min_lr: 1e-4,
+                warmup_steps: 0,
+                schedule: LrSchedule::Cosine,
+                decay_steps: None,
+                beta1: 0.9,
+                beta2: 0.99,
+                eps: 1e-8,
+                weight_decay: 0.0,
+                grad_clip: 1.0,
+            },
+            param_dtype: DType::F32,
+            reduce_dtype: DType::F32,
+            init: None,
+            init_from_hf: None,
+            eager_init: false,
+            activation_checkpointing: false,
+            out: PathBuf::from("out"),
+            resume: false,
+            reset_optimizer: false,
+            allow_nonfinite: false,
+            checkpoint_every: 0,
+            eval_every: 0,
+            losses: PathBuf::from("out/losses.jsonl"),
+        }
+    }
+
+    #[test]
+    fn the_terms_follow_the_formula() {
+        // small: V 256, T 64, L 4, H 4, C 64; 2x2 mesh shards 2 ways; batch 8.
+        let small = config("small", 8);
+        let e = estimate(&small, 1000).unwrap();
+        let params = small.model.parameter_count().unwrap() as u64;
+        assert_eq!(e.state, 16 * params.div_ceil(2));
+        // A block (12·64² + 13·64) is larger than the root (256·64 + 64·64 + 2·64); f32
+        // everywhere: 16 B per parameter of it.
+        let block_unit = 12 * 64 * 64 + 13 * 64;
+        assert!(block_unit > 256 * 64 + 64 * 64 + 128);
+        assert_eq!(e.comm, block_unit * 16);
+        let n = 8 * 64;
+        let block = 4 * n * (18 * 64 + 2 * 4 * 64);
+        assert_eq!(e.activations, 4 * block + block);
+        assert_eq!(e.logits, 12 * n * 256 + 8 * n * 64);
+        assert_eq!(e.data, 4000);
+        // Checkpointing keeps only each block's input, plus one block recomputed.
+        let mut checkpointed = small.clone();
+        checkpointed.activation_checkpointing = true;
+        let c = estimate(&checkpointed, 1000).unwrap();
+        assert_eq!(c.activations, 4 * n * 64 * 4 + 2 * block);
+        // bf16 gathers and reductions: 2·2 + 4 + 2 bytes per unit parameter.
+        let mut mixed = small.clone();
+        mixed.param_dtype = DType::BF16;
+        mixed.reduce_dtype = DType::BF16;
+        assert_eq!(estimate(&mixed, 1000).unwrap().comm, block_unit * 10);
+        // With a large vocabulary the root (the embeddings) is the largest unit.
+        let mut wide_vocab = config("small", 8);
+        wide_vocab.model.vocab_size = 50_304;
+        assert_eq!(
+            estimate(&wide_vocab, 1000).unwrap().comm,
+            (50_304 * 64 + 64 * 64 + 128) * 16
+        );
+        // --eager-init builds the whole model (4 B a parameter) before sharding it.
+        let mut eager = small;
+        eager.eager_init = true;
+        assert_eq!(estimate(&eager, 1000).unwrap().state, e.state + 4 * params);
+    }
+
+    #[test]
+    fn overflowing_sizes_are_typed_errors_naming_the_flags() {
+        let huge = config("small", usize::MAX / 2);
+        match estimate(&huge, 0) {
+            Err(Error::MemoryOverflow { term, drivers }) => {
+                assert_eq!(term, "activations");
+                assert!(drivers.contains(&format!("--batch-size {}", usize::MAX / 2)));
+            }
+            other => panic!("{other:?}"),
+        }
+        let mut wide = config("small", 1);
+        wide.model.vocab_size = usize::MAX / 64;
+        assert!(matches!(
+            estimate(&wide, 0),
+            Err(Error::MemoryOverflow { .. })
+        ));
+    }
+
+    #[test]
+    fn the_tightest_limit_decides_and_is_named() {
+        let big = config("small", 100_000_000);
+        let e = estimate(&big, 0).unwrap();
+        let limits = [
+            MemoryLimit {
+                bytes: 1 << 40,
+                source: LimitSource::MemAvailable { ranks: 4 },
+                address_space: false,
+            },
+            MemoryLimit {
+                bytes: 6 << 30,
+                source: LimitSource::AddressSpace,
+                address_space: true,
+            },
+        ];
+        match check_fits(&big, &e, &limits) {
+            Err(Error::MemoryEstimate {
+                limit,
+                drivers,
+                needed,
+            }) => {
+                assert!(
+                    limit.starts_with("6.0 GiB it may use under RLIMIT_AS"),
+                    "{limit}"
+                );
+                assert!(limit.contains("ulimit -v"), "{limit}");
+                assert!(drivers.contains("--batch-size 100000000"), "{drivers}");
+                let total = human_bytes(e.terms() + RUNTIME_ADDRESS_SPACE_BYTES);
+                assert!(needed.starts_with(&format!("{total} (state ")), "{needed}");
+                assert!(needed.ends_with("runtime 1.0 GiB)"), "{needed}");
+            }
+            other => panic!("{other:?}"),
+        }
+        // The default run fits the same limits, and no limits at all refuse nothing.
+        let small = config("small", 8);
+        let e = estimate(&small, 1_000_000).unwrap();
+        check_fits(&small, &e, &limits).unwrap();
+        check_fits(&big, &estimate(&big, 0).unwrap(), &[]).unwrap();
+        // Exactly at the limit fits; one byte less does not.
+        let exact = MemoryLimit {
+            bytes: e.terms() + RUNTIME_BYTES,
+            source: LimitSource::MaxRankMemory,
+            address_space: false,
+        };
+        check_fits(&small, &e, std::slice::from_ref(&exact)).unwrap();
+        let short = MemoryLimit {
+            bytes: exact.bytes - 1,
+            ..exact
+        };
+        assert!(matches!(
+            check_fits(&small, &e, &[short]),
+            Err(Error::MemoryEstimate { .. })
+        ));
+    }
+}
