@@ -13,11 +13,13 @@
 //! - communication buffers: `U·(2·p + 4 + r)` (the gathered unit and the one prefetched in
 //!   `--param-dtype` bytes `p`, the unsharded f32 gradient and its reduce-scatter input in
 //!   `--reduce-dtype` bytes `r`);
-//! - activations: `4·N·(18·C + 2·H·T)` per block kept for backward (its inputs, q/k/v, the
-//!   attention probabilities, the MLP's 4C hidden twice, the norms and residuals), for every
+//! - activations: `4·N·(18·C + H)` per block kept for backward (its inputs, q/k/v, the
+//!   attention output and its per-row log-sum-exp — the tiled attention never holds the
+//!   `T × T` probabilities —, the MLP's 4C hidden twice, the norms and residuals), for every
 //!   block, or with `--activation-checkpointing` `4·N·C` per block (its input) plus one block
 //!   recomputed; and one block's worth again for backward's gradients;
-//! - logits: `3·4·N·V` (logits, their softmax, their gradient) plus `2·4·N·C` embeddings;
+//! - logits: the fused loss head's block of logits, `4·min(N·V, 2²³)`, and its gradients of
+//!   the head weight and the hidden states, `4·V·C + 4·N·C`, plus `2·4·N·C` embeddings;
 //! - data: 4 bytes per corpus token (ids in memory);
 //! - runtime: 64 MiB (code, thread stacks, allocator), and against an address-space limit
 //!   (`ulimit -v`) 1 GiB, which counts reserved rather than used memory.
@@ -26,6 +28,9 @@ use crate::error::{Error, Result};
 use crate::launch::{MemoryLimit, human_bytes};
 
 use super::config::TrainConfig;
+
+/// Logit elements per block of the fused loss head.
+const FUSED_LOSS_BLOCK: u64 = 1 << 23;
 
 /// Memory of the process outside the terms: code, libraries, thread stacks, allocator.
 const RUNTIME_BYTES: u64 = 64 << 20;
@@ -175,7 +180,7 @@ pub fn estimate(config: &TrainConfig, data_tokens: u64) -> Result<MemoryEstimate
         batch_drivers,
         &[
             product("activations", batch_drivers, &[18, c])?,
-            product("activations", batch_drivers, &[2, h, t])?,
+            h,
         ],
     )?;
     let block_full = product("activations", batch_drivers, &[4, tokens, per_token_block])?;
@@ -188,12 +193,16 @@ pub fn estimate(config: &TrainConfig, data_tokens: u64) -> Result<MemoryEstimate
     };
     let activations = sum("activations", batch_drivers, &[kept, block_full])?;
 
+    // The lm_head and the loss run fused over blocks of at most 2^23 logits (nn's
+    // `fused_loss.rs`); the block never exceeds the whole logits.
+    let logit_block = product("logits", batch_drivers, &[tokens, v])?.min(FUSED_LOSS_BLOCK);
     let logits = sum(
         "logits",
         batch_drivers,
         &[
-            product("logits", batch_drivers, &[12, tokens, v])?,
-            product("logits", batch_drivers, &[8, tokens, c])?,
+            product("logits", batch_drivers, &[4, logit_block])?,
+            product("logits", model_drivers, &[4, v, c])?,
+            product("logits", batch_drivers, &[12, tokens, c])?,
         ],
     )?;
     let data = product(
@@ -350,9 +359,9 @@ mod tests {
         assert!(block_unit > 256 * 64 + 64 * 64 + 128);
         assert_eq!(e.comm, block_unit * 16);
         let n = 8 * 64;
-        let block = 4 * n * (18 * 64 + 2 * 4 * 64);
+        let block = 4 * n * (18 * 64 + 4);
         assert_eq!(e.activations, 4 * block + block);
-        assert_eq!(e.logits, 12 * n * 256 + 8 * n * 64);
+        assert_eq!(e.logits, 4 * n * 256 + 4 * 256 * 64 + 12 * n * 64);
         assert_eq!(e.data, 4000);
         // Checkpointing keeps only each block's input, plus one block recomputed.
         let mut checkpointed = small.clone();
