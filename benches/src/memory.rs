@@ -584,6 +584,8 @@ mod tests {
             first_loss: Some(10.9),
             last_loss: Some(10.8),
             tokens_per_second: 100.0,
+            steady_tokens_per_second: None,
+            warmup_steps: None,
             world_size: memory.len(),
             memory,
         }

@@ -232,6 +232,8 @@ pub struct TrainCell {
     pub warmup_steps: u64,
     /// Parameters of the model.
     pub params: u64,
+    /// Context length (tokens per sequence).
+    pub block_size: usize,
     /// Model FLOPs of one step over all ranks ([`step_flops`]), in GFLOP.
     pub step_gflop: f64,
     /// Our runs' steady-state tokens/s: median, min, max.
@@ -328,6 +330,7 @@ impl TrainCell {
             steps: spec.steps,
             warmup_steps: warmup_steps(spec.steps),
             params: spec.shape.params(),
+            block_size: spec.shape.block_size,
             step_gflop: flops / 1e9,
             ours_tokens_per_s: om,
             ours_min: omin,
@@ -348,6 +351,19 @@ impl TrainCell {
             ours_peak_fraction: fraction(om),
             torch_peak_fraction: fraction(tm),
         }
+    }
+}
+
+impl TrainCell {
+    /// Recomputes the peak fractions against `peak_gflops_per_thread`.
+    pub fn set_peak(&mut self, peak_gflops_per_thread: f64) {
+        let peak = peak_gflops_per_thread * 1e9 * (self.threads_per_rank * self.world) as f64;
+        let flops_per_token = self.step_gflop * 1e9
+            / (self.world * self.batch_per_rank) as f64
+            / self.block_size as f64;
+        let fraction = |t: Option<f64>| t.map(|t| t * flops_per_token / peak);
+        self.ours_peak_fraction = fraction(self.ours_tokens_per_s);
+        self.torch_peak_fraction = fraction(self.torch_tokens_per_s);
     }
 }
 
@@ -488,6 +504,10 @@ mod tests {
         let fraction = cell.ours_peak_fraction.expect("peak given");
         assert!((fraction - 100.0 * per_token / 20e9).abs() < 1e-12);
         assert_eq!(cell.warmup_steps, 5);
+        let mut halved = cell.clone();
+        halved.set_peak(20.0);
+        let half = halved.ours_peak_fraction.expect("peak given");
+        assert!((half - fraction / 2.0).abs() < 1e-12);
         let table = markdown_table(&[cell]);
         assert!(
             table.contains("| small (batch 8) | 1 process | 2 | 100.0 | 45.0 | 2.50 (2.00–3.00) |")
