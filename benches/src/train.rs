@@ -437,8 +437,8 @@ mod tests {
     #[test]
     fn fma_kernel_matches_the_scalar_recurrence() {
         let Some(sum) = fma_kernel(37, 0.5, 1.0) else {
-            // Without AVX2/FMA the kernel says so instead of measuring something else.
-            assert!(!cfg!(target_feature = "fma"));
+            // Without AVX2/FMA the kernel says so, and no peak is made up.
+            assert!(measure_fma_peak(1, 10, 1).is_none());
             return;
         };
         // Each lane: x ← 0.5·x + 1 from 0, 37 times: 2 − 2^(1−37), then summed over
