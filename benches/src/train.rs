@@ -8,7 +8,7 @@
 //! PyTorch script times each rank and takes the slowest; ours times rank 0, which every step's
 //! collectives keep in step with the others.
 
-use serde::Serialize;
+use serde::{Deserialize, Serialize};
 
 use crate::memory::GptShape;
 
@@ -59,7 +59,7 @@ pub fn step_flops(shape: &GptShape, tokens: u64) -> f64 {
 }
 
 /// The f32 multiply-adds one core of this machine can retire, measured.
-#[derive(Clone, Copy, Debug, PartialEq, Serialize)]
+#[derive(Clone, Copy, Debug, PartialEq, Serialize, Deserialize)]
 pub struct FmaPeak {
     /// Threads run at once (one per core the runs use).
     pub threads: usize,
@@ -214,7 +214,7 @@ pub fn mesh_world(mesh: &str) -> Option<usize> {
 }
 
 /// One preset and mesh: both libraries' runs reduced to medians and the ratio.
-#[derive(Clone, Debug, PartialEq, Serialize)]
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 pub struct TrainCell {
     /// The model preset.
     pub preset: String,

@@ -6,8 +6,11 @@
 //! projections' GEMMs). The rest of forward + backward is the elementwise work (layer norms,
 //! GELU, residual adds, embedding, softmax-cross-entropy, bias adds) and the autograd
 //! bookkeeping.
-
-use std::time::Instant;
+//!
+//! Every figure is CPU time summed over the process's threads (Linux's per-thread
+//! `schedstat`), not wall time: on a machine shared with other jobs the wall time of a phase
+//! says more about the others than about the phase, while the CPU time a phase takes is its
+//! own (rayon's threads spinning for work count, as they cost a core).
 
 use hypershard_nn::linalg::{MatmulOptions, matmul_with};
 use hypershard_nn::optim::{AdamW, AdamWConfig};
@@ -21,7 +24,8 @@ use serde::Serialize;
 use crate::memory::GptShape;
 use crate::train::spread;
 
-/// One preset's profile; times are medians over the repetitions, in milliseconds.
+/// One preset's profile; CPU times (all threads) in milliseconds, medians over the
+/// repetitions.
 #[derive(Clone, Debug, PartialEq, Serialize)]
 pub struct PhaseProfile {
     /// The preset.
@@ -46,7 +50,7 @@ pub struct PhaseProfile {
     pub gemm_forward_ms: f64,
     /// All weight GEMMs of the backward (input and weight gradients).
     pub gemm_backward_ms: f64,
-    /// GFLOP/s of those GEMMs together.
+    /// GFLOP per CPU-second of those GEMMs together (per core busy).
     pub gemm_gflops: f64,
     /// Attention core (scores, softmax, weighted values) forward and backward, all layers.
     pub attention_ms: f64,
@@ -56,6 +60,47 @@ pub struct PhaseProfile {
 
 fn err(e: impl std::fmt::Display) -> String {
     e.to_string()
+}
+
+/// Nanoseconds of CPU time all threads of this process have run so far (the first field of
+/// each `/proc/self/task/*/schedstat`); threads that have exited are not counted, which is why
+/// the profile runs on one long-lived rayon pool.
+pub fn process_cpu_seconds() -> Result<f64, String> {
+    let tasks =
+        std::fs::read_dir("/proc/self/task").map_err(|e| format!("/proc/self/task: {e}"))?;
+    let mut total: u64 = 0;
+    for task in tasks {
+        let path = task.map_err(err)?.path().join("schedstat");
+        // A thread can exit between the listing and the read.
+        let Ok(text) = std::fs::read_to_string(&path) else {
+            continue;
+        };
+        let ns = text
+            .split_whitespace()
+            .next()
+            .and_then(|f| f.parse::<u64>().ok())
+            .ok_or_else(|| format!("{}: no CPU time in `{text}`", path.display()))?;
+        total += ns;
+    }
+    Ok(total as f64 / 1e9)
+}
+
+/// A point in CPU time.
+#[derive(Clone, Copy)]
+struct CpuClock(f64);
+
+impl CpuClock {
+    fn now() -> Result<CpuClock, String> {
+        process_cpu_seconds().map(CpuClock)
+    }
+
+    fn duration_since(self, earlier: CpuClock) -> f64 {
+        self.0 - earlier.0
+    }
+
+    fn elapsed(self) -> Result<f64, String> {
+        Ok(CpuClock::now()?.duration_since(self))
+    }
 }
 
 fn median_ms(samples: &[f64]) -> f64 {
@@ -92,13 +137,13 @@ fn time_linear(rows: usize, n_in: usize, n_out: usize, seed: u64) -> Result<(f64
         transpose_a: true,
         transpose_b: false,
     };
-    let started = Instant::now();
+    let started = CpuClock::now()?;
     matmul_with(&x, &w, nt).map_err(err)?;
-    let forward = started.elapsed().as_secs_f64();
-    let started = Instant::now();
+    let forward = started.elapsed()?;
+    let started = CpuClock::now()?;
     matmul_with(&gy, &w, MatmulOptions::default()).map_err(err)?;
     matmul_with(&gy, &x, tn).map_err(err)?;
-    Ok((forward, started.elapsed().as_secs_f64()))
+    Ok((forward, started.elapsed()?))
 }
 
 /// Profiles `preset` at `batch` sequences on `threads` threads, `reps` timed repetitions.
@@ -158,16 +203,16 @@ pub fn profile(
         let mut phases: [Vec<f64>; 9] = Default::default();
         let mut gemm_flops = 0.0;
         for rep in 0..=reps {
-            let t0 = Instant::now();
+            let t0 = CpuClock::now()?;
             let logits = model.forward(&inputs).map_err(err)?;
-            let t1 = Instant::now();
+            let t1 = CpuClock::now()?;
             let loss = cross_entropy(&logits, &targets, DEFAULT_IGNORE_INDEX).map_err(err)?;
-            let t2 = Instant::now();
+            let t2 = CpuClock::now()?;
             model.backward(&loss.grad).map_err(err)?;
-            let t3 = Instant::now();
+            let t3 = CpuClock::now()?;
             optimizer.step(&mut model).map_err(err)?;
             zero_grad(&mut model).map_err(err)?;
-            let t4 = Instant::now();
+            let t4 = CpuClock::now()?;
             drop((logits, loss));
             let (mut gemm_fwd, mut gemm_bwd) = (0.0, 0.0);
             let mut flops = 0.0;
@@ -183,16 +228,16 @@ pub fn profile(
                     proj_bwd += b;
                 }
             }
-            let a0 = Instant::now();
+            let a0 = CpuClock::now()?;
             let y = attention.forward(&x).map_err(err)?;
             attention.backward(&ones).map_err(err)?;
-            let one_layer = a0.elapsed().as_secs_f64() - proj_fwd - proj_bwd;
+            let one_layer = a0.elapsed()? - proj_fwd - proj_bwd;
             drop(y);
             zero_grad(&mut attention).map_err(err)?;
             if rep == 0 {
                 continue;
             }
-            let s = |a: Instant, b: Instant| b.duration_since(a).as_secs_f64();
+            let s = |a: CpuClock, b: CpuClock| b.duration_since(a);
             phases[0].push(s(t0, t4));
             phases[1].push(s(t0, t1));
             phases[2].push(s(t1, t2));
@@ -254,5 +299,22 @@ mod tests {
             "{p:?}"
         );
         assert!(p.gemm_forward_ms > 0.0 && p.gemm_backward_ms > 0.0 && p.gemm_gflops > 0.0);
+    }
+
+    #[test]
+    fn cpu_time_counts_work_not_sleep() {
+        let before = process_cpu_seconds().expect("schedstat");
+        std::thread::sleep(std::time::Duration::from_millis(50));
+        let slept = process_cpu_seconds().expect("schedstat") - before;
+        let started = std::time::Instant::now();
+        let mut x = 0u64;
+        while started.elapsed().as_millis() < 50 {
+            x = std::hint::black_box(x.wrapping_mul(6364136223846793005).wrapping_add(1));
+        }
+        let spun = process_cpu_seconds().expect("schedstat") - before - slept;
+        assert!(slept < 0.025, "sleeping cost {slept} s of CPU");
+        // The spin ran for 50 ms of wall time; the CPU it got is positive and at most that
+        // (other jobs may take some of the core).
+        assert!(spun > 0.0 && spun < 0.2, "spinning cost {spun} s of CPU");
     }
 }

@@ -4,7 +4,7 @@
 //!
 //! ```text
 //! bench-train [--quick] [--no-torch] [--hypershard PATH] [--presets small,medium,gpt2]
-//!             [--meshes 1,2,2x2] [--reps N] [--gpt2-reps N] [--no-history]
+//!             [--meshes 1,2,2x2] [--reps N] [--gpt2-reps N] [--no-history] [--merge]
 //! bench-train --profile [--presets medium,gpt2] [--reps N]
 //! ```
 //!
@@ -22,6 +22,9 @@
 //! the history in `benches/results/train.json`. `--quick` (the CI smoke): `small` for 8 steps at
 //! one process and FSDP 2, one repetition, no judgement; PyTorch only if asked for.
 //!
+//! `--merge`: keep the cells of an earlier `train.json` that this run does not measure (a
+//! long sitting split into several invocations); the peak is the best of all of them.
+//!
 //! `--profile`: where one process's step goes (forward, loss, backward, optimizer; weight
 //! GEMMs, attention core, elementwise), in this process on `cores` threads, for each preset
 //! (default `medium` at batch 8 and `gpt2` at batch 1); `target/bench/train-profile.json`.
@@ -38,7 +41,7 @@ use hypershard_benches::train::{
 };
 use hypershard_benches::train_profile::profile;
 use hypershard_benches::{bench_output_dir, write_json};
-use serde::Serialize;
+use serde::{Deserialize, Serialize};
 
 #[derive(Debug, Clone)]
 struct Args {
@@ -51,6 +54,7 @@ struct Args {
     gpt2_reps: usize,
     history: bool,
     profile: bool,
+    merge: bool,
 }
 
 fn usage(message: String) -> MemoryBenchError {
@@ -68,6 +72,7 @@ fn parse_args() -> Result<Args> {
         gpt2_reps: 1,
         history: true,
         profile: false,
+        merge: false,
     };
     let mut it = std::env::args().skip(1);
     let list = |text: String| -> Vec<String> {
@@ -92,6 +97,7 @@ fn parse_args() -> Result<Args> {
             "--no-torch" => args.torch = false,
             "--no-history" => args.history = false,
             "--profile" => args.profile = true,
+            "--merge" => args.merge = true,
             "--hypershard" => args.hypershard = Some(PathBuf::from(value("--hypershard")?)),
             "--presets" => args.presets = list(value("--presets")?),
             "--meshes" => args.meshes = list(value("--meshes")?),
@@ -101,7 +107,7 @@ fn parse_args() -> Result<Args> {
                 return Err(usage(format!(
                     "unknown flag {other}; flags: --quick, --no-torch, --hypershard PATH, \
                      --presets LIST, --meshes LIST, --reps N, --gpt2-reps N, --no-history, \
-                     --profile"
+                     --profile, --merge"
                 )));
             }
         }
@@ -192,9 +198,9 @@ impl Cell {
 }
 
 /// One run as `train.json` lists it.
-#[derive(Clone, Debug, Serialize)]
+#[derive(Clone, Debug, Serialize, Deserialize)]
 struct RunRecord {
-    library: &'static str,
+    library: String,
     preset: String,
     mesh: String,
     rep: usize,
@@ -248,7 +254,7 @@ fn run_ours(
         .arg(dir.join("run"))
         .env("RAYON_NUM_THREADS", spec.threads_per_rank.to_string());
     let mut record = RunRecord {
-        library: "hypershard",
+        library: "hypershard".into(),
         preset: spec.preset.clone(),
         mesh: spec.mesh.clone(),
         rep,
@@ -374,7 +380,7 @@ fn run_torch(
         .env("GLOO_SOCKET_IFNAME", "lo")
         .env("OMP_NUM_THREADS", &threads);
     let mut record = RunRecord {
-        library: "torch-fsdp2",
+        library: "torch-fsdp2".into(),
         preset: spec.preset.clone(),
         mesh: spec.mesh.clone(),
         rep,
@@ -397,6 +403,59 @@ fn run_torch(
         }
     }
     Ok(record)
+}
+
+/// What `--merge` reads back from an earlier `train.json`.
+#[derive(Deserialize)]
+struct PriorReport {
+    fma_peak: Option<FmaPeak>,
+    torch_version: Option<String>,
+    cells: Vec<TrainCell>,
+    runs: Vec<RunRecord>,
+}
+
+/// Folds an earlier `train.json` into this run's figures (this run's cells win).
+fn merge_prior(
+    fma_peak: &mut Option<FmaPeak>,
+    torch_version: &mut Option<String>,
+    cells: &mut Vec<TrainCell>,
+    runs: &mut Vec<RunRecord>,
+) -> Result<()> {
+    let path = bench_output_dir()
+        .map_err(io_error(Path::new("target/bench")))?
+        .join("train.json");
+    let text = match std::fs::read_to_string(&path) {
+        Ok(text) => text,
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(()),
+        Err(e) => return Err(io_error(&path)(e)),
+    };
+    let prior: PriorReport = serde_json::from_str(&text).map_err(|e| MemoryBenchError::Io {
+        path: path.clone(),
+        source: std::io::Error::other(format!("not a train report: {e}")),
+    })?;
+    let mut merged: Vec<TrainCell> = prior
+        .cells
+        .into_iter()
+        .filter(|old| {
+            !cells
+                .iter()
+                .any(|c| c.preset == old.preset && c.mesh == old.mesh)
+        })
+        .collect();
+    merged.append(cells);
+    *cells = merged;
+    let mut all_runs = prior.runs;
+    all_runs.append(runs);
+    *runs = all_runs;
+    if let Some(old) = prior.fma_peak
+        && fma_peak.is_none_or(|p| p.per_thread_gflops < old.per_thread_gflops)
+    {
+        *fma_peak = Some(old);
+    }
+    if torch_version.is_none() {
+        *torch_version = prior.torch_version;
+    }
+    Ok(())
 }
 
 /// `target/bench/train.json`.
@@ -650,6 +709,10 @@ fn run(args: &Args) -> Result<()> {
         }),
         (a, b) => a.or(b),
     };
+    let mut fma_peak = fma_peak;
+    if args.merge {
+        merge_prior(&mut fma_peak, &mut torch_version, &mut cells, &mut runs)?;
+    }
     if let Some(p) = &fma_peak {
         eprintln!(
             "f32 FMA peak (best before and after): {:.1} GFLOP/s per core",
@@ -725,8 +788,8 @@ fn run_profile(args: &Args, explicit_presets: bool) -> Result<()> {
         let p = profile(name, &shape, batch, cores, reps).map_err(usage)?;
         let pct = |ms: f64| 100.0 * ms / p.step_ms;
         println!(
-            "{name} (batch {batch}, {cores} threads): step {:.1} ms = forward {:.1} + loss {:.1} \
-             + backward {:.1} + optimizer {:.1}\n  GEMM {:.1} ms ({:.0} %, {:.1} GFLOP/s), \
+            "{name} (batch {batch}, {cores} threads), CPU time: step {:.1} ms = forward {:.1} + loss {:.1} \
+             + backward {:.1} + optimizer {:.1}\n  GEMM {:.1} ms ({:.0} %, {:.1} GFLOP per CPU-s), \
              attention core {:.1} ms ({:.0} %), elementwise and the rest {:.1} ms ({:.0} %), \
              optimizer {:.0} %",
             p.step_ms,
