@@ -780,7 +780,7 @@ fn run_profile(args: &Args, explicit_presets: bool) -> Result<()> {
         let shape = preset(name).expect("checked preset");
         let batch = if name == "gpt2" { 1 } else { 8 };
         let reps = if name == "gpt2" {
-            args.gpt2_reps.max(2)
+            args.gpt2_reps
         } else {
             args.reps
         };
