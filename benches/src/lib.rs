@@ -11,6 +11,8 @@ use std::time::Duration;
 
 pub mod memory;
 pub mod nccl_sweep;
+pub mod train;
+pub mod train_profile;
 pub mod world;
 
 /// Summary statistics of repeated timings.

@@ -168,8 +168,14 @@ pub struct TrainSummary {
     pub first_loss: Option<f64>,
     /// Loss of the last step (`null` when it was not finite).
     pub last_loss: Option<f64>,
-    /// Training throughput.
+    /// Training throughput over the whole run.
     pub tokens_per_second: f64,
+    /// Steady-state throughput (after the warm-up steps); absent from older summaries.
+    #[serde(default)]
+    pub steady_tokens_per_second: Option<f64>,
+    /// Warm-up steps left out of the steady state; absent from older summaries.
+    #[serde(default)]
+    pub warmup_steps: Option<u64>,
     /// Ranks.
     pub world_size: usize,
     /// One entry per rank.
@@ -578,6 +584,8 @@ mod tests {
             first_loss: Some(10.9),
             last_loss: Some(10.8),
             tokens_per_second: 100.0,
+            steady_tokens_per_second: None,
+            warmup_steps: None,
             world_size: memory.len(),
             memory,
         }

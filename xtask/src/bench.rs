@@ -29,7 +29,15 @@ use crate::results::{load_gloo, read_collectives, read_json};
 /// among them because its `--quick` (the CI smoke) takes about a second once
 /// `hypershard`'s release binary is built (which [`bench()`] does when the suite is planned);
 /// its full run (minutes) and `--demo` run only when asked for.
-pub const ALL_SUITES: [&str; 6] = ["collectives", "dtensor", "nn", "fsdp", "fusion", "memory"];
+pub const ALL_SUITES: [&str; 7] = [
+    "collectives",
+    "dtensor",
+    "nn",
+    "fsdp",
+    "fusion",
+    "memory",
+    "train",
+];
 
 /// What the command line asks for.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -232,7 +240,7 @@ pub fn plan_suite(
             }
             steps
         }
-        "nn" | "fsdp" | "memory" => {
+        "nn" | "fsdp" | "memory" | "train" => {
             let mut run_args = base;
             if torch.is_none() {
                 run_args.push("--no-torch".into());
@@ -439,7 +447,81 @@ pub fn write_plots(out_dir: &Path) -> Result<Vec<PathBuf>, String> {
     {
         written.push(PathBuf::from("plots/fusion-speedup.svg"));
     }
+    if let Ok(value) = read_json(&out_dir.join("train.json")) {
+        for (name, chart) in train_charts(&value) {
+            if plot_bars(&plots_dir.join(name), &chart)? {
+                written.push(PathBuf::from("plots").join(name));
+            }
+        }
+    }
     Ok(written)
+}
+
+/// The training suite's charts from `train.json`'s `cells`: steady-state tokens/s relative to
+/// PyTorch FSDP2 per model and mesh (when PyTorch ran), and each library's fraction of the
+/// machine's f32 FMA peak. The raw tokens/s span three orders of magnitude between the
+/// presets, so the charts show ratios.
+pub fn train_charts(value: &Value) -> Vec<(&'static str, BarChart)> {
+    let Some(cells) = value.get("cells").and_then(Value::as_array) else {
+        return Vec::new();
+    };
+    let label = |c: &Value| {
+        let preset = c.get("preset").and_then(Value::as_str).unwrap_or("?");
+        match c.get("mesh").and_then(Value::as_str).unwrap_or("?") {
+            "1" => format!("{preset} 1 proc"),
+            m if m.contains('x') => format!("{preset} HSDP {m}"),
+            m => format!("{preset} FSDP {m}"),
+        }
+    };
+    let field = |name: &str| -> Vec<Option<f64>> {
+        cells
+            .iter()
+            .map(|c| c.get(name).and_then(Value::as_f64))
+            .collect()
+    };
+    let categories: Vec<String> = cells.iter().map(label).collect();
+    let mut charts = Vec::new();
+    let ratio = field("ratio");
+    if ratio.iter().any(Option::is_some) {
+        charts.push((
+            "train-ratio.svg",
+            BarChart {
+                title: "hypershard train / PyTorch FSDP2, steady-state tokens/s (higher is better)"
+                    .into(),
+                y_desc: "ratio ×".into(),
+                categories: categories.clone(),
+                series: vec![BarSeries {
+                    label: "median of interleaved runs".into(),
+                    values: ratio,
+                }],
+            },
+        ));
+    }
+    let ours = field("ours_peak_fraction");
+    let torch = field("torch_peak_fraction");
+    if ours.iter().any(Option::is_some) {
+        let percent = |v: Vec<Option<f64>>| v.into_iter().map(|f| f.map(|f| 100.0 * f)).collect();
+        let mut series = vec![BarSeries {
+            label: "hypershard".into(),
+            values: percent(ours),
+        }];
+        if torch.iter().any(Option::is_some) {
+            series.push(BarSeries {
+                label: "PyTorch FSDP2 (interleaved runs)".into(),
+                values: percent(torch),
+            });
+        }
+        charts.push((
+            "train-peak.svg",
+            BarChart {
+                title: "model FLOP/s as % of the measured f32 FMA peak".into(),
+                y_desc: "% of peak".into(),
+                categories,
+                series,
+            },
+        ));
+    }
+    charts
 }
 
 /// FSDP step time by mode: the training-step rows of `fsdp.json` (those with a `mode` and a
@@ -591,8 +673,8 @@ pub fn bench(raw: &[String], available: &[String]) -> Result<(), String> {
     if !build.success() {
         return Err(format!("building the benchmarks failed with {build}"));
     }
-    if args.suites.iter().any(|s| s == "memory") {
-        // The memory suite measures the `hypershard train` processes themselves.
+    if args.suites.iter().any(|s| s == "memory" || s == "train") {
+        // The memory and train suites measure the `hypershard train` processes themselves.
         let build = Command::new(env!("CARGO"))
             .args([
                 "build",

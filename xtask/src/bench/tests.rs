@@ -16,6 +16,7 @@ fn available() -> Vec<String> {
         "memory",
         "nccl",
         "nn",
+        "train",
     ])
 }
 
@@ -24,7 +25,15 @@ fn no_suite_means_every_suite_in_order() {
     let args = parse_bench_args(&strings(&["--quick"]), &available()).expect("args");
     assert_eq!(
         args.suites,
-        strings(&["collectives", "dtensor", "nn", "fsdp", "fusion", "memory"])
+        strings(&[
+            "collectives",
+            "dtensor",
+            "nn",
+            "fsdp",
+            "fusion",
+            "memory",
+            "train"
+        ])
     );
     assert!(args.quick && !args.compare_pytorch && !args.report_only);
     assert!(args.passthrough.is_empty());
@@ -144,6 +153,60 @@ fn the_memory_suite_finds_torch_like_the_fsdp_one() {
             torch_venv: Some(PathBuf::from("/venv")),
         }]
     );
+}
+
+#[test]
+fn the_train_suite_gets_torch_only_when_asked() {
+    let quick = parse_bench_args(&strings(&["train", "--quick"]), &available()).expect("args");
+    assert_eq!(
+        plan_suite("train", &quick, None, Path::new("/out")),
+        vec![Step::Binary {
+            bin: "bench-train".into(),
+            args: strings(&["--quick", "--no-torch"]),
+            torch_venv: None,
+        }]
+    );
+    let full = parse_bench_args(&strings(&["train", "--reps", "2"]), &available()).expect("args");
+    assert_eq!(
+        plan_suite("train", &full, Some(&torch()), Path::new("/out")),
+        vec![Step::Binary {
+            bin: "bench-train".into(),
+            args: strings(&["--reps", "2"]),
+            torch_venv: Some(PathBuf::from("/venv")),
+        }]
+    );
+}
+
+#[test]
+fn train_charts_show_ratios_and_peak_fractions() {
+    let value: Value = serde_json::from_str(
+        r#"{"cells":[
+            {"preset":"small","mesh":"1","ratio":0.5,"ours_peak_fraction":0.1,"torch_peak_fraction":0.2},
+            {"preset":"gpt2","mesh":"2x2","ratio":null,"ours_peak_fraction":0.3,"torch_peak_fraction":null}]}"#,
+    )
+    .expect("json");
+    let charts = train_charts(&value);
+    assert_eq!(charts.len(), 2);
+    let (name, ratio) = &charts[0];
+    assert_eq!(*name, "train-ratio.svg");
+    assert_eq!(
+        ratio.categories,
+        strings(&["small 1 proc", "gpt2 HSDP 2x2"])
+    );
+    assert_eq!(ratio.series[0].values, vec![Some(0.5), None]);
+    let (name, peak) = &charts[1];
+    assert_eq!(*name, "train-peak.svg");
+    assert_eq!(peak.series[0].values, vec![Some(10.0), Some(30.0)]);
+    assert_eq!(peak.series[1].values, vec![Some(20.0), None]);
+    // Ours only, no ratios: only the peak chart.
+    let ours: Value = serde_json::from_str(
+        r#"{"cells":[{"preset":"small","mesh":"2","ours_peak_fraction":0.1}]}"#,
+    )
+    .expect("json");
+    let charts = train_charts(&ours);
+    assert_eq!(charts.len(), 1);
+    assert_eq!(charts[0].1.series.len(), 1);
+    assert!(train_charts(&Value::Null).is_empty());
 }
 
 #[test]

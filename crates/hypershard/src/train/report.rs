@@ -35,8 +35,18 @@ pub struct TrainSummary {
     pub first_loss: f64,
     /// Loss of the last step run.
     pub last_loss: f64,
-    /// Tokens per second over all ranks.
+    /// Tokens per second over all ranks, averaged over the whole run: wall time from the
+    /// reporter's start to the end, warm-up steps, evaluations and checkpoints included.
     pub tokens_per_second: f64,
+    /// The first steps left out of [`Self::steady_tokens_per_second`] (see [`warmup_steps`]).
+    pub warmup_steps: u64,
+    /// Tokens per second over all ranks in steady state: the tokens of the steps after the
+    /// warm-up over the summed time of those steps' `train_step` on rank 0 (forward, backward,
+    /// gradient reduction, clipping, optimizer, loss all-reduce; not evaluation, checkpoints or
+    /// logging). `None` when the run had no step after its warm-up.
+    pub steady_tokens_per_second: Option<f64>,
+    /// Median time of one steady-state step, in seconds (`None` as above).
+    pub steady_step_seconds: Option<f64>,
     /// Bytes this rank sent through collectives per step.
     pub bytes_per_step: f64,
     /// Where each rank's memory went, in rank order.
@@ -53,6 +63,8 @@ pub struct Reporter {
     losses: BufWriter<File>,
     losses_path: PathBuf,
     records: Vec<LossRecord>,
+    /// Seconds of each recorded step's `train_step`, in step order.
+    step_seconds: Vec<f64>,
     evals: Vec<(u64, f64)>,
     started: Instant,
     start_step: u64,
@@ -113,6 +125,7 @@ impl Reporter {
             losses: BufWriter::new(file),
             losses_path: config.losses,
             records: Vec::new(),
+            step_seconds: Vec::new(),
             evals: Vec::new(),
             started: Instant::now(),
             start_step: config.start_step,
@@ -127,8 +140,9 @@ impl Reporter {
         (self.records.len() as u64 * self.tokens_per_step) as f64 / seconds
     }
 
-    /// Records one step: a JSONL line (flushed, so a crash keeps every finished step), the bar.
-    pub fn step(&mut self, record: LossRecord) -> Result<()> {
+    /// Records one step that took `seconds` of compute and communication (the caller times
+    /// its `train_step`): a JSONL line (flushed, so a crash keeps every finished step), the bar.
+    pub fn step(&mut self, record: LossRecord, seconds: f64) -> Result<()> {
         let line = serde_json::to_string(&record).map_err(|source| Error::Json {
             path: self.losses_path.clone(),
             source,
@@ -137,6 +151,7 @@ impl Reporter {
             .and_then(|()| self.losses.flush())
             .map_err(|e| Error::io(FileAction::Write, &self.losses_path, e))?;
         self.records.push(record);
+        self.step_seconds.push(seconds);
         let rate = self.tokens_per_second();
         let message = format!(
             "loss {:.4} lr {:.2e} {:.0} tok/s",
@@ -197,12 +212,16 @@ impl Reporter {
             curve = self.records.iter().map(|r| (r.step, r.loss)).collect();
         }
         super::plot::plot_losses(plot, &curve, &self.evals)?;
+        let steady = SteadyState::of(&self.step_seconds, self.tokens_per_step);
         let summary = TrainSummary {
             steps_run: self.records.len() as u64,
             world_size,
             first_loss: self.records.first().map_or(f64::NAN, |r| r.loss),
             last_loss: self.records.last().map_or(f64::NAN, |r| r.loss),
             tokens_per_second: self.tokens_per_second(),
+            warmup_steps: steady.warmup_steps,
+            steady_tokens_per_second: steady.tokens_per_second,
+            steady_step_seconds: steady.median_step_seconds,
             bytes_per_step,
             memory,
             eval_loss: self.evals.last().map(|(_, l)| *l),
@@ -216,6 +235,56 @@ impl Reporter {
         })?;
         std::fs::write(&path, text + "\n").map_err(|e| Error::io(FileAction::Write, &path, e))?;
         Ok(summary)
+    }
+}
+
+/// The most steps [`warmup_steps`] leaves out.
+pub const MAX_WARMUP_STEPS: u64 = 5;
+
+/// How many of a run's first `steps_run` steps are warm-up: a fifth of the run, at least one
+/// and at most [`MAX_WARMUP_STEPS`]. The first step is always slower: it faults in the pages
+/// of every activation and gradient buffer, allocates AdamW's moments, fills the buffer
+/// recycling pools and starts the kernel threads; the next few still grow pools to their peak.
+/// Five is also what PyTorch's peer script (`bench_gpt_fsdp2.py --warmup`) leaves out by
+/// default, so the two steady-state figures compare like for like; short runs keep four
+/// fifths of their steps.
+pub fn warmup_steps(steps_run: u64) -> u64 {
+    (steps_run / 5).clamp(1, MAX_WARMUP_STEPS)
+}
+
+/// Steady-state figures of one run's step times.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct SteadyState {
+    /// Steps left out at the start.
+    pub warmup_steps: u64,
+    /// Tokens of the remaining steps over their summed time.
+    pub tokens_per_second: Option<f64>,
+    /// Median of the remaining step times.
+    pub median_step_seconds: Option<f64>,
+}
+
+impl SteadyState {
+    /// From each step's seconds, in order, and the tokens one step trains on (all ranks).
+    pub fn of(step_seconds: &[f64], tokens_per_step: u64) -> SteadyState {
+        let warmup = warmup_steps(step_seconds.len() as u64);
+        let mut steady: Vec<f64> = step_seconds.iter().skip(warmup as usize).copied().collect();
+        let total: f64 = steady.iter().sum();
+        let tokens_per_second = (!steady.is_empty() && total > 0.0)
+            .then(|| (steady.len() as u64 * tokens_per_step) as f64 / total);
+        steady.sort_by(f64::total_cmp);
+        let median_step_seconds = (!steady.is_empty()).then(|| {
+            let mid = steady.len() / 2;
+            if steady.len() % 2 == 1 {
+                steady[mid]
+            } else {
+                (steady[mid - 1] + steady[mid]) / 2.0
+            }
+        });
+        SteadyState {
+            warmup_steps: warmup,
+            tokens_per_second,
+            median_step_seconds,
+        }
     }
 }
 
@@ -280,7 +349,18 @@ pub fn print_summary(summary: &TrainSummary) {
     if let Some(eval) = summary.eval_loss {
         println!("  eval loss   {eval:.4}");
     }
-    println!("  throughput  {:.0} tokens/s", summary.tokens_per_second);
+    match summary.steady_tokens_per_second {
+        Some(steady) => println!(
+            "  throughput  {steady:.0} tokens/s steady state (after {} warm-up steps; \
+             {:.0} tokens/s over the whole run)",
+            summary.warmup_steps, summary.tokens_per_second
+        ),
+        None => println!(
+            "  throughput  {:.0} tokens/s over the whole run (too few steps for a steady state \
+             after {} warm-up)",
+            summary.tokens_per_second, summary.warmup_steps
+        ),
+    }
     println!(
         "  comm        {} per step per rank",
         human_bytes(summary.bytes_per_step)
@@ -313,12 +393,12 @@ mod tests {
         };
         let mut first = Reporter::new(config(false, 0)).unwrap();
         for step in 0..3 {
-            first.step(record(step, 4.0 - step as f64)).unwrap();
+            first.step(record(step, 4.0 - step as f64), 1.0).unwrap();
         }
         drop(first);
         let mut resumed = Reporter::new(config(true, 2)).unwrap();
-        resumed.step(record(2, 2.5)).unwrap();
-        resumed.step(record(3, 2.0)).unwrap();
+        resumed.step(record(2, 2.5), 1.0).unwrap();
+        resumed.step(record(3, 2.0), 0.5).unwrap();
         let summary = resumed
             .finish(
                 &dir.join("loss.svg"),
@@ -327,6 +407,10 @@ mod tests {
             )
             .unwrap();
         assert_eq!((summary.first_loss, summary.last_loss), (2.5, 2.0));
+        // Two steps: the first is warm-up, the second (0.5 s, 10 tokens) is the steady state.
+        assert_eq!(summary.warmup_steps, 1);
+        assert_eq!(summary.steady_tokens_per_second, Some(20.0));
+        assert_eq!(summary.steady_step_seconds, Some(0.5));
         let read = read_losses(&losses).unwrap();
         let losses: Vec<f64> = read.iter().map(|r| r.loss).collect();
         assert_eq!(losses, vec![4.0, 3.0, 2.5, 2.0]);
@@ -334,5 +418,30 @@ mod tests {
         assert!(first_line.starts_with(r#"{"step":0,"loss":4.0,"lr":0.1,"tokens":10}"#));
         assert!(dir.join("loss.svg").exists());
         assert_eq!(human_bytes(1536.0), "1.5 KiB");
+    }
+
+    #[test]
+    fn warm_up_is_a_fifth_of_the_run_between_one_and_five_steps() {
+        assert_eq!(
+            [1, 4, 5, 12, 25, 30, 400].map(warmup_steps),
+            [1, 1, 1, 2, 5, 5, 5]
+        );
+    }
+
+    #[test]
+    fn steady_state_leaves_out_the_warm_up_and_sums_the_rest() {
+        // Ten steps: two warm-up (slow), then 8 steps of 0.1 s except one of 0.5 s.
+        let mut seconds = vec![3.0, 1.0];
+        seconds.extend([0.1, 0.1, 0.1, 0.5, 0.1, 0.1, 0.1, 0.1]);
+        let steady = SteadyState::of(&seconds, 100);
+        assert_eq!(steady.warmup_steps, 2);
+        // 800 tokens over 1.2 s.
+        let rate = steady.tokens_per_second.unwrap();
+        assert!((rate - 800.0 / 1.2).abs() < 1e-9, "{rate}");
+        assert_eq!(steady.median_step_seconds, Some(0.1));
+        // One step only: it is the warm-up, and there is no steady state.
+        let one = SteadyState::of(&[2.0], 100);
+        assert_eq!((one.warmup_steps, one.tokens_per_second), (1, None));
+        assert_eq!(one.median_step_seconds, None);
     }
 }

@@ -407,19 +407,24 @@ pub fn run_rank(config: TrainConfig, world: Arc<dyn Communicator>) -> Result<Opt
     };
     trainer.counter.reset();
     for step in start..total {
+        let timer = std::time::Instant::now();
         let loss = trainer.train_step(step)?;
+        let step_seconds = timer.elapsed().as_secs_f64();
         // The loss is the mean over the ranks, so every rank stops here alike.
         if !loss.is_finite() && !trainer.config.allow_nonfinite {
             return Err(Error::NonFiniteLoss { step, loss });
         }
         let lr = trainer.config.optim.lr_at(step, total);
         if let Some(reporter) = reporter.as_mut() {
-            reporter.step(LossRecord {
-                step,
-                loss,
-                lr,
-                tokens: (step + 1) * tokens_per_step,
-            })?;
+            reporter.step(
+                LossRecord {
+                    step,
+                    loss,
+                    lr,
+                    tokens: (step + 1) * tokens_per_step,
+                },
+                step_seconds,
+            )?;
         }
         let done = step + 1;
         if trainer.config.eval_every > 0 && done % trainer.config.eval_every == 0 {
