@@ -327,7 +327,8 @@ fn sharded(out: &Path) -> AnyResult<()> {
         // One unit per block (and the output layer), then the root over them: each block's
         // parameters are gathered just before it runs and freed after.
         fully_shard_children(&mut plain, &config, &mut |_, m| has_params(m))?;
-        Ok(fully_shard(Box::new(plain), config.clone())?)
+        // A refusal hands the module back; only the reason matters here.
+        fully_shard(Box::new(plain), config.clone()).map_err(|rejected| rejected.error.into())
     };
     let mut model = build(1)?;
     let mut optimizer = sgd()?;
