@@ -303,7 +303,7 @@ fn sharded(out: &Path) -> AnyResult<()> {
     let job = init_default_from_env()?;
     let world = Arc::clone(&job.comm);
     let (rank, size) = (world.rank(), world.size());
-    if size % REPLICAS != 0 || (BATCH / MICRO) % size != 0 {
+    if !size.is_multiple_of(REPLICAS) || !(BATCH / MICRO).is_multiple_of(size) {
         return Err(format!(
             "{size} ranks: need a multiple of {REPLICAS} that divides {} rows",
             BATCH / MICRO
