@@ -38,6 +38,8 @@ pub(crate) struct Pair {
 /// receives (the even split for the plain form).
 pub(crate) struct AllToAll {
     pub(crate) pair: Pair,
+    // Only the TCP backend moves blocks by these counts (local reads them from the descriptor).
+    #[cfg_attr(not(feature = "tcp"), allow(dead_code))]
     pub(crate) counts: AllToAllCounts,
 }
 
@@ -350,6 +352,8 @@ pub(crate) fn all_to_all(
 /// Strided all-to-all ([`StridedBlocks`]): the plain all-to-all of the packed blocks, so its
 /// descriptor is the plain form's (a peer may run either), and the rows must fit in the input
 /// (else a length fault naming the extent they need) with one block offset per rank.
+// The TCP backend's strided all-to-all; the other backends pack through the trait's default.
+#[cfg_attr(not(feature = "tcp"), allow(dead_code))]
 pub(crate) fn all_to_all_strided(
     place: Place,
     input: Buffer,

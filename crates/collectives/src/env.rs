@@ -19,8 +19,11 @@
 //! port is `MASTER_PORT` when set, else [`DEFAULT_MASTER_PORT`] (29500, torchrun's default).
 //! Local rank and size default to the global ones (one host).
 
+// DefaultWorld and init_default_from_env (feature `tcp`) hold and build the communicator.
+#[cfg(feature = "tcp")]
 use std::sync::Arc;
 
+#[cfg(feature = "tcp")]
 use crate::communicator::Communicator;
 use crate::error::{EnvExpectation, Error, Result};
 
@@ -271,6 +274,7 @@ impl BackendChoice {
 
 /// A world built by [`init_default_from_env`]: the communicator plus whatever must stay alive
 /// with it (the TCP store and its server on rank 0). Keep it until every rank is done.
+#[cfg(feature = "tcp")]
 pub struct DefaultWorld {
     /// The world communicator.
     pub comm: Arc<dyn Communicator>,
@@ -279,6 +283,7 @@ pub struct DefaultWorld {
     _tcp: Option<crate::tcp::TcpWorld>,
 }
 
+#[cfg(feature = "tcp")]
 impl DefaultWorld {
     /// The TCP world (store, server, communicator) when the backend is `tcp`.
     pub fn tcp(&self) -> Option<&crate::tcp::TcpWorld> {
@@ -286,6 +291,7 @@ impl DefaultWorld {
     }
 }
 
+#[cfg(feature = "tcp")]
 impl std::fmt::Debug for DefaultWorld {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("DefaultWorld")
@@ -300,6 +306,7 @@ impl std::fmt::Debug for DefaultWorld {
 /// `tcp` rendezvouses through [`LaunchEnv`] (any launcher above, default [`TcpConfig`](crate::tcp::TcpConfig));
 /// `mpi` uses `MPI_COMM_WORLD` (feature `mpi`, else [`Error::BackendNotBuilt`]); `nccl` is
 /// [`Error::BackendNotBuilt`] for now. The op deadline comes from `HYPERSHARD_TIMEOUT`.
+#[cfg(feature = "tcp")]
 pub fn init_default_from_env() -> Result<DefaultWorld> {
     let backend = BackendChoice::from_var(std::env::var(BACKEND_ENV).ok().as_deref())?;
     match backend {
@@ -329,7 +336,7 @@ fn mpi_world(backend: BackendChoice) -> Result<DefaultWorld> {
     })
 }
 
-#[cfg(not(feature = "mpi"))]
+#[cfg(all(feature = "tcp", not(feature = "mpi")))]
 fn mpi_world(_backend: BackendChoice) -> Result<DefaultWorld> {
     Err(Error::BackendNotBuilt {
         backend: "mpi",

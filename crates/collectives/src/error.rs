@@ -525,7 +525,9 @@ pub enum ProtocolViolation {
     /// another secret, or none while we have one, or the other way round).
     AuthenticationFailed,
     /// A frame failed its CRC32C check (per-frame checksums, `TcpConfig::frame_checksum`):
-    /// the bytes that arrived are not the bytes the peer sent.
+    /// the bytes that arrived are not the bytes the peer sent. (Feature `tcp`: it names a TCP
+    /// frame.)
+    #[cfg(feature = "tcp")]
     ChecksumFailed {
         /// The frame's kind, group, sequence number and tag, from its header (whose own
         /// checksum held); `None` when the header itself failed its checksum, so none of its
@@ -587,6 +589,7 @@ impl fmt::Display for ProtocolViolation {
             ProtocolViolation::AuthenticationFailed => {
                 f.write_str("authentication failed (the peer does not hold this job's secret)")
             }
+            #[cfg(feature = "tcp")]
             ProtocolViolation::ChecksumFailed {
                 frame,
                 sent,

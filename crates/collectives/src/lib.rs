@@ -9,14 +9,18 @@
 //! * [`reduce`]: the vectorisable reduction kernels (bf16/f16 accumulate in f32).
 //! * [`Store`]: the rendezvous key-value store ([`MemoryStore`], [`PrefixStore`]; the TCP store
 //!   lives in `store::tcp`), and [`LaunchEnv`] for torchrun's variables.
-//! * Backends: [`local`] (ranks as threads of one process) and `tcp`.
+//! * Backends: [`local`] (ranks as threads of one process) and `tcp` (processes, with a
+//!   same-host shared-memory transport; cargo feature `tcp`, on by default).
 //! * [`CommCounter`]: a wrapper that counts calls and bytes per op.
 //! * [`conformance`]: the suite every backend must pass.
 //!
 //! See `docs/collectives.md` for the semantics of each op.
 
 mod args;
+#[cfg(feature = "tcp")]
 pub mod auth;
+// Byte-block arithmetic of the TCP and shared-memory transports.
+#[cfg(feature = "tcp")]
 mod blocks;
 mod buffer;
 mod communicator;
@@ -27,6 +31,7 @@ mod dtype;
 mod engine;
 mod env;
 mod error;
+#[cfg(feature = "tcp")]
 #[doc(hidden)]
 pub mod fuzzing;
 pub mod local;
@@ -36,9 +41,16 @@ pub mod mpi;
 pub mod nccl;
 mod op;
 pub mod reduce;
+#[cfg(feature = "tcp")]
 pub mod shm;
 pub mod store;
+#[cfg(feature = "tcp")]
 pub mod tcp;
+// Without the TCP backend, the one piece of it the local backend's descriptors name.
+#[cfg(not(feature = "tcp"))]
+#[path = "tcp_absent.rs"]
+mod tcp;
+#[cfg(feature = "tcp")]
 pub mod watchdog;
 mod work;
 
@@ -48,10 +60,9 @@ pub use config::{CommConfig, DEFAULT_TIMEOUT, TIMEOUT_ENV, parse_seconds};
 pub use counter::{CommCounter, CounterSnapshot, OpCount};
 pub use dtype::{DType, Element};
 pub use engine::{AbortFlag, JobContext, JobSpec, ProgressEngine};
-pub use env::{
-    BACKEND_ENV, BackendChoice, DEFAULT_MASTER_PORT, DefaultWorld, LaunchEnv, Launcher,
-    init_default_from_env,
-};
+pub use env::{BACKEND_ENV, BackendChoice, DEFAULT_MASTER_PORT, LaunchEnv, Launcher};
+#[cfg(feature = "tcp")]
+pub use env::{DefaultWorld, init_default_from_env};
 pub use error::{DeviceLibrary, Unavailable};
 pub use error::{
     EnvExpectation, Error, IoAction, MpiInitProblem, MpiQuantity, ProtocolViolation, Result,

@@ -258,7 +258,8 @@ pub enum Error {
         /// The dtype as the safetensors crate spells it.
         dtype: String,
     },
-    /// The safetensors crate rejected the data.
+    /// The safetensors crate rejected the data (feature `safetensors`).
+    #[cfg(feature = "safetensors")]
     #[error("{op}: safetensors error")]
     Safetensors {
         /// The operation that failed.

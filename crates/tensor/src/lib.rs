@@ -61,6 +61,7 @@ pub mod cuda;
 pub mod deferred;
 mod dtype;
 mod error;
+#[cfg(feature = "safetensors")]
 mod io;
 mod layout;
 mod lock;
@@ -75,6 +76,7 @@ mod view;
 pub use deferred::{DeferredStorage, Fill, deferred_init, in_deferred_init};
 pub use dtype::{DType, Element};
 pub use error::{Error, Result};
+#[cfg(feature = "safetensors")]
 pub use io::{load_safetensors, load_safetensors_file, save_safetensors, save_safetensors_file};
 pub use random::{Block, Distribution, RandomInit};
 pub use storage::{ForeignBytes, HOST_ALIGN, HostBuffer, SharedStorage, Storage};

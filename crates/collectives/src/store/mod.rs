@@ -4,10 +4,11 @@
 //! Semantics follow `torch.distributed.Store`: values are bytes; [`Store::add`] keeps a decimal
 //! `i64` counter in the value; [`Store::get`] and [`Store::wait`] block until the keys exist or
 //! the deadline passes. Implementations: [`MemoryStore`] (threads of one process) and the TCP
-//! store (processes; `store::tcp`, hosted by rank 0 or the launcher).
+//! store (processes; `store::tcp`, feature `tcp`, hosted by rank 0 or the launcher).
 
 mod memory;
 mod prefix;
+#[cfg(feature = "tcp")]
 pub mod tcp;
 
 use std::time::Duration;
@@ -16,6 +17,7 @@ use crate::error::Result;
 
 pub use memory::MemoryStore;
 pub use prefix::PrefixStore;
+#[cfg(feature = "tcp")]
 pub use tcp::{TcpStore, TcpStoreServer};
 
 /// A key-value store shared by the ranks of a job. Every method is safe to call from many

@@ -6,5 +6,7 @@ mod op_properties;
 mod ops;
 mod process_mesh;
 mod properties;
+// Ranks as processes over the TCP backend (feature `tcp`, on by default).
+#[cfg(feature = "tcp")]
 mod tcp;
 mod transitions;

@@ -16,7 +16,7 @@ pub fn allreduce() -> PathBuf {
         .clone()
 }
 
-fn build_example(binary: &Path, name: &str) -> PathBuf {
+pub fn build_example(binary: &Path, name: &str) -> PathBuf {
     // invariant: CARGO_BIN_EXE_* is an absolute path <target-dir>/<profile-dir>/<binary>.
     let profile_dir = binary.parent().expect("binary has a parent directory");
     let target_dir = profile_dir.parent().expect("profile dir has a parent");
