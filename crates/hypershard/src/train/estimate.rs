@@ -178,10 +178,7 @@ pub fn estimate(config: &TrainConfig, data_tokens: u64) -> Result<MemoryEstimate
     let per_token_block = sum(
         "activations",
         batch_drivers,
-        &[
-            product("activations", batch_drivers, &[18, c])?,
-            h,
-        ],
+        &[product("activations", batch_drivers, &[18, c])?, h],
     )?;
     let block_full = product("activations", batch_drivers, &[4, tokens, per_token_block])?;
     let kept = if config.activation_checkpointing {
