@@ -80,7 +80,7 @@ const LANES: usize = 8;
 /// FLOPs of one iteration of the FMA kernel.
 pub const FLOPS_PER_ITERATION: u64 = (2 * ACCUMULATORS * LANES) as u64;
 
-/// Runs `iterations` rounds of [`ACCUMULATORS`] independent AVX2 fused multiply-adds
+/// Runs `iterations` rounds of `ACCUMULATORS` independent AVX2 fused multiply-adds
 /// (`acc = acc·a + b` on 8 lanes each, `a` and `b` the given constants, every accumulator
 /// starting at 0) and returns the sum of all lanes of all accumulators, or `None` when the
 /// CPU has no AVX2 and FMA.
