@@ -38,7 +38,7 @@ pub struct TrainSummary {
     /// Tokens per second over all ranks, averaged over the whole run: wall time from the
     /// reporter's start to the end, warm-up steps, evaluations and checkpoints included.
     pub tokens_per_second: f64,
-    /// The first steps left out of [`Self::steady_tokens_per_second`] (see [`warmup_steps`]).
+    /// The first steps left out of [`Self::steady_tokens_per_second`] (one fifth of the run, between 1 and 5 steps).
     pub warmup_steps: u64,
     /// Tokens per second over all ranks in steady state: the tokens of the steps after the
     /// warm-up over the summed time of those steps' `train_step` on rank 0 (forward, backward,
