@@ -166,7 +166,7 @@ impl FsdpModule {
             // The step's buffers go back to the allocator before the optimizer step (and a
             // checkpoint) allocate their own: cached, they would add a step's worth of idle
             // communication buffers and kernel outputs to the peak. Re-faulting them in the
-            // next step costs far less than the step's compute (docs/memory.md).
+            // next step costs far less than the step's compute (docs/fsdp.md).
             lock(&self.group).mesh.pool().release_cached();
             hypershard_nn::release_cached_kernel_buffers();
         }

@@ -128,7 +128,7 @@ impl Trainer {
         }
         let shapes = global_shapes(&gpt)?;
         // The lm_head and the loss run fused, in blocks of tokens: the [B, T, V] logits and
-        // their gradient are never held whole (docs/memory.md).
+        // their gradient are never held whole (docs/fsdp.md, "How memory per rank scales").
         let loss_targets = gpt.fused_loss(DEFAULT_IGNORE_INDEX);
         let mesh = if config.mesh.replicas == 1 {
             DataParallelMesh::fsdp(counted)?
