@@ -8,6 +8,7 @@
 //! (distributed, resharding, crash-safe checkpoints), [`train`] (GPT under `fully_shard`) and
 //! [`sample`] (text generation).
 
+pub mod allocator;
 pub mod checkpoint;
 pub mod data;
 mod error;

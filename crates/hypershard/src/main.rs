@@ -8,6 +8,9 @@ use std::process::ExitCode;
 use clap::Parser;
 
 fn main() -> ExitCode {
+    // Before anything large is allocated: memory a step frees goes back to the kernel, so a
+    // rank's resident peak follows its live tensors (see the module's docs).
+    hypershard::allocator::return_large_blocks_to_the_kernel();
     let args = cli::Cli::parse();
     cli::init_logging();
     match cli::run(args) {
