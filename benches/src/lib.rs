@@ -12,6 +12,7 @@ use std::time::Duration;
 pub mod memory;
 pub mod nccl_sweep;
 pub mod train;
+pub mod train_history;
 pub mod train_profile;
 pub mod world;
 
