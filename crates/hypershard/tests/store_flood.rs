@@ -37,7 +37,7 @@ fn start(out: &Path, port: u16) -> Child {
             "--batch-size",
             "2",
             "--steps",
-            "1500",
+            "3000",
             "--master-port",
         ])
         .arg(port.to_string())

@@ -107,6 +107,13 @@ impl ParamGroup {
             self.collected = grads;
             return Ok(None);
         }
+        // The unsharded parameters go back before the copy-in: the reduce-scatter input then
+        // takes the memory they held, so the unit's peak in backward is its gradients and that
+        // input, not those two and its parameters as well (a third of the root's peak with
+        // tied embeddings).
+        if reshard && !self.any_installed() {
+            self.release(false)?;
+        }
         let pending = if sync {
             self.reduce_in_flight = true;
             Some(self.issue_reductions(&grads)?)
@@ -118,9 +125,6 @@ impl ParamGroup {
             }
             None
         };
-        if reshard && !self.any_installed() {
-            self.release(false)?;
-        }
         Ok(pending)
     }
 
