@@ -10,9 +10,9 @@ use hypershard_nn::{Module, join_name};
 
 use crate::bridge::comm_dtype;
 use crate::bucket::{BucketItem, BucketPlan, plan_buckets};
-use crate::config::{FullyShardConfig, GradReduceOp, ReshardAfterForward};
+use crate::config::{FullyShardConfig, GradReduceOp};
 use crate::error::{FsdpError, Result};
-use crate::group::{GroupParts, PostForward, TpGroup};
+use crate::group::{GroupParts, TpGroup, post_forward_policy};
 use crate::layout::ShardLayout;
 use crate::module::FsdpModule;
 use crate::param::{FsdpParam, ParamRole, ShardedState, TpInfo};
@@ -48,33 +48,6 @@ fn nested_unit_names(
             nested_unit_names(child.as_mut(), &path, out)
         }
     })
-}
-
-/// The post-forward policy and, for a smaller group, its size, after checking
-/// `reshard_after_forward` against the shard group.
-pub(crate) fn post_forward_policy(
-    policy: ReshardAfterForward,
-    shard_world: usize,
-) -> Result<(PostForward, Option<usize>)> {
-    match policy {
-        ReshardAfterForward::Reshard => Ok((PostForward::Reshard, None)),
-        ReshardAfterForward::Keep => Ok((PostForward::Keep, None)),
-        ReshardAfterForward::ToGroupOf(size) => {
-            if size == 0 || !shard_world.is_multiple_of(size) {
-                return Err(FsdpError::ReshardSize {
-                    value: size,
-                    shard_world,
-                });
-            }
-            if size == shard_world {
-                Ok((PostForward::Reshard, None))
-            } else if size == 1 {
-                Ok((PostForward::Keep, None))
-            } else {
-                Ok((PostForward::ToGroup, Some(size)))
-            }
-        }
-    }
 }
 
 /// Computes the parameters of one member module of a new unit (appended to `params`),

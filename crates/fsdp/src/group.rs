@@ -15,7 +15,6 @@ use hypershard_tensor::{DType, Tensor};
 
 use crate::bridge::comm_dtype;
 use crate::bucket::{BucketItem, BucketPlan, plan_buckets};
-use crate::build::post_forward_policy;
 use crate::config::{CommFusionPolicy, GradReduceOp, MixedPrecisionPolicy, ReshardAfterForward};
 use crate::error::{FsdpError, Result};
 use crate::layout::ShardLayout;
@@ -540,5 +539,32 @@ impl ParamGroup {
         }
         self.collected.clear();
         self.targets.clear();
+    }
+}
+
+/// The post-forward policy and, for a smaller group, its size, after checking
+/// `reshard_after_forward` against the shard group.
+pub(crate) fn post_forward_policy(
+    policy: ReshardAfterForward,
+    shard_world: usize,
+) -> Result<(PostForward, Option<usize>)> {
+    match policy {
+        ReshardAfterForward::Reshard => Ok((PostForward::Reshard, None)),
+        ReshardAfterForward::Keep => Ok((PostForward::Keep, None)),
+        ReshardAfterForward::ToGroupOf(size) => {
+            if size == 0 || !shard_world.is_multiple_of(size) {
+                return Err(FsdpError::ReshardSize {
+                    value: size,
+                    shard_world,
+                });
+            }
+            if size == shard_world {
+                Ok((PostForward::Reshard, None))
+            } else if size == 1 {
+                Ok((PostForward::Keep, None))
+            } else {
+                Ok((PostForward::ToGroup, Some(size)))
+            }
+        }
     }
 }
