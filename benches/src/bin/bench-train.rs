@@ -214,6 +214,10 @@ struct RunRecord {
     whole_run_tokens_per_s: Option<f64>,
     peak_rss_mib: Option<f64>,
     per_rank_peak_rss_mib: Vec<f64>,
+    /// The 1-minute load average as the run started: on shared cores it tells a contended run
+    /// (whose tokens/s can be several times lower on either side) from a quiet one.
+    #[serde(default)]
+    load_avg_1m: Option<f64>,
 }
 
 impl RunRecord {
@@ -223,6 +227,12 @@ impl RunRecord {
             peak_rss_mib: self.peak_rss_mib,
         }
     }
+}
+
+/// The first field of `/proc/loadavg` (`None` where it cannot be read, as off Linux).
+fn load_average() -> Option<f64> {
+    let text = std::fs::read_to_string("/proc/loadavg").ok()?;
+    text.split_whitespace().next()?.parse().ok()
 }
 
 fn run_ours(
@@ -266,6 +276,7 @@ fn run_ours(
         whole_run_tokens_per_s: None,
         peak_rss_mib: None,
         per_rank_peak_rss_mib: Vec::new(),
+        load_avg_1m: load_average(),
     };
     let finished = run_logged(&mut command, &dir, &case)?;
     // The checkpoint written at the end is not measured (gigabytes for gpt2).
@@ -392,6 +403,7 @@ fn run_torch(
         whole_run_tokens_per_s: None,
         peak_rss_mib: None,
         per_rank_peak_rss_mib: Vec::new(),
+        load_avg_1m: load_average(),
     };
     match run_logged(&mut command, &dir, &case)? {
         Err(why) => record.status = why,
