@@ -55,6 +55,14 @@ pub enum MemoryBenchError {
 /// The result type of this module.
 pub type Result<T> = std::result::Result<T, MemoryBenchError>;
 
+/// Wraps an I/O error with the file or program it concerns, for `map_err`.
+pub fn io_error(path: &Path) -> impl FnOnce(std::io::Error) -> MemoryBenchError + '_ {
+    move |source| MemoryBenchError::Io {
+        path: path.to_path_buf(),
+        source,
+    }
+}
+
 const MIB: f64 = 1024.0 * 1024.0;
 
 /// Bytes in MiB, rounded to 0.1 MiB (the PyTorch script's resolution).

@@ -2,17 +2,10 @@
 //! `benches/results/train.json`, the layout every file there shares, so that the report
 //! (`cargo xtask bench --report-only`) reads them all alike.
 
-use std::path::{Path, PathBuf};
+use std::path::PathBuf;
 
-use crate::memory::{MemoryBenchError, Result};
+use crate::memory::{MemoryBenchError, Result, io_error};
 use crate::train::{FmaPeak, TrainCell};
-
-fn io(path: &Path, source: std::io::Error) -> MemoryBenchError {
-    MemoryBenchError::Io {
-        path: path.to_path_buf(),
-        source,
-    }
-}
 
 /// `benches/results/train.json`: the plain rows every file there holds (`what`, `peer`,
 /// `world`, `size`, `value`, `unit`, `command`), this run's appended to the earlier ones.
@@ -29,7 +22,7 @@ pub fn append_history(
     let mut rows: Vec<serde_json::Value> = match std::fs::read_to_string(&path) {
         Ok(text) => serde_json::from_str(&text).map_err(bad)?,
         Err(e) if e.kind() == std::io::ErrorKind::NotFound => Vec::new(),
-        Err(e) => return Err(io(&path, e)),
+        Err(e) => return Err(io_error(&path)(e)),
     };
     let row = |what: String,
                peer: Option<&str>,
@@ -108,6 +101,6 @@ pub fn append_history(
         text += if i + 1 < rows.len() { ",\n" } else { "\n" };
     }
     text += "]\n";
-    std::fs::write(&path, text).map_err(|e| io(&path, e))?;
+    std::fs::write(&path, text).map_err(io_error(&path))?;
     Ok(path)
 }

@@ -38,8 +38,8 @@ use std::process::{Command, ExitCode, ExitStatus, Stdio};
 use std::time::Instant;
 
 use hypershard_benches::memory::{
-    GptShape, Init, Library, MemoryBenchError, MemoryRun, Result, Target, mib, parse_size,
-    rank_named_in, read_summary, read_torch_row, targets,
+    GptShape, Init, Library, MemoryBenchError, MemoryRun, Result, Target, io_error, mib,
+    parse_size, rank_named_in, read_summary, read_torch_row, targets,
 };
 use hypershard_benches::{bench_output_dir, write_json};
 use serde::Serialize;
@@ -83,13 +83,6 @@ fn parse_args() -> Result<Args> {
     }
     parse_size(&args.limit)?;
     Ok(args)
-}
-
-fn io_error(path: &Path) -> impl FnOnce(std::io::Error) -> MemoryBenchError + '_ {
-    move |source| MemoryBenchError::Io {
-        path: path.to_path_buf(),
-        source,
-    }
 }
 
 /// How a child process ended, and its wall time.

@@ -34,7 +34,9 @@ use std::path::{Path, PathBuf};
 use std::process::{Command, ExitCode, Stdio};
 use std::time::Instant;
 
-use hypershard_benches::memory::{MemoryBenchError, Result, read_summary, read_torch_row};
+use hypershard_benches::memory::{
+    MemoryBenchError, Result, io_error, read_summary, read_torch_row,
+};
 use hypershard_benches::train::{
     CellSpec, FmaPeak, RunFigures, TrainCell, markdown_table, measure_fma_peak, mesh_world, preset,
     threads_per_rank, warmup_steps,
@@ -134,13 +136,6 @@ fn parse_args() -> Result<Args> {
         }
     }
     Ok(args)
-}
-
-fn io_error(path: &Path) -> impl FnOnce(std::io::Error) -> MemoryBenchError + '_ {
-    move |source| MemoryBenchError::Io {
-        path: path.to_path_buf(),
-        source,
-    }
 }
 
 /// Runs `command` with its output in `dir/stdout.log` and `dir/stderr.log`; `Err` with the

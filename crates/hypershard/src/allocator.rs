@@ -11,7 +11,7 @@
 //! compute dwarfs (the FSDP buffer pool already hands its buffers back at each step's end).
 
 /// Requests at or above this size are served by `mmap` and returned to the kernel on `free`.
-pub const MMAP_THRESHOLD_BYTES: usize = 256 * 1024;
+pub const MMAP_THRESHOLD_BYTES: libc::c_int = 256 * 1024;
 
 /// Pins glibc's mmap threshold at [`MMAP_THRESHOLD_BYTES`] (which also stops it from moving),
 /// so that large freed blocks leave the resident set at once. Call it once, early in `main`.
@@ -20,12 +20,10 @@ pub const MMAP_THRESHOLD_BYTES: usize = 256 * 1024;
 pub fn return_large_blocks_to_the_kernel() -> bool {
     #[cfg(all(target_os = "linux", target_env = "gnu"))]
     {
-        let threshold = libc::c_int::try_from(MMAP_THRESHOLD_BYTES)
-            .expect("invariant: the threshold is a small constant that fits a C int");
         // SAFETY: `mallopt` takes two integers and touches only the allocator's own settings,
         // under the allocator's lock; no pointer crosses. Tested by
         // tests/allocator.rs (`freed_large_blocks_leave_the_resident_set`).
-        let accepted = unsafe { libc::mallopt(libc::M_MMAP_THRESHOLD, threshold) };
+        let accepted = unsafe { libc::mallopt(libc::M_MMAP_THRESHOLD, MMAP_THRESHOLD_BYTES) };
         accepted == 1
     }
     #[cfg(not(all(target_os = "linux", target_env = "gnu")))]

@@ -4,25 +4,15 @@
 
 use std::hint::black_box;
 
-/// The resident set of this process in bytes (Linux `/proc/self/statm`, pages × page size).
+/// The resident set of this process in bytes (`VmRSS` of `/proc/self/status`, in kB).
 fn resident_bytes() -> u64 {
-    let statm = std::fs::read_to_string("/proc/self/statm").expect("read /proc/self/statm");
-    let pages: u64 = statm
-        .split_whitespace()
-        .nth(1)
-        .expect("statm has a resident field")
-        .parse()
-        .expect("statm's resident field is a number");
-    // The page size, without unsafe: statm counts in pages of `getconf PAGESIZE`; the kernels
-    // this runs on use 4 KiB (checked against the status file's VmRSS below).
     let status = std::fs::read_to_string("/proc/self/status").expect("read /proc/self/status");
     let vm_rss_kib: u64 = status
         .lines()
         .find_map(|l| l.strip_prefix("VmRSS:"))
         .and_then(|v| v.trim().trim_end_matches("kB").trim().parse().ok())
         .expect("status has VmRSS in kB");
-    let page = (vm_rss_kib * 1024) / pages.max(1);
-    pages * page.max(1)
+    vm_rss_kib * 1024
 }
 
 #[cfg(all(target_os = "linux", target_env = "gnu"))]
