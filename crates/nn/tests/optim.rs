@@ -1,6 +1,8 @@
 //! Optimizer steps against values worked out by hand, and gradient clipping.
 
-use hypershard_nn::optim::{AdamW, AdamWConfig, Sgd, SgdConfig, clip_grad_norm_params};
+use hypershard_nn::optim::{
+    AdamW, AdamWConfig, AdamWUpdate, Sgd, SgdConfig, clip_grad_norm_params,
+};
 use hypershard_nn::{Error, Parameter};
 use hypershard_tensor::{DType, Tensor};
 
@@ -208,6 +210,91 @@ fn adamw_f32_state_stays_f32() {
         p.data().expect("data").to_vec::<f32>().expect("f32"),
         vec![want; 3]
     );
+}
+
+/// Three AdamW steps of an f32 parameter of `rows × cols` with gradients `f(step, i)`; when
+/// `transposed`, the parameter is a non-contiguous view (the general path through f64 copies),
+/// else a contiguous tensor (the in-place path), both holding the same logical values.
+fn adamw_f32_after_three_steps(
+    rows: usize,
+    cols: usize,
+    transposed: bool,
+    threads: usize,
+) -> Vec<u32> {
+    let n = rows * cols;
+    let value = |i: usize| ((i * 7919) % 1000) as f32 * 1e-3 - 0.5;
+    let grad = |step: usize, i: usize| ((i * 31 + step * 17) % 203) as f32 * 1e-2 - 1.0;
+    let logical = |f: &dyn Fn(usize) -> f32| -> Tensor {
+        let values: Vec<f32> = (0..n).map(f).collect();
+        // invariant: n values always fill a rows × cols tensor.
+        let t = Tensor::from_vec(values, &[rows, cols]).expect("tensor");
+        if transposed {
+            // The same logical [rows, cols] values, stored column-major.
+            let stored = t
+                .transpose(0, 1)
+                .expect("transpose")
+                .contiguous()
+                .expect("copy");
+            stored.transpose(0, 1).expect("transpose back")
+        } else {
+            t
+        }
+    };
+    let mut p = Parameter::new("w", logical(&value));
+    assert_eq!(p.data().expect("data").is_contiguous(), !transposed);
+    let mut adamw = AdamW::new(AdamWConfig {
+        lr: 0.05,
+        weight_decay: 0.1,
+        ..AdamWConfig::default()
+    })
+    .expect("config");
+    for step in 0..3 {
+        p.grad = Some(logical(&|i| grad(step, i)));
+        hypershard_nn::with_num_threads(threads, || adamw.step_param("w", &mut p))
+            .expect("pool")
+            .expect("step");
+    }
+    let values = p.data().expect("data").to_vec::<f32>().expect("f32");
+    values.iter().map(|v| v.to_bits()).collect()
+}
+
+#[test]
+fn adamw_f32_in_place_equals_the_general_path_bit_for_bit_at_any_thread_count() {
+    // 317 × 211 = 66 887 elements: more than two of the update's parallel chunks, not a
+    // multiple of one.
+    let (rows, cols) = (317, 211);
+    let general = adamw_f32_after_three_steps(rows, cols, true, 1);
+    for threads in [1, 2, 3] {
+        let in_place = adamw_f32_after_three_steps(rows, cols, false, threads);
+        assert_eq!(in_place.len(), general.len());
+        let differing = in_place
+            .iter()
+            .zip(&general)
+            .filter(|(a, b)| a != b)
+            .count();
+        assert_eq!(
+            differing, 0,
+            "{differing} elements differ at {threads} threads"
+        );
+    }
+    // The steps moved the values (a test of equality between two no-ops would prove nothing).
+    let start = (-0.5f32).to_bits(); // value(0)
+    assert_ne!(general[0], start);
+}
+
+#[test]
+fn adamw_update_rejects_slices_of_different_lengths() {
+    let update = AdamWUpdate::new(&AdamWConfig::default(), 1);
+    let (mut p, mut m, mut v) = (vec![0.0f32; 4], vec![0.0f32; 4], vec![0.0f32; 3]);
+    let err = update
+        .apply_f32(&mut p, &mut m, &mut v, &[1.0; 4])
+        .expect_err("lengths differ");
+    assert!(
+        matches!(&err, Error::ShapeMismatch { op, lhs, rhs }
+            if op.contains("exp_avg_sq") && lhs == &[4] && rhs == &[3]),
+        "{err}"
+    );
+    assert_eq!(p, vec![0.0; 4], "nothing written on error");
 }
 
 #[test]

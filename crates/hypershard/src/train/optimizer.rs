@@ -1,13 +1,14 @@
 //! AdamW over a rank's local parameter shards, with nanoGPT's weight-decay rule (decay only
 //! parameters of 2 or more dims) and state that a checkpoint can save and restore.
 //!
-//! The update is torch.optim.AdamW's, computed in f64 and rounded once into the parameter's
-//! dtype: `p *= 1 − lr·wd`; `m = β₁m + (1−β₁)g`; `v = β₂v + (1−β₂)g²`;
-//! `p −= lr/(1−β₁ᵗ) · m / (√v/√(1−β₂ᵗ) + ε)`. It is elementwise, so stepping each shard on its
-//! own rank is the same as stepping the whole tensor.
+//! The update is nn's [`AdamWUpdate`], torch.optim.AdamW's rule computed in f64 and rounded
+//! once into the parameter's dtype: `p *= 1 − lr·wd`; `m = β₁m + (1−β₁)g`;
+//! `v = β₂v + (1−β₂)g²`; `p −= lr/(1−β₁ᵗ) · m / (√v/√(1−β₂ᵗ) + ε)`. It is elementwise, so
+//! stepping each shard on its own rank is the same as stepping the whole tensor.
 
 use std::collections::BTreeMap;
 
+use hypershard_nn::optim::{AdamWConfig, AdamWUpdate};
 use hypershard_nn::{Module, Parameter};
 use hypershard_tensor::{DType, Tensor};
 
@@ -114,7 +115,15 @@ fn step_one(
     } else {
         0.0
     };
-    let update = AdamWUpdate::new(config, step, lr, weight_decay);
+    let update = AdamWUpdate::new(
+        &AdamWConfig {
+            lr,
+            betas: (config.beta1, config.beta2),
+            eps: config.eps,
+            weight_decay,
+        },
+        step,
+    );
     let in_place = data.dtype() == DType::F32
         && grad.dtype() == DType::F32
         && data.is_contiguous()
@@ -122,24 +131,19 @@ fn step_one(
         && !grad.shares_storage(data);
     if in_place {
         // The common case (f32 master shards and gradients): one pass over the shard, with
-        // no copy of the values or the gradient. The arithmetic is the fallback's, in f64,
-        // rounded to f32 once per element, so both paths give the same bits.
-        return grad
-            .with_data::<f32, _>(|g| {
-                data.with_data_mut::<f32, _>(|p| {
-                    for (((p, m), v), &g) in p
-                        .iter_mut()
-                        .zip(state.exp_avg.iter_mut())
-                        .zip(state.exp_avg_sq.iter_mut())
-                        .zip(g)
-                    {
-                        *p = update.apply(f64::from(*p), m, v, f64::from(g)) as f32;
-                    }
-                })
+        // no copy of the values or the gradient, spread over the rank's kernel threads.
+        let nested = grad.with_data::<f32, _>(|g| {
+            data.with_data_mut::<f32, _>(|p| {
+                update.apply_f32(p, &mut state.exp_avg, &mut state.exp_avg_sq, g)
             })
+        });
+        return nested
             .and_then(|inner| inner)
-            .map_err(tensor_error(name));
+            .map_err(tensor_error(name))?
+            .map_err(Error::from);
     }
+    // Any other dtype or layout: the same arithmetic through f64 copies, so both paths give
+    // the same bits for f32.
     let grad = grad.to_f64_vec().map_err(tensor_error(name))?;
     let mut values = data.to_f64_vec().map_err(tensor_error(name))?;
     for (((p, m), v), &g) in values
@@ -148,48 +152,13 @@ fn step_one(
         .zip(state.exp_avg_sq.iter_mut())
         .zip(&grad)
     {
-        *p = update.apply(*p, m, v, g);
+        let (mut m64, mut v64) = (f64::from(*m), f64::from(*v));
+        *p = update.apply(*p, &mut m64, &mut v64, g);
+        *m = m64 as f32;
+        *v = v64 as f32;
     }
     let updated = Tensor::from_vec(values, data.shape()).map_err(tensor_error(name))?;
     data.copy_from(&updated).map_err(tensor_error(name))
-}
-
-/// torch's AdamW for one element, in f64 (the moments are stored in f32).
-struct AdamWUpdate {
-    beta1: f64,
-    beta2: f64,
-    eps: f64,
-    decay: f64,
-    step_size: f64,
-    bias_correction2_sqrt: f64,
-}
-
-impl AdamWUpdate {
-    fn new(config: &OptimConfig, step: u64, lr: f64, weight_decay: f64) -> Self {
-        let exponent = i32::try_from(step).unwrap_or(i32::MAX);
-        let bias_correction1 = 1.0 - config.beta1.powi(exponent);
-        AdamWUpdate {
-            beta1: config.beta1,
-            beta2: config.beta2,
-            eps: config.eps,
-            decay: 1.0 - lr * weight_decay,
-            step_size: lr / bias_correction1,
-            bias_correction2_sqrt: (1.0 - config.beta2.powi(exponent)).sqrt(),
-        }
-    }
-
-    /// The updated value of `p`, updating the moments `m` and `v` with gradient `g`.
-    #[inline]
-    fn apply(&self, p: f64, m: &mut f32, v: &mut f32, g: f64) -> f64 {
-        let (mut m64, mut v64) = (f64::from(*m), f64::from(*v));
-        let p = p * self.decay;
-        m64 = self.beta1 * m64 + (1.0 - self.beta1) * g;
-        v64 = self.beta2 * v64 + (1.0 - self.beta2) * g * g;
-        let denom = v64.sqrt() / self.bias_correction2_sqrt + self.eps;
-        *m = m64 as f32;
-        *v = v64 as f32;
-        p - self.step_size * m64 / denom
-    }
 }
 
 /// The f32 tensor of a moment vector in `shape`.

@@ -2,9 +2,9 @@
 
 use std::collections::BTreeMap;
 
-use hypershard_tensor::Tensor;
+use hypershard_tensor::{DType, Tensor};
 
-use super::{check_non_negative, step_inputs, write_f64};
+use super::{check_non_negative, write_f64};
 use crate::{Error, Module, Parameter, Result};
 
 /// The hyper-parameters of [`AdamW`]; `Default` gives torch's defaults.
@@ -90,18 +90,25 @@ impl AdamW {
 
     /// Steps one parameter, keeping its state under `name`.
     pub fn step_param(&mut self, name: &str, param: &mut Parameter) -> Result<()> {
-        let Some(inputs) = step_inputs("AdamW::step", param)? else {
+        const OP: &str = "AdamW::step";
+        let Some(grad) = &param.grad else {
             return Ok(());
         };
-        let AdamWConfig {
-            lr,
-            betas: (beta1, beta2),
-            eps,
-            weight_decay,
-        } = self.config;
         let data = param.data()?;
-        // The state tensors are cloned as views, so an error below leaves the stored state
-        // (and the parameter) untouched.
+        if data.shape() != grad.shape() {
+            return Err(Error::ShapeMismatch {
+                op: OP,
+                lhs: data.shape().to_vec(),
+                rhs: grad.shape().to_vec(),
+            });
+        }
+        if data.dtype() != grad.dtype() {
+            return Err(Error::DTypeMismatch {
+                op: OP,
+                lhs: data.dtype(),
+                rhs: grad.dtype(),
+            });
+        }
         let state = match self.state.get(name) {
             Some(state) => state.clone(),
             None => AdamWState {
@@ -110,30 +117,52 @@ impl AdamW {
                 exp_avg_sq: Tensor::zeros(data.shape(), data.dtype())?,
             },
         };
-        let step = state.step + 1;
-        let mut exp_avg = state.exp_avg.to_f64_vec()?;
-        let mut exp_avg_sq = state.exp_avg_sq.to_f64_vec()?;
-        let mut values = inputs.values;
-        // The exponent only grows by one per step; saturating keeps it defined past i32::MAX.
-        let exponent = i32::try_from(step).unwrap_or(i32::MAX);
-        let bias_correction1 = 1.0 - beta1.powi(exponent);
-        let bias_correction2_sqrt = (1.0 - beta2.powi(exponent)).sqrt();
-        let step_size = lr / bias_correction1;
-        for (((p, m), v), g) in values
-            .iter_mut()
-            .zip(exp_avg.iter_mut())
-            .zip(exp_avg_sq.iter_mut())
-            .zip(&inputs.grad)
-        {
-            *p *= 1.0 - lr * weight_decay;
-            *m = beta1 * *m + (1.0 - beta1) * g;
-            *v = beta2 * *v + (1.0 - beta2) * g * g;
-            let denom = v.sqrt() / bias_correction2_sqrt + eps;
-            *p -= step_size * *m / denom;
+        if state.exp_avg.shape() != data.shape() {
+            return Err(Error::ShapeMismatch {
+                op: "AdamW::step (state of an earlier parameter under this name)",
+                lhs: data.shape().to_vec(),
+                rhs: state.exp_avg.shape().to_vec(),
+            });
         }
-        write_f64(&state.exp_avg, exp_avg)?;
-        write_f64(&state.exp_avg_sq, exp_avg_sq)?;
-        write_f64(data, values)?;
+        let step = state.step + 1;
+        let update = AdamWUpdate::new(&self.config, step);
+        let all_f32_and_contiguous = [data, grad, &state.exp_avg, &state.exp_avg_sq]
+            .iter()
+            .all(|t| t.dtype() == DType::F32 && t.is_contiguous());
+        if all_f32_and_contiguous && !grad.shares_storage(data) {
+            // The common case: one pass over the four arrays in place, no copies. The
+            // arithmetic is the general path's, so both give the same bits. The state was
+            // made with the parameter, so it never shares the parameter's or gradient's storage.
+            let nested = grad.with_data::<f32, _>(|g| {
+                data.with_data_mut::<f32, _>(|p| {
+                    state.exp_avg.with_data_mut::<f32, _>(|m| {
+                        state
+                            .exp_avg_sq
+                            .with_data_mut::<f32, _>(|v| update.apply_f32(p, m, v, g))
+                    })
+                })
+            });
+            nested.and_then(|r| r).and_then(|r| r).and_then(|r| r)??;
+        } else {
+            // Any other dtype or layout: through f64 copies, rounded once into each tensor.
+            // The state tensors are cloned as views, so an error here leaves the stored state
+            // (and the parameter) untouched.
+            let mut values = data.to_f64_vec()?;
+            let grad = grad.to_f64_vec()?;
+            let mut exp_avg = state.exp_avg.to_f64_vec()?;
+            let mut exp_avg_sq = state.exp_avg_sq.to_f64_vec()?;
+            for (((p, m), v), &g) in values
+                .iter_mut()
+                .zip(exp_avg.iter_mut())
+                .zip(exp_avg_sq.iter_mut())
+                .zip(&grad)
+            {
+                *p = update.apply(*p, m, v, g);
+            }
+            write_f64(&state.exp_avg, exp_avg)?;
+            write_f64(&state.exp_avg_sq, exp_avg_sq)?;
+            write_f64(data, values)?;
+        }
         self.state.insert(
             name.to_string(),
             AdamWState {
@@ -142,6 +171,103 @@ impl AdamW {
                 exp_avg_sq: state.exp_avg_sq,
             },
         );
+        Ok(())
+    }
+}
+
+/// One AdamW step's arithmetic for every element of a parameter: torch's update rule in f64,
+/// rounded once into each stored value. Shared by [`AdamW`] and any optimizer that keeps its
+/// state elsewhere (the trainer keeps a rank's moments beside its local shards).
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct AdamWUpdate {
+    beta1: f64,
+    beta2: f64,
+    eps: f64,
+    /// `1 − lr·weight_decay`.
+    decay: f64,
+    /// `lr / (1 − β₁ᵗ)`.
+    step_size: f64,
+    /// `√(1 − β₂ᵗ)`.
+    bias_correction2_sqrt: f64,
+}
+
+/// Elements per task of the parallel in-place update: large enough that scheduling costs
+/// nothing next to the arithmetic, small enough that a 2-core pool splits a layer's shard.
+const UPDATE_CHUNK: usize = 1 << 15;
+
+impl AdamWUpdate {
+    /// The update of step `step` (1 for the first) with `config`'s hyper-parameters.
+    pub fn new(config: &AdamWConfig, step: u64) -> Self {
+        // The exponent only grows by one per step; saturating keeps it defined past i32::MAX.
+        let exponent = i32::try_from(step).unwrap_or(i32::MAX);
+        let (beta1, beta2) = config.betas;
+        AdamWUpdate {
+            beta1,
+            beta2,
+            eps: config.eps,
+            decay: 1.0 - config.lr * config.weight_decay,
+            step_size: config.lr / (1.0 - beta1.powi(exponent)),
+            bias_correction2_sqrt: (1.0 - beta2.powi(exponent)).sqrt(),
+        }
+    }
+
+    /// The updated value of one parameter element `p` with gradient `g`, updating its moments.
+    #[inline]
+    pub fn apply(&self, p: f64, m: &mut f64, v: &mut f64, g: f64) -> f64 {
+        let p = p * self.decay;
+        *m = self.beta1 * *m + (1.0 - self.beta1) * g;
+        *v = self.beta2 * *v + (1.0 - self.beta2) * g * g;
+        let denom = v.sqrt() / self.bias_correction2_sqrt + self.eps;
+        p - self.step_size * *m / denom
+    }
+
+    /// Updates f32 values and moments in place from an f32 gradient, element by element as
+    /// [`apply`](Self::apply) (each moment rounded to f32 once, the parameter uses the unrounded
+    /// moment), in parallel over the current rayon pool: the result does not depend on the
+    /// number of threads. All four slices must have one length.
+    pub fn apply_f32(
+        &self,
+        values: &mut [f32],
+        exp_avg: &mut [f32],
+        exp_avg_sq: &mut [f32],
+        grad: &[f32],
+    ) -> Result<()> {
+        let len = values.len();
+        for (op, other) in [
+            ("AdamWUpdate::apply_f32 (values, exp_avg)", exp_avg.len()),
+            (
+                "AdamWUpdate::apply_f32 (values, exp_avg_sq)",
+                exp_avg_sq.len(),
+            ),
+            ("AdamWUpdate::apply_f32 (values, grad)", grad.len()),
+        ] {
+            if other != len {
+                return Err(Error::ShapeMismatch {
+                    op,
+                    lhs: vec![len],
+                    rhs: vec![other],
+                });
+            }
+        }
+        let chunk = |((p, m), v): ((&mut [f32], &mut [f32]), &mut [f32]), g: &[f32]| {
+            for (((p, m), v), &g) in p.iter_mut().zip(m).zip(v).zip(g) {
+                let (mut m64, mut v64) = (f64::from(*m), f64::from(*v));
+                *p = self.apply(f64::from(*p), &mut m64, &mut v64, f64::from(g)) as f32;
+                *m = m64 as f32;
+                *v = v64 as f32;
+            }
+        };
+        if len <= UPDATE_CHUNK {
+            chunk(((values, exp_avg), exp_avg_sq), grad);
+        } else {
+            use rayon::prelude::*;
+            values
+                .par_chunks_mut(UPDATE_CHUNK)
+                .zip(exp_avg.par_chunks_mut(UPDATE_CHUNK))
+                .zip(exp_avg_sq.par_chunks_mut(UPDATE_CHUNK))
+                .zip(grad.par_chunks(UPDATE_CHUNK))
+                .for_each(|(pmv, g)| chunk(pmv, g));
+        }
         Ok(())
     }
 }

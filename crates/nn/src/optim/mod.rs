@@ -12,7 +12,7 @@ mod clip;
 mod schedule;
 mod sgd;
 
-pub use adamw::{AdamW, AdamWConfig, AdamWState};
+pub use adamw::{AdamW, AdamWConfig, AdamWState, AdamWUpdate};
 pub use clip::{clip_grad_norm, clip_grad_norm_params};
 pub use schedule::WarmupCosine;
 pub use sgd::{Sgd, SgdConfig};
