@@ -72,7 +72,7 @@ fn sqrt_2_over_pi() -> f64 {
 
 /// A pointwise function and its derivative, generic over the compute type so one definition
 /// serves the f64 reference path and the vectorised f32 path.
-trait Pointwise {
+trait Pointwise: Sync {
     /// `f(x)`.
     fn value<F: Float>(&self, x: F) -> F;
     /// `f'(x)`.
@@ -186,7 +186,9 @@ impl Pointwise for Silu {
 fn apply<P: Pointwise>(op: &'static str, f: &P, input: &Tensor) -> Result<Tensor> {
     with_float!(op, input.dtype(), F => {
         build_overwrite::<F>(input.shape(), input.dtype(), |out| {
-            with_values::<F, _>(input, |xs| f.values(xs, out))
+            with_values::<F, _>(input, |xs| {
+                in_parallel_chunks(out, |start, out| f.values(&xs[start..start + out.len()], out))
+            })
         })
     })
 }
@@ -214,9 +216,32 @@ fn apply_grad<P: Pointwise>(
     }
     with_float!(op, input.dtype(), F => {
         build_overwrite::<F>(input.shape(), input.dtype(), |out| {
-            with_values2::<F, _>(input, grad, |xs, gs| f.grads(xs, gs, out))
+            with_values2::<F, _>(input, grad, |xs, gs| {
+                in_parallel_chunks(out, |start, out| {
+                    let end = start + out.len();
+                    f.grads(&xs[start..end], &gs[start..end], out)
+                })
+            })
         })
     })
+}
+
+/// Elements per task of an activation over a large tensor: enough work that a task's
+/// scheduling is noise, small enough that a layer's activations split over a rank's threads.
+const POINTWISE_CHUNK: usize = 1 << 14;
+
+/// Runs `f(start, chunk)` over consecutive chunks of `out` on the current rayon pool (inline
+/// when `out` is one chunk). Every element is computed alone, so the values do not depend on
+/// the number of threads.
+fn in_parallel_chunks<F: Float>(out: &mut [F], f: impl Fn(usize, &mut [F]) + Sync) {
+    if out.len() <= POINTWISE_CHUNK {
+        f(0, out);
+    } else {
+        use rayon::prelude::*;
+        out.par_chunks_mut(POINTWISE_CHUNK)
+            .enumerate()
+            .for_each(|(i, chunk)| f(i * POINTWISE_CHUNK, chunk));
+    }
 }
 
 /// Implements `Module` for an activation whose input is cached in `self.input`.
@@ -277,6 +302,39 @@ mod tests {
         // torch.nn.functional.gelu(1.0, approximate="tanh") = 0.8411919906082768.
         assert!((gelu_tanh(1.0f64) - 0.841_191_990_608_276_8).abs() < 1e-15);
         assert!((sigmoid(0.0f64) - 0.5).abs() < 1e-16);
+    }
+
+    #[test]
+    fn large_tensors_split_over_threads_give_each_element_its_own_value() {
+        // Three and a bit chunks, so the last task is short and every task boundary is crossed.
+        let n = 3 * POINTWISE_CHUNK + 77;
+        let xs: Vec<f32> = (0..n).map(|i| (i % 601) as f32 * 0.01 - 3.0).collect();
+        let gs: Vec<f32> = (0..n).map(|i| (i % 37) as f32 * 0.1 - 1.5).collect();
+        let input = Tensor::from_slice(&xs, &[n]).expect("input");
+        let grad = Tensor::from_slice(&gs, &[n]).expect("grad");
+        for approximation in [GeluApproximation::None, GeluApproximation::Tanh] {
+            let gelu = Gelu::new(approximation);
+            for threads in [1, 2, 3] {
+                let (values, grads) = crate::with_num_threads(threads, || {
+                    let v = apply("Gelu", &gelu, &input).expect("values");
+                    let g = apply_grad("Gelu", &gelu, &input, &grad).expect("grads");
+                    (
+                        v.to_vec::<f32>().expect("f32"),
+                        g.to_vec::<f32>().expect("f32"),
+                    )
+                })
+                .expect("pool");
+                for i in 0..n {
+                    assert_eq!(
+                        values[i].to_bits(),
+                        gelu.value(xs[i]).to_bits(),
+                        "value {i}"
+                    );
+                    let want = gs[i] * gelu.derivative(xs[i]);
+                    assert_eq!(grads[i].to_bits(), want.to_bits(), "grad {i}");
+                }
+            }
+        }
     }
 
     #[test]
