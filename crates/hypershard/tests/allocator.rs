@@ -23,10 +23,11 @@ fn freed_large_blocks_leave_the_resident_set() {
         "glibc refused M_MMAP_THRESHOLD"
     );
     // Without the pinned threshold, freeing this mmap'ed 16 MiB block would raise glibc's
-    // threshold to 16 MiB, and the 1 MiB blocks below would come from the heap.
+    // threshold to 16 MiB, and the 2 MiB blocks below would come from the heap.
     drop(black_box(vec![1u8; 16 << 20]));
 
-    const BLOCK: usize = 1 << 20;
+    const BLOCK: usize = 2 << 20;
+    const { assert!(BLOCK >= hypershard::allocator::MMAP_THRESHOLD_BYTES as usize) };
     const BLOCKS: usize = 32;
     let blocks: Vec<Vec<u8>> = (0..BLOCKS)
         .map(|i| black_box(vec![i as u8 + 1; BLOCK]))
