@@ -12,7 +12,7 @@ use hypershard_tensor::{DType, Tensor};
 
 use crate::dropout::DropMask;
 use crate::elementwise::check_float;
-use crate::kernels::{Float, load, store, with_float, with_values};
+use crate::kernels::{Float, load, store, with_float, with_values, with_values2};
 use crate::module::{ChildVisitorMut, ParamVisitor, ParamVisitorMut, join_name};
 use crate::{Dropout, Error, Linear, LinearConfig, Module, Result};
 
@@ -380,15 +380,25 @@ impl Module for CausalSelfAttention {
                 dims,
                 dtype,
             } => with_float!(OP, dtype, F => {
-                // Copies of the `[B, T, C]` and `[B, H, T]` operands (no storage is borrowed
-                // twice at once); the largest, `qkv`, is read in place.
-                let dy = load::<F>(&grad_y)?;
-                let (o, row_lse) = (load::<F>(&out)?, load::<F>(&lse)?);
-                drop((out, lse));
+                // `qkv`, the output and its gradient are read in place; the `[B, H, T]`
+                // log-sum-exps are copied. One thread never read-locks one storage twice:
+                // `with_values2` copies its second operand if it shares the first's storage,
+                // and a gradient sharing `qkv`'s storage is copied here.
+                let row_lse = load::<F>(&lse)?;
+                drop(lse);
                 let shape = qkv.shape().to_vec();
+                let dy_copy = if grad_y.shares_storage(&qkv) {
+                    Some(Tensor::from_vec(load::<F>(&grad_y)?, grad_y.shape())?)
+                } else {
+                    None
+                };
+                let dy_tensor = dy_copy.as_ref().unwrap_or(&grad_y);
                 let g = with_values::<F, _>(&qkv, |qkv| {
-                    flash::backward((qkv, &o, &row_lse), &dy, dims, TILE, mask.as_ref())
-                })??;
+                    with_values2::<F, _>(dy_tensor, &out, |dy, o| {
+                        flash::backward((qkv, o, &row_lse), dy, dims, TILE, mask.as_ref())
+                    })
+                })???;
+                drop(out);
                 // The cache goes before the gradient is stored, lowering the peak.
                 drop(qkv);
                 store(g, &shape, dtype)?

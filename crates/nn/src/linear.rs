@@ -224,40 +224,49 @@ impl Module for Linear {
         let weight_wants_grad = self.weight.requires_grad;
         let bias_wants_grad = self.bias.as_ref().is_some_and(|b| b.requires_grad);
         let grads = with_float!("Linear::backward", dtype, F => {
-            let g = load::<F>(&gy)?;
-            // dx = gy · W, [N, out] · [out, in].
-            let dx_shape = GemmShape::new(rows, n_out, n_in, MatmulOptions::default())?;
-            let grad_input = build_overwrite::<F>(input.shape(), dtype, |dx| {
-                with_values::<F, _>(weight, |ws| {
-                    if F::small_gemm_nn(&g, ws, rows, n_out, n_in, dx) {
-                        Ok(())
-                    } else {
-                        gemm_into(&g, ws, dx_shape, dx)
-                    }
-                })?
-            })?;
-            let grad_weight = if weight_wants_grad {
-                // dW = gyᵀ · x, [out, N] · [N, in].
-                let options = MatmulOptions {
-                    transpose_a: true,
-                    transpose_b: false,
+            let backward = |g: &[F]| -> Result<LinearGrads> {
+                // dx = gy · W, [N, out] · [out, in].
+                let dx_shape = GemmShape::new(rows, n_out, n_in, MatmulOptions::default())?;
+                let grad_input = build_overwrite::<F>(input.shape(), dtype, |dx| {
+                    with_values::<F, _>(weight, |ws| {
+                        if F::small_gemm_nn(g, ws, rows, n_out, n_in, dx) {
+                            Ok(())
+                        } else {
+                            gemm_into(g, ws, dx_shape, dx)
+                        }
+                    })?
+                })?;
+                let grad_weight = if weight_wants_grad {
+                    // dW = gyᵀ · x, [out, N] · [N, in].
+                    let options = MatmulOptions {
+                        transpose_a: true,
+                        transpose_b: false,
+                    };
+                    let dw_shape = GemmShape::new(n_out, rows, n_in, options)?;
+                    Some(build_overwrite::<F>(&[n_out, n_in], dtype, |dw| {
+                        with_values::<F, _>(&x, |xs| gemm_into(g, xs, dw_shape, dw))?
+                    })?)
+                } else {
+                    None
                 };
-                let dw_shape = GemmShape::new(n_out, rows, n_in, options)?;
-                Some(build_overwrite::<F>(&[n_out, n_in], dtype, |dw| {
-                    with_values::<F, _>(&x, |xs| gemm_into(&g, xs, dw_shape, dw))?
-                })?)
-            } else {
-                None
+                let grad_bias = if bias_wants_grad {
+                    Some(store(sum_rows(g, n_out), &[n_out], dtype)?)
+                } else {
+                    None
+                };
+                Ok(LinearGrads {
+                    grad_input,
+                    grad_weight,
+                    grad_bias,
+                })
             };
-            let grad_bias = if bias_wants_grad {
-                Some(store(sum_rows(&g, n_out), &[n_out], dtype)?)
+            // The output gradient is read in place (no copy of an activation-sized tensor)
+            // unless it shares storage with the weight or the input, whose read locks the
+            // GEMMs take while it is held: one thread never read-locks one storage twice.
+            if gy.shares_storage(weight) || gy.shares_storage(&x) {
+                backward(&load::<F>(&gy)?)?
             } else {
-                None
-            };
-            LinearGrads {
-                grad_input,
-                grad_weight,
-                grad_bias,
+                with_values::<F, _>(&gy, backward)??
             }
         });
         if let Some(grad_weight) = grads.grad_weight {

@@ -3,7 +3,7 @@
 use hypershard_tensor::{DType, Tensor};
 
 use crate::elementwise::check_float;
-use crate::kernels::{Float, load, store, with_float};
+use crate::kernels::{Float, load, store, with_float, with_values, with_values2};
 use crate::module::{ParamVisitor, ParamVisitorMut, join_name};
 use crate::{Error, Module, Parameter, Result};
 
@@ -204,10 +204,10 @@ fn run_forward(
     let d = weight.numel();
     check_input(op, input, d, weight.dtype())?;
     with_float!(op, input.dtype(), F => {
+        // The parameters are copied (one row each); the input is read in place.
         let w = load::<F>(weight)?;
         let b = bias.map(load::<F>).transpose()?;
-        let x = load::<F>(input)?;
-        let fwd = norm_forward(&x, &w, b.as_deref(), eps, centering);
+        let fwd = with_values::<F, _>(input, |x| norm_forward(x, &w, b.as_deref(), eps, centering))?;
         let rows = fwd.inv_std.len();
         let cache = NormCache {
             normalized: Tensor::from_vec(fwd.normalized, input.shape())?,
@@ -232,13 +232,12 @@ fn run_backward(
     let d = weight.numel();
     let dtype = cache.dtype;
     with_float!(op, dtype, F => {
-        let bwd = norm_backward(
-            &load::<F>(grad_output)?,
-            &load::<F>(&cache.normalized)?,
-            &load::<F>(&cache.inv_std)?,
-            &load::<F>(weight)?,
-            centering,
-        );
+        // The two activation-sized operands are read in place; one value per row and one
+        // per feature are copied.
+        let (inv_std, w) = (load::<F>(&cache.inv_std)?, load::<F>(weight)?);
+        let bwd = with_values2::<F, _>(grad_output, &cache.normalized, |g, normalized| {
+            norm_backward(g, normalized, &inv_std, &w, centering)
+        })?;
         Ok(NormGrads {
             grad_input: store(bwd.grad_input, &cache.shape, dtype)?,
             grad_weight: store(bwd.grad_weight, &[d], dtype)?,
