@@ -30,7 +30,7 @@ pub fn frame_header(bytes: &[u8]) -> bool {
     }
 }
 
-/// Decodes `bytes` as one whole frame with CRC32C checksums ([`decode_frame`]); `true` when
+/// Decodes `bytes` as one whole frame with CRC32C checksums (`decode_frame`); `true` when
 /// accepted. An accepted frame is within the cap and re-encodes to exactly `bytes` (so its
 /// checksums were right); anything else is a typed protocol error naming the peer.
 pub fn checked_frame(bytes: &[u8]) -> bool {
@@ -175,7 +175,7 @@ mod tests {
             flip in 1u8..=255,
         ) {
             let header = crate::tcp::FrameHeader {
-                kind: crate::tcp::FrameKind::Data,
+                kind: crate::FrameKind::Data,
                 dtype: crate::DType::U8,
                 group: 1,
                 seq,

@@ -6,13 +6,12 @@
 //!   [`Buffer`]s by value and [`Work::wait`] hands them back.
 //! * [`ProgressEngine`]: the per-communicator worker thread that runs ops in issue order; every
 //!   backend uses it.
-//! * [`reduce`]: the vectorisable reduction kernels (bf16/f16 accumulate in f32).
 //! * [`Store`]: the rendezvous key-value store ([`MemoryStore`], [`PrefixStore`]; the TCP store
 //!   lives in `store::tcp`), and [`LaunchEnv`] for torchrun's variables.
 //! * Backends: [`local`] (ranks as threads of one process) and `tcp` (processes, with a
 //!   same-host shared-memory transport; cargo feature `tcp`, on by default).
 //! * [`CommCounter`]: a wrapper that counts calls and bytes per op.
-//! * [`conformance`]: the suite every backend must pass.
+//! * `conformance`: the suite every backend must pass (cargo feature `testing`).
 //!
 //! See `docs/collectives.md` for the semantics of each op.
 
@@ -25,6 +24,7 @@ mod blocks;
 mod buffer;
 mod communicator;
 mod config;
+#[cfg(feature = "testing")]
 pub mod conformance;
 mod counter;
 mod dtype;
@@ -32,6 +32,8 @@ mod engine;
 mod env;
 mod error;
 #[cfg(feature = "tcp")]
+mod frame_key;
+#[cfg(all(feature = "testing", feature = "tcp"))]
 #[doc(hidden)]
 pub mod fuzzing;
 pub mod local;
@@ -40,7 +42,10 @@ pub mod mpi;
 #[cfg(feature = "nccl")]
 pub mod nccl;
 mod op;
-pub mod reduce;
+// The byte-slice kernels behind `ReducePlan` serve the wire backends (TCP, MPI); the local
+// backend reduces typed slices, so a build without `tcp` leaves most of them unused.
+#[cfg_attr(not(feature = "tcp"), allow(dead_code))]
+mod reduce;
 #[cfg(feature = "tcp")]
 pub mod shm;
 pub mod store;
@@ -50,6 +55,9 @@ pub mod tcp;
 #[cfg(not(feature = "tcp"))]
 #[path = "tcp_absent.rs"]
 mod tcp;
+#[cfg(all(feature = "testing", feature = "tcp"))]
+#[doc(hidden)]
+pub mod testing;
 #[cfg(feature = "tcp")]
 pub mod watchdog;
 mod work;
@@ -68,6 +76,8 @@ pub use error::{
     EnvExpectation, Error, IoAction, MpiInitProblem, MpiQuantity, ProtocolViolation, Result,
     SecretProblem,
 };
+#[cfg(feature = "tcp")]
+pub use frame_key::{FrameKey, FrameKind};
 pub use op::{
     AllToAllCounts, Argument, BufferPair, BufferRole, Knob, OpKind, ReduceOp, StridedBlocks,
     block_offsets,

@@ -22,5 +22,4 @@ mod split;
 
 pub use communicator::{NcclCommunicator, NcclInit, accepts};
 pub use device::DeviceBuffer;
-pub use library::{NCCL_LIB_ENV, find_nccl_soname, probe, search_dirs};
-pub use split::UNIQUE_ID_BYTES;
+pub use library::{NCCL_LIB_ENV, probe};

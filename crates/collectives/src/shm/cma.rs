@@ -91,6 +91,7 @@ static READS: AtomicU64 = AtomicU64::new(0);
 
 /// How many lent payloads this process has copied out of its peers (all channels, since it
 /// started): the tests check with it that the single-copy path really ran.
+#[cfg(any(test, feature = "testing"))]
 pub fn cross_memory_reads() -> u64 {
     READS.load(Ordering::Relaxed)
 }
@@ -105,6 +106,7 @@ static CANCELS: AtomicU64 = AtomicU64::new(0);
 
 /// How many lends this process has cancelled (sent through the ring after all) because the
 /// receiver did not claim them within the sender's patience.
+#[cfg(test)]
 pub fn cancelled_lends() -> u64 {
     CANCELS.load(Ordering::Relaxed)
 }

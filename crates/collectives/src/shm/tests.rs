@@ -8,9 +8,10 @@ use super::links::ShmLinks;
 use super::ring::{Consumer, Producer};
 use super::segment::Segment;
 use super::wait::tests::TestWatch;
+use crate::FrameKind;
 use crate::dtype::DType;
 use crate::error::{Error, Result};
-use crate::tcp::{FrameHeader, FrameKind, MailboxKey};
+use crate::tcp::{FrameHeader, MailboxKey};
 
 /// The links of ranks 0 and 1 of a world of two, over rings of `capacity` bytes.
 fn two_ranks(capacity: usize, max_payload: u64) -> (ShmLinks, ShmLinks) {
@@ -178,7 +179,7 @@ fn a_lost_peer_mid_message_fails_the_wait_and_poisons_the_channel() {
     let from_me = Arc::new(Segment::anonymous(2048).unwrap());
     let mut raw = Producer::new(Arc::clone(&to_me));
     let receiver = ShmPeer::new(0, Producer::new(from_me), Consumer::new(to_me), 1 << 20);
-    let mut slot = [0u8; super::SLOT_HEADER_BYTES];
+    let mut slot = [0u8; super::channel::SLOT_HEADER_BYTES];
     slot[..crate::tcp::FRAME_HEADER_BYTES].copy_from_slice(&header(0, 0, DType::U8, 1000).encode());
     assert!(raw.write(&slot, 0) && raw.write(&[5u8; 100], 0));
     raw.publish();
@@ -229,7 +230,7 @@ fn a_garbled_header_is_a_protocol_error_and_poisons_the_channel() {
     let from_me = Arc::new(Segment::anonymous(1024).unwrap());
     let mut raw = Producer::new(Arc::clone(&to_me));
     let receiver = ShmPeer::new(0, Producer::new(from_me), Consumer::new(to_me), 1 << 20);
-    assert!(raw.write(&[0xab; super::SLOT_HEADER_BYTES], 0));
+    assert!(raw.write(&[0xab; super::channel::SLOT_HEADER_BYTES], 0));
     raw.publish();
     let watch = TestWatch::new(Duration::from_secs(5));
     let key = MailboxKey::of(&header(0, 0, DType::U8, 0));
@@ -540,12 +541,13 @@ fn a_lent_body_on_a_pair_without_cross_memory_reads_is_a_protocol_error() {
     let from_me = Arc::new(Segment::anonymous(1024).unwrap());
     let mut raw = Producer::new(Arc::clone(&to_me));
     let receiver = ShmPeer::new(0, Producer::new(from_me), Consumer::new(to_me), 1 << 20);
-    let mut message = [0u8; super::SLOT_HEADER_BYTES + 16];
+    let mut message = [0u8; super::channel::SLOT_HEADER_BYTES + 16];
     let at = crate::tcp::FRAME_HEADER_BYTES;
     message[..at].copy_from_slice(&header(0, 0, DType::U8, 100).encode());
     message[at..at + 4].copy_from_slice(b"CMA1");
     let address = (message.as_ptr() as u64).to_le_bytes();
-    message[super::SLOT_HEADER_BYTES..super::SLOT_HEADER_BYTES + 8].copy_from_slice(&address);
+    message[super::channel::SLOT_HEADER_BYTES..super::channel::SLOT_HEADER_BYTES + 8]
+        .copy_from_slice(&address);
     assert!(raw.write(&message, 0));
     raw.publish();
     let watch = TestWatch::new(Duration::from_secs(5));

@@ -26,7 +26,7 @@
 //! no other client notices.
 //!
 //! The server runs one thread per connection, and at most [`MAX_PENDING_HANDSHAKES`] of them
-//! for connections still in their handshake (which must end within [`HANDSHAKE_TIMEOUT`]):
+//! for connections still in their handshake (which must end within `HANDSHAKE_TIMEOUT`):
 //! connections over that cap are closed at once and logged (at most once a second), and a
 //! client whose connection is closed before the server's hello tries again. Blocking `get`/`wait` requests wait on the
 //! server side in short slices so that [`TcpStoreServer`]'s `Drop` can stop every thread
@@ -46,9 +46,9 @@ use crate::auth::{self, JobSecret, NONCE_BYTES, Nonce, PROOF_BYTES, Proof};
 use crate::error::{Error, IoAction, ProtocolViolation, Result};
 
 /// The first four bytes of every hello: ASCII `HSTS`.
-pub const STORE_MAGIC: u32 = u32::from_le_bytes(*b"HSTS");
+pub(crate) const STORE_MAGIC: u32 = u32::from_le_bytes(*b"HSTS");
 /// The protocol version this build speaks.
-pub const STORE_PROTOCOL_VERSION: u32 = 2;
+pub(crate) const STORE_PROTOCOL_VERSION: u32 = 2;
 /// The longest key accepted, in bytes.
 pub const MAX_KEY_BYTES: usize = 4096;
 /// The largest value accepted, in bytes.
@@ -63,7 +63,7 @@ const POLL: Duration = Duration::from_millis(50);
 /// closed at once (and logged), so idle or hostile connections cannot pile up threads.
 pub const MAX_PENDING_HANDSHAKES: usize = 64;
 /// How long a connection may take to complete its handshake before it is dropped.
-pub const HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(5);
+pub(crate) const HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(5);
 /// At most one warning about refused connections per this interval (a flood must not flood
 /// the log or slow the accept loop).
 const REFUSAL_LOG_INTERVAL: Duration = Duration::from_secs(1);
@@ -684,6 +684,7 @@ fn wait_sliced(
 /// (blocking requests time out at once); returns how many requests were served before the
 /// bytes ran out or broke the protocol. For the fuzz targets and property tests: arbitrary
 /// input must end in a typed refusal, never a panic or an allocation beyond the caps.
+#[cfg(any(test, feature = "testing"))]
 pub(crate) fn serve_bytes(input: &[u8]) -> usize {
     let store = MemoryStore::new();
     let stop = AtomicBool::new(true);
@@ -700,6 +701,7 @@ pub(crate) fn serve_bytes(input: &[u8]) -> usize {
 
 /// Checks a hello's first eight bytes (magic and version) as the server does; for the fuzz
 /// targets.
+#[cfg(any(test, feature = "testing"))]
 pub(crate) fn check_hello_bytes(input: &[u8]) -> bool {
     let mut prefix = [0u8; 8];
     match input.get(..8) {

@@ -196,7 +196,7 @@ impl TcpCommunicator {
     /// The world communicator over an established mesh, with the shared-memory transport
     /// for co-located peers when [`TcpConfig::transport`] (or `HYPERSHARD_TRANSPORT`) asks
     /// for it: the ranks publish their host ids in `store` and set up one ring per ordered
-    /// pair on the same host ([`crate::shm::establish`]). Collective over the world.
+    /// pair on the same host (`crate::shm::establish`). Collective over the world.
     pub fn from_mesh_with_store(
         mesh: Mesh,
         store: &dyn Store,

@@ -8,7 +8,7 @@ use crate::error::{EnvExpectation, Error, Result};
 use crate::shm::{DEFAULT_RING_BYTES, TransportPolicy};
 
 /// The environment variable that overrides [`TcpConfig::frame_checksum`] in
-/// [`Mesh::establish`](super::Mesh::establish) (and so in `TcpCommunicator::connect`,
+/// `Mesh::establish` (and so in `TcpCommunicator::connect`,
 /// `rendezvous_from_env` and `init_from_env`): `1`, `true`, `on` or `0`, `false`, `off`.
 pub const CRC32C_VAR: &str = "HYPERSHARD_CRC32C";
 

@@ -17,6 +17,7 @@
 
 use crate::dtype::DType;
 use crate::error::{Error, IoAction, ProtocolViolation, Result};
+pub(crate) use crate::frame_key::FrameKind;
 
 /// The first four bytes of every frame: ASCII `HSFR`.
 pub const FRAME_MAGIC: u32 = u32::from_le_bytes(*b"HSFR");
@@ -91,6 +92,7 @@ pub(crate) fn check_trailer(
 /// The wire bytes of one whole frame: the header, then (with `checksum`) the header's CRC32C,
 /// the payload and (with `checksum`) the CRC32C of header and payload. `header.payload_bytes`
 /// is written as given; [`decode_frame`] refuses a frame whose payload does not match it.
+#[cfg(any(test, feature = "testing"))]
 pub fn encode_frame(header: &FrameHeader, payload: &[u8], checksum: bool) -> Vec<u8> {
     let encoded = header.encode();
     let extra = if checksum {
@@ -111,6 +113,7 @@ pub fn encode_frame(header: &FrameHeader, payload: &[u8], checksum: bool) -> Vec
     out
 }
 
+#[cfg(any(test, feature = "testing"))]
 fn read_word(bytes: &[u8], at: usize) -> Option<u32> {
     let word = bytes.get(at..at + FRAME_CHECKSUM_BYTES)?;
     let mut w = [0u8; FRAME_CHECKSUM_BYTES];
@@ -124,6 +127,7 @@ fn read_word(bytes: &[u8], at: usize) -> Option<u32> {
 /// `max_payload`, bytes missing ([`ProtocolViolation::Truncated`]) or left over
 /// ([`ProtocolViolation::PayloadLengthMismatch`]) and a wrong CRC32C
 /// ([`ProtocolViolation::ChecksumFailed`]) are typed errors. Nothing is allocated.
+#[cfg(any(test, feature = "testing"))]
 pub fn decode_frame(
     bytes: &[u8],
     peer: usize,
@@ -188,41 +192,6 @@ pub fn decode_frame(
         )?;
     }
     Ok((header, payload))
-}
-
-/// What a frame carries.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
-#[non_exhaustive]
-pub enum FrameKind {
-    /// A phase-0 descriptor: the sender's view of the op's arguments.
-    Descriptor,
-    /// A chunk of op data.
-    Data,
-    /// The sender failed the op; the payload names why.
-    Failure,
-    /// A point-to-point message (send/recv), filed by its user tag.
-    Message,
-}
-
-impl FrameKind {
-    fn code(self) -> u8 {
-        match self {
-            FrameKind::Descriptor => 1,
-            FrameKind::Data => 2,
-            FrameKind::Failure => 3,
-            FrameKind::Message => 4,
-        }
-    }
-
-    fn from_code(code: u8) -> Option<FrameKind> {
-        match code {
-            1 => Some(FrameKind::Descriptor),
-            2 => Some(FrameKind::Data),
-            3 => Some(FrameKind::Failure),
-            4 => Some(FrameKind::Message),
-            _ => None,
-        }
-    }
 }
 
 fn dtype_code(dtype: DType) -> u8 {

@@ -433,8 +433,8 @@ fn admit(outcome: HelloOutcome, peers: &mut [Option<TcpStream>], rank: usize) ->
 mod tests {
     use super::*;
     use crate::store::MemoryStore;
-    use crate::tcp::MESH_MAGIC;
     use crate::tcp::handshake::HELLO_BYTES;
+    use crate::tcp::handshake::MESH_MAGIC;
     use std::sync::Arc;
 
     fn establish_world(world: usize, tokens: &[u64], timeout: Duration) -> Vec<Result<Mesh>> {

@@ -28,32 +28,22 @@ use std::thread::{self, JoinHandle};
 use std::time::{Duration, Instant};
 
 use super::frame::{
-    FRAME_CHECKSUM_BYTES, FRAME_HEADER_BYTES, FrameHeader, FrameKind, check_header, check_trailer,
+    FRAME_CHECKSUM_BYTES, FRAME_HEADER_BYTES, FrameHeader, check_header, check_trailer,
     header_checksum, payload_alloc_error,
 };
 use super::mesh::Mesh;
 use crate::error::{Error, IoAction, ProtocolViolation, Result};
+use crate::frame_key::FrameKey;
 use crate::op::OpKind;
 use crate::reduce::ReducePlan;
 
-/// Where a frame is filed: the communicator it belongs to, the op's sequence number, the tag
-/// (user tag for send/recv, step of an algorithm otherwise) and the frame kind.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
-pub struct MailboxKey {
-    /// The communicator (world or split group).
-    pub group: u32,
-    /// The op's sequence number in its group.
-    pub seq: u64,
-    /// The tag or algorithm step.
-    pub tag: u32,
-    /// What the frame carries.
-    pub kind: FrameKind,
-}
+/// Where a frame is filed: the key of its header.
+pub(crate) type MailboxKey = FrameKey;
 
-impl MailboxKey {
+impl FrameKey {
     /// The key a frame with this header is filed under.
-    pub fn of(header: &FrameHeader) -> MailboxKey {
-        MailboxKey {
+    pub(crate) fn of(header: &FrameHeader) -> FrameKey {
+        FrameKey {
             group: header.group,
             seq: header.seq,
             tag: header.tag,
@@ -84,6 +74,7 @@ pub struct WaitBudget {
 
 impl WaitBudget {
     /// A budget of `timeout` from now.
+    #[cfg(test)]
     pub fn from_now(op: OpKind, timeout: Duration) -> WaitBudget {
         WaitBudget {
             op,
@@ -249,7 +240,6 @@ impl Shared {
 /// (peers then see this rank as lost) and joins the reader threads.
 #[derive(Debug)]
 pub struct Transport {
-    rank: usize,
     max_payload: u64,
     /// Whether frames to and from peers carry CRC32C checksums.
     checksum: bool,
@@ -301,7 +291,6 @@ impl Transport {
             writers.push(Some(Mutex::new(stream)));
         }
         let mut transport = Transport {
-            rank,
             max_payload,
             checksum,
             writers,
@@ -336,17 +325,13 @@ impl Transport {
         Ok(transport)
     }
 
-    /// This rank.
-    pub fn rank(&self) -> usize {
-        self.rank
-    }
-
     /// The number of ranks.
     pub fn world_size(&self) -> usize {
         self.writers.len()
     }
 
     /// Whether frames to and from peers carry CRC32C checksums.
+    #[cfg(test)]
     pub fn frame_checksum(&self) -> bool {
         self.checksum
     }
@@ -497,6 +482,7 @@ impl Transport {
     }
 
     /// Whether `peer`'s connection is gone.
+    #[cfg(test)]
     pub fn is_lost(&self, peer: usize) -> bool {
         self.shared.lock().lost.contains_key(&peer)
     }
@@ -859,6 +845,7 @@ fn read_frames(mut stream: TcpStream, limits: ReadLimits, shared: &Shared) {
 #[cfg(test)]
 pub(super) mod tests {
     use super::*;
+    use crate::FrameKind;
     use crate::dtype::DType;
     use std::net::TcpListener;
 

@@ -34,7 +34,7 @@ impl std::fmt::Debug for TcpWorld {
 
 /// Reads the launch variables ([`LaunchEnv::from_env`]: `RANK`, `WORLD_SIZE`, `MASTER_ADDR`,
 /// `MASTER_PORT`, ...) and the op timeout ([`CommConfig::from_env`]), runs
-/// [`rendezvous_from_env`] and builds the world [`TcpCommunicator`]. Collective over the job.
+/// `rendezvous_from_env` and builds the world [`TcpCommunicator`]. Collective over the job.
 pub fn init_from_env(tcp: &TcpConfig) -> Result<TcpWorld> {
     let env = LaunchEnv::from_env()?;
     let config = CommConfig::from_env()?;
