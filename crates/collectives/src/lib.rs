@@ -15,7 +15,7 @@
 //!
 //! See `docs/collectives.md` for the semantics of each op.
 
-mod args;
+mod agree;
 #[cfg(feature = "tcp")]
 pub mod auth;
 // Byte-block arithmetic of the TCP and shared-memory transports.
@@ -51,10 +51,6 @@ pub mod shm;
 pub mod store;
 #[cfg(feature = "tcp")]
 pub mod tcp;
-// Without the TCP backend, the one piece of it the local backend's descriptors name.
-#[cfg(not(feature = "tcp"))]
-#[path = "tcp_absent.rs"]
-mod tcp;
 #[cfg(all(feature = "testing", feature = "tcp"))]
 #[doc(hidden)]
 pub mod testing;

@@ -15,7 +15,6 @@
 
 pub(crate) mod group;
 pub(crate) mod ops;
-pub(crate) mod validate;
 
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};

@@ -7,93 +7,14 @@
 
 use std::sync::Arc;
 
-use super::group::{Desc, Group, Post, Session, reclaim};
-use super::validate::{peer_view, validate};
+use super::group::{Group, Post, Session, reclaim};
 use super::{Inner, LocalComm};
-use crate::args;
+use crate::agree::{Desc, Faults, args, block, copy_into, elements, peer_view, validate};
 use crate::buffer::{Buffer, HostBuffer};
 use crate::communicator::Communicator;
-use crate::dtype::DType;
 use crate::engine::JobContext;
 use crate::error::{Error, Result};
 use crate::op::{AllToAllCounts, BufferPair, BufferRole, OpKind, ReduceOp, block_offsets};
-use crate::reduce::ReducePlan;
-
-/// Collects the first local argument error of a rank.
-pub(crate) struct Faults {
-    pub(crate) op: OpKind,
-    pub(crate) first: Option<Error>,
-}
-
-impl Faults {
-    pub(crate) fn new(op: OpKind) -> Self {
-        Faults { op, first: None }
-    }
-
-    pub(crate) fn add(&mut self, error: Error) {
-        self.first.get_or_insert(error);
-    }
-
-    pub(crate) fn length(&mut self, role: BufferRole, expected: usize, got: usize) {
-        if expected != got {
-            let op = self.op;
-            self.add(Error::LengthMismatch {
-                op,
-                role,
-                expected,
-                got,
-            });
-        }
-    }
-
-    pub(crate) fn dtype(&mut self, role: BufferRole, expected: DType, got: DType) {
-        if expected != got {
-            let op = self.op;
-            self.add(Error::DTypeMismatch {
-                op,
-                role,
-                expected,
-                got,
-            });
-        }
-    }
-
-    pub(crate) fn rank(&mut self, rank: usize, size: usize) {
-        if rank >= size {
-            let op = self.op;
-            self.add(Error::InvalidRank { op, rank, size });
-        }
-    }
-
-    /// The host memory of `buffer`; a device buffer becomes a fault naming `backend` and an
-    /// empty placeholder.
-    pub(crate) fn host(&mut self, buffer: Buffer, backend: &'static str) -> HostBuffer {
-        let dtype = buffer.dtype();
-        let location = buffer.location();
-        match buffer.into_host() {
-            Ok(host) => host,
-            Err(_) => {
-                let op = self.op;
-                self.add(Error::UnsupportedBuffer {
-                    op,
-                    location,
-                    backend,
-                });
-                HostBuffer::zeros(dtype, 0)
-            }
-        }
-    }
-
-    pub(crate) fn plan(&mut self, op: ReduceOp, dtype: DType, world: usize) -> Option<ReducePlan> {
-        match ReducePlan::new(op, dtype, world) {
-            Ok(plan) => Some(plan.for_op(self.op)),
-            Err(error) => {
-                self.add(error);
-                None
-            }
-        }
-    }
-}
 
 /// Posts phase 0 and validates it. Returns this rank's post (to reclaim its data later) and
 /// every rank's phase-0 post.
@@ -112,60 +33,14 @@ fn open(
         group: None,
     });
     let posts = session.exchange(mine.clone())?;
-    validate(rank, session.seq(), op, &posts, faults.first)?;
+    let descs: Vec<Option<&Desc>> = posts.iter().map(|p| p.desc.as_ref()).collect();
+    validate(rank, session.seq(), op, &descs, faults.first)?;
     Ok((mine, posts))
 }
 
 /// The payload of a post (empty when it carries none).
 fn payload(post: &Post) -> &[u8] {
     post.data.as_ref().map(HostBuffer::as_bytes).unwrap_or(&[])
-}
-
-/// Elements `start..start + len` of `bytes`, as bytes; a typed error if out of range (the
-/// validation above makes that impossible, but the copy stays total).
-pub(crate) fn elements(
-    op: OpKind,
-    bytes: &[u8],
-    dtype: DType,
-    start: usize,
-    len: usize,
-) -> Result<&[u8]> {
-    let size = dtype.size_bytes();
-    bytes
-        .get(start * size..(start + len) * size)
-        .ok_or(Error::LengthMismatch {
-            op,
-            role: BufferRole::Message,
-            expected: start + len,
-            got: bytes.len() / size,
-        })
-}
-
-/// Copies whole elements into `dst` at element offset `start`, checking the range.
-pub(crate) fn copy_into(op: OpKind, dst: &mut HostBuffer, start: usize, src: &[u8]) -> Result<()> {
-    let size = dst.dtype().size_bytes();
-    let have = dst.len();
-    let begin = start * size;
-    match dst.as_bytes_mut().get_mut(begin..begin + src.len()) {
-        Some(target) => {
-            target.copy_from_slice(src);
-            Ok(())
-        }
-        None => Err(Error::LengthMismatch {
-            op,
-            role: BufferRole::Output,
-            expected: start + src.len() / size,
-            got: have,
-        }),
-    }
-}
-
-/// The block of `n` elements that rank `r` of `size` reduces in an all-reduce: chunks of
-/// `ceil(n / size)`, the trailing ones short or empty.
-pub(crate) fn block(n: usize, size: usize, r: usize) -> (usize, usize) {
-    let chunk = n.div_ceil(size.max(1));
-    let start = (r * chunk).min(n);
-    (start, ((r + 1) * chunk).min(n))
 }
 
 /// The group's size and this rank in it, for the shared argument checks.

@@ -5,7 +5,6 @@
 //! MPI's undefined behaviour (a truncation error on one rank and a hang on another).
 
 use std::ffi::c_int;
-use std::sync::Arc;
 
 use mpi::datatype::Equivalence;
 use mpi::raw::AsRaw;
@@ -13,13 +12,11 @@ use mpi::raw::AsRaw;
 use super::communicator::Inner;
 use super::raw::{self, read_ptr, write_ptr};
 use super::types::{int_blocks, movement_type};
+use crate::agree::descriptor::{decode, encode};
+use crate::agree::{Desc, Faults, peer_view, validate};
 use crate::dtype::DType;
 use crate::engine::JobContext;
 use crate::error::{Error, ProtocolViolation, Result};
-use crate::local::group::{Desc, Post};
-use crate::local::ops::Faults;
-use crate::local::validate::{peer_view, validate};
-use crate::tcp::descriptor::{decode, encode};
 
 /// The most bytes one descriptor may have (counts of a large group fit easily; a bigger one is
 /// a protocol error rather than an allocation the size of a corrupted length).
@@ -109,22 +106,15 @@ pub(crate) fn agree(
             }
         },
     )?;
-    let mut posts = Vec::with_capacity(size);
+    let mut descs = Vec::with_capacity(size);
     let mut offset = 0;
     for (peer, &count) in counts.iter().enumerate() {
         let desc = decode(&all[offset..offset + count], peer)?;
         offset += count;
-        posts.push(Arc::new(Post {
-            desc: Some(desc),
-            data: None,
-            group: None,
-        }));
+        descs.push(desc);
     }
-    validate(inner.rank, ctx.seq, op, &posts, faults.first)?;
-    let descs = posts
-        .into_iter()
-        .filter_map(|post| Arc::into_inner(post).and_then(|post| post.desc))
-        .collect();
+    let views: Vec<Option<&Desc>> = descs.iter().map(Some).collect();
+    validate(inner.rank, ctx.seq, op, &views, faults.first)?;
     Ok(Agreed { descs })
 }
 

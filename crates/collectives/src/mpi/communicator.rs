@@ -10,13 +10,12 @@ use super::ops::{self, BACKEND};
 use super::p2p;
 use super::raw::Comm;
 use super::runtime::Runtime;
+use crate::agree::{Desc, Faults};
 use crate::buffer::Buffer;
 use crate::communicator::Communicator;
 use crate::config::CommConfig;
 use crate::engine::{JobContext, JobSpec, ProgressEngine};
 use crate::error::{Error, Result};
-use crate::local::group::Desc;
-use crate::local::ops::Faults;
 use crate::op::{AllToAllCounts, BufferPair, OpKind, ReduceOp};
 use crate::work::Work;
 

@@ -14,12 +14,11 @@ use super::types::{
     int_blocks, movement_type, mpi_op, reduce_type, stage, staged_zeros, staging_dtype, to_int,
     unstage,
 };
-use crate::args;
+use crate::agree::args;
+use crate::agree::{Desc, Faults};
 use crate::buffer::{Buffer, HostBuffer};
 use crate::engine::JobContext;
 use crate::error::{Error, MpiQuantity, Result};
-use crate::local::group::Desc;
-use crate::local::ops::Faults;
 use crate::op::{AllToAllCounts, BufferPair, OpKind, ReduceOp};
 use crate::reduce::ReducePlan;
 

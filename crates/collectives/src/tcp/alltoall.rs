@@ -14,7 +14,7 @@ use super::communicator::Inner;
 use super::frame::FrameKind;
 use super::link::Link;
 use super::posted::{PostMode, PostTarget, PostedRecv};
-use crate::args;
+use crate::agree::args;
 use crate::buffer::Buffer;
 use crate::dtype::DType;
 use crate::engine::JobContext;

@@ -4,11 +4,10 @@
 use super::communicator::Inner;
 use super::frame::FrameKind;
 use super::link::Link;
+use crate::agree::{Desc, Faults};
 use crate::dtype::DType;
 use crate::engine::JobContext;
 use crate::error::Result;
-use crate::local::group::Desc;
-use crate::local::ops::Faults;
 use crate::op::OpKind;
 
 pub(crate) fn barrier(inner: &Inner, ctx: &JobContext) -> Result<()> {

@@ -14,7 +14,7 @@
 use super::communicator::Inner;
 use super::config::BroadcastAlgorithm;
 use super::link::Link;
-use crate::args;
+use crate::agree::args;
 use crate::buffer::Buffer;
 use crate::engine::JobContext;
 use crate::error::Result;

@@ -14,6 +14,7 @@ use super::config::{AllReduceAlgorithm, BroadcastAlgorithm, TcpConfig};
 use super::mesh::Mesh;
 use super::transport::Transport;
 use super::{alltoall, barrier, broadcast, p2p, ring, rooted, split};
+use crate::agree::AlgorithmKnobs;
 use crate::buffer::{Buffer, HostBuffer};
 use crate::communicator::Communicator;
 use crate::config::CommConfig;
@@ -67,6 +68,18 @@ pub(crate) struct Inner {
 }
 
 impl Inner {
+    /// The knobs this group runs with, as every phase-0 descriptor carries them.
+    pub(crate) fn algorithm_knobs(&self) -> AlgorithmKnobs {
+        AlgorithmKnobs {
+            segment_bytes: self.segment_bytes as u64,
+            all_reduce: all_reduce_code(self.all_reduce),
+            small_all_reduce_bytes: self.small_all_reduce_bytes as u64,
+            halving_doubling_bytes: self.halving_doubling_bytes as u64,
+            broadcast: broadcast_code(self.broadcast),
+            tree_broadcast_bytes: self.tree_broadcast_bytes as u64,
+        }
+    }
+
     /// Runs `job` on `len` bytes of this group's scratch memory (64-byte aligned, contents
     /// unspecified), growing it first if it is smaller.
     pub(crate) fn with_scratch<T>(&self, len: usize, job: impl FnOnce(&mut [u8]) -> T) -> T {
@@ -156,6 +169,25 @@ impl Inner {
 
     pub(crate) fn next_seq(&self) -> u64 {
         self.next_collective.fetch_add(1, Ordering::Relaxed)
+    }
+}
+
+/// The wire code of an all-reduce algorithm choice in [`AlgorithmKnobs`].
+fn all_reduce_code(algorithm: AllReduceAlgorithm) -> u8 {
+    match algorithm {
+        AllReduceAlgorithm::Auto => 0,
+        AllReduceAlgorithm::Ring => 1,
+        AllReduceAlgorithm::RecursiveDoubling => 2,
+        AllReduceAlgorithm::HalvingDoubling => 3,
+    }
+}
+
+/// The wire code of a broadcast algorithm choice in [`AlgorithmKnobs`].
+fn broadcast_code(algorithm: BroadcastAlgorithm) -> u8 {
+    match algorithm {
+        BroadcastAlgorithm::Auto => 0,
+        BroadcastAlgorithm::Chain => 1,
+        BroadcastAlgorithm::Tree => 2,
     }
 }
 

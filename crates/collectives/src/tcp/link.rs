@@ -2,19 +2,14 @@
 //! descriptor exchange (validated with the same checks as `local`) and segmented data
 //! transfers, all addressed by group rank and filed under the op's (group, seq).
 
-use std::sync::Arc;
-
 use super::communicator::Inner;
-use super::descriptor;
 use super::frame::{FrameHeader, FrameKind};
 use super::posted::{Lent, PostMode, PostTarget, PostedOutcome, PostedRecv};
 use super::transport::{MailboxKey, Transport, WaitBudget, wait_error};
+use crate::agree::{Desc, Faults, descriptor, peer_view, validate};
 use crate::dtype::DType;
 use crate::engine::JobContext;
 use crate::error::{Error, ProtocolViolation, Result};
-use crate::local::group::{Desc, Post};
-use crate::local::ops::Faults;
-use crate::local::validate::{peer_view, validate};
 use crate::op::OpKind;
 use crate::shm::{Apply, ShmLinks, ShmPeer, Sink, Watch};
 
@@ -166,8 +161,8 @@ impl<'a> Link<'a> {
     }
 
     /// The group's size and this rank in it, for the shared argument checks.
-    pub(crate) fn place(&self) -> crate::args::Place {
-        crate::args::Place::new(self.size(), self.rank(), super::communicator::BACKEND)
+    pub(crate) fn place(&self) -> crate::agree::args::Place {
+        crate::agree::args::Place::new(self.size(), self.rank(), super::communicator::BACKEND)
     }
 
     /// This rank in the group.
@@ -739,7 +734,7 @@ impl<'a> Link<'a> {
     ) -> Result<Vec<Desc>> {
         let me = self.rank();
         desc.fault = faults.first.as_ref().map(|e| peer_view(e, self.op, me));
-        desc.knobs = Some(descriptor::AlgorithmKnobs::of(self.inner));
+        desc.knobs = Some(self.inner.algorithm_knobs());
         let wire = descriptor::encode(&desc);
         for peer in (0..self.size()).filter(|&p| p != me) {
             self.send_frame(peer, FrameKind::Descriptor, DType::U8, 0, &wire)?;
@@ -747,7 +742,7 @@ impl<'a> Link<'a> {
         if faults.first.is_none() {
             eager()?;
         }
-        let mut posts = Vec::with_capacity(self.size());
+        let mut descs = Vec::with_capacity(self.size());
         for peer in 0..self.size() {
             let peer_desc = if peer == me {
                 descriptor::decode(&wire, me)?
@@ -755,23 +750,11 @@ impl<'a> Link<'a> {
                 let frame = self.recv_frame(peer, FrameKind::Descriptor, 0)?;
                 descriptor::decode(&frame.payload, peer)?
             };
-            posts.push(Arc::new(Post {
-                desc: Some(peer_desc),
-                data: None,
-                group: None,
-            }));
+            descs.push(peer_desc);
         }
-        validate(me, self.seq, self.op, &posts, faults.first)?;
-        Ok(posts
-            .into_iter()
-            .map(|post| {
-                // invariant: `validate` only borrowed the posts, so each Arc is unique here.
-                Arc::try_unwrap(post)
-                    .ok()
-                    .and_then(|p| p.desc)
-                    .unwrap_or_else(|| Desc::new(self.op))
-            })
-            .collect())
+        let views: Vec<Option<&Desc>> = descs.iter().map(Some).collect();
+        validate(me, self.seq, self.op, &views, faults.first)?;
+        Ok(descs)
     }
 }
 

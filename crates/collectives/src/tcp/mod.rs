@@ -19,7 +19,6 @@ mod barrier;
 mod broadcast;
 mod communicator;
 mod config;
-pub(crate) mod descriptor;
 mod doubling;
 pub(crate) mod frame;
 mod halving;

@@ -11,7 +11,7 @@ use super::communicator::Inner;
 use super::config::AllReduceAlgorithm;
 use super::link::Link;
 use super::posted::{PostMode, PostTarget as Target};
-use crate::args;
+use crate::agree::args;
 use crate::blocks::{byte_blocks, even_block};
 use crate::buffer::Buffer;
 use crate::dtype::DType;

@@ -4,12 +4,12 @@
 
 use super::communicator::Inner;
 use super::link::Link;
-use crate::args;
+use crate::agree::args;
+use crate::agree::{copy_into, elements};
 use crate::blocks::copy_segment;
 use crate::buffer::{Buffer, HostBuffer};
 use crate::engine::JobContext;
 use crate::error::{Error, Result};
-use crate::local::ops::{copy_into, elements};
 use crate::op::{BufferPair, OpKind, ReduceOp};
 
 pub(crate) fn gather(

@@ -8,11 +8,10 @@ use std::sync::atomic::Ordering;
 
 use super::communicator::{Inner, TcpCommunicator};
 use super::link::Link;
+use crate::agree::{Desc, Faults};
 use crate::communicator::Communicator;
 use crate::engine::JobContext;
 use crate::error::Result;
-use crate::local::group::Desc;
-use crate::local::ops::Faults;
 use crate::op::OpKind;
 
 /// The child's group id: a 32-bit FNV-1a hash of (parent id, split index, color), never the

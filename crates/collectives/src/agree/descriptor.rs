@@ -1,5 +1,5 @@
 //! The wire form of a phase-0 descriptor: what a rank tells every peer about its call before
-//! any data moves, so that every rank runs the same checks (`local::validate`) over the same
+//! any data moves, so that every rank runs the same checks (`agree::validate`) over the same
 //! descriptors and reaches the same verdict.
 //!
 //! Layout (little-endian): `op u8, dtype u8 (0xff = none), len opt-u64, root opt-u64,
@@ -10,13 +10,11 @@
 //! a list is a u64 length then u64 items. Decoding is total: any malformed descriptor is an
 //! [`Error::Protocol`] with [`ProtocolViolation::BadDescriptor`] naming the byte offset.
 
+use super::Desc;
 use crate::buffer::BufferLocation;
 use crate::dtype::DType;
 use crate::error::{Error, ProtocolViolation, Result};
-use crate::local::group::Desc;
 use crate::op::{AllToAllCounts, BufferRole, Knob, OpKind, ReduceOp};
-use crate::tcp::communicator::Inner;
-use crate::tcp::config::{AllReduceAlgorithm, BroadcastAlgorithm};
 
 /// The knobs of a TCP group that decide which algorithm an op runs and how it cuts the data.
 /// Every descriptor carries them, so ranks configured differently get
@@ -24,27 +22,15 @@ use crate::tcp::config::{AllReduceAlgorithm, BroadcastAlgorithm};
 /// running mismatched exchanges (garbage or a timeout).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub(crate) struct AlgorithmKnobs {
-    segment_bytes: u64,
-    all_reduce: u8,
-    small_all_reduce_bytes: u64,
-    halving_doubling_bytes: u64,
-    broadcast: u8,
-    tree_broadcast_bytes: u64,
+    pub(crate) segment_bytes: u64,
+    pub(crate) all_reduce: u8,
+    pub(crate) small_all_reduce_bytes: u64,
+    pub(crate) halving_doubling_bytes: u64,
+    pub(crate) broadcast: u8,
+    pub(crate) tree_broadcast_bytes: u64,
 }
 
 impl AlgorithmKnobs {
-    /// The knobs a group runs with.
-    pub(crate) fn of(inner: &Inner) -> AlgorithmKnobs {
-        AlgorithmKnobs {
-            segment_bytes: inner.segment_bytes as u64,
-            all_reduce: all_reduce_code(inner.all_reduce),
-            small_all_reduce_bytes: inner.small_all_reduce_bytes as u64,
-            halving_doubling_bytes: inner.halving_doubling_bytes as u64,
-            broadcast: broadcast_code(inner.broadcast),
-            tree_broadcast_bytes: inner.tree_broadcast_bytes as u64,
-        }
-    }
-
     /// The first knob in which `other` differs from `self`, if any.
     pub(crate) fn first_difference(&self, other: &AlgorithmKnobs) -> Option<Knob> {
         let knobs = [
@@ -73,23 +59,6 @@ impl AlgorithmKnobs {
         knobs
             .into_iter()
             .find_map(|(same, knob)| (!same).then_some(knob))
-    }
-}
-
-fn all_reduce_code(algorithm: AllReduceAlgorithm) -> u8 {
-    match algorithm {
-        AllReduceAlgorithm::Auto => 0,
-        AllReduceAlgorithm::Ring => 1,
-        AllReduceAlgorithm::RecursiveDoubling => 2,
-        AllReduceAlgorithm::HalvingDoubling => 3,
-    }
-}
-
-fn broadcast_code(algorithm: BroadcastAlgorithm) -> u8 {
-    match algorithm {
-        BroadcastAlgorithm::Auto => 0,
-        BroadcastAlgorithm::Chain => 1,
-        BroadcastAlgorithm::Tree => 2,
     }
 }
 

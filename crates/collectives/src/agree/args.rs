@@ -4,10 +4,9 @@
 //! [`Desc`] whose fields the ranks must agree on. A backend then opens phase 0 with the
 //! faults and the descriptor and moves the data its own way.
 
+use super::{Desc, Faults};
 use crate::buffer::{Buffer, HostBuffer};
 use crate::dtype::DType;
-use crate::local::group::Desc;
-use crate::local::ops::Faults;
 use crate::op::{AllToAllCounts, BufferRole, OpKind, ReduceOp, StridedBlocks};
 use crate::reduce::ReducePlan;
 

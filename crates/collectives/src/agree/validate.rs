@@ -1,9 +1,7 @@
-//! Phase-0 checks of the local backend: every rank runs the same checks over the same posts,
-//! so every rank reaches the same verdict and nobody is left waiting.
+//! Phase-0 checks of every backend: every rank runs the same checks over the same
+//! descriptors, so every rank reaches the same verdict and nobody is left waiting.
 
-use std::sync::Arc;
-
-use super::group::{Desc, Post};
+use super::Desc;
 use crate::error::{Error, Result};
 use crate::op::{Argument, BufferRole, OpKind};
 
@@ -49,22 +47,23 @@ pub(crate) fn peer_view(error: &Error, op: OpKind, peer: usize) -> Error {
     }
 }
 
-/// Checks the phase-0 posts of collective `seq` on rank `me`, whose own local error (if any)
-/// is `my_fault`. Rank 0's post is the reference.
+/// Checks the phase-0 descriptors of collective `seq` on rank `me`, whose own local error (if
+/// any) is `my_fault`. `posts[p]` is rank `p`'s descriptor (`None` when its phase-0 post
+/// carried none). Rank 0's descriptor is the reference.
 pub(crate) fn validate(
     me: usize,
     seq: u64,
     op: OpKind,
-    posts: &[Arc<Post>],
+    posts: &[Option<&Desc>],
     my_fault: Option<Error>,
 ) -> Result<()> {
-    let descs: Vec<&Desc> = posts.iter().filter_map(|p| p.desc.as_ref()).collect();
+    let descs: Vec<&Desc> = posts.iter().filter_map(|p| *p).collect();
     let Some(&reference) = descs.first() else {
         return Err(Error::PeerLost { op, peer: 0 });
     };
     if descs.len() != posts.len() {
         // invariant: every phase-0 post carries a descriptor; report the first that lacks one.
-        let peer = posts.iter().position(|p| p.desc.is_none()).unwrap_or(0);
+        let peer = posts.iter().position(Option::is_none).unwrap_or(0);
         return Err(Error::PeerLost { op, peer });
     }
     if let Some(peer) = descs.iter().position(|d| d.op != reference.op) {
