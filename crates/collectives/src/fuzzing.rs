@@ -101,12 +101,12 @@ pub fn mesh_acceptor(input: &[u8]) -> bool {
 /// Serves `input` as the requests of an authenticated Store client; returns how many were
 /// served before the bytes ran out or broke the protocol.
 pub fn store_requests(input: &[u8]) -> usize {
-    crate::store::tcp::serve_bytes(input)
+    crate::rendezvous::tcp::serve_bytes(input)
 }
 
 /// Checks `input` as a Store hello (magic and version); `true` when accepted.
 pub fn store_hello(input: &[u8]) -> bool {
-    crate::store::tcp::check_hello_bytes(input)
+    crate::rendezvous::tcp::check_hello_bytes(input)
 }
 
 #[cfg(test)]

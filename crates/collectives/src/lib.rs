@@ -46,6 +46,7 @@ mod op;
 // backend reduces typed slices, so a build without `tcp` leaves most of them unused.
 #[cfg_attr(not(feature = "tcp"), allow(dead_code))]
 mod reduce;
+mod rendezvous;
 #[cfg(feature = "tcp")]
 pub mod shm;
 pub mod store;

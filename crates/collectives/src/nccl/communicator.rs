@@ -19,7 +19,7 @@ use crate::config::CommConfig;
 use crate::dtype::DType;
 use crate::error::{Error, Result, Unavailable};
 use crate::op::{AllToAllCounts, BufferPair, BufferRole, OpKind, ReduceOp};
-use crate::store::Store;
+use crate::rendezvous::Store;
 use crate::work::{Completer, Work};
 
 /// How to create the world communicator of one rank.

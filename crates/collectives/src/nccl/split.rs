@@ -8,7 +8,7 @@
 use std::time::Duration;
 
 use crate::error::{Error, ProtocolViolation, Result};
-use crate::store::Store;
+use crate::rendezvous::Store;
 
 /// The length of an NCCL unique id (`ncclUniqueId::internal`).
 pub const UNIQUE_ID_BYTES: usize = 128;
@@ -130,7 +130,7 @@ mod tests {
     use std::thread;
 
     use super::*;
-    use crate::store::MemoryStore;
+    use crate::rendezvous::MemoryStore;
 
     #[test]
     fn entries_round_trip_and_reject_garbage() {

@@ -30,7 +30,7 @@ use super::policy::TransportPolicy;
 use super::ring::{Consumer, Producer};
 use super::segment::{self, Segment};
 use crate::error::{Error, IoAction, Result};
-use crate::store::Store;
+use crate::rendezvous::Store;
 
 /// A segment this rank created for its ring to one peer, and its name.
 type Created = (Arc<Segment>, PathBuf);

@@ -22,7 +22,7 @@ use crate::dtype::DType;
 use crate::engine::{JobContext, JobSpec, ProgressEngine};
 use crate::error::{Error, Result};
 use crate::op::{BufferPair, BufferRole, OpKind, StridedBlocks};
-use crate::store::Store;
+use crate::rendezvous::Store;
 use crate::watchdog::{GroupSlot, ProgressBoard};
 use crate::work::Work;
 

@@ -8,7 +8,7 @@ use super::config::TcpConfig;
 use super::mesh::Mesh;
 use crate::env::LaunchEnv;
 use crate::error::Result;
-use crate::store::{Store, TcpStore, TcpStoreServer};
+use crate::rendezvous::{Store, TcpStore, TcpStoreServer};
 
 /// What [`rendezvous_from_env`] builds. Rank 0 hosts the store server in `server`; it must
 /// keep this value alive for as long as other ranks may use the store (dropping it closes

@@ -13,7 +13,7 @@ use super::handshake::{
 };
 use crate::auth::{self, JobSecret, NONCE_BYTES, PROOF_BYTES};
 use crate::error::{Error, IoAction, ProtocolViolation, Result};
-use crate::store::Store;
+use crate::rendezvous::Store;
 
 /// How long one accepted connection may take to send its hello before it is dropped.
 const HELLO_TIMEOUT: Duration = Duration::from_secs(5);
@@ -432,7 +432,7 @@ fn admit(outcome: HelloOutcome, peers: &mut [Option<TcpStream>], rank: usize) ->
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::store::MemoryStore;
+    use crate::rendezvous::MemoryStore;
     use crate::tcp::handshake::HELLO_BYTES;
     use crate::tcp::handshake::MESH_MAGIC;
     use std::sync::Arc;

@@ -8,7 +8,7 @@ use super::launch::rendezvous_from_env;
 use crate::config::CommConfig;
 use crate::env::LaunchEnv;
 use crate::error::Result;
-use crate::store::{Store, TcpStoreServer};
+use crate::rendezvous::{Store, TcpStoreServer};
 
 /// What [`init_from_env`] builds. Rank 0 hosts the store server in `server`; keep this value
 /// alive while other ranks may still use the store.

@@ -32,7 +32,7 @@ pub use report::{Declaration, StallPolicy, culprits, report};
 
 use crate::communicator::Communicator;
 use crate::error::{Error, Result};
-use crate::store::Store;
+use crate::rendezvous::Store;
 use crate::tcp::TcpWorld;
 
 /// The stall threshold when none is given.

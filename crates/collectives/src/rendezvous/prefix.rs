@@ -85,7 +85,7 @@ impl Store for PrefixStore {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::store::MemoryStore;
+    use crate::rendezvous::MemoryStore;
 
     #[test]
     fn keys_are_namespaced() {

@@ -4,12 +4,17 @@
 //! Semantics follow `torch.distributed.Store`: values are bytes; [`Store::add`] keeps a decimal
 //! `i64` counter in the value; [`Store::get`] and [`Store::wait`] block until the keys exist or
 //! the deadline passes. Implementations: [`MemoryStore`] (threads of one process) and the TCP
-//! store (processes; `store::tcp`, feature `tcp`, hosted by rank 0 or the launcher).
+//! store (processes; `tcp/`, feature `tcp`, hosted by rank 0 or the launcher): its wire format
+//! and handshake (`tcp/wire.rs`), the server and the client.
+//!
+//! This folder sits right above the crate's root types: every transport and backend finds its
+//! peers through a [`Store`], and nothing here knows about them. The public paths are
+//! `collectives::store` and the crate root.
 
 mod memory;
 mod prefix;
 #[cfg(feature = "tcp")]
-pub mod tcp;
+pub(crate) mod tcp;
 
 use std::time::Duration;
 
