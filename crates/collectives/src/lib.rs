@@ -17,7 +17,10 @@
 
 mod agree;
 #[cfg(feature = "tcp")]
+mod algorithms;
+#[cfg(feature = "tcp")]
 pub mod auth;
+mod backend;
 // Byte-block arithmetic of the TCP and shared-memory transports.
 #[cfg(feature = "tcp")]
 mod blocks;
@@ -36,29 +39,32 @@ mod frame_key;
 #[cfg(all(feature = "testing", feature = "tcp"))]
 #[doc(hidden)]
 pub mod fuzzing;
-pub mod local;
-#[cfg(feature = "mpi")]
-pub mod mpi;
-#[cfg(feature = "nccl")]
-pub mod nccl;
+#[cfg(feature = "tcp")]
+mod init;
 mod op;
+#[cfg(feature = "tcp")]
+mod progress;
 // The byte-slice kernels behind `ReducePlan` serve the wire backends (TCP, MPI); the local
 // backend reduces typed slices, so a build without `tcp` leaves most of them unused.
 #[cfg_attr(not(feature = "tcp"), allow(dead_code))]
 mod reduce;
 mod rendezvous;
-#[cfg(feature = "tcp")]
-pub mod shm;
 pub mod store;
-#[cfg(feature = "tcp")]
-pub mod tcp;
 #[cfg(all(feature = "testing", feature = "tcp"))]
 #[doc(hidden)]
 pub mod testing;
+mod transport;
 #[cfg(feature = "tcp")]
 pub mod watchdog;
 mod work;
 
+pub use backend::local;
+#[cfg(feature = "mpi")]
+pub use backend::mpi;
+#[cfg(feature = "nccl")]
+pub use backend::nccl;
+#[cfg(feature = "tcp")]
+pub use backend::tcp;
 pub use buffer::{Buffer, BufferLocation, HostBuffer};
 pub use communicator::{Communicator, CommunicatorExt};
 pub use config::{CommConfig, DEFAULT_TIMEOUT, TIMEOUT_ENV, parse_seconds};
@@ -66,8 +72,6 @@ pub use counter::{CommCounter, CounterSnapshot, OpCount};
 pub use dtype::{DType, Element};
 pub use engine::{AbortFlag, JobContext, JobSpec, ProgressEngine};
 pub use env::{BACKEND_ENV, BackendChoice, DEFAULT_MASTER_PORT, LaunchEnv, Launcher};
-#[cfg(feature = "tcp")]
-pub use env::{DefaultWorld, init_default_from_env};
 pub use error::{DeviceLibrary, Unavailable};
 pub use error::{
     EnvExpectation, Error, IoAction, MpiInitProblem, MpiQuantity, ProtocolViolation, Result,
@@ -75,11 +79,15 @@ pub use error::{
 };
 #[cfg(feature = "tcp")]
 pub use frame_key::{FrameKey, FrameKind};
+#[cfg(feature = "tcp")]
+pub use init::{DefaultWorld, init_default_from_env};
 pub use op::{
     AllToAllCounts, Argument, BufferPair, BufferRole, Knob, OpKind, ReduceOp, StridedBlocks,
     block_offsets,
 };
 pub use store::{MemoryStore, PrefixStore, Store};
+#[cfg(feature = "tcp")]
+pub use transport::shm;
 pub use work::{Completer, WaitOutcome, Work};
 
 /// Re-exported so callers name `bf16`/`f16` the same way this crate does.

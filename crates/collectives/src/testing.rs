@@ -3,8 +3,8 @@
 //! shared-memory transport's segment names and cross-memory counters. Not part of the
 //! supported API.
 
-pub use crate::shm::cma::{CmaConfig, cross_memory_reads};
-pub use crate::shm::segment::{SEGMENT_DIR, SEGMENT_PREFIX};
-pub use crate::tcp::frame::{FRAME_HEADER_BYTES, FRAME_MAGIC, FrameHeader};
-pub use crate::tcp::handshake::{MESH_MAGIC, MESH_PROTOCOL_VERSION};
-pub use crate::tcp::mesh::Mesh;
+pub use crate::transport::shm::cma::{CmaConfig, cross_memory_reads};
+pub use crate::transport::shm::segment::{SEGMENT_DIR, SEGMENT_PREFIX};
+pub use crate::transport::tcp::frame::{FRAME_HEADER_BYTES, FRAME_MAGIC, FrameHeader};
+pub use crate::transport::tcp::handshake::{MESH_MAGIC, MESH_PROTOCOL_VERSION};
+pub use crate::transport::tcp::mesh::Mesh;

@@ -16,7 +16,6 @@
 //! Cost: one store write per rank per tick plus one check of a counter, on the watchdog's
 //! own thread; the ops themselves pay one uncontended lock at start and end.
 
-mod board;
 mod report;
 
 use std::collections::BTreeMap;
@@ -25,15 +24,14 @@ use std::sync::{Arc, Mutex};
 use std::thread::{self, JoinHandle};
 use std::time::{Duration, Instant};
 
-pub(crate) use board::GroupSlot;
-pub use board::{GroupProgress, Phase, ProgressBoard, Record, set_phase, unix_ms};
+pub use crate::progress::{GroupProgress, Phase, ProgressBoard, Record, set_phase, unix_ms};
 pub(crate) use report::missing_ranks;
 pub use report::{Declaration, StallPolicy, culprits, report};
 
+use crate::backend::tcp::TcpWorld;
 use crate::communicator::Communicator;
 use crate::error::{Error, Result};
 use crate::rendezvous::Store;
-use crate::tcp::TcpWorld;
 
 /// The stall threshold when none is given.
 pub const DEFAULT_STALL_TIMEOUT: Duration = Duration::from_secs(30);
@@ -168,7 +166,7 @@ impl Drop for Watchdog {
 
 /// What the watchdog thread works with.
 struct Context {
-    comm: Arc<crate::tcp::TcpCommunicator>,
+    comm: Arc<crate::backend::tcp::TcpCommunicator>,
     store: Arc<dyn Store>,
     board: Arc<ProgressBoard>,
     world_size: usize,

@@ -14,33 +14,14 @@
 //! pairwise all-to-all, direct gather / scatter / reduce and tagged send / recv, all cut into
 //! frames of at most [`TcpConfig::segment_bytes`]. Split groups reuse the world's sockets.
 
-mod alltoall;
-mod barrier;
-mod broadcast;
 mod communicator;
-mod config;
-mod doubling;
-pub(crate) mod frame;
-mod halving;
-pub(crate) mod handshake;
 mod launch;
-mod link;
-pub(crate) mod mesh;
-mod p2p;
-mod posted;
-mod ring;
-mod rooted;
 mod split;
-mod transport;
-mod tree;
 mod world;
 
+pub use crate::transport::tcp::config::{
+    AllReduceAlgorithm, BroadcastAlgorithm, CRC32C_VAR, TcpConfig,
+};
 pub use communicator::{BACKEND, TcpCommunicator};
-pub use config::{AllReduceAlgorithm, BroadcastAlgorithm, CRC32C_VAR, TcpConfig};
-pub(crate) use frame::{FRAME_HEADER_BYTES, FrameHeader, payload_alloc_error};
-#[cfg(feature = "testing")]
-pub(crate) use frame::{decode_frame, encode_frame};
-pub(crate) use handshake::MESH_PROTOCOL_VERSION;
 pub use launch::AGENT_STORE_VAR;
-pub(crate) use transport::{Frame, MailboxKey};
 pub use world::{TcpWorld, init_from_env};

@@ -344,7 +344,7 @@ impl Drop for PostedRecv<'_> {
     }
 }
 
-// Used by the shared-memory transport (crate::shm), which lends a posted buffer to its
+// Used by the shared-memory transport (crate::transport::shm), which lends a posted buffer to its
 // channel instead of a reader thread.
 impl PostedRecv<'_> {
     /// The start of the lent buffer: the pointer every access to it derives from.
@@ -357,8 +357,8 @@ impl PostedRecv<'_> {
 mod tests {
     use super::*;
     use crate::op::OpKind;
-    use crate::tcp::frame::FrameHeader;
-    use crate::tcp::transport::tests::{budget, header, transports};
+    use crate::transport::tcp::frame::FrameHeader;
+    use crate::transport::tcp::transport::tests::{budget, header, transports};
     use std::collections::VecDeque;
 
     fn data(seq: u64, len: usize, seed: u8) -> (FrameHeader, Vec<u8>) {

@@ -1,14 +1,14 @@
 //! Barrier by dissemination: in round `k` every rank signals rank `+2^k` and waits for rank
 //! `-2^k`, so after `ceil(log2 size)` rounds every rank has (transitively) heard from all.
 
-use super::communicator::Inner;
-use super::frame::FrameKind;
 use super::link::Link;
 use crate::agree::{Desc, Faults};
+use crate::algorithms::group::Inner;
 use crate::dtype::DType;
 use crate::engine::JobContext;
 use crate::error::Result;
 use crate::op::OpKind;
+use crate::transport::tcp::frame::FrameKind;
 
 pub(crate) fn barrier(inner: &Inner, ctx: &JobContext) -> Result<()> {
     let kind = OpKind::Barrier;

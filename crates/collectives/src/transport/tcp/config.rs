@@ -5,7 +5,7 @@ use std::time::Duration;
 
 use crate::env::parse_switch;
 use crate::error::{EnvExpectation, Error, Result};
-use crate::shm::{DEFAULT_RING_BYTES, TransportPolicy};
+use crate::transport::shm::{DEFAULT_RING_BYTES, TransportPolicy};
 
 /// The environment variable that overrides [`TcpConfig::frame_checksum`] in
 /// `Mesh::establish` (and so in `TcpCommunicator::connect`,

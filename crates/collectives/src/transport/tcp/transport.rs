@@ -96,7 +96,7 @@ enum LossCause {
 }
 
 #[derive(Debug, Default)]
-pub(super) struct State {
+pub(crate) struct State {
     pub(super) mailbox: HashMap<(usize, MailboxKey), VecDeque<Frame>>,
     /// Destinations lent to the reader threads by [`PostedRecv`](super::posted::PostedRecv):
     /// frames for these keys are read straight into the waiter's buffer.
@@ -174,7 +174,7 @@ impl Staging {
 const POOLED_PAYLOADS: usize = 64;
 
 #[derive(Debug, Default)]
-pub(super) struct Shared {
+pub(crate) struct Shared {
     state: Mutex<State>,
     pub(super) arrived: Condvar,
     /// Spent payload buffers, reused by the reader threads so that a stream of large
@@ -183,7 +183,7 @@ pub(super) struct Shared {
 }
 
 impl Shared {
-    pub(super) fn lock(&self) -> MutexGuard<'_, State> {
+    pub(crate) fn lock(&self) -> MutexGuard<'_, State> {
         // A poisoned lock only means a thread panicked while holding it; the maps stay
         // consistent (every update is a single insert), so the state is still usable.
         self.state
@@ -244,7 +244,7 @@ pub struct Transport {
     /// Whether frames to and from peers carry CRC32C checksums.
     checksum: bool,
     writers: Vec<Option<Mutex<TcpStream>>>,
-    pub(super) shared: Arc<Shared>,
+    pub(crate) shared: Arc<Shared>,
     readers: Vec<JoinHandle<()>>,
 }
 
@@ -465,7 +465,7 @@ impl Transport {
     /// Shuts the connection to `peer` down, so its reader thread stops (and the peer sees
     /// this rank as lost). Used when a wait gives up while that reader is writing into a
     /// posted buffer that must be handed back.
-    pub(super) fn shutdown_peer(&self, peer: usize) {
+    pub(crate) fn shutdown_peer(&self, peer: usize) {
         if let Some(Some(writer)) = self.writers.get(peer) {
             let stream = writer
                 .lock()
@@ -539,7 +539,7 @@ fn write_all_vectored(stream: &mut impl Write, parts: &[&[u8]]) -> io::Result<()
 
 /// Why a wait for `peer` must end now, if it must: the transport was aborted, the peer is
 /// lost (or broke the protocol), or the deadline passed.
-pub(super) fn wait_error(state: &State, budget: &WaitBudget, peer: usize) -> Option<Error> {
+pub(crate) fn wait_error(state: &State, budget: &WaitBudget, peer: usize) -> Option<Error> {
     if state.aborted {
         return Some(Error::Aborted { op: budget.op });
     }
@@ -635,7 +635,7 @@ enum DirectRead {
 }
 
 /// Reads the payload of `header` straight into the destination a waiter posted for its key,
-/// if there is one that fits it exactly as [`Link::recv_data`](super::link::Link) would accept
+/// if there is one that fits it exactly as [`Link::recv_data`](crate::algorithms::link::Link) would accept
 /// it (same dtype, whole elements, within what is still missing) and no earlier frame for the
 /// key is still queued in the mailbox (frames must land in order). Anything else goes to the
 /// mailbox, where the waiter finds and judges it. With checksums (`crc` is the header's
@@ -898,16 +898,12 @@ pub(super) mod tests {
         mesh
     }
 
-    pub(in crate::tcp) fn transports(n: usize, max_payload: u64) -> Vec<Transport> {
+    pub(crate) fn transports(n: usize, max_payload: u64) -> Vec<Transport> {
         transports_with(n, max_payload, false)
     }
 
     /// [`transports`] with frame checksums on or off.
-    pub(in crate::tcp) fn transports_with(
-        n: usize,
-        max_payload: u64,
-        checksum: bool,
-    ) -> Vec<Transport> {
+    pub(crate) fn transports_with(n: usize, max_payload: u64, checksum: bool) -> Vec<Transport> {
         stream_mesh(n)
             .into_iter()
             .enumerate()
@@ -917,7 +913,7 @@ pub(super) mod tests {
             .collect()
     }
 
-    pub(in crate::tcp) fn header(seq: u64, tag: u32, payload_bytes: u64) -> FrameHeader {
+    pub(crate) fn header(seq: u64, tag: u32, payload_bytes: u64) -> FrameHeader {
         FrameHeader {
             kind: FrameKind::Data,
             dtype: DType::U8,
@@ -929,7 +925,7 @@ pub(super) mod tests {
         }
     }
 
-    pub(in crate::tcp) fn budget(ms: u64) -> WaitBudget {
+    pub(crate) fn budget(ms: u64) -> WaitBudget {
         WaitBudget::from_now(OpKind::AllReduce, Duration::from_millis(ms))
     }
 
@@ -1207,7 +1203,8 @@ pub(super) mod tests {
     fn a_corrupted_payload_is_a_checksum_error_naming_the_frame_and_never_delivered() {
         let (receiver, mut raw) = checksummed_receiver();
         let sent = header(5, 9, 8);
-        let mut wire = super::super::frame::encode_frame(&sent, &[1, 2, 3, 4, 5, 6, 7, 8], true);
+        let mut wire =
+            crate::transport::tcp::frame::encode_frame(&sent, &[1, 2, 3, 4, 5, 6, 7, 8], true);
         wire[FRAME_HEADER_BYTES + FRAME_CHECKSUM_BYTES + 3] ^= 0x04;
         raw.write_all(&wire).unwrap();
         let started = Instant::now();
@@ -1244,7 +1241,7 @@ pub(super) mod tests {
         // The length field says 4 bytes, but one flipped bit makes it 4 + 2^20: without the
         // header's word the reader would wait for a megabyte that never comes (or refuse it
         // as too large); with it, the header is refused at once.
-        let mut wire = super::super::frame::encode_frame(&header(0, 0, 4), &[7; 4], true);
+        let mut wire = crate::transport::tcp::frame::encode_frame(&header(0, 0, 4), &[7; 4], true);
         wire[30] ^= 0x10;
         raw.write_all(&wire).unwrap();
         let error = receiver
@@ -1264,7 +1261,7 @@ pub(super) mod tests {
 
     #[test]
     fn a_corrupted_frame_into_a_posted_buffer_is_never_counted_as_filled() {
-        use crate::tcp::posted::{PostMode, PostTarget, PostedOutcome, PostedRecv};
+        use crate::transport::tcp::posted::{PostMode, PostTarget, PostedOutcome, PostedRecv};
         for reduce in [false, true] {
             let (receiver, mut raw) = checksummed_receiver();
             let mut dst = vec![0u8; 16];
@@ -1283,13 +1280,14 @@ pub(super) mod tests {
             };
             let posted = PostedRecv::post_prefix(&receiver, (1, key), mode, target);
             // A good first half, then a corrupted second half.
-            raw.write_all(&super::super::frame::encode_frame(
+            raw.write_all(&crate::transport::tcp::frame::encode_frame(
                 &header(3, 1, 8),
                 &[1; 8],
                 true,
             ))
             .unwrap();
-            let mut bad = super::super::frame::encode_frame(&header(3, 1, 8), &[2; 8], true);
+            let mut bad =
+                crate::transport::tcp::frame::encode_frame(&header(3, 1, 8), &[2; 8], true);
             let last = bad.len() - 1;
             bad[last] ^= 0xff;
             raw.write_all(&bad).unwrap();

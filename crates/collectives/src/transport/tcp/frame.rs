@@ -80,7 +80,7 @@ pub(crate) fn check_trailer(
         return Err(Error::Protocol {
             peer: Some(peer),
             violation: ProtocolViolation::ChecksumFailed {
-                frame: Some(crate::tcp::MailboxKey::of(header)),
+                frame: Some(crate::frame_key::FrameKey::of(header)),
                 sent,
                 computed,
             },
@@ -450,7 +450,10 @@ mod tests {
                 } else {
                     // A payload or trailer byte: named by the verified header's fields.
                     let key = frame.expect("a payload flip names its frame");
-                    assert_eq!(key, crate::tcp::MailboxKey::of(&header));
+                    assert_eq!(
+                        key,
+                        crate::transport::tcp::transport::MailboxKey::of(&header)
+                    );
                     assert_eq!(
                         (key.kind, key.seq, key.tag),
                         (FrameKind::Data, header.seq, 77)

@@ -11,14 +11,14 @@
 //! not idle for the descriptor round trip; docs/bench-collectives.md (the 07:06 sitting) has
 //! the measurement.
 
-use super::communicator::Inner;
-use super::config::BroadcastAlgorithm;
 use super::link::Link;
 use crate::agree::args;
+use crate::algorithms::group::Inner;
 use crate::buffer::Buffer;
 use crate::engine::JobContext;
 use crate::error::Result;
 use crate::op::OpKind;
+use crate::transport::tcp::config::BroadcastAlgorithm;
 
 /// How many leading bytes the root of a broadcast sends to its first hops before the peers'
 /// descriptors are read (over TCP only; at most one segment). They hide the one-way latency

@@ -5,7 +5,8 @@ use std::sync::atomic::AtomicU32;
 use super::channel::ShmPeer;
 use super::wait::Watch;
 use crate::error::Result;
-use crate::tcp::{Frame, FrameHeader, MailboxKey};
+use crate::transport::tcp::frame::FrameHeader;
+use crate::transport::tcp::transport::{Frame, MailboxKey};
 
 /// The shared-memory channels of one rank, by world rank (`None`: that peer uses TCP, or it
 /// is this rank itself). Split groups share their world's links, as they share its sockets.

@@ -4,11 +4,11 @@
 use std::net::{IpAddr, Ipv4Addr, Ipv6Addr, ToSocketAddrs, UdpSocket};
 use std::sync::Arc;
 
-use super::config::TcpConfig;
-use super::mesh::Mesh;
 use crate::env::LaunchEnv;
 use crate::error::Result;
 use crate::rendezvous::{Store, TcpStore, TcpStoreServer};
+use crate::transport::tcp::config::TcpConfig;
+use crate::transport::tcp::mesh::Mesh;
 
 /// What [`rendezvous_from_env`] builds. Rank 0 hosts the store server in `server`; it must
 /// keep this value alive for as long as other ranks may use the store (dropping it closes

@@ -2,16 +2,16 @@
 //! descriptor exchange (validated with the same checks as `local`) and segmented data
 //! transfers, all addressed by group rank and filed under the op's (group, seq).
 
-use super::communicator::Inner;
-use super::frame::{FrameHeader, FrameKind};
-use super::posted::{Lent, PostMode, PostTarget, PostedOutcome, PostedRecv};
-use super::transport::{MailboxKey, Transport, WaitBudget, wait_error};
 use crate::agree::{Desc, Faults, descriptor, peer_view, validate};
+use crate::algorithms::group::Inner;
 use crate::dtype::DType;
 use crate::engine::JobContext;
 use crate::error::{Error, ProtocolViolation, Result};
 use crate::op::OpKind;
-use crate::shm::{Apply, ShmLinks, ShmPeer, Sink, Watch};
+use crate::transport::shm::{Apply, ShmLinks, ShmPeer, Sink, Watch};
+use crate::transport::tcp::frame::{FrameHeader, FrameKind};
+use crate::transport::tcp::posted::{Lent, PostMode, PostTarget, PostedOutcome, PostedRecv};
+use crate::transport::tcp::transport::{MailboxKey, Transport, WaitBudget, wait_error};
 
 /// What one [`Link::exchange`] step sends, and where it receives from.
 pub(crate) struct Exchange<'b> {
@@ -162,7 +162,7 @@ impl<'a> Link<'a> {
 
     /// The group's size and this rank in it, for the shared argument checks.
     pub(crate) fn place(&self) -> crate::agree::args::Place {
-        crate::agree::args::Place::new(self.size(), self.rank(), super::communicator::BACKEND)
+        crate::agree::args::Place::new(self.size(), self.rank(), crate::algorithms::group::BACKEND)
     }
 
     /// This rank in the group.
@@ -339,7 +339,7 @@ impl<'a> Link<'a> {
         peer: usize,
         kind: FrameKind,
         tag: u32,
-    ) -> Result<super::transport::Frame> {
+    ) -> Result<crate::transport::tcp::transport::Frame> {
         let world = self.world(peer)?;
         if let Some((links, channel)) = self.shm(world, kind) {
             return links

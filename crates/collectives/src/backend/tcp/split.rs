@@ -6,9 +6,10 @@
 use std::sync::Arc;
 use std::sync::atomic::Ordering;
 
-use super::communicator::{Inner, TcpCommunicator};
-use super::link::Link;
+use super::communicator::TcpCommunicator;
 use crate::agree::{Desc, Faults};
+use crate::algorithms::group::Inner;
+use crate::algorithms::link::Link;
 use crate::communicator::Communicator;
 use crate::engine::JobContext;
 use crate::error::Result;

@@ -4,13 +4,13 @@
 //! sent (the mailbox queues frames in arrival order). Sends are eager: they complete once the
 //! kernel has the bytes, whether or not the receiver has posted its recv.
 
-use super::communicator::Inner;
-use super::frame::FrameKind;
 use super::link::Link;
+use crate::algorithms::group::Inner;
 use crate::buffer::Buffer;
 use crate::engine::JobContext;
 use crate::error::{Error, Result};
 use crate::op::{BufferRole, OpKind};
+use crate::transport::tcp::frame::FrameKind;
 
 fn check_peer(op: OpKind, peer: usize, size: usize) -> Result<()> {
     if peer >= size {
@@ -38,7 +38,7 @@ pub(crate) fn send(
     let host = buffer.into_host().map_err(|_| Error::UnsupportedBuffer {
         op,
         location,
-        backend: super::communicator::BACKEND,
+        backend: crate::algorithms::group::BACKEND,
     })?;
     let dtype = host.dtype();
     let count = (host.len() as u64).to_le_bytes();
@@ -63,7 +63,7 @@ pub(crate) fn recv(
     let mut host = buffer.into_host().map_err(|_| Error::UnsupportedBuffer {
         op,
         location,
-        backend: super::communicator::BACKEND,
+        backend: crate::algorithms::group::BACKEND,
     })?;
     let first = link.recv_frame(peer, FrameKind::Message, tag)?;
     let mut count = [0u8; 8];

@@ -3,12 +3,12 @@
 use std::sync::Arc;
 
 use super::communicator::TcpCommunicator;
-use super::config::TcpConfig;
 use super::launch::rendezvous_from_env;
 use crate::config::CommConfig;
 use crate::env::LaunchEnv;
 use crate::error::Result;
 use crate::rendezvous::{Store, TcpStoreServer};
+use crate::transport::tcp::config::TcpConfig;
 
 /// What [`init_from_env`] builds. Rank 0 hosts the store server in `server`; keep this value
 /// alive while other ranks may still use the store.

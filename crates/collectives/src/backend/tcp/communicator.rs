@@ -1,195 +1,33 @@
 //! [`TcpCommunicator`]: the [`Communicator`] of the TCP backend.
 //!
 //! Every op runs on the communicator's [`ProgressEngine`] in issue order. A collective first
-//! exchanges phase-0 descriptors with every peer (see [`Link::open`](super::link::Link)), so
+//! exchanges phase-0 descriptors with every peer (see [`Link::open`](crate::algorithms::link::Link)), so
 //! argument errors and cross-rank disagreements fail the op on every rank before data moves,
 //! then runs its algorithm (ring, chain, dissemination, pairwise or direct) over the shared
 //! [`Transport`]. Split groups reuse the world's sockets: their frames carry their own group
 //! id, derived deterministically from the parent's id, the split count and the color.
 
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::AtomicU64;
 use std::sync::{Arc, Mutex};
 
-use super::config::{AllReduceAlgorithm, BroadcastAlgorithm, TcpConfig};
-use super::mesh::Mesh;
-use super::transport::Transport;
-use super::{alltoall, barrier, broadcast, p2p, ring, rooted, split};
-use crate::agree::AlgorithmKnobs;
+use super::split;
+use crate::algorithms::group::{Inner, WORLD_GROUP};
+use crate::algorithms::{alltoall, barrier, broadcast, p2p, ring, rooted};
 use crate::buffer::{Buffer, HostBuffer};
 use crate::communicator::Communicator;
 use crate::config::CommConfig;
 use crate::dtype::DType;
 use crate::engine::{JobContext, JobSpec, ProgressEngine};
-use crate::error::{Error, Result};
-use crate::op::{BufferPair, BufferRole, OpKind, StridedBlocks};
+use crate::error::Result;
+use crate::op::{BufferPair, OpKind, StridedBlocks};
+use crate::progress::ProgressBoard;
 use crate::rendezvous::Store;
-use crate::watchdog::{GroupSlot, ProgressBoard};
+use crate::transport::tcp::config::TcpConfig;
+use crate::transport::tcp::mesh::Mesh;
+use crate::transport::tcp::transport::Transport;
 use crate::work::Work;
 
-/// The backend name reported by [`Communicator::backend`].
-pub const BACKEND: &str = "tcp";
-
-/// The group id of the world communicator.
-const WORLD_GROUP: u32 = 0;
-
-/// What a rank's jobs need, shared between the handle and its progress thread.
-#[derive(Debug)]
-pub(crate) struct Inner {
-    pub(crate) transport: Arc<Transport>,
-    /// The id every frame of this group carries.
-    pub(crate) group_id: u32,
-    /// `members[r]` is the world rank of group rank `r`.
-    pub(crate) members: Vec<usize>,
-    /// This rank in the group.
-    pub(crate) rank: usize,
-    pub(crate) config: CommConfig,
-    pub(crate) segment_bytes: usize,
-    pub(crate) all_reduce: AllReduceAlgorithm,
-    pub(crate) small_all_reduce_bytes: usize,
-    pub(crate) halving_doubling_bytes: usize,
-    pub(crate) broadcast: BroadcastAlgorithm,
-    pub(crate) tree_broadcast_bytes: usize,
-    /// The world's shared-memory channels (split groups share them, as they share the
-    /// sockets), when any peer is reached through shared memory.
-    pub(crate) shm: Option<Arc<crate::shm::ShmLinks>>,
-    pub(crate) name: String,
-    next_collective: AtomicU64,
-    /// How many splits this rank has made, for deriving the children's group ids.
-    pub(crate) splits: AtomicU64,
-    /// The process's progress board (shared by the world and its splits) and this group's
-    /// slot on it, marked at every op's start and end for the stall watchdog.
-    pub(crate) board: Arc<ProgressBoard>,
-    slot: Arc<GroupSlot>,
-    /// Working memory reused by every op of this group (ops run one at a time on the
-    /// progress thread, so the lock is never contended). Fresh large allocations fault in
-    /// every page, which on small VMs costs more than moving the data over loopback, so a
-    /// reduce-scatter keeps its working copy here instead of allocating one per call.
-    scratch: Mutex<HostBuffer>,
-}
-
-impl Inner {
-    /// The knobs this group runs with, as every phase-0 descriptor carries them.
-    pub(crate) fn algorithm_knobs(&self) -> AlgorithmKnobs {
-        AlgorithmKnobs {
-            segment_bytes: self.segment_bytes as u64,
-            all_reduce: all_reduce_code(self.all_reduce),
-            small_all_reduce_bytes: self.small_all_reduce_bytes as u64,
-            halving_doubling_bytes: self.halving_doubling_bytes as u64,
-            broadcast: broadcast_code(self.broadcast),
-            tree_broadcast_bytes: self.tree_broadcast_bytes as u64,
-        }
-    }
-
-    /// Runs `job` on `len` bytes of this group's scratch memory (64-byte aligned, contents
-    /// unspecified), growing it first if it is smaller.
-    pub(crate) fn with_scratch<T>(&self, len: usize, job: impl FnOnce(&mut [u8]) -> T) -> T {
-        let mut scratch = self
-            .scratch
-            .lock()
-            .unwrap_or_else(std::sync::PoisonError::into_inner);
-        if scratch.byte_len() < len {
-            *scratch = HostBuffer::zeros(DType::U8, len);
-        }
-        job(&mut scratch.as_bytes_mut()[..len])
-    }
-
-    /// An error about peers as the user sees it: the ops of a split group work in group
-    /// ranks, but a message must name the rank the user can find (its global rank, the
-    /// `RANK` of its process), so every peer an error names is mapped to the world here.
-    pub(crate) fn global_view(&self, error: Error) -> Error {
-        if self.group_id == WORLD_GROUP {
-            return error;
-        }
-        let global = |rank: usize| self.members.get(rank).copied().unwrap_or(rank);
-        let role = |role: BufferRole| match role {
-            BufferRole::Peer { rank } => BufferRole::Peer { rank: global(rank) },
-            other => other,
-        };
-        match error {
-            Error::PeerLost { op, peer } => Error::PeerLost {
-                op,
-                peer: global(peer),
-            },
-            Error::Timeout { op, after, peer } => Error::Timeout {
-                op,
-                after,
-                peer: peer.map(global),
-            },
-            Error::Protocol { peer, violation } => Error::Protocol {
-                peer: peer.map(global),
-                violation,
-            },
-            Error::ArgumentMismatch {
-                op,
-                argument,
-                peer,
-                reference,
-            } => Error::ArgumentMismatch {
-                op,
-                argument,
-                peer: global(peer),
-                reference: global(reference),
-            },
-            Error::OpMismatch {
-                seq,
-                ours,
-                theirs,
-                peer,
-            } => Error::OpMismatch {
-                seq,
-                ours,
-                theirs,
-                peer: global(peer),
-            },
-            Error::LengthMismatch {
-                op,
-                role: r,
-                expected,
-                got,
-            } => Error::LengthMismatch {
-                op,
-                role: role(r),
-                expected,
-                got,
-            },
-            Error::DTypeMismatch {
-                op,
-                role: r,
-                expected,
-                got,
-            } => Error::DTypeMismatch {
-                op,
-                role: role(r),
-                expected,
-                got,
-            },
-            other => other,
-        }
-    }
-
-    pub(crate) fn next_seq(&self) -> u64 {
-        self.next_collective.fetch_add(1, Ordering::Relaxed)
-    }
-}
-
-/// The wire code of an all-reduce algorithm choice in [`AlgorithmKnobs`].
-fn all_reduce_code(algorithm: AllReduceAlgorithm) -> u8 {
-    match algorithm {
-        AllReduceAlgorithm::Auto => 0,
-        AllReduceAlgorithm::Ring => 1,
-        AllReduceAlgorithm::RecursiveDoubling => 2,
-        AllReduceAlgorithm::HalvingDoubling => 3,
-    }
-}
-
-/// The wire code of a broadcast algorithm choice in [`AlgorithmKnobs`].
-fn broadcast_code(algorithm: BroadcastAlgorithm) -> u8 {
-    match algorithm {
-        BroadcastAlgorithm::Auto => 0,
-        BroadcastAlgorithm::Chain => 1,
-        BroadcastAlgorithm::Tree => 2,
-    }
-}
+pub use crate::algorithms::group::BACKEND;
 
 /// One rank of a TCP group.
 #[derive(Debug)]
@@ -228,15 +66,15 @@ impl TcpCommunicator {
     /// The world communicator over an established mesh, with the shared-memory transport
     /// for co-located peers when [`TcpConfig::transport`] (or `HYPERSHARD_TRANSPORT`) asks
     /// for it: the ranks publish their host ids in `store` and set up one ring per ordered
-    /// pair on the same host (`crate::shm::establish`). Collective over the world.
+    /// pair on the same host (`crate::transport::shm::establish`). Collective over the world.
     pub fn from_mesh_with_store(
         mesh: Mesh,
         store: &dyn Store,
         tcp: &TcpConfig,
         config: CommConfig,
     ) -> Result<TcpCommunicator> {
-        let policy = crate::shm::TransportPolicy::from_env_or(tcp.transport)?;
-        let shm = crate::shm::establish(&crate::shm::ShmSetup {
+        let policy = crate::transport::shm::TransportPolicy::from_env_or(tcp.transport)?;
+        let shm = crate::transport::shm::establish(&crate::transport::shm::ShmSetup {
             store,
             rank: mesh.rank(),
             world_size: mesh.world_size(),
@@ -244,7 +82,7 @@ impl TcpCommunicator {
             ring_bytes: tcp.shm_ring_bytes,
             max_payload: frame_cap(tcp, mesh.world_size()),
             timeout: tcp.rendezvous_timeout,
-            dir: std::path::Path::new(crate::shm::SEGMENT_DIR),
+            dir: std::path::Path::new(crate::transport::shm::SEGMENT_DIR),
         })?;
         TcpCommunicator::build(mesh, tcp, config, shm.map(Arc::new))
     }
@@ -262,7 +100,7 @@ impl TcpCommunicator {
         mesh: Mesh,
         tcp: &TcpConfig,
         config: CommConfig,
-        shm: Option<Arc<crate::shm::ShmLinks>>,
+        shm: Option<Arc<crate::transport::shm::ShmLinks>>,
     ) -> Result<TcpCommunicator> {
         let (rank, world_size) = (mesh.rank(), mesh.world_size());
         let transport = Arc::new(Transport::start(mesh, frame_cap(tcp, world_size))?);

@@ -248,7 +248,7 @@ fn connect_to(
                 .read_exact(&mut theirs)
                 .map_err(io_error(IoAction::Read, Some(peer)))?;
             Some(ProtocolViolation::VersionMismatch {
-                ours: super::MESH_PROTOCOL_VERSION,
+                ours: super::handshake::MESH_PROTOCOL_VERSION,
                 theirs: u32::from_le_bytes(theirs),
             })
         }
@@ -433,8 +433,8 @@ fn admit(outcome: HelloOutcome, peers: &mut [Option<TcpStream>], rank: usize) ->
 mod tests {
     use super::*;
     use crate::rendezvous::MemoryStore;
-    use crate::tcp::handshake::HELLO_BYTES;
-    use crate::tcp::handshake::MESH_MAGIC;
+    use crate::transport::tcp::handshake::HELLO_BYTES;
+    use crate::transport::tcp::handshake::MESH_MAGIC;
     use std::sync::Arc;
 
     fn establish_world(world: usize, tokens: &[u64], timeout: Duration) -> Vec<Result<Mesh>> {
@@ -656,7 +656,7 @@ mod tests {
         assert_eq!(refusal[0], REFUSED_VERSION);
         assert_eq!(
             u32::from_le_bytes([refusal[1], refusal[2], refusal[3], refusal[4]]),
-            crate::tcp::MESH_PROTOCOL_VERSION
+            crate::transport::tcp::handshake::MESH_PROTOCOL_VERSION
         );
         // The refused connection does not count: a real rank 1 still completes the mesh.
         let rank1 = Mesh::establish(&*store, 1, 2, &config).unwrap();

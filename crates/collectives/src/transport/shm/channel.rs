@@ -1,6 +1,6 @@
 //! [`ShmPeer`]: the two rings between this rank and one co-located peer, carrying messages
 //! under the same keys as the TCP frames ((group, seq, tag, kind), [`MailboxKey`]), so the
-//! [`Link`](crate::tcp) semantics hold: a receiver asks for a key and gets that key's
+//! [`Link`](crate::backend::tcp) semantics hold: a receiver asks for a key and gets that key's
 //! messages in the order they were sent, whatever else is in between.
 //!
 //! A message in a ring is a [`FrameHeader`] padded to [`SLOT_HEADER_BYTES`], then the payload
@@ -42,7 +42,8 @@ use super::wait::{WaitFor, Waited, Watch, wait_until};
 use crate::dtype::DType;
 use crate::error::{Error, IoAction, ProtocolViolation, Result};
 use crate::reduce::ReducePlan;
-use crate::tcp::{FRAME_HEADER_BYTES, Frame, FrameHeader, MailboxKey, payload_alloc_error};
+use crate::transport::tcp::frame::{FRAME_HEADER_BYTES, FrameHeader, payload_alloc_error};
+use crate::transport::tcp::transport::{Frame, MailboxKey};
 
 /// The ring bytes of one message header (the frame header and zero padding).
 pub const SLOT_HEADER_BYTES: usize = 48;

@@ -7,11 +7,9 @@
 
 use std::ops::Range;
 
-use super::communicator::Inner;
-use super::config::AllReduceAlgorithm;
 use super::link::Link;
-use super::posted::{PostMode, PostTarget as Target};
 use crate::agree::args;
+use crate::algorithms::group::Inner;
 use crate::blocks::{byte_blocks, even_block};
 use crate::buffer::Buffer;
 use crate::dtype::DType;
@@ -19,7 +17,9 @@ use crate::engine::JobContext;
 use crate::error::{Error, Result};
 use crate::op::{BufferPair, OpKind, ReduceOp};
 use crate::reduce::ReducePlan;
-use crate::shm::copy::{STREAM_MIN_DESTINATION, stream_copy};
+use crate::transport::shm::copy::{STREAM_MIN_DESTINATION, stream_copy};
+use crate::transport::tcp::config::AllReduceAlgorithm;
+use crate::transport::tcp::posted::{PostMode, PostTarget as Target};
 
 fn tag(step: usize) -> u32 {
     // Steps are below the group size, which is far below u32::MAX for any real mesh.

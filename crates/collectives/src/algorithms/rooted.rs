@@ -2,10 +2,10 @@
 //! (the root sends each rank its block) and reduce (every rank sends its prepared input to the
 //! root, which combines them in rank order so the result matches `local` bit for bit).
 
-use super::communicator::Inner;
 use super::link::Link;
 use crate::agree::args;
 use crate::agree::{copy_into, elements};
+use crate::algorithms::group::Inner;
 use crate::blocks::copy_segment;
 use crate::buffer::{Buffer, HostBuffer};
 use crate::engine::JobContext;

@@ -10,16 +10,16 @@
 
 use std::ops::Range;
 
-use super::communicator::Inner;
-use super::frame::FrameKind;
 use super::link::Link;
-use super::posted::{PostMode, PostTarget, PostedRecv};
 use crate::agree::args;
+use crate::algorithms::group::Inner;
 use crate::buffer::Buffer;
 use crate::dtype::DType;
 use crate::engine::JobContext;
 use crate::error::{Error, Result};
 use crate::op::{AllToAllCounts, BufferPair, OpKind, StridedBlocks, block_offsets};
+use crate::transport::tcp::frame::FrameKind;
+use crate::transport::tcp::posted::{PostMode, PostTarget, PostedRecv};
 
 /// The tag of every data frame of an all-to-all: each peer sends one block, so the sending
 /// rank alone tells the blocks apart.

@@ -11,7 +11,8 @@ use super::wait::tests::TestWatch;
 use crate::FrameKind;
 use crate::dtype::DType;
 use crate::error::{Error, Result};
-use crate::tcp::{FrameHeader, MailboxKey};
+use crate::transport::tcp::frame::FrameHeader;
+use crate::transport::tcp::transport::MailboxKey;
 
 /// The links of ranks 0 and 1 of a world of two, over rings of `capacity` bytes.
 fn two_ranks(capacity: usize, max_payload: u64) -> (ShmLinks, ShmLinks) {
@@ -180,7 +181,8 @@ fn a_lost_peer_mid_message_fails_the_wait_and_poisons_the_channel() {
     let mut raw = Producer::new(Arc::clone(&to_me));
     let receiver = ShmPeer::new(0, Producer::new(from_me), Consumer::new(to_me), 1 << 20);
     let mut slot = [0u8; super::channel::SLOT_HEADER_BYTES];
-    slot[..crate::tcp::FRAME_HEADER_BYTES].copy_from_slice(&header(0, 0, DType::U8, 1000).encode());
+    slot[..crate::transport::tcp::frame::FRAME_HEADER_BYTES]
+        .copy_from_slice(&header(0, 0, DType::U8, 1000).encode());
     assert!(raw.write(&slot, 0) && raw.write(&[5u8; 100], 0));
     raw.publish();
     let watch = TestWatch::new(Duration::from_secs(20));
@@ -542,7 +544,7 @@ fn a_lent_body_on_a_pair_without_cross_memory_reads_is_a_protocol_error() {
     let mut raw = Producer::new(Arc::clone(&to_me));
     let receiver = ShmPeer::new(0, Producer::new(from_me), Consumer::new(to_me), 1 << 20);
     let mut message = [0u8; super::channel::SLOT_HEADER_BYTES + 16];
-    let at = crate::tcp::FRAME_HEADER_BYTES;
+    let at = crate::transport::tcp::frame::FRAME_HEADER_BYTES;
     message[..at].copy_from_slice(&header(0, 0, DType::U8, 100).encode());
     message[at..at + 4].copy_from_slice(b"CMA1");
     let address = (message.as_ptr() as u64).to_le_bytes();
