@@ -14,6 +14,14 @@
 //! * `conformance`: the suite every backend must pass (cargo feature `testing`).
 //!
 //! See `docs/collectives.md` for the semantics of each op.
+//!
+//! The source is layered, each folder importing only from those listed before it: the root
+//! files (the trait, buffers, errors, ops, the reduce kernels, the progress thread), then
+//! `rendezvous/` (the stores), `agree/` (argument checks and the phase-0 agreement every
+//! backend runs before data moves), `transport/` (TCP frames and mailboxes, shared-memory
+//! rings), `algorithms/` (one per file), `backend/` (each backend's `Communicator` adapter),
+//! and on top the watchdog, `init_default_from_env` and the test-only modules. xtask's tidy
+//! test enforces the order.
 
 mod agree;
 #[cfg(feature = "tcp")]

@@ -4,7 +4,7 @@
 //! CPU time taken from the transfer itself, so the copying steps (all-gather, the second half
 //! of all-reduce, broadcast) use this path.
 //!
-//! Protocol with the reader thread (see `read_into_posted` in `transport.rs`): a post
+//! Protocol with the reader thread (see `read_into_posted` in `transport/reader.rs`): a post
 //! `(peer, key) -> Posted{base, len, filled, dtype, writing}` lives in the transport state.
 //! The reader, under the lock, claims the next `len` bytes of a fitting frame by setting
 //! `writing`, reads them outside the lock, then (under the lock) clears `writing` and adds
