@@ -1,6 +1,6 @@
 //! The rendezvous key-value [`Store`] and its implementations: [`MemoryStore`] (threads of
 //! one process), [`PrefixStore`] (a namespace inside another store) and, with feature `tcp`,
-//! the TCP store ([`TcpStore`], [`TcpStoreServer`]) that processes share.
+//! the TCP store (`TcpStore`, `TcpStoreServer`) that processes share.
 
 pub use crate::rendezvous::{MemoryStore, PrefixStore, Store};
 #[cfg(feature = "tcp")]

@@ -45,7 +45,7 @@ fn frame_cap(tcp: &TcpConfig, world_size: usize) -> u64 {
 
 impl TcpCommunicator {
     /// Joins a world of `world_size` ranks as `rank`: builds the mesh through `store`
-    /// ([`Mesh::establish`]) and starts the transport. Collective over the world.
+    /// (`Mesh::establish`) and starts the transport. Collective over the world.
     pub fn connect(
         store: &dyn Store,
         rank: usize,
