@@ -54,22 +54,6 @@ const MAX_LINES: usize = 800;
 /// Files still over [`MAX_LINES`], each with why and what will split it.
 const LONG_FILES: &[(&str, &str)] = &[
     (
-        "crates/collectives/src/conformance.rs",
-        "test suite; moves behind a `testing` feature with the collectives tree",
-    ),
-    (
-        "crates/collectives/src/shm/channel.rs",
-        "split into ring and channel with the transport tree",
-    ),
-    (
-        "crates/collectives/src/store/tcp.rs",
-        "split into wire, server and client with the rendezvous tree",
-    ),
-    (
-        "crates/collectives/src/tcp/transport.rs",
-        "split with the transport tree",
-    ),
-    (
         "crates/fsdp/src/device/model.rs",
         "the separate GPU path, replaced by device storage in the tensor",
     ),
@@ -106,23 +90,23 @@ const STATICS: &[(&str, &str)] = &[
         "an environment switch read once",
     ),
     (
-        "crates/collectives/src/mpi/runtime.rs",
+        "crates/collectives/src/backend/mpi/runtime.rs",
         "MPI may be initialised once per process",
     ),
     (
-        "crates/collectives/src/shm/channel.rs",
+        "crates/collectives/src/transport/shm/channel/mod.rs",
         "a per-thread staging buffer reused across copies",
     ),
     (
-        "crates/collectives/src/shm/cma.rs",
+        "crates/collectives/src/transport/shm/cma.rs",
         "test counters of cross-memory reads, and a probe constant",
     ),
     (
-        "crates/collectives/src/shm/futex.rs",
+        "crates/collectives/src/transport/shm/futex.rs",
         "remembers that the kernel lacks futex_waitv",
     ),
     (
-        "crates/collectives/src/watchdog/board.rs",
+        "crates/collectives/src/progress.rs",
         "the training phase and step of this rank process, read by the stall watchdog",
     ),
     (
@@ -257,4 +241,217 @@ fn the_static_detector_sees_declarations_and_not_comments() {
     assert!(declares_static("thread_local! {"));
     assert!(!declares_static("// static in a comment"));
     assert!(!declares_static("let s: &'static str = \"\";"));
+}
+
+/// The top-level modules of `crates/collectives/src` (folders, or files without `.rs`), bottom
+/// layer first. A module may import from its own layer's and lower layers' modules only, so
+/// the crate reads bottom-up: the shared types, then rendezvous, agreement, transports,
+/// algorithms, backends, and what builds on the backends.
+const COLLECTIVES_LAYERS: &[(&str, &[&str])] = &[
+    (
+        "core",
+        &[
+            "auth",
+            "blocks",
+            "buffer",
+            "communicator",
+            "config",
+            "counter",
+            "dtype",
+            "engine",
+            "env",
+            "error",
+            "frame_key",
+            "op",
+            "progress",
+            "reduce",
+            "work",
+        ],
+    ),
+    ("rendezvous", &["rendezvous"]),
+    ("agree", &["agree"]),
+    ("transport", &["transport"]),
+    ("algorithms", &["algorithms"]),
+    ("backend", &["backend"]),
+    (
+        "top",
+        &[
+            "conformance",
+            "fuzzing",
+            "init",
+            "lib",
+            "store",
+            "testing",
+            "watchdog",
+        ],
+    ),
+];
+
+/// Imports that still run upward while the tree is being reorganised: `(file, module)`. A
+/// ratchet like the lists above: every entry must still be needed.
+const UPWARD_IMPORTS: &[(&str, &str)] = &[];
+
+/// The layer of a top-level module of the collectives crate.
+fn collectives_layer(module: &str) -> Option<usize> {
+    COLLECTIVES_LAYERS
+        .iter()
+        .position(|(_, modules)| modules.contains(&module))
+}
+
+/// The first path segment of every item a `use crate::...` statement brings in, with the
+/// statement's line (1-based). Handles `use crate::{a, b::c}` over several lines; the unit
+/// tests below the first `#[cfg(test)]` may import from anywhere and are not read.
+fn crate_imports(text: &str) -> Vec<(usize, String)> {
+    let code = text.split("#[cfg(test)]").next().unwrap_or_default();
+    let mut found = Vec::new();
+    let mut lines = code.lines().enumerate();
+    while let Some((index, line)) = lines.next() {
+        let trimmed = line.trim_start();
+        let rest = ["use ", "pub use ", "pub(crate) use ", "pub(super) use "]
+            .iter()
+            .find_map(|prefix| trimmed.strip_prefix(prefix))
+            .and_then(|rest| rest.strip_prefix("crate::"));
+        let Some(rest) = rest else { continue };
+        let mut statement = rest.to_string();
+        while !statement.contains(';') {
+            match lines.next() {
+                Some((_, more)) => statement.push_str(more),
+                None => break,
+            }
+        }
+        let statement = statement.split(';').next().unwrap_or_default();
+        let heads: Vec<String> = match statement.strip_prefix('{') {
+            Some(group) => {
+                let mut heads = Vec::new();
+                let mut depth = 0usize;
+                let mut item = String::new();
+                for c in group.chars() {
+                    match c {
+                        '{' => depth += 1,
+                        '}' if depth == 0 => break,
+                        '}' => depth -= 1,
+                        ',' if depth == 0 => {
+                            heads.push(std::mem::take(&mut item));
+                            continue;
+                        }
+                        _ => {}
+                    }
+                    item.push(c);
+                }
+                heads.push(item);
+                heads
+            }
+            None => vec![statement.to_string()],
+        };
+        for head in heads {
+            let module: String = head
+                .trim()
+                .chars()
+                .take_while(|c| c.is_alphanumeric() || *c == '_')
+                .collect();
+            if !module.is_empty() {
+                found.push((index + 1, module));
+            }
+        }
+    }
+    found
+}
+
+/// The imports of one collectives source file (`relative` to `src/`) that reach a higher
+/// layer than the file's own: `(line, module)`.
+fn upward_imports(relative: &str, text: &str) -> Vec<(usize, String)> {
+    let own = relative
+        .split('/')
+        .next()
+        .unwrap_or_default()
+        .trim_end_matches(".rs");
+    let Some(own_layer) = collectives_layer(own) else {
+        return Vec::new();
+    };
+    crate_imports(text)
+        .into_iter()
+        .filter(|(_, module)| module != own)
+        .filter(|(_, module)| collectives_layer(module).is_some_and(|layer| layer > own_layer))
+        .collect()
+}
+
+#[test]
+fn collectives_imports_run_only_down_the_layers() {
+    let src = root().join("crates/collectives/src");
+    let mut unknown = Vec::new();
+    let mut upward = Vec::new();
+    let mut violations = Vec::new();
+    for path in sources() {
+        let Ok(inside) = path.strip_prefix(&src) else {
+            continue;
+        };
+        let inside = inside.to_string_lossy().replace('\\', "/");
+        let own = inside.split('/').next().unwrap_or_default();
+        if !own.is_empty() && collectives_layer(own.trim_end_matches(".rs")).is_none() {
+            unknown.push(inside.clone());
+            continue;
+        }
+        if inside.ends_with("/tests.rs") {
+            continue;
+        }
+        let text = std::fs::read_to_string(&path).expect("source");
+        for (line, module) in upward_imports(&inside, &text) {
+            let name = relative(&path);
+            upward.push((name.clone(), module.clone()));
+            if !UPWARD_IMPORTS.contains(&(name.as_str(), module.as_str())) {
+                violations.push(format!("{name}:{line} imports crate::{module}"));
+            }
+        }
+    }
+    assert!(
+        unknown.is_empty(),
+        "collectives modules in no layer: {unknown:?}; add them to COLLECTIVES_LAYERS"
+    );
+    assert!(
+        violations.is_empty(),
+        "imports from a higher layer (see COLLECTIVES_LAYERS):\n{}",
+        violations.join("\n")
+    );
+    let stale: Vec<_> = UPWARD_IMPORTS
+        .iter()
+        .filter(|(file, module)| !upward.iter().any(|(f, m)| f == file && m == module))
+        .collect();
+    assert!(
+        stale.is_empty(),
+        "no longer imported upward: {stale:?}; remove them from UPWARD_IMPORTS"
+    );
+}
+
+#[test]
+fn the_layer_detector_flags_upward_imports_and_nothing_else() {
+    let sample = "\
+use std::sync::Arc;
+use crate::error::Result;
+use crate::backend::tcp::TcpConfig;
+pub(crate) use crate::{
+    agree::Desc,
+    backend::local::LocalComm,
+};
+// use crate::backend::Nothing;
+use super::ring;
+
+#[cfg(test)]
+mod tests {
+    use crate::backend::local::spawn_world;
+}
+";
+    assert_eq!(
+        upward_imports("algorithms/ring.rs", sample),
+        vec![(3, "backend".to_string()), (4, "backend".to_string())]
+    );
+    // The same imports are fine one layer up, and a module's own folder is never upward.
+    assert!(upward_imports("backend/tcp/link.rs", sample).is_empty());
+    assert_eq!(
+        crate_imports("use crate::{a, b::{c, d}, e};\n"),
+        vec![
+            (1, "a".to_string()),
+            (1, "b".to_string()),
+            (1, "e".to_string())
+        ]
+    );
 }

@@ -324,9 +324,9 @@ impl PartialEq for HostBuffer {
 pub enum Buffer {
     /// Host memory.
     Host(HostBuffer),
-    /// CUDA device memory (the NCCL backend); see [`crate::nccl::DeviceBuffer`].
+    /// CUDA device memory (the NCCL backend); see [`crate::backend::nccl::DeviceBuffer`].
     #[cfg(feature = "nccl")]
-    Cuda(crate::nccl::DeviceBuffer),
+    Cuda(crate::backend::nccl::DeviceBuffer),
 }
 
 impl Buffer {

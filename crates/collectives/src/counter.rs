@@ -260,7 +260,7 @@ impl Communicator for CommCounter {
 mod tests {
     use super::*;
     use crate::CommunicatorExt;
-    use crate::local::spawn_world_with;
+    use crate::backend::local::spawn_world_with;
     use std::time::Duration;
 
     #[test]

@@ -16,9 +16,9 @@ pub enum DType {
     F32,
     /// IEEE 754 double precision.
     F64,
-    /// bfloat16: the top half of an f32. Reduced in f32 (see [`crate::reduce`]).
+    /// bfloat16: the top half of an f32. Reduced in f32 (see `crate::reduce`).
     BF16,
-    /// IEEE 754 half precision. Reduced in f32 (see [`crate::reduce`]).
+    /// IEEE 754 half precision. Reduced in f32 (see `crate::reduce`).
     F16,
     /// 32-bit signed integer; sums and products wrap.
     I32,
@@ -82,7 +82,7 @@ mod sealed {
 
 /// A Rust element type with a [`DType`] tag: `f32`, `f64`, `bf16`, `f16`, `i32`, `i64`, `u8`.
 ///
-/// The trait is sealed because every kernel in [`crate::reduce`] must cover every element type.
+/// The trait is sealed because every kernel in `crate::reduce` must cover every element type.
 pub trait Element: bytemuck::Pod + Send + Sync + sealed::Sealed + 'static {
     /// The dtype tag of this element type.
     const DTYPE: DType;

@@ -1,5 +1,5 @@
 //! Where this process sits in a launched job ([`LaunchEnv`]), read from the variables of the
-//! launcher that started it, and the backend choice ([`init_default_from_env`]).
+//! launcher that started it, and the backend choice (`init_default_from_env`).
 //!
 //! # Launchers and precedence
 //! The first launcher whose rank *and* size variables are both set wins:
@@ -19,18 +19,12 @@
 //! port is `MASTER_PORT` when set, else [`DEFAULT_MASTER_PORT`] (29500, torchrun's default).
 //! Local rank and size default to the global ones (one host).
 
-// DefaultWorld and init_default_from_env (feature `tcp`) hold and build the communicator.
-#[cfg(feature = "tcp")]
-use std::sync::Arc;
-
-#[cfg(feature = "tcp")]
-use crate::communicator::Communicator;
 use crate::error::{EnvExpectation, Error, Result};
 
 /// The rendezvous port used when a cluster launcher sets no `MASTER_PORT` (torchrun's default).
 pub const DEFAULT_MASTER_PORT: u16 = 29500;
 
-/// The variable that chooses the backend of [`init_default_from_env`].
+/// The variable that chooses the backend of `init_default_from_env`.
 pub const BACKEND_ENV: &str = "HYPERSHARD_BACKEND";
 
 /// Which launcher's variables [`LaunchEnv::from_lookup`] read.
@@ -244,7 +238,7 @@ impl LaunchEnv {
     }
 }
 
-/// Which backend [`init_default_from_env`] builds (`HYPERSHARD_BACKEND`).
+/// Which backend `init_default_from_env` builds (`HYPERSHARD_BACKEND`).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 #[non_exhaustive]
 pub enum BackendChoice {
@@ -270,78 +264,6 @@ impl BackendChoice {
             }),
         }
     }
-}
-
-/// A world built by [`init_default_from_env`]: the communicator plus whatever must stay alive
-/// with it (the TCP store and its server on rank 0). Keep it until every rank is done.
-#[cfg(feature = "tcp")]
-pub struct DefaultWorld {
-    /// The world communicator.
-    pub comm: Arc<dyn Communicator>,
-    /// The backend chosen.
-    pub backend: BackendChoice,
-    _tcp: Option<crate::tcp::TcpWorld>,
-}
-
-#[cfg(feature = "tcp")]
-impl DefaultWorld {
-    /// The TCP world (store, server, communicator) when the backend is `tcp`.
-    pub fn tcp(&self) -> Option<&crate::tcp::TcpWorld> {
-        self._tcp.as_ref()
-    }
-}
-
-#[cfg(feature = "tcp")]
-impl std::fmt::Debug for DefaultWorld {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("DefaultWorld")
-            .field("backend", &self.backend)
-            .field("rank", &self.comm.rank())
-            .field("size", &self.comm.size())
-            .finish()
-    }
-}
-
-/// Builds the world communicator of the backend `HYPERSHARD_BACKEND` names (default `tcp`):
-/// `tcp` rendezvouses through [`LaunchEnv`] (any launcher above, default [`TcpConfig`](crate::tcp::TcpConfig));
-/// `mpi` uses `MPI_COMM_WORLD` (feature `mpi`, else [`Error::BackendNotBuilt`]); `nccl` is
-/// [`Error::BackendNotBuilt`] for now. The op deadline comes from `HYPERSHARD_TIMEOUT`.
-#[cfg(feature = "tcp")]
-pub fn init_default_from_env() -> Result<DefaultWorld> {
-    let backend = BackendChoice::from_var(std::env::var(BACKEND_ENV).ok().as_deref())?;
-    match backend {
-        BackendChoice::Tcp => {
-            let world = crate::tcp::init_from_env(&crate::tcp::TcpConfig::default())?;
-            Ok(DefaultWorld {
-                comm: world.comm.clone(),
-                backend,
-                _tcp: Some(world),
-            })
-        }
-        BackendChoice::Mpi => mpi_world(backend),
-        BackendChoice::Nccl => Err(Error::BackendNotBuilt {
-            backend: "nccl",
-            reason: "init_default_from_env does not build NCCL worlds yet (no GPU path here); use collectives::nccl directly",
-        }),
-    }
-}
-
-#[cfg(feature = "mpi")]
-fn mpi_world(backend: BackendChoice) -> Result<DefaultWorld> {
-    let comm = crate::mpi::MpiCommunicator::world(crate::config::CommConfig::from_env()?)?;
-    Ok(DefaultWorld {
-        comm: Arc::new(comm),
-        backend,
-        _tcp: None,
-    })
-}
-
-#[cfg(all(feature = "tcp", not(feature = "mpi")))]
-fn mpi_world(_backend: BackendChoice) -> Result<DefaultWorld> {
-    Err(Error::BackendNotBuilt {
-        backend: "mpi",
-        reason: "this binary was built without the `mpi` cargo feature",
-    })
 }
 
 fn parse_usize(variable: &'static str, text: &str, expected: EnvExpectation) -> Result<usize> {

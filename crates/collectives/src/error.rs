@@ -532,7 +532,7 @@ pub enum ProtocolViolation {
         /// The frame's kind, group, sequence number and tag, from its header (whose own
         /// checksum held); `None` when the header itself failed its checksum, so none of its
         /// fields can be trusted.
-        frame: Option<crate::tcp::MailboxKey>,
+        frame: Option<crate::frame_key::FrameKey>,
         /// The checksum the sender put on the wire.
         sent: u32,
         /// The checksum of the bytes that arrived.

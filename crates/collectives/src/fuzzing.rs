@@ -4,7 +4,7 @@
 
 use std::io::{self, Read, Write};
 
-use crate::tcp::{FrameHeader, decode_frame, encode_frame};
+use crate::transport::tcp::frame::{FrameHeader, decode_frame, encode_frame};
 
 /// The payload cap the frame target decodes under.
 pub const FRAME_CAP: u64 = 1 << 20;
@@ -14,7 +14,7 @@ pub const FRAME_CAP: u64 = 1 << 20;
 /// checksummed whole-frame decoder as well.
 pub fn frame_header(bytes: &[u8]) -> bool {
     checked_frame(bytes);
-    let mut header = [0u8; crate::tcp::FRAME_HEADER_BYTES];
+    let mut header = [0u8; crate::transport::tcp::frame::FRAME_HEADER_BYTES];
     let Some(prefix) = bytes.get(..header.len()) else {
         return false;
     };
@@ -30,7 +30,7 @@ pub fn frame_header(bytes: &[u8]) -> bool {
     }
 }
 
-/// Decodes `bytes` as one whole frame with CRC32C checksums ([`decode_frame`]); `true` when
+/// Decodes `bytes` as one whole frame with CRC32C checksums (`decode_frame`); `true` when
 /// accepted. An accepted frame is within the cap and re-encodes to exactly `bytes` (so its
 /// checksums were right); anything else is a typed protocol error naming the peer.
 pub fn checked_frame(bytes: &[u8]) -> bool {
@@ -79,7 +79,7 @@ pub fn mesh_acceptor(input: &[u8]) -> bool {
         input: io::Cursor::new(input),
         written: 0,
     };
-    let expect = crate::tcp::handshake::Expectation {
+    let expect = crate::transport::tcp::handshake::Expectation {
         job_token: 7,
         world_size: 4,
         acceptor_rank: 0,
@@ -87,7 +87,7 @@ pub fn mesh_acceptor(input: &[u8]) -> bool {
         secret: Some(crate::auth::JobSecret::from_bytes(b"fuzz".to_vec()).expect("non-empty")),
         frame_checksum: false,
     };
-    let admitted = crate::tcp::handshake::accept_hello(&mut peer, &expect).is_ok();
+    let admitted = crate::transport::tcp::handshake::accept_hello(&mut peer, &expect).is_ok();
     // The acceptor answers at most one challenge and one status byte (a checksum refusal, the
     // longest, adds its flags word), whatever it is sent.
     assert!(
@@ -101,12 +101,12 @@ pub fn mesh_acceptor(input: &[u8]) -> bool {
 /// Serves `input` as the requests of an authenticated Store client; returns how many were
 /// served before the bytes ran out or broke the protocol.
 pub fn store_requests(input: &[u8]) -> usize {
-    crate::store::tcp::serve_bytes(input)
+    crate::rendezvous::tcp::serve_bytes(input)
 }
 
 /// Checks `input` as a Store hello (magic and version); `true` when accepted.
 pub fn store_hello(input: &[u8]) -> bool {
-    crate::store::tcp::check_hello_bytes(input)
+    crate::rendezvous::tcp::check_hello_bytes(input)
 }
 
 #[cfg(test)]
@@ -174,8 +174,8 @@ mod tests {
             at in any::<proptest::sample::Index>(),
             flip in 1u8..=255,
         ) {
-            let header = crate::tcp::FrameHeader {
-                kind: crate::tcp::FrameKind::Data,
+            let header = crate::transport::tcp::frame::FrameHeader {
+                kind: crate::FrameKind::Data,
                 dtype: crate::DType::U8,
                 group: 1,
                 seq,

@@ -99,22 +99,13 @@ impl ReducePlan {
         self
     }
 
-    /// The reduce op.
-    pub fn op(&self) -> ReduceOp {
-        self.op
-    }
-
     /// The dtype the plan's byte slices hold.
     pub fn dtype(&self) -> DType {
         self.dtype
     }
 
-    /// The world size `Avg` divides by.
-    pub fn world(&self) -> usize {
-        self.world
-    }
-
-    /// The pairwise combine step.
+    /// The pairwise combine step (the MPI backend maps it to MPI's predefined op).
+    #[cfg(feature = "mpi")]
     pub fn combine_kind(&self) -> Combine {
         self.combine
     }

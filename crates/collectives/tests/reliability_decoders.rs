@@ -8,8 +8,9 @@ use std::net::TcpStream;
 use std::sync::OnceLock;
 use std::time::Duration;
 
+use hypershard_collectives::FrameKind;
 use hypershard_collectives::store::{TcpStore, TcpStoreServer};
-use hypershard_collectives::tcp::{FRAME_HEADER_BYTES, FRAME_MAGIC, FrameHeader, FrameKind};
+use hypershard_collectives::testing::{FRAME_HEADER_BYTES, FRAME_MAGIC, FrameHeader};
 use hypershard_collectives::{DType, Error, ProtocolViolation, Store};
 use proptest::prelude::*;
 

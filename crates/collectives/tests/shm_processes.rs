@@ -24,11 +24,9 @@ use std::process::{Child, Command, ExitCode, Stdio};
 use std::time::{Duration, Instant};
 
 use hypershard_collectives::conformance::{self, SuiteParams};
-use hypershard_collectives::shm::{
-    CMA_ENV, CMA_MIN_BYTES_ENV, CmaConfig, SEGMENT_DIR, SEGMENT_PREFIX, TRANSPORT_ENV,
-    TransportPolicy, cross_memory_reads,
-};
+use hypershard_collectives::shm::{CMA_ENV, CMA_MIN_BYTES_ENV, TRANSPORT_ENV, TransportPolicy};
 use hypershard_collectives::tcp::{TcpConfig, init_from_env};
+use hypershard_collectives::testing::{CmaConfig, SEGMENT_DIR, SEGMENT_PREFIX, cross_memory_reads};
 use hypershard_collectives::{Buffer, Communicator, Error, ReduceOp};
 
 const KILL_WORLD: usize = 3;

@@ -304,7 +304,7 @@ fn stray_clients_on_a_ranks_port_are_refused_and_the_world_still_works() {
     use std::io::{Read, Write};
     use std::net::{SocketAddr, TcpStream};
 
-    use hypershard_collectives::tcp::{MESH_MAGIC, MESH_PROTOCOL_VERSION};
+    use hypershard_collectives::testing::{MESH_MAGIC, MESH_PROTOCOL_VERSION};
 
     const SIZE: usize = 3;
     let store: Arc<dyn Store> = Arc::new(MemoryStore::new());

@@ -22,9 +22,8 @@ use std::thread;
 use std::time::{Duration, Instant};
 
 use hypershard_collectives::conformance::{self, SuiteParams};
-use hypershard_collectives::tcp::{
-    AllReduceAlgorithm, CRC32C_VAR, Mesh, TcpCommunicator, TcpConfig,
-};
+use hypershard_collectives::tcp::{AllReduceAlgorithm, CRC32C_VAR, TcpCommunicator, TcpConfig};
+use hypershard_collectives::testing::Mesh;
 use hypershard_collectives::{
     Buffer, CommConfig, Communicator, DType, Error, MemoryStore, ProtocolViolation, ReduceOp,
     Result, Store,
@@ -347,7 +346,7 @@ fn a_byte_flipped_on_the_wire_fails_the_op_on_every_rank_within_the_deadline() {
                             computed,
                         },
                 } => {
-                    assert_eq!(key.kind, hypershard_collectives::tcp::FrameKind::Data);
+                    assert_eq!(key.kind, hypershard_collectives::FrameKind::Data);
                     assert_eq!((key.group, key.seq), (0, 0), "the world's first op");
                     assert_ne!(sent, computed);
                 }

@@ -31,14 +31,14 @@ pub const SECRET_ENV: &str = "HYPERSHARD_JOB_SECRET";
 pub const SECRET_FILE_ENV: &str = "HYPERSHARD_JOB_SECRET_FILE";
 
 /// The bytes of a nonce.
-pub const NONCE_BYTES: usize = 32;
+pub(crate) const NONCE_BYTES: usize = 32;
 /// The bytes of a proof (an HMAC-SHA256 tag).
-pub const PROOF_BYTES: usize = 32;
+pub(crate) const PROOF_BYTES: usize = 32;
 
 /// A nonce: fresh random bytes per connection and side.
-pub type Nonce = [u8; NONCE_BYTES];
+pub(crate) type Nonce = [u8; NONCE_BYTES];
 /// A proof that its sender holds the job secret.
-pub type Proof = [u8; PROOF_BYTES];
+pub(crate) type Proof = [u8; PROOF_BYTES];
 
 type HmacSha256 = Hmac<Sha256>;
 
@@ -145,7 +145,7 @@ fn fill_random(out: &mut [u8]) -> Result<()> {
 }
 
 /// A fresh nonce from the operating system's random source.
-pub fn fresh_nonce() -> Result<Nonce> {
+pub(crate) fn fresh_nonce() -> Result<Nonce> {
     let mut nonce = [0u8; NONCE_BYTES];
     fill_random(&mut nonce)?;
     Ok(nonce)
@@ -167,7 +167,7 @@ fn keyed(secret: Option<&JobSecret>, label: &[u8], transcript: &[&[u8]]) -> Hmac
 }
 
 /// The proof that the holder of `secret` sends in role `label` for `transcript`.
-pub fn prove(secret: Option<&JobSecret>, label: &[u8], transcript: &[&[u8]]) -> Proof {
+pub(crate) fn prove(secret: Option<&JobSecret>, label: &[u8], transcript: &[&[u8]]) -> Proof {
     let tag = keyed(secret, label, transcript).finalize().into_bytes();
     let mut proof = [0u8; PROOF_BYTES];
     proof.copy_from_slice(&tag);
@@ -176,7 +176,7 @@ pub fn prove(secret: Option<&JobSecret>, label: &[u8], transcript: &[&[u8]]) -> 
 
 /// Whether `proof` is what a holder of `secret` sends in role `label` for `transcript`,
 /// compared in constant time.
-pub fn verify(
+pub(crate) fn verify(
     secret: Option<&JobSecret>,
     label: &[u8],
     transcript: &[&[u8]],

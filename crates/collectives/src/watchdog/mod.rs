@@ -6,7 +6,7 @@
 //! job's store as a [`Record`] every tick (a fraction of the stall threshold, at most 1 s).
 //! When an op of this rank has run longer than the stall threshold, the thread reads every
 //! rank's record, works out which members of the op's group have not entered it
-//! ([`missing_ranks`]) and publishes a [`Declaration`]. Every rank's thread (and the launcher,
+//! (`missing_ranks`) and publishes a [`Declaration`]. Every rank's thread (and the launcher,
 //! which hosts the store) notices the first declaration, prints one [`report`] naming the
 //! missing ranks by global rank, host and pid with what each was last doing, and then, under
 //! [`StallPolicy::Fail`], aborts its communicators a short grace later (so the other ranks'
@@ -16,7 +16,6 @@
 //! Cost: one store write per rank per tick plus one check of a counter, on the watchdog's
 //! own thread; the ops themselves pay one uncontended lock at start and end.
 
-mod board;
 mod report;
 
 use std::collections::BTreeMap;
@@ -25,33 +24,33 @@ use std::sync::{Arc, Mutex};
 use std::thread::{self, JoinHandle};
 use std::time::{Duration, Instant};
 
-pub(crate) use board::GroupSlot;
-pub use board::{GroupProgress, Phase, ProgressBoard, Record, current_phase, set_phase, unix_ms};
-pub use report::{Declaration, StallPolicy, culprits, describe, missing_ranks, report};
+pub use crate::progress::{GroupProgress, Phase, ProgressBoard, Record, set_phase, unix_ms};
+pub(crate) use report::missing_ranks;
+pub use report::{Declaration, StallPolicy, culprits, report};
 
+use crate::backend::tcp::TcpWorld;
 use crate::communicator::Communicator;
 use crate::error::{Error, Result};
-use crate::store::Store;
-use crate::tcp::TcpWorld;
+use crate::rendezvous::Store;
 
 /// The stall threshold when none is given.
 pub const DEFAULT_STALL_TIMEOUT: Duration = Duration::from_secs(30);
 
 /// The store key of global rank `rank`'s [`Record`].
-pub fn progress_key(rank: usize) -> String {
+pub(crate) fn progress_key(rank: usize) -> String {
     format!("watchdog/progress/{rank}")
 }
 
 /// The store key of global rank `rank`'s [`Declaration`].
-pub fn stall_key(rank: usize) -> String {
+pub(crate) fn stall_key(rank: usize) -> String {
     format!("watchdog/stall/{rank}")
 }
 
 /// The counter of declarations (a key whose presence says some rank declared a stall).
-pub const STALL_COUNT_KEY: &str = "watchdog/stalls";
+pub(crate) const STALL_COUNT_KEY: &str = "watchdog/stalls";
 
 /// How often a rank publishes its record for a stall threshold of `stall`.
-pub fn tick_for(stall: Duration) -> Duration {
+pub(crate) fn tick_for(stall: Duration) -> Duration {
     (stall / 12).clamp(Duration::from_millis(50), Duration::from_secs(1))
 }
 
@@ -167,7 +166,7 @@ impl Drop for Watchdog {
 
 /// What the watchdog thread works with.
 struct Context {
-    comm: Arc<crate::tcp::TcpCommunicator>,
+    comm: Arc<crate::backend::tcp::TcpCommunicator>,
     store: Arc<dyn Store>,
     board: Arc<ProgressBoard>,
     world_size: usize,
@@ -257,7 +256,7 @@ impl Context {
 }
 
 /// This host's name (empty when the system will not say).
-pub fn hostname() -> String {
+pub(crate) fn hostname() -> String {
     let mut buf = [0u8; 256];
     // SAFETY: gethostname(2) writes at most `buf.len()` bytes into the buffer we own and
     // pass with its length; the result is read only up to the first NUL within the buffer.

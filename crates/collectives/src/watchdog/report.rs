@@ -3,7 +3,7 @@
 
 use std::collections::BTreeMap;
 
-use super::board::{GroupProgress, Record};
+use crate::progress::{GroupProgress, Record};
 
 /// What to do once a stall is reported.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
