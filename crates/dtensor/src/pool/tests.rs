@@ -136,7 +136,9 @@ fn a_loan_moved_into_a_collective_leaves_the_accounting() -> Result<()> {
     assert_eq!(address(&share), lent_at);
     drop(share);
     // ...and moved out without a copy when the tensor is its sole owner. The loan ends then.
-    let moved = reclaim_buffer(t)?.ok().expect("the sole owner");
+    let Ok(moved) = reclaim_buffer(t)? else {
+        panic!("the sole owner gives its memory up");
+    };
     assert_eq!(address(&moved), lent_at);
     assert_eq!(pool.stats().in_use_bytes, 0);
     // Handed back by a redistribute, it is kept as a buffer the pool did not lend.
