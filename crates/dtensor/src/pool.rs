@@ -70,7 +70,7 @@ pub struct PoolStats {
     pub cached_bytes: usize,
     /// Buffers held idle for reuse now.
     pub cached_buffers: usize,
-    /// The most bytes the pool may hold idle now (see the module docs).
+    /// The most bytes the pool may hold idle now (see [`BufferPool`]).
     pub idle_cap_bytes: usize,
     /// Requests served from the idle buffers.
     pub hits: usize,
@@ -80,7 +80,13 @@ pub struct PoolStats {
 
 /// The communication buffers of one mesh family: owned by the
 /// [`ProcessMesh`](crate::ProcessMesh) (and every mesh `select`ed or `flatten`ed from it),
-/// used by its redistributes and by every FSDP unit over it. See the [module docs](self).
+/// used by its redistributes and by every FSDP unit over it.
+///
+/// Buffers are reused by exact dtype and length and hold stale bytes. While idle the pool
+/// holds at most `max(4 × the largest buffer requested, the most bytes lent at once)` and 64
+/// buffers, both measured since it was last emptied ([`release_cached`](BufferPool::release_cached),
+/// which FSDP calls at the end of every backward); past that the oldest buffers are freed,
+/// large ones on a background thread that belongs to the pool and is joined when it drops.
 ///
 /// ```
 /// use std::sync::Arc;
