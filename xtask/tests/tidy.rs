@@ -110,10 +110,6 @@ const STATICS: &[(&str, &str)] = &[
         "the training phase and step of this rank process, read by the stall watchdog",
     ),
     (
-        "crates/dtensor/src/pack.rs",
-        "one background thread that frees large wire buffers",
-    ),
-    (
         "crates/fsdp/src/module.rs",
         "unit ids unique across the process",
     ),

@@ -1,18 +1,27 @@
-//! Moving tensors in and out of collective buffers.
+//! Moving tensors in and out of collective buffers: the one bridge between the tensor and
+//! collectives crates, used by this crate's redistribute and by `fsdp` alike.
 //!
 //! The collectives crate keeps its own [`DType`](collectives::DType) and
 //! [`HostBuffer`](collectives::HostBuffer) so that it depends on neither the tensor nor the mesh
-//! crate. This module is the one place that converts between the two worlds; `fsdp` uses it
-//! too.
+//! crate. This module is the one place that converts between the two worlds.
 //!
-//! - [`wire_dtype`] maps a tensor dtype to the dtype it travels as (`bool` travels as `u8`).
+//! - [`wire_dtype`] maps a tensor dtype to the dtype it travels as. The map is total: `Bool`
+//!   travels as `U8` bytes (0 or 1), as `torch.distributed` sends it, so gathering, scattering
+//!   and redistributing booleans is exact. [`reducible`] says which dtypes a reduction means
+//!   something for (not `Bool`: a sum of bytes is not a boolean).
 //! - [`wire_op`] maps a layout [`ReduceOp`] to the collectives one.
+//! - Byte access: [`with_bytes`] reads a tensor's elements as row-major bytes (no copy when it
+//!   is contiguous), [`write_bytes`] writes bytes into a contiguous tensor, [`fill_zero`]
+//!   zeroes one. Every dtype, `Bool` included, is read and written as its stored bytes.
 //! - [`tensor_to_buffer`] / [`tensor_to_padded_buffer`] copy a tensor's elements (row-major)
 //!   into a new buffer, optionally followed by zeros up to a padded length: one copy.
 //! - [`buffer_to_tensor`] turns a buffer into a contiguous tensor of a given shape. It adopts
-//!   the buffer's memory as tensor storage without copying (through
-//!   [`ForeignBytes`]) when the buffer holds exactly the
-//!   tensor's bytes, and copies the prefix otherwise.
+//!   the buffer's memory as tensor storage without copying when the buffer holds exactly the
+//!   tensor's bytes, and copies the prefix otherwise. Adopted memory is held by one
+//!   [`ForeignBytes`] adapter, the same one the mesh's
+//!   [`BufferPool`](crate::BufferPool) lends its buffers through, so every tensor in collective
+//!   memory (a redistribute's output, a factory's, FSDP's gathered parameters and gradients)
+//!   can be moved or lent to the next collective by [`reclaim_buffer`] and [`lend_buffer`].
 //! - [`staging_tensor`] and [`staging_into_buffer`]: a zeroed tensor whose storage *is* a
 //!   collective buffer, so a caller can write shards into views of it (strided, with casts)
 //!   and hand it to a collective without another copy. [`reclaim_buffer`] is the no-copy-or-
@@ -30,6 +39,8 @@
 //! # Ok::<(), hypershard_dtensor::Error>(())
 //! ```
 
+use std::sync::Weak;
+
 use hypershard_collectives as collectives;
 use hypershard_collectives::{Buffer, HostBuffer as WireBuffer};
 use hypershard_mesh::ReduceOp;
@@ -37,8 +48,9 @@ use hypershard_tensor::{DType, ForeignBytes, HostBuffer as TensorBuffer, Storage
 
 use crate::error::{Error, Result};
 
-/// The dtype a tensor of `dtype` travels as. `Bool` travels as `U8` (0 or 1); collectives
-/// never reduce booleans, so only data movement should carry them.
+/// The dtype a tensor of `dtype` travels as. `Bool` travels as `U8` (0 or 1), as
+/// `torch.distributed` sends it: data movement carries booleans exactly, and
+/// [`reducible`] keeps them out of reductions.
 pub fn wire_dtype(dtype: DType) -> collectives::DType {
     match dtype {
         DType::F32 => collectives::DType::F32,
@@ -51,6 +63,13 @@ pub fn wire_dtype(dtype: DType) -> collectives::DType {
     }
 }
 
+/// Whether a reduction (sum, average, product...) of `dtype` values through a collective
+/// gives a value of that dtype: every dtype but `Bool`, whose bytes would be summed to 2 and
+/// more. `fsdp` refuses `Bool` parameters for this reason (their gradients are reduced).
+pub fn reducible(dtype: DType) -> bool {
+    dtype != DType::Bool
+}
+
 /// The collectives reduction for a layout reduction (the two enums mirror each other).
 pub fn wire_op(op: ReduceOp) -> collectives::ReduceOp {
     match op {
@@ -61,6 +80,93 @@ pub fn wire_op(op: ReduceOp) -> collectives::ReduceOp {
         ReduceOp::Product => collectives::ReduceOp::Product,
         ReduceOp::PreMulSum(factor) => collectives::ReduceOp::PreMulSum(factor),
     }
+}
+
+/// Calls `f` with the elements of `tensor` as row-major bytes: its storage itself when the
+/// tensor is contiguous, a contiguous copy when it is a strided view. Every dtype is read as
+/// the bytes it is stored as (`Bool`: one byte, 0 or 1).
+///
+/// A tensor without host memory (deferred) is [`Error::NotHostMemory`].
+pub fn with_bytes<R>(tensor: &Tensor, f: impl FnOnce(&[u8]) -> R) -> Result<R> {
+    let owned;
+    let tensor = if tensor.is_contiguous() {
+        tensor
+    } else {
+        owned = tensor.contiguous()?;
+        &owned
+    };
+    let start = tensor.offset() * tensor.dtype().size_of();
+    let len = tensor.nbytes();
+    let guard = tensor.storage().read();
+    let Storage::Host(host) = &*guard else {
+        return Err(Error::NotHostMemory { op: "with_bytes" });
+    };
+    let bytes = host
+        .as_bytes()
+        .get(start..start + len)
+        .ok_or(Error::BufferMismatch {
+            op: "with_bytes",
+            expected: start + len,
+            actual: host.len(),
+            wire_dtype: "u8",
+        })?;
+    Ok(f(bytes))
+}
+
+/// Writes `bytes` into the contiguous `tensor`, starting at its element `elem_offset`; they
+/// must end within the tensor (a strided destination is refused: use `copy_from`).
+pub fn write_bytes(tensor: &Tensor, elem_offset: usize, bytes: &[u8]) -> Result<()> {
+    if !tensor.is_contiguous() {
+        return Err(Error::NotHostMemory {
+            op: "write_bytes (strided destination)",
+        });
+    }
+    let size = tensor.dtype().size_of();
+    let base = tensor.offset() * size;
+    let start = base + elem_offset.saturating_mul(size);
+    let end = start.saturating_add(bytes.len());
+    let limit = base + tensor.nbytes();
+    if end > limit {
+        return Err(Error::BufferMismatch {
+            op: "write_bytes",
+            expected: limit - base,
+            actual: end - base,
+            wire_dtype: "u8",
+        });
+    }
+    let mut guard = tensor.storage().write();
+    let Storage::Host(host) = &mut *guard else {
+        return Err(Error::NotHostMemory { op: "write_bytes" });
+    };
+    host.as_bytes_mut()[start..end].copy_from_slice(bytes);
+    Ok(())
+}
+
+/// Sets every element of the contiguous `tensor` to zero bits (0 in every dtype), whatever
+/// its stale contents (`scale_(0.0)` would keep a NaN).
+pub fn fill_zero(tensor: &Tensor) -> Result<()> {
+    if !tensor.is_contiguous() {
+        return Err(Error::NotHostMemory {
+            op: "fill_zero (strided destination)",
+        });
+    }
+    let start = tensor.offset() * tensor.dtype().size_of();
+    let end = start + tensor.nbytes();
+    let mut guard = tensor.storage().write();
+    let Storage::Host(host) = &mut *guard else {
+        return Err(Error::NotHostMemory { op: "fill_zero" });
+    };
+    let len = host.len();
+    host.as_bytes_mut()
+        .get_mut(start..end)
+        .ok_or(Error::BufferMismatch {
+            op: "fill_zero",
+            expected: end,
+            actual: len,
+            wire_dtype: "u8",
+        })?
+        .fill(0);
+    Ok(())
 }
 
 /// A new buffer holding `tensor`'s elements in row-major order (one copy; a non-contiguous
@@ -84,44 +190,92 @@ pub fn tensor_to_padded_buffer(tensor: &Tensor, len: usize) -> Result<Buffer> {
         });
     }
     let mut wire = WireBuffer::zeros(wire_dtype(tensor.dtype()), len);
-    write_elements(tensor, &mut wire.as_bytes_mut()[..tensor.nbytes()])?;
+    let out = &mut wire.as_bytes_mut()[..tensor.nbytes()];
+    with_bytes(tensor, |bytes| out.copy_from_slice(bytes))?;
     Ok(Buffer::Host(wire))
 }
 
-/// Copies `tensor`'s elements, row-major, into `out` (exactly `tensor.nbytes()` bytes).
-fn write_elements(tensor: &Tensor, out: &mut [u8]) -> Result<()> {
-    with_bytes(&tensor.contiguous()?, |bytes| out.copy_from_slice(bytes))
+/// Where memory lent to a tensor goes back to when the tensor lets go of it: the mesh's
+/// [`BufferPool`](crate::BufferPool). A trait so that this module needs nothing of the pool
+/// (the pool is built on this module, not the other way round).
+pub(crate) trait Home: Send + Sync {
+    /// The last view of a tensor over a loan was dropped: its buffer comes back.
+    fn give_back(&self, buffer: WireBuffer);
+    /// The buffer of a loan was taken out of its tensor ([`reclaim_buffer`]) and leaves the
+    /// pool's accounting; it may come back later as a buffer the pool did not lend.
+    fn end_loan(&self, buffer: &WireBuffer);
 }
 
-/// Runs `f` on the bytes of a contiguous tensor (bool is read through a copy).
-pub(crate) fn with_bytes<R>(tensor: &Tensor, f: impl FnOnce(&[u8]) -> R) -> Result<R> {
-    macro_rules! bytes_as {
-        ($t:ty) => {
-            tensor.with_data(|xs: &[$t]| f(bytemuck::cast_slice(xs)))?
-        };
+/// Collective memory lent to a tensor as its storage: the one [`ForeignBytes`] adapter
+/// between the two crates. With a home (a pool's loan), the buffer goes back there when the
+/// tensor's storage is dropped; without one it is simply freed.
+pub(crate) struct WireBytes {
+    /// `None` only once the buffer has been taken out ([`WireBytes::into_buffer`]).
+    buffer: Option<WireBuffer>,
+    home: Option<Weak<dyn Home>>,
+}
+
+impl WireBytes {
+    /// Adopts `buffer` as tensor memory; `home` gets it back when the tensor drops it.
+    pub(crate) fn new(buffer: WireBuffer, home: Option<Weak<dyn Home>>) -> Self {
+        WireBytes {
+            buffer: Some(buffer),
+            home,
+        }
     }
-    Ok(match tensor.dtype() {
-        DType::F32 => bytes_as!(f32),
-        DType::F64 => bytes_as!(f64),
-        DType::BF16 => bytes_as!(half::bf16),
-        DType::F16 => bytes_as!(half::f16),
-        DType::I32 => bytes_as!(i32),
-        DType::I64 => bytes_as!(i64),
-        DType::U8 => bytes_as!(u8),
-        DType::Bool => f(&tensor.to_bytes()?),
-    })
-}
 
-/// A collectives buffer lent to a tensor as its storage.
-struct WireBytes(WireBuffer);
+    /// The buffer (present until [`into_buffer`](WireBytes::into_buffer) consumes `self`).
+    fn buffer(&self) -> Option<&WireBuffer> {
+        self.buffer.as_ref()
+    }
+
+    /// The buffer out of the adapter; a loan ends (its home stops counting it).
+    fn into_buffer(mut self) -> Option<WireBuffer> {
+        let buffer = self.buffer.take()?;
+        if let Some(home) = self.home.take().and_then(|home| home.upgrade()) {
+            home.end_loan(&buffer);
+        }
+        Some(buffer)
+    }
+}
 
 impl ForeignBytes for WireBytes {
     fn bytes(&self) -> &[u8] {
-        self.0.as_bytes()
+        self.buffer.as_ref().map_or(&[], WireBuffer::as_bytes)
     }
 
     fn bytes_mut(&mut self) -> &mut [u8] {
-        self.0.as_bytes_mut()
+        self.buffer
+            .as_mut()
+            .map_or(&mut [], WireBuffer::as_bytes_mut)
+    }
+}
+
+impl Drop for WireBytes {
+    fn drop(&mut self) {
+        if let (Some(buffer), Some(home)) = (
+            self.buffer.take(),
+            self.home.take().and_then(|home| home.upgrade()),
+        ) {
+            home.give_back(buffer);
+        }
+    }
+}
+
+/// A contiguous tensor of `shape` and `dtype` over exactly the elements of `wire` (no copy),
+/// its memory going back to `home` when the last view is dropped.
+pub(crate) fn adopt(
+    wire: WireBuffer,
+    shape: &[usize],
+    dtype: DType,
+    home: Option<Weak<dyn Home>>,
+) -> Result<Tensor> {
+    match TensorBuffer::from_foreign(Box::new(WireBytes::new(wire, home))) {
+        Ok(storage) => Ok(Tensor::from_host_buffer(storage, shape, dtype)?),
+        // A collectives buffer is always 64-byte aligned, so this arm only runs if that
+        // promise is broken; copying is still correct (and the adapter's drop returns the
+        // buffer to its home).
+        Err(foreign) => Ok(Tensor::from_bytes(foreign.bytes(), shape, dtype)?),
     }
 }
 
@@ -136,12 +290,7 @@ pub fn buffer_to_tensor(buffer: Buffer, shape: &[usize], dtype: DType) -> Result
     let wire = buffer.into_host()?;
     check_wire(&wire, dtype, numel)?;
     if wire.len() == numel {
-        match TensorBuffer::from_foreign(Box::new(WireBytes(wire))) {
-            Ok(storage) => return Ok(Tensor::from_host_buffer(storage, shape, dtype)?),
-            // A collectives buffer is always 64-byte aligned, so this arm only runs if that
-            // promise is broken; copying is still correct.
-            Err(foreign) => return Ok(Tensor::from_bytes(foreign.bytes(), shape, dtype)?),
-        }
+        return adopt(wire, shape, dtype, None);
     }
     Ok(Tensor::from_bytes(
         &wire.as_bytes()[..numel * dtype.size_of()],
@@ -161,10 +310,11 @@ pub fn staging_tensor(shape: &[usize], dtype: DType) -> Result<Tensor> {
             op: "staging_tensor",
             shape: shape.to_vec(),
         })?;
-    buffer_to_tensor(
-        Buffer::Host(WireBuffer::zeros(wire_dtype(dtype), numel)),
+    adopt(
+        WireBuffer::zeros(wire_dtype(dtype), numel),
         shape,
         dtype,
+        None,
     )
 }
 
@@ -183,7 +333,8 @@ pub fn staging_into_buffer(tensor: Tensor) -> Result<Buffer> {
 /// storage exactly (offset, strides), or the storage is not collective memory.
 ///
 /// This is what lets a consuming redistribute ([`DTensor::into_redistribute`]) hand a local
-/// tensor that came out of a collective (or a factory) straight back to the next one.
+/// tensor that came out of a collective (or a factory, or FSDP's buffer pool) straight back to
+/// the next one.
 ///
 /// [`DTensor::into_redistribute`]: crate::DTensor::into_redistribute
 pub fn reclaim_buffer(tensor: Tensor) -> Result<std::result::Result<Buffer, Tensor>> {
@@ -198,33 +349,34 @@ pub fn reclaim_buffer(tensor: Tensor) -> Result<std::result::Result<Buffer, Tens
         Ok(foreign) => foreign,
         Err(owned) => return Ok(Err(Tensor::from_host_buffer(owned, &shape, dtype)?)),
     };
-    if !(&*foreign as &dyn std::any::Any).is::<WireBytes>() {
-        // Memory some other crate lent to the tensor: lend it back to a tensor.
+    let ours = (&*foreign as &dyn std::any::Any)
+        .downcast_ref::<WireBytes>()
+        .and_then(WireBytes::buffer)
+        .is_some_and(|buffer| buffer.dtype() == wire && buffer.len() == numel);
+    if !ours {
+        // Memory some other crate lent to the tensor (or our own under another element
+        // count, which adoption never makes): lend it back to a tensor.
         return Ok(Err(match TensorBuffer::from_foreign(foreign) {
             Ok(storage) => Tensor::from_host_buffer(storage, &shape, dtype)?,
             Err(foreign) => Tensor::from_bytes(foreign.bytes(), &shape, dtype)?,
         }));
     }
     let any: Box<dyn std::any::Any> = foreign;
-    match any.downcast::<WireBytes>() {
-        Ok(adopted) if adopted.0.dtype() == wire && adopted.0.len() == numel => {
-            Ok(Ok(Buffer::Host(adopted.0)))
-        }
-        // Our own buffer under another element count cannot happen (adoption needs the
-        // exact length); rebuilding the tensor from it is still correct.
-        Ok(adopted) => Ok(Err(Tensor::from_bytes(
-            adopted.0.as_bytes(),
-            &shape,
-            dtype,
-        )?)),
-        // `is` just said it is a `WireBytes`.
-        Err(_) => Err(not_host_memory(wire, numel)),
+    match any
+        .downcast::<WireBytes>()
+        .ok()
+        .and_then(|w| w.into_buffer())
+    {
+        Some(buffer) => Ok(Ok(Buffer::Host(buffer))),
+        // The check above just found a `WireBytes` holding its buffer.
+        None => Err(not_host_memory(wire, numel)),
     }
 }
 
 /// A read-only share of the collective buffer behind `tensor`, without copying; `None` unless
 /// `tensor` covers its storage exactly (contiguous, offset 0) and that storage is collective
-/// memory (it came out of a collective, [`staging_tensor`] or a DTensor factory).
+/// memory (it came out of a collective, [`staging_tensor`], a DTensor factory or the mesh's
+/// buffer pool).
 ///
 /// The tensor keeps its memory and other views of it stay valid: the share is copy-on-write
 /// ([`HostBuffer::share`](collectives::HostBuffer::share)), so if the tensor is written while
@@ -237,18 +389,17 @@ pub fn lend_buffer(tensor: &Tensor) -> Option<Buffer> {
         return None;
     }
     let storage = tensor.storage().read();
-    let host = match &*storage {
-        Storage::Host(host) => host,
-        // A future device storage is not host collective memory.
-        #[allow(unreachable_patterns)]
-        _ => return None,
+    let Storage::Host(host) = &*storage else {
+        return None;
     };
     if host.len() != tensor.nbytes() {
         return None;
     }
-    let lent = (host.foreign()? as &dyn std::any::Any).downcast_ref::<WireBytes>()?;
-    let matches = lent.0.dtype() == wire_dtype(tensor.dtype()) && lent.0.len() == tensor.numel();
-    matches.then(|| Buffer::Host(lent.0.share()))
+    let lent = (host.foreign()? as &dyn std::any::Any)
+        .downcast_ref::<WireBytes>()?
+        .buffer()?;
+    let matches = lent.dtype() == wire_dtype(tensor.dtype()) && lent.len() == tensor.numel();
+    matches.then(|| Buffer::Host(lent.share()))
 }
 
 /// The error for foreign memory of an unknown kind behind a tensor.
@@ -362,6 +513,71 @@ mod tests {
         let shared = staging_tensor(&[4], DType::F32)?;
         let view = shared.narrow(0, 1, 2)?;
         assert_eq!(staging_into_buffer(view)?.len(), 2);
+        Ok(())
+    }
+
+    #[test]
+    fn bytes_round_trip_through_views() -> Result<()> {
+        let flat = Tensor::zeros(&[6], DType::F32)?;
+        let view = flat.narrow(0, 2, 3)?;
+        let src = Tensor::from_vec(vec![1.0f32, 2.0, 3.0], &[3])?;
+        with_bytes(&src, |b| write_bytes(&view, 0, b))??;
+        assert_eq!(flat.to_vec::<f32>()?, vec![0.0, 0.0, 1.0, 2.0, 3.0, 0.0]);
+        let got = with_bytes(&view, |b| b.to_vec())?;
+        assert_eq!(got.len(), 12);
+        assert!(matches!(
+            write_bytes(&view, 1, &[0u8; 12]),
+            Err(Error::BufferMismatch { .. })
+        ));
+        // Zeroing a view with a NaN in it clears only the view.
+        view.copy_from(&Tensor::from_vec(vec![f32::NAN, 5.0, 6.0], &[3])?)?;
+        fill_zero(&view)?;
+        assert_eq!(flat.to_vec::<f32>()?, vec![0.0; 6]);
+        // A strided (transposed) source is read in row-major order; a strided destination is
+        // refused.
+        let m = Tensor::from_vec(vec![1.0f32, 2.0, 3.0, 4.0], &[2, 2])?.transpose(0, 1)?;
+        let bytes = with_bytes(&m, |b| b.to_vec())?;
+        let t = Tensor::from_bytes(&bytes, &[2, 2], DType::F32)?;
+        assert_eq!(t.to_vec::<f32>()?, vec![1.0, 3.0, 2.0, 4.0]);
+        assert!(matches!(
+            write_bytes(&m, 0, &bytes),
+            Err(Error::NotHostMemory { .. })
+        ));
+        assert!(matches!(fill_zero(&m), Err(Error::NotHostMemory { .. })));
+        Ok(())
+    }
+
+    #[test]
+    fn bool_is_read_and_written_as_its_bytes() -> Result<()> {
+        assert_eq!(wire_dtype(DType::Bool), collectives::DType::U8);
+        assert!(!reducible(DType::Bool));
+        assert!(DType::ALL.iter().all(|&d| d == DType::Bool || reducible(d)));
+        let flags = Tensor::from_bytes(&[1, 0, 0, 1, 1, 0], &[2, 3], DType::Bool)?;
+        assert_eq!(with_bytes(&flags, |b| b.to_vec())?, vec![1, 0, 0, 1, 1, 0]);
+        // Transposed: row-major order of the view.
+        let columns = flags.transpose(0, 1)?;
+        assert_eq!(
+            with_bytes(&columns, |b| b.to_vec())?,
+            vec![1, 1, 0, 1, 0, 0]
+        );
+        let buffer = tensor_to_padded_buffer(&columns, 8)?;
+        assert_eq!(buffer.as_slice::<u8>()?, &[1, 1, 0, 1, 0, 0, 0, 0]);
+        let back = buffer_to_tensor(buffer, &[3, 2], DType::Bool)?;
+        assert_eq!(back.to_bytes()?, vec![1, 1, 0, 1, 0, 0]);
+        let target = Tensor::zeros(&[4], DType::Bool)?;
+        write_bytes(&target, 1, &[1, 1])?;
+        assert_eq!(target.to_bytes()?, vec![0, 1, 1, 0]);
+        Ok(())
+    }
+
+    #[test]
+    fn an_exact_buffer_becomes_a_tensor_without_copying() -> Result<()> {
+        let buffer = Buffer::from_vec(vec![1.0f32, 2.0, 3.0]);
+        let address = buffer.as_host()?.as_bytes().as_ptr() as usize;
+        let t = buffer_to_tensor(buffer, &[3], DType::F32)?;
+        assert_eq!(t.to_vec::<f32>()?, vec![1.0, 2.0, 3.0]);
+        let adopted = with_bytes(&t, |b| b.as_ptr() as usize)?;
+        assert_eq!(adopted, address);
         Ok(())
     }
 

@@ -46,7 +46,7 @@ pub fn distribute_tensor(
                 let block = chunk * rest.iter().product::<usize>();
                 // Only the root's input is read; the others send an empty buffer.
                 let input = if k == 0 {
-                    pack_padded(mesh.pool(), major, n * chunk)?
+                    pack_padded(mesh.buffer_pool(), major, n * chunk)?
                 } else {
                     Buffer::zeros(wire_dtype(dtype), 0)
                 };

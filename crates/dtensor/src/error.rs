@@ -98,6 +98,13 @@ pub enum Error {
         /// The dtype.
         dtype: DType,
     },
+    /// A tensor's elements are not in host memory the bridge can read or write in place: a
+    /// deferred (shape-only) tensor, or a strided destination for a byte write.
+    #[error("{op}: the tensor's elements are not contiguous host memory")]
+    NotHostMemory {
+        /// The operation.
+        op: &'static str,
+    },
     /// A buffer handed back by a collective does not have the length or dtype expected.
     #[error(
         "{op}: the collective buffer holds {actual} elements of {wire_dtype}, expected {expected}"

@@ -18,8 +18,9 @@ use crate::bridge::{
 };
 use crate::dtensor::DTensor;
 use crate::error::Result;
-use crate::pack::{AllToAllLayout, InputUse, WirePool, pack_all_to_all, pack_padded, pack_whole};
+use crate::pack::{AllToAllLayout, InputUse, pack_all_to_all, pack_padded, pack_whole};
 use crate::planner::{Plan, Step, StepKind};
+use crate::pool::BufferPool;
 use crate::process_mesh::ProcessMesh;
 
 /// A collective in flight and how to turn its output back into the local tensor.
@@ -35,7 +36,7 @@ enum InFlight {
     Pair {
         work: Work<BufferPair>,
         unpack: Unpack,
-        pool: Arc<WirePool>,
+        pool: Arc<BufferPool>,
     },
 }
 
@@ -58,7 +59,7 @@ impl InFlight {
             }
             InFlight::Pair { work, unpack, pool } => {
                 let BufferPair { input, output } = work.wait()?;
-                pool.give(input);
+                pool.keep(input);
                 let mut tensor = buffer_to_tensor(output, &unpack.buffer_shape, unpack.dtype)?;
                 for (dim, len) in unpack.keep {
                     tensor = tensor.narrow(dim, 0, len)?;
@@ -211,13 +212,16 @@ impl RedistributeWork {
                     keep: extent,
                 };
                 let send = self.dim_major_send(local, tensor_dim, rows)?;
-                let output = self.mesh.pool().output(wire_dtype(dtype), send.output_len);
+                let output = self
+                    .mesh
+                    .buffer_pool()
+                    .output(wire_dtype(dtype), send.output_len);
                 Ok(self.pair(comm.all_gather_async(send.input, output), send.unpack))
             }
             StepKind::AllReduce { op } => {
                 let shape = local.shape().to_vec();
                 let numel = local.numel();
-                let input = pack_whole(self.mesh.pool(), local, numel, InputUse::InPlace)?;
+                let input = pack_whole(self.mesh.buffer_pool(), local, numel, InputUse::InPlace)?;
                 Ok(Issued::InFlight(InFlight::Reduce {
                     work: comm.all_reduce_async(input, wire_op(op)),
                     shape,
@@ -234,7 +238,10 @@ impl RedistributeWork {
                     keep: mine,
                 };
                 let send = self.dim_major_send(local, tensor_dim, rows)?;
-                let output = self.mesh.pool().output(wire_dtype(dtype), send.output_len);
+                let output = self
+                    .mesh
+                    .buffer_pool()
+                    .output(wire_dtype(dtype), send.output_len);
                 let work = comm.reduce_scatter_async(send.input, output, wire_op(op));
                 Ok(self.pair(work, send.unpack))
             }
@@ -321,7 +328,7 @@ impl RedistributeWork {
                     };
                     let output = self
                         .mesh
-                        .pool()
+                        .buffer_pool()
                         .output(wire_dtype(dtype), n * blocks.block_len());
                     let work = comm.all_to_all_strided_async(input, output, blocks);
                     return Ok(self.pair(work, unpack));
@@ -337,11 +344,14 @@ impl RedistributeWork {
             to_chunk,
             spans: &spans,
         };
-        let input = pack_all_to_all(self.mesh.pool(), &major, &layout)?;
+        let input = pack_all_to_all(self.mesh.buffer_pool(), &major, &layout)?;
         // A consumed source is used up once packed: keep its memory for the next send buffer
         // rather than freeing it while the collective waits.
-        self.mesh.pool().retire(major)?;
-        let output = self.mesh.pool().output(wire_dtype(dtype), input.len());
+        self.mesh.buffer_pool().retire(major)?;
+        let output = self
+            .mesh
+            .buffer_pool()
+            .output(wire_dtype(dtype), input.len());
         Ok(self.pair(comm.all_to_all_async(input, output), unpack))
     }
 
@@ -350,7 +360,7 @@ impl RedistributeWork {
         Issued::InFlight(InFlight::Pair {
             work,
             unpack,
-            pool: self.mesh.pool().clone(),
+            pool: self.mesh.buffer_pool().clone(),
         })
     }
 
@@ -363,7 +373,7 @@ impl RedistributeWork {
         let (major, permute_back) = to_front(local, &[tensor_dim])?;
         let rest: Vec<usize> = major.shape()[1..].to_vec();
         let row_elems: usize = rest.iter().product();
-        let input = pack_padded(self.mesh.pool(), major, rows.send)?;
+        let input = pack_padded(self.mesh.buffer_pool(), major, rows.send)?;
         let mut buffer_shape = vec![rows.output];
         buffer_shape.extend_from_slice(&rest);
         Ok(DimMajorSend {

@@ -19,16 +19,18 @@
 //!   reduce-scatter copy-on-write instead of copying it ([`bridge::lend_buffer`]); see
 //!   `docs/redistribute.md`, "What is copied".
 //!   The [`planner`] is pure (placements × placements → steps, cached per mesh); the executor
-//!   is the only code that issues collectives for it. Send buffers are pooled per mesh
-//!   ([`ProcessMesh::release_buffers`]).
+//!   is the only code that issues collectives for it. Send and output buffers come from the
+//!   mesh's [`BufferPool`] ([`ProcessMesh::buffer_pool`], [`ProcessMesh::release_buffers`]),
+//!   the one pool of communication buffers that `fsdp`'s units over the mesh use too.
 //! - Sharded ops with sharding propagation: [`DTensor::add`], [`sub`](DTensor::sub),
 //!   [`mul`](DTensor::mul) (broadcasting), [`matmul`](DTensor::matmul) (batched),
 //!   [`sum`](DTensor::sum), [`mean`](DTensor::mean), [`transpose`](DTensor::transpose),
 //!   [`reshape`](DTensor::reshape). Unsupported combinations are typed errors unless
 //!   [`OpConfig::auto_redistribute`] asks the op to redistribute its inputs first.
-//! - [`bridge`]: tensor ⇄ collective buffer conversion (used by `fsdp` too): dtype and
-//!   reduce-op mapping, copies in and out, zero-copy adoption of collective buffers as tensor
-//!   storage and back ([`bridge::staging_tensor`], [`bridge::reclaim_buffer`]).
+//! - [`bridge`]: tensor ⇄ collective buffer conversion (used by `fsdp` too): the dtype map
+//!   (`bool` travels as `u8`) and reduce-op mapping, byte access, copies in and out, zero-copy
+//!   adoption of collective buffers as tensor storage and back ([`bridge::staging_tensor`],
+//!   [`bridge::reclaim_buffer`]).
 //!
 //! # Errors
 //! Everything returns [`Error`] (`#[non_exhaustive]`): the mesh, tensor and collectives errors
@@ -75,6 +77,7 @@ mod local;
 mod ops;
 mod pack;
 pub mod planner;
+mod pool;
 mod process_mesh;
 mod validate;
 
@@ -93,4 +96,5 @@ pub use executor::RedistributeWork;
 pub use local::run_local;
 pub use ops::OpConfig;
 pub use planner::{Plan, PlanCache, Step, StepKind};
+pub use pool::{BufferPool, PoolStats};
 pub use process_mesh::{ProcessMesh, init_process_mesh};

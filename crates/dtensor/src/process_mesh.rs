@@ -7,8 +7,8 @@ use hypershard_collectives::Communicator;
 use hypershard_mesh::{DeviceMesh, DimRef};
 
 use crate::error::{Error, Result};
-use crate::pack::WirePool;
 use crate::planner::PlanCache;
+use crate::pool::BufferPool;
 
 /// A [`DeviceMesh`] seen from one rank, with the communicator of every mesh dimension.
 ///
@@ -57,8 +57,9 @@ struct Inner {
     flattened: Mutex<Vec<FlattenEntry>>,
     /// Redistribute plans; shared by every mesh derived from one root.
     plans: Arc<PlanCache>,
-    /// Idle collective send buffers; shared like the plans.
-    pool: Arc<WirePool>,
+    /// The communication buffers of the mesh family (redistribute and FSDP); shared like the
+    /// plans.
+    pool: Arc<BufferPool>,
 }
 
 struct FlattenEntry {
@@ -127,7 +128,7 @@ impl ProcessMesh {
                 dim_comms,
                 flattened: Mutex::new(Vec::new()),
                 plans: Arc::new(PlanCache::default()),
-                pool: Arc::new(WirePool::default()),
+                pool: Arc::new(BufferPool::new()),
             }),
         })
     }
@@ -301,16 +302,18 @@ impl ProcessMesh {
         &self.inner.plans
     }
 
-    /// The pool of idle collective send buffers of this mesh family.
-    pub(crate) fn pool(&self) -> &Arc<WirePool> {
+    /// The pool of communication buffers of this mesh family, shared by every mesh derived
+    /// (`select`, `flatten`) from one [`ProcessMesh::new`]: redistributes take their send and
+    /// output buffers from it, and FSDP units over the mesh their gather and reduce buffers.
+    pub fn buffer_pool(&self) -> &Arc<BufferPool> {
         &self.inner.pool
     }
 
-    /// Frees the idle send buffers that redistributes keep for reuse (at most 4 buffers and
-    /// 256 MiB per mesh family, shared by `select`ed and `flatten`ed meshes); returns the
-    /// bytes freed. Local: no communication.
+    /// Frees the idle buffers the mesh family keeps for reuse (see [`BufferPool`] for what it
+    /// keeps: a bounded cache, shared by `select`ed and `flatten`ed meshes); returns the bytes
+    /// freed. Local: no communication.
     pub fn release_buffers(&self) -> usize {
-        self.inner.pool.clear()
+        self.inner.pool.release_cached()
     }
 
     /// Whether two handles are the same mesh object, or equal meshes seen from one rank.

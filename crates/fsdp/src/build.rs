@@ -1,20 +1,20 @@
 //! Building a unit: validating the config, choosing each parameter's role and layout,
 //! cutting the local shards and planning the buckets.
 
+use std::any::Any;
 use std::collections::{BTreeMap, BTreeSet};
 
 use hypershard_collectives::ReduceOp;
+use hypershard_dtensor::bridge::reducible;
 use hypershard_mesh::Placement;
 
 use hypershard_nn::{Module, join_name};
 
-use crate::bridge::comm_dtype;
 use crate::bucket::{BucketItem, BucketPlan, plan_buckets};
 use crate::config::{FullyShardConfig, GradReduceOp};
 use crate::error::{FsdpError, Result};
 use crate::group::{GroupParts, TpGroup, post_forward_policy};
 use crate::layout::ShardLayout;
-use crate::module::FsdpModule;
 use crate::param::{FsdpParam, ParamRole, ShardedState, TpInfo};
 use crate::tp::{TensorParallelConfig, tp_layouts};
 
@@ -30,29 +30,36 @@ fn named_by(list: &BTreeSet<String>, param: &str) -> bool {
     })
 }
 
-/// Names of every parameter that lives under a nested unit of `module`.
-fn nested_unit_names(
+/// Whether `module` is a unit already: a module of the wrapper type `Unit`.
+///
+/// Building takes the wrapper type (`FsdpModule`) as a type parameter instead of naming it,
+/// so that this file does not import the wrapper's (which calls into it).
+fn is_unit<Unit: Any>(module: &mut dyn Module) -> bool {
+    module.as_any_mut().is_some_and(|any| any.is::<Unit>())
+}
+
+/// Names of every parameter that lives under a nested unit (a `Unit`) of `module`.
+fn nested_unit_names<Unit: Any>(
     module: &mut dyn Module,
     prefix: &str,
     out: &mut BTreeSet<String>,
 ) -> hypershard_nn::Result<()> {
     module.visit_children_mut(&mut |name, child| {
         let path = join_name(prefix, name);
-        let is_unit = child.as_any_mut().is_some_and(|any| any.is::<FsdpModule>());
-        if is_unit {
+        if is_unit::<Unit>(child.as_mut()) {
             child.visit_params(&path, &mut |full, _| {
                 out.insert(full.to_string());
                 Ok(())
             })
         } else {
-            nested_unit_names(child.as_mut(), &path, out)
+            nested_unit_names::<Unit>(child.as_mut(), &path, out)
         }
     })
 }
 
 /// Computes the parameters of one member module of a new unit (appended to `params`),
 /// without changing the module.
-fn member_params(
+fn member_params<Unit: Any>(
     module: &mut dyn Module,
     config: &FullyShardConfig,
     member: usize,
@@ -61,7 +68,7 @@ fn member_params(
     params: &mut Vec<FsdpParam>,
 ) -> Result<()> {
     let mut nested = BTreeSet::new();
-    nested_unit_names(module, "", &mut nested)?;
+    nested_unit_names::<Unit>(module, "", &mut nested)?;
     // Parameters of tensor-parallel layers (outside nested units) and their TP layout.
     let mut layouts = BTreeMap::new();
     tp_layouts(module, "", &mut layouts)?;
@@ -110,7 +117,7 @@ fn member_params(
         let data = param.tensor()?;
         let deferred = data.is_deferred();
         let orig_dtype = data.dtype();
-        if comm_dtype(orig_dtype).is_none() {
+        if !reducible(orig_dtype) {
             failure = Some(FsdpError::UnsupportedDType {
                 param: name.to_string(),
                 dtype: orig_dtype,
@@ -201,7 +208,7 @@ fn member_params(
         let param_dtype = mp.param_dtype.unwrap_or(orig_dtype);
         let reduce_dtype = mp.reduce_dtype.or(mp.param_dtype).unwrap_or(orig_dtype);
         for dtype in [param_dtype, reduce_dtype] {
-            if comm_dtype(dtype).is_none() {
+            if !reducible(dtype) {
                 failure = Some(FsdpError::UnsupportedDType {
                     param: name.to_string(),
                     dtype,
@@ -240,8 +247,10 @@ fn member_params(
 /// Checks the config and the modules and computes every parameter of the new unit; then
 /// writes the shards into the modules. Nothing in any module changes unless everything
 /// succeeded. `modules` holds one module for `fully_shard` and the list of
-/// `fully_shard_group`, whose refusals name the member they concern.
-pub(crate) fn build_group(
+/// `fully_shard_group`, whose refusals name the member they concern. `Unit` is the type of a
+/// unit's wrapper: a module of that type is sharded already, and so are its parameters when
+/// it is nested in one of `modules`.
+pub(crate) fn build_group<Unit: Any>(
     modules: &mut [Box<dyn Module>],
     config: &FullyShardConfig,
     id: usize,
@@ -261,10 +270,7 @@ pub(crate) fn build_group(
         }
     };
     for (member, module) in modules.iter_mut().enumerate() {
-        if module
-            .as_any_mut()
-            .is_some_and(|any| any.is::<FsdpModule>())
-        {
+        if is_unit::<Unit>(module.as_mut()) {
             return Err(for_member(member, FsdpError::AlreadySharded));
         }
     }
@@ -310,7 +316,7 @@ pub(crate) fn build_group(
     };
     let mut params: Vec<FsdpParam> = Vec::new();
     for (member, module) in modules.iter_mut().enumerate() {
-        member_params(
+        member_params::<Unit>(
             module.as_mut(),
             config,
             member,

@@ -10,10 +10,10 @@ use std::collections::HashMap;
 use std::sync::{Arc, Mutex, Weak};
 
 use hypershard_collectives::{Buffer, BufferPair, Communicator, ReduceOp, Work};
+use hypershard_dtensor::bridge::{reducible, wire_dtype};
 use hypershard_nn::Module;
 use hypershard_tensor::{DType, Tensor};
 
-use crate::bridge::comm_dtype;
 use crate::bucket::{BucketItem, BucketPlan, plan_buckets};
 use crate::config::{CommFusionPolicy, GradReduceOp, MixedPrecisionPolicy, ReshardAfterForward};
 use crate::error::{FsdpError, Result};
@@ -151,11 +151,16 @@ pub(crate) struct GroupParts {
     pub tp: Option<TpGroup>,
 }
 
-fn buffer_dtype(dtype: DType, name: &str) -> Result<hypershard_collectives::DType> {
-    comm_dtype(dtype).ok_or_else(|| FsdpError::UnsupportedDType {
-        param: name.to_string(),
-        dtype,
-    })
+/// The dtype FSDP's buffers of `dtype` travel as (the bridge's one map), for every dtype FSDP
+/// can reduce: a `Bool` parameter is refused, since its gradient would be summed as bytes.
+pub(crate) fn buffer_dtype(dtype: DType, name: &str) -> Result<hypershard_collectives::DType> {
+    if !reducible(dtype) {
+        return Err(FsdpError::UnsupportedDType {
+            param: name.to_string(),
+            dtype,
+        });
+    }
+    Ok(wire_dtype(dtype))
 }
 
 fn host_bytes_mut<'a>(buffer: &'a mut Buffer, op: &'static str) -> Result<&'a mut [u8]> {

@@ -7,8 +7,8 @@
 use hypershard_mesh::{ShardSpan, shard_span};
 use hypershard_tensor::{DType, Tensor};
 
-use crate::bridge::{with_bytes, write_bytes};
 use crate::error::Result;
+use hypershard_dtensor::bridge::{with_bytes, write_bytes};
 
 /// How one parameter is cut over one group of `world` ranks.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -189,7 +189,8 @@ impl ShardLayout {
         if direct {
             let bytes = &slot[..target.numel() * dtype.size_of()];
             if !accumulate {
-                return write_bytes(target, 0, bytes);
+                write_bytes(target, 0, bytes)?;
+                return Ok(());
             }
             if dtype == DType::F32 {
                 target.with_data_mut::<f32, _>(|values| {
@@ -222,7 +223,8 @@ impl ShardLayout {
         if self.dim == 0 {
             let others = self.others();
             let bytes = span.len * others * full.dtype().size_of();
-            write_bytes(full, span.offset * others, &slot[..bytes])
+            write_bytes(full, span.offset * others, &slot[..bytes])?;
+            Ok(())
         } else {
             let shard = self.unpack(slot, index, full.dtype())?;
             full.narrow(self.dim, span.offset, span.len)?

@@ -29,7 +29,6 @@
 //!
 //! See `docs/fsdp.md` for the lifecycle and the order of collectives.
 
-mod bridge;
 mod bucket;
 mod build;
 mod config;

@@ -4,10 +4,9 @@ use std::collections::BTreeMap;
 use std::sync::{Arc, Mutex, PoisonError};
 
 use hypershard_collectives::Communicator;
-use hypershard_dtensor::ProcessMesh;
+use hypershard_dtensor::{BufferPool, ProcessMesh};
 use hypershard_mesh::DeviceMesh;
 
-use crate::bucket::BufferPool;
 use crate::error::{FsdpError, Result};
 
 /// A 1-d (FSDP: shard over dim 0) or 2-d (HSDP: replicate over dim 0, shard over dim 1) mesh
@@ -24,8 +23,6 @@ pub struct DataParallelMesh {
     replicate: Option<Arc<dyn Communicator>>,
     /// Sub-groups of the shard group for `reshard_after_forward = int`, made on first use.
     post_forward: Mutex<BTreeMap<usize, Arc<dyn Communicator>>>,
-    /// The communication buffers every unit over this mesh recycles.
-    pool: Arc<BufferPool>,
 }
 
 impl DataParallelMesh {
@@ -89,7 +86,6 @@ impl DataParallelMesh {
             shard,
             replicate,
             post_forward: Mutex::new(BTreeMap::new()),
-            pool: Arc::new(BufferPool::default()),
         }))
     }
 
@@ -146,16 +142,22 @@ impl DataParallelMesh {
         self.shard.rank()
     }
 
-    /// The pool of communication buffers shared by every unit over this mesh.
     /// What FSDP's communication buffers on this rank cost: the most bytes in use at once
     /// (all-gather outputs, which hold the unsharded parameters while a unit computes, and
     /// reduce-scatter inputs) and what the pool keeps cached for reuse.
     pub fn comm_buffer_stats(&self) -> CommBufferStats {
-        self.pool.stats()
+        let stats = self.pool().stats();
+        CommBufferStats {
+            peak_in_use_bytes: stats.peak_in_use_bytes,
+            cached_bytes: stats.cached_bytes,
+        }
     }
 
+    /// The pool of communication buffers every unit over this mesh recycles: the process
+    /// mesh's [`BufferPool`], which its redistributes (sharded state dicts, tensor
+    /// parallelism) share.
     pub(crate) fn pool(&self) -> &Arc<BufferPool> {
-        &self.pool
+        self.process_mesh.buffer_pool()
     }
 
     /// The group of `size` consecutive shard ranks this rank belongs to, for resharding to a

@@ -171,7 +171,7 @@ pub fn fully_shard(
     config: FullyShardConfig,
 ) -> std::result::Result<FsdpModule, Rejected> {
     let id = NEXT_UNIT_ID.fetch_add(1, Ordering::Relaxed);
-    match build_group(std::slice::from_mut(&mut module), &config, id) {
+    match build_group::<FsdpModule>(std::slice::from_mut(&mut module), &config, id) {
         Ok(parts) => Ok(FsdpModule {
             inner: module,
             group: Arc::new(Mutex::new(ParamGroup::new(parts))),
@@ -252,7 +252,7 @@ pub fn fully_shard_group(
         .iter()
         .map(|_| NEXT_UNIT_ID.fetch_add(1, Ordering::Relaxed))
         .collect();
-    match build_group(&mut modules, &config, ids.first().copied().unwrap_or(0)) {
+    match build_group::<FsdpModule>(&mut modules, &config, ids.first().copied().unwrap_or(0)) {
         Ok(parts) => {
             let group = Arc::new(Mutex::new(ParamGroup::new(parts)));
             Ok(modules

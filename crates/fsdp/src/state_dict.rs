@@ -5,12 +5,12 @@ use std::collections::BTreeMap;
 use std::sync::{Arc, Mutex};
 
 use hypershard_collectives::Buffer;
+use hypershard_dtensor::bridge::{buffer_to_tensor, with_bytes};
 use hypershard_dtensor::{DTensor, Placement};
 use hypershard_mesh::shard_span;
 use hypershard_nn::Module;
 use hypershard_tensor::Tensor;
 
-use crate::bridge::{comm_dtype, tensor_from_buffer};
 use crate::error::{FsdpError, Result};
 use crate::group::{ParamGroup, TpGroup};
 use crate::module::FsdpModule;
@@ -173,10 +173,7 @@ impl FsdpModule {
                 continue;
             }
             let dtype = param.orig_dtype;
-            let comm_type = comm_dtype(dtype).ok_or_else(|| FsdpError::UnsupportedDType {
-                param: name.clone(),
-                dtype,
-            })?;
+            let comm_type = crate::group::buffer_dtype(dtype, &name)?;
             let layout = &param.layout;
             let slot = layout.slot_numel()?;
             let mut input = Buffer::zeros(comm_type, slot);
@@ -194,10 +191,10 @@ impl FsdpModule {
             let output = Buffer::zeros(comm_type, if is_root { slot * layout.world } else { 0 });
             let pair = shard.gather_async(input, output, 0).wait()?;
             if is_root {
-                let gathered = tensor_from_buffer(pair.output, dtype)?;
+                let gathered = buffer_to_tensor(pair.output, &[slot * layout.world], dtype)?;
                 let full = Tensor::zeros(&layout.shape, dtype)?;
                 let size = dtype.size_of();
-                crate::bridge::with_bytes(&gathered, |bytes| -> Result<()> {
+                with_bytes(&gathered, |bytes| -> Result<()> {
                     for rank in 0..layout.world {
                         let start = rank * slot * size;
                         layout.unpack_into_full(&bytes[start..start + slot * size], rank, &full)?;

@@ -425,3 +425,41 @@ fn a_lent_source_written_during_the_collective_keeps_its_write_and_sends_its_old
         assert_eq!(pooled, 0, "lent, not copied into a pooled send buffer");
     }
 }
+
+#[test]
+fn bool_tensors_travel_as_bytes_at_an_uneven_world() {
+    use hypershard_dtensor::DType;
+    // A [7, 3] bool tensor on 3 ranks: rows split 3, 3, 1 and columns 1, 1, 1. Element (i, j)
+    // is true when (3i + j) mod 4 == 1, so every block has a closed form.
+    let value = |i: usize, j: usize| u8::from((3 * i + j) % 4 == 1);
+    let block = move |rows: std::ops::Range<usize>, cols: std::ops::Range<usize>| -> Vec<u8> {
+        rows.flat_map(|i| cols.clone().map(move |j| value(i, j)))
+            .collect()
+    };
+    let out = on_mesh(&[3], &[], move |ctx| {
+        let bytes = block(0..7, 0..3);
+        let full = Tensor::from_bytes(&bytes, &[7, 3], DType::Bool)?;
+        let sharded = DTensor::distribute_local(&full, &ctx.mesh, &[S0])?;
+        let rows = sharded.to_local().to_bytes()?;
+        let gathered = sharded.redistribute(&[R])?;
+        let columns = sharded.redistribute(&[S1])?;
+        let back = columns.clone().into_redistribute(&[S0])?;
+        Ok((
+            rows,
+            gathered.to_local().dtype(),
+            gathered.to_local().to_bytes()?,
+            columns.to_local().to_bytes()?,
+            back.to_local().to_bytes()?,
+            columns.full_tensor()?.to_bytes()?,
+        ))
+    });
+    let row_spans = [0..3, 3..6, 6..7];
+    for (rank, (rows, dtype, gathered, columns, back, full)) in out.into_iter().enumerate() {
+        assert_eq!(rows, block(row_spans[rank].clone(), 0..3), "rank {rank}");
+        assert_eq!(dtype, DType::Bool);
+        assert_eq!(gathered, block(0..7, 0..3), "rank {rank}");
+        assert_eq!(columns, block(0..7, rank..rank + 1), "rank {rank}");
+        assert_eq!(back, block(row_spans[rank].clone(), 0..3), "rank {rank}");
+        assert_eq!(full, block(0..7, 0..3), "rank {rank}");
+    }
+}

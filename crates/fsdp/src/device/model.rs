@@ -15,7 +15,7 @@ use super::error::{DeviceFsdpError, DeviceFsdpResult};
 use super::plan::{
     Action, GroupPlan, Held, LinearShape, Schedule, Staging, plan_groups, uses_device_buffers,
 };
-use crate::bridge::comm_dtype;
+use hypershard_dtensor::bridge::{reducible, wire_dtype};
 
 /// How [`DeviceFsdpMlp`] shards and schedules.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -152,9 +152,13 @@ impl std::fmt::Debug for DeviceFsdpMlp {
     }
 }
 
-/// The collectives dtype of `dtype`, or a typed error.
+/// The collectives dtype of `dtype` (the bridge's one map), or a typed error for a dtype whose
+/// gradients cannot be reduced (`Bool`).
 fn comm_of(rank: usize, dtype: DType) -> DeviceFsdpResult<CommDType> {
-    comm_dtype(dtype).ok_or(DeviceFsdpError::UnsupportedDType { rank, dtype })
+    if !reducible(dtype) {
+        return Err(DeviceFsdpError::UnsupportedDType { rank, dtype });
+    }
+    Ok(wire_dtype(dtype))
 }
 
 /// An empty tensor standing in for a freed parameter or gradient (CUDA keeps one byte).

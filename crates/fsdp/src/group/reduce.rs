@@ -12,11 +12,11 @@ use hypershard_tensor::{DType, Tensor};
 use super::{
     ParamGroup, PendingReduce, TpGroup, buffer_dtype, check_len, host_bytes, host_bytes_mut,
 };
-use crate::bridge::fill_zero;
 use crate::bucket::{BucketPlan, SlotWriter};
 use crate::config::GradReduceOp;
 use crate::error::Result;
 use crate::param::ParamRole;
+use hypershard_dtensor::bridge::fill_zero;
 
 impl ParamGroup {
     fn reduce_scatter_op(&self) -> ReduceOp {
@@ -343,7 +343,7 @@ fn tp_all_reduce_tail(
     tail: usize,
     bucket: &BucketPlan,
     tp: &TpGroup,
-    pool: &crate::bucket::BufferPool,
+    pool: &hypershard_dtensor::BufferPool,
 ) -> Result<()> {
     let size = bucket.dtype.size_of();
     let len = bucket.per_rank.saturating_sub(tail);
@@ -365,7 +365,7 @@ fn add_buffers(acc: &mut Buffer, other: &Buffer, dtype: DType) -> Result<()> {
     let a = Tensor::from_bytes(host_bytes(acc, "partial sum")?, &shape, dtype)?;
     let b = Tensor::from_bytes(host_bytes(other, "partial sum")?, &shape, dtype)?;
     a.add_(&b)?;
-    crate::bridge::with_bytes(&a, |bytes| -> Result<()> {
+    hypershard_dtensor::bridge::with_bytes(&a, |bytes| -> Result<()> {
         host_bytes_mut(acc, "partial sum")?.copy_from_slice(bytes);
         Ok(())
     })??;

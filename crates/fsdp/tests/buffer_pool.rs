@@ -1,0 +1,101 @@
+//! FSDP's communication buffers come from the process mesh's pool: while idle it never holds
+//! more than its cap, and once a step has run, repeating it allocates nothing new where the
+//! step's buffers fit under the cap (and never more than the step before where they do not).
+
+mod common;
+
+use common::*;
+use hypershard_fsdp::FullyShardConfig;
+use hypershard_nn::mse_loss;
+use hypershard_tensor::DType;
+
+const STEPS: usize = 4;
+const MICRO: usize = 3;
+
+/// Per step: buffers allocated during the first micro-batch, during the later ones, and
+/// whether the idle pool stayed under its cap at every check.
+type Allocations = Vec<(usize, usize, bool)>;
+
+fn allocations(mesh_shape: &[usize], dims: [usize; 4]) -> Vec<Allocations> {
+    let world: usize = mesh_shape.iter().product();
+    let comms = hypershard_collectives::local::spawn_world(world).expect("local world");
+    let mesh_shape = mesh_shape.to_vec();
+    hypershard_testkit::run_ranks(world, move |rank| {
+        let mesh = dp_mesh(&mesh_shape, comms[rank].clone())?;
+        let config = FullyShardConfig::new(mesh.clone());
+        let mut model = shard_model(mlp(&dims, DType::F32), &config)?;
+        let mut optimizer = Optimizer::new(Opt::Sgd);
+        let pool = mesh.process_mesh().buffer_pool().clone();
+        let (dp_rank, dp_world) = (mesh.rank(), mesh.world().size());
+        let mut out = Allocations::new();
+        for step in 0..STEPS {
+            let start = pool.stats().misses;
+            let mut first = 0;
+            let mut capped = true;
+            for m in 0..MICRO {
+                model.set_is_last_backward(m + 1 == MICRO);
+                let (x, y) = batch(step * MICRO + m, dims[0], dims[3], DType::F32);
+                let x = local_rows(&x, dp_rank, dp_world);
+                let y = local_rows(&y, dp_rank, dp_world);
+                let output = model.forward(&x)?;
+                let loss = mse_loss(&output, &y)?;
+                model.backward(&loss.grad)?;
+                let stats = pool.stats();
+                capped &= stats.cached_bytes <= stats.idle_cap_bytes;
+                if m == 0 {
+                    first = stats.misses - start;
+                }
+            }
+            optimizer.step(&mut model)?;
+            model.zero_grad()?;
+            let stats = pool.stats();
+            capped &= stats.cached_bytes <= stats.idle_cap_bytes;
+            out.push((first, stats.misses - start - first, capped));
+        }
+        Ok::<_, hypershard_fsdp::FsdpError>(out)
+    })
+    .unwrap_or_else(|e| panic!("sharded run failed: {e}"))
+}
+
+fn check(mesh_shape: &[usize]) {
+    // Three like units (8 -> 8 Linear layers), as a transformer's blocks: their buffers share
+    // sizes, so the step's buffers fit under the cap.
+    for (rank, steps) in allocations(mesh_shape, [8, 8, 8, 8])
+        .into_iter()
+        .enumerate()
+    {
+        let context = format!("mesh {mesh_shape:?}, rank {rank}: {steps:?}");
+        assert!(steps.iter().all(|&(_, _, capped)| capped), "{context}");
+        // The first micro-batch of the first step allocates its buffers; the micro-batches
+        // after it, in every step, find them all in the pool.
+        assert!(steps[0].0 > 0, "{context}");
+        assert!(steps.iter().all(|&(_, later, _)| later == 0), "{context}");
+        // The end of every step's last backward frees the cache (the memory goes back before
+        // the optimizer step; the gradients handed back by zero_grad stay); each later step
+        // refills it alike, with less than the first.
+        let refill = steps[1].0;
+        assert!(refill < steps[0].0, "{context}");
+        assert!(
+            steps[1..].iter().all(|&(first, _, _)| first == refill),
+            "{context}"
+        );
+    }
+    // Units of three different shapes: keeping every size would hold the whole unsharded
+    // model idle, so the cap frees the oldest buffers and they are allocated again. The pool
+    // stays under its cap and every step allocates as many as the one before: no growth.
+    for (rank, steps) in allocations(mesh_shape, [6, 10, 7, 3])
+        .into_iter()
+        .enumerate()
+    {
+        let context = format!("mesh {mesh_shape:?}, rank {rank}: {steps:?}");
+        assert!(steps.iter().all(|&(_, _, capped)| capped), "{context}");
+        assert!(steps[1..].iter().all(|&step| step == steps[1]), "{context}");
+    }
+}
+
+#[test]
+fn fsdp_steps_after_warm_up_allocate_nothing_new_and_the_idle_pool_stays_capped() {
+    check(&[2]);
+    check(&[3]);
+    check(&[2, 2]);
+}
