@@ -4,6 +4,7 @@ use crate::dtype::sealed::Repr;
 use crate::dtype::{cast_elem, cast_run, with_bits, with_repr};
 use crate::layout::{StridedIndices, broadcast_shapes, expand_strides, has_internal_overlap};
 use crate::lock::read_write;
+use crate::storage::common_device;
 use crate::{DType, Error, Result, Tensor};
 
 impl Tensor {
@@ -28,10 +29,11 @@ impl Tensor {
     /// A contiguous copy in new storage (torch's `clone()`).
     pub fn deep_copy(&self) -> Result<Tensor> {
         let guard = self.storage.read();
-        let host = guard.host("deep_copy")?;
+        let device = guard.device();
+        let host = guard.data("deep_copy")?;
         with_bits!(self.dtype, T => {
             let data = self.gather(host.typed::<T>());
-            Tensor::build_raw::<T>("deep_copy", &self.shape, self.dtype, |o| o.copy_from_slice(&data))
+            Tensor::build_raw_on::<T>("deep_copy", device, &self.shape, self.dtype, |o| o.copy_from_slice(&data))
         })
     }
 
@@ -53,10 +55,11 @@ impl Tensor {
             return Ok(self.clone());
         }
         let guard = self.storage.read();
-        let host = guard.host("to_dtype")?;
+        let device = guard.device();
+        let host = guard.data("to_dtype")?;
         with_repr!(self.dtype, S => {
             let src = host.typed::<S>();
-            with_repr!(dtype, D => Tensor::build::<D>("to_dtype", &self.shape, |out| {
+            with_repr!(dtype, D => Tensor::build_on::<D>("to_dtype", device, &self.shape, |out| {
                 if self.is_contiguous() {
                     cast_run::<S, D>(&src[self.offset..self.offset + self.numel()], out);
                 } else {
@@ -110,8 +113,9 @@ impl Tensor {
             return self.copy_from(&detached);
         }
         let mut guards = read_write(&src.storage, &self.storage);
-        let src_host = guards.src.host("copy_from")?;
-        let dst_host = guards.dst.host_mut("copy_from")?;
+        common_device("copy_from", &guards.dst, &guards.src)?;
+        let src_host = guards.src.data("copy_from")?;
+        let dst_host = guards.dst.data_mut("copy_from")?;
         let src_idx = StridedIndices::new(&self.shape, &src_strides, src.offset);
         let contiguous_pair =
             self.is_contiguous() && src.is_contiguous() && src.shape == self.shape;
@@ -151,7 +155,7 @@ impl Tensor {
     pub fn fill_(&self, value: f64) -> Result<()> {
         self.check_writable("fill_")?;
         let mut guard = self.storage.write();
-        let host = guard.host_mut("fill_")?;
+        let host = guard.data_mut("fill_")?;
         with_repr!(self.dtype, T => {
             let v = T::from_f64(value);
             let d = host.typed_mut::<T>();
@@ -218,7 +222,7 @@ impl Tensor {
                         shape: t.shape.clone(),
                     })?;
         }
-        let out = Tensor::zeros(&shape, first.dtype)?;
+        let out = Tensor::zeros_on(&shape, first.dtype, &first.device())?;
         let mut start = 0;
         for t in tensors {
             out.narrow(dim, start, t.shape[dim])?.copy_from(t)?;

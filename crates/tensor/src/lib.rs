@@ -59,7 +59,9 @@ mod copy;
 #[cfg(feature = "cuda")]
 pub mod cuda;
 pub mod deferred;
+mod device;
 mod dtype;
+pub mod emulated;
 mod error;
 #[cfg(feature = "safetensors")]
 mod io;
@@ -71,9 +73,11 @@ pub mod random;
 mod reduce;
 mod storage;
 mod tensor;
+mod transfer;
 mod view;
 
 pub use deferred::{DeferredStorage, Fill, deferred_init, in_deferred_init};
+pub use device::{Device, DeviceBackend, DeviceBuffer, DeviceMemory, Stream, StreamScope};
 pub use dtype::{DType, Element};
 pub use error::{Error, Result};
 #[cfg(feature = "safetensors")]

@@ -45,6 +45,7 @@ mod interop;
 mod kernels;
 mod nn_ops;
 mod ops;
+mod storage;
 mod tensor;
 
 pub use blas::{Transpose, gemm, gemm_strided_batched, matmul};
@@ -58,6 +59,7 @@ pub use nn_ops::{
     layer_norm, layer_norm_backward, merge_heads, split_heads,
 };
 pub use ops::{copy_in, copy_out};
+pub(crate) use storage::backend;
 pub use tensor::{CudaTensor, PinnedBuffer};
 
 /// The CUDA C source of the crate's kernels, as NVRTC compiles it.
