@@ -1,10 +1,11 @@
 //! Copies: `contiguous`, dtype casts, `copy_from` into a view, `fill_`, `cat`.
 
+use crate::DeviceBuffer;
 use crate::dtype::sealed::Repr;
 use crate::dtype::{cast_elem, cast_run, with_bits, with_repr};
 use crate::layout::{StridedIndices, broadcast_shapes, expand_strides, has_internal_overlap};
 use crate::lock::read_write;
-use crate::storage::common_device;
+use crate::storage::{Storage, common_device};
 use crate::{DType, Error, Result, Tensor};
 
 impl Tensor {
@@ -29,6 +30,19 @@ impl Tensor {
     /// A contiguous copy in new storage (torch's `clone()`).
     pub fn deep_copy(&self) -> Result<Tensor> {
         let guard = self.storage.read();
+        if let Storage::Device(buf) = &*guard
+            && self.is_contiguous()
+        {
+            // One device-to-device copy through the backend, on any device (CUDA included).
+            let mut out = DeviceBuffer::zeroed("deep_copy", &buf.device(), self.nbytes())?;
+            let start = self.offset * self.dtype.size_of();
+            out.copy_from_device("deep_copy", 0, buf, start, self.nbytes())?;
+            return Ok(Tensor::from_storage(
+                Storage::Device(out),
+                self.dtype,
+                self.shape.clone(),
+            ));
+        }
         let device = guard.device();
         let host = guard.data("deep_copy")?;
         with_bits!(self.dtype, T => {
@@ -114,11 +128,20 @@ impl Tensor {
         }
         let mut guards = read_write(&src.storage, &self.storage);
         common_device("copy_from", &guards.dst, &guards.src)?;
+        let contiguous_pair =
+            self.is_contiguous() && src.is_contiguous() && src.shape == self.shape;
+        if let (Storage::Device(to), Storage::Device(from)) = (&mut *guards.dst, &*guards.src)
+            && contiguous_pair
+            && self.dtype == src.dtype
+        {
+            // A plain byte copy: through the backend, on any device (CUDA included).
+            let size = self.dtype.size_of();
+            let (at, from_at) = (self.offset * size, src.offset * size);
+            return to.copy_from_device("copy_from", at, from, from_at, self.nbytes());
+        }
         let src_host = guards.src.data("copy_from")?;
         let dst_host = guards.dst.data_mut("copy_from")?;
         let src_idx = StridedIndices::new(&self.shape, &src_strides, src.offset);
-        let contiguous_pair =
-            self.is_contiguous() && src.is_contiguous() && src.shape == self.shape;
         if self.dtype == src.dtype {
             with_bits!(self.dtype, T => {
                 let s = src_host.typed::<T>();
@@ -155,6 +178,14 @@ impl Tensor {
     pub fn fill_(&self, value: f64) -> Result<()> {
         self.check_writable("fill_")?;
         let mut guard = self.storage.write();
+        if let Storage::Device(buf) = &mut *guard
+            && self.is_contiguous()
+            && value.to_bits() == 0
+        {
+            // +0.0 is all-zero bytes in every dtype: the backend's fill, on any device.
+            let start = self.offset * self.dtype.size_of();
+            return buf.fill("fill_", start, self.nbytes(), 0);
+        }
         let host = guard.data_mut("fill_")?;
         with_repr!(self.dtype, T => {
             let v = T::from_f64(value);

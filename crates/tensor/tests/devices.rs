@@ -154,6 +154,14 @@ fn copies_and_casts_match_on_both_devices() -> Result<()> {
         outs.push(dst);
         let parts = [&m.narrow(0, 0, 1)?, &m.narrow(0, 2, 1)?, &m];
         outs.push(Tensor::cat(&parts, 0)?);
+        // Contiguous copies, which a device does as byte copies and fills in its backend.
+        outs.push(m.narrow(0, 1, 2)?.deep_copy()?);
+        let flat = Tensor::zeros_on(&[10], DType::I64, d)?;
+        flat.narrow(0, 1, 4)?
+            .copy_from(&m.narrow(0, 2, 1)?.view(&[4])?)?;
+        flat.narrow(0, 6, 4)?.copy_from(&flat.narrow(0, 1, 4)?)?;
+        flat.narrow(0, 2, 2)?.zero_()?;
+        outs.push(flat);
         Ok(outs)
     })?;
     let n = DType::ALL.len();
@@ -166,6 +174,11 @@ fn copies_and_casts_match_on_both_devices() -> Result<()> {
         vec![7., 8., 0., 0., 7., 8., 4., 0., 7., 8., 8., 0.]
     );
     assert_eq!(out[n * n + 4].shape(), &[5, 4]);
+    assert_eq!(out[n * n + 5].to_vec::<i64>()?, (4..12).collect::<Vec<_>>());
+    assert_eq!(
+        out[n * n + 6].to_vec::<i64>()?,
+        vec![0, 8, 0, 0, 11, 0, 8, 9, 10, 11]
+    );
     Ok(())
 }
 
@@ -429,6 +442,9 @@ fn cuda_storage_is_typed_without_a_gpu() -> Result<()> {
         Ok(on_gpu) => {
             assert_eq!(on_gpu.device(), cuda);
             assert_eq!(on_gpu.to_host()?.to_vec::<f32>()?, host.to_vec::<f32>()?);
+            let copy = on_gpu.narrow(0, 1, 3)?.deep_copy()?;
+            copy.narrow(0, 0, 1)?.zero_()?;
+            assert_eq!(copy.to_host()?.to_vec::<f32>()?, vec![0.0, 2.0, 3.0]);
             assert!(matches!(
                 on_gpu.sum_all(),
                 Err(Error::DeviceUnsupported { op: "sum", .. })

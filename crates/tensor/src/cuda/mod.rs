@@ -6,8 +6,12 @@
 //! [`CudaError::Unavailable`], never a panic (cudarc's loader panics on the first call into a
 //! missing library, so each is probed with `is_culib_present` first).
 //!
-//! The CPU [`Tensor`](crate::Tensor) is untouched: a [`CudaTensor`] is a separate type (dense,
-//! contiguous, owning its memory), and the two meet only through explicit copies.
+//! A [`Tensor`](crate::Tensor) can hold CUDA memory itself ([`Device::Cuda`](crate::Device),
+//! storage kind [`Storage::Device`](crate::Storage::Device), moved with
+//! [`to_device`](crate::Tensor::to_device) / [`to_host`](crate::Tensor::to_host)); its views
+//! work there, its ops are [`Error::DeviceUnsupported`](crate::Error::DeviceUnsupported) until
+//! the kernels below are wired to them. [`CudaTensor`] is the older, separate type (dense,
+//! contiguous, owning its memory) that the kernels and cuBLAS take today.
 //!
 //! * [`CudaDevice::new`] opens a device (one per ordinal per process, shared) with a stream of
 //!   its own; every operation of its tensors is ordered on that stream.
