@@ -126,6 +126,14 @@ const STATICS: &[(&str, &str)] = &[
         "the deferred_init scope of the calling thread",
     ),
     (
+        "crates/tensor/src/device.rs",
+        "the stream scope of the calling thread, as with deferred_init",
+    ),
+    (
+        "crates/tensor/src/emulated.rs",
+        "one stream bookkeeping per emulated device, which is named by a plain value",
+    ),
+    (
         "crates/tensor/src/memory.rs",
         "the allocator tracker: per thread (rank) and per process",
     ),

@@ -1,9 +1,11 @@
 //! Copies: `contiguous`, dtype casts, `copy_from` into a view, `fill_`, `cat`.
 
+use crate::DeviceBuffer;
 use crate::dtype::sealed::Repr;
 use crate::dtype::{cast_elem, cast_run, with_bits, with_repr};
 use crate::layout::{StridedIndices, broadcast_shapes, expand_strides, has_internal_overlap};
 use crate::lock::read_write;
+use crate::storage::{Storage, common_device};
 use crate::{DType, Error, Result, Tensor};
 
 impl Tensor {
@@ -28,10 +30,24 @@ impl Tensor {
     /// A contiguous copy in new storage (torch's `clone()`).
     pub fn deep_copy(&self) -> Result<Tensor> {
         let guard = self.storage.read();
-        let host = guard.host("deep_copy")?;
+        if let Storage::Device(buf) = &*guard
+            && self.is_contiguous()
+        {
+            // One device-to-device copy through the backend, on any device (CUDA included).
+            let mut out = DeviceBuffer::zeroed("deep_copy", &buf.device(), self.nbytes())?;
+            let start = self.offset * self.dtype.size_of();
+            out.copy_from_device("deep_copy", 0, buf, start, self.nbytes())?;
+            return Ok(Tensor::from_storage(
+                Storage::Device(out),
+                self.dtype,
+                self.shape.clone(),
+            ));
+        }
+        let device = guard.device();
+        let host = guard.data("deep_copy")?;
         with_bits!(self.dtype, T => {
             let data = self.gather(host.typed::<T>());
-            Tensor::build_raw::<T>("deep_copy", &self.shape, self.dtype, |o| o.copy_from_slice(&data))
+            Tensor::build_raw_on::<T>("deep_copy", device, &self.shape, self.dtype, |o| o.copy_from_slice(&data))
         })
     }
 
@@ -53,10 +69,11 @@ impl Tensor {
             return Ok(self.clone());
         }
         let guard = self.storage.read();
-        let host = guard.host("to_dtype")?;
+        let device = guard.device();
+        let host = guard.data("to_dtype")?;
         with_repr!(self.dtype, S => {
             let src = host.typed::<S>();
-            with_repr!(dtype, D => Tensor::build::<D>("to_dtype", &self.shape, |out| {
+            with_repr!(dtype, D => Tensor::build_on::<D>("to_dtype", device, &self.shape, |out| {
                 if self.is_contiguous() {
                     cast_run::<S, D>(&src[self.offset..self.offset + self.numel()], out);
                 } else {
@@ -110,11 +127,21 @@ impl Tensor {
             return self.copy_from(&detached);
         }
         let mut guards = read_write(&src.storage, &self.storage);
-        let src_host = guards.src.host("copy_from")?;
-        let dst_host = guards.dst.host_mut("copy_from")?;
-        let src_idx = StridedIndices::new(&self.shape, &src_strides, src.offset);
+        common_device("copy_from", &guards.dst, &guards.src)?;
         let contiguous_pair =
             self.is_contiguous() && src.is_contiguous() && src.shape == self.shape;
+        if let (Storage::Device(to), Storage::Device(from)) = (&mut *guards.dst, &*guards.src)
+            && contiguous_pair
+            && self.dtype == src.dtype
+        {
+            // A plain byte copy: through the backend, on any device (CUDA included).
+            let size = self.dtype.size_of();
+            let (at, from_at) = (self.offset * size, src.offset * size);
+            return to.copy_from_device("copy_from", at, from, from_at, self.nbytes());
+        }
+        let src_host = guards.src.data("copy_from")?;
+        let dst_host = guards.dst.data_mut("copy_from")?;
+        let src_idx = StridedIndices::new(&self.shape, &src_strides, src.offset);
         if self.dtype == src.dtype {
             with_bits!(self.dtype, T => {
                 let s = src_host.typed::<T>();
@@ -151,7 +178,15 @@ impl Tensor {
     pub fn fill_(&self, value: f64) -> Result<()> {
         self.check_writable("fill_")?;
         let mut guard = self.storage.write();
-        let host = guard.host_mut("fill_")?;
+        if let Storage::Device(buf) = &mut *guard
+            && self.is_contiguous()
+            && value.to_bits() == 0
+        {
+            // +0.0 is all-zero bytes in every dtype: the backend's fill, on any device.
+            let start = self.offset * self.dtype.size_of();
+            return buf.fill("fill_", start, self.nbytes(), 0);
+        }
+        let host = guard.data_mut("fill_")?;
         with_repr!(self.dtype, T => {
             let v = T::from_f64(value);
             let d = host.typed_mut::<T>();
@@ -218,7 +253,7 @@ impl Tensor {
                         shape: t.shape.clone(),
                     })?;
         }
-        let out = Tensor::zeros(&shape, first.dtype)?;
+        let out = Tensor::zeros_on(&shape, first.dtype, &first.device())?;
         let mut start = 0;
         for t in tensors {
             out.narrow(dim, start, t.shape[dim])?.copy_from(t)?;

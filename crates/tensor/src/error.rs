@@ -2,7 +2,7 @@
 
 use std::path::PathBuf;
 
-use crate::DType;
+use crate::{DType, Device, Stream};
 
 /// Everything that can go wrong in a tensor operation.
 ///
@@ -239,6 +239,58 @@ pub enum Error {
     Deferred {
         /// The operation that needed the data.
         op: &'static str,
+    },
+    /// A host read or write (`to_vec`, `item`, `with_data`...) of data on a device; copy it
+    /// with [`Tensor::to_host`](crate::Tensor::to_host) first.
+    #[error("{op}: the data is on {device}, not the host; copy it with to_host first")]
+    DeviceData {
+        /// The operation that needed host data.
+        op: &'static str,
+        /// Where the data is.
+        device: Device,
+    },
+    /// An operation's tensors are on different devices; move one with
+    /// [`Tensor::to_device`](crate::Tensor::to_device).
+    #[error("{op}: tensors on different devices, {lhs} vs {rhs}")]
+    DeviceMismatch {
+        /// The operation that failed.
+        op: &'static str,
+        /// The first (or destination) tensor's device.
+        lhs: Device,
+        /// The second (or source) tensor's device.
+        rhs: Device,
+    },
+    /// The operation is not available on this device (no kernel for it there, or no device
+    /// memory on the host).
+    #[error("{op}: not available on {device}")]
+    DeviceUnsupported {
+        /// The operation that failed.
+        op: &'static str,
+        /// The device.
+        device: Device,
+    },
+    /// An access to device memory whose last write, on another stream, may not have finished:
+    /// synchronise the writer or make the reader wait for it first.
+    #[error(
+        "{op}: memory last written on {writer} is accessed on {reader} without synchronisation"
+    )]
+    StreamOrder {
+        /// The operation that failed.
+        op: &'static str,
+        /// The stream of the last write.
+        writer: Stream,
+        /// The stream of the refused access.
+        reader: Stream,
+    },
+    /// The device's driver or runtime failed (a GPU that is missing, out of memory...).
+    #[error("{op}: {device} failed: {reason}")]
+    DeviceFailed {
+        /// The operation that failed.
+        op: &'static str,
+        /// The device.
+        device: Device,
+        /// The driver's error, as text.
+        reason: String,
     },
     /// A tensor cannot be materialised from its deferred recipe.
     #[error("{op}: cannot materialise: {reason}")]

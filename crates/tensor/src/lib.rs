@@ -7,12 +7,29 @@
 //!
 //! # Storage
 //!
-//! [`Storage`] is an enum (`#[non_exhaustive]`): [`Storage::Host`] is a [`HostBuffer`], 64-byte
-//! aligned and zero-initialised, built from a `Vec` of 64-byte blocks so that no `unsafe` is
-//! needed; [`Storage::Deferred`] has no bytes at all, only a length and a recipe (the meta
-//! device: see [`deferred`]), so a model can be described on a rank that could not hold it. Device memory is a separate type,
-//! `cuda::CudaTensor` (feature `cuda`), so the CPU path never branches on it. Tensors hold
-//! an `Arc<`[`SharedStorage`]`>`; the storage is freed when the last view of it is dropped.
+//! [`Storage`] is an enum (`#[non_exhaustive]`) with three kinds:
+//!
+//! * [`Storage::Host`]: a [`HostBuffer`], 64-byte aligned and zero-initialised, built from a
+//!   `Vec` of 64-byte blocks so that no `unsafe` is needed. Every op runs here.
+//! * [`Storage::Deferred`]: no bytes at all, only a length and a recipe (the meta device: see
+//!   [`deferred`]), so a model can be described on a rank that could not hold it. Every kernel
+//!   refuses it with [`Error::Deferred`].
+//! * [`Storage::Device`]: a [`DeviceBuffer`] on a [`Device`], reached only through its
+//!   backend ([`DeviceBackend`], [`DeviceMemory`]: allocate, copies host → device,
+//!   device → host and device → device, fill, each ordered on a [`Stream`]). Two backends:
+//!   the [`emulated`] device (host memory behind the device API, stream ordering checked; for
+//!   testing the device path without a GPU) and, behind the `cuda` feature, CUDA memory.
+//!
+//! Tensors hold an `Arc<`[`SharedStorage`]`>`; the storage is freed when the last view of it
+//! is dropped. [`Tensor::device`] says where the data is; [`Tensor::to_device`] and
+//! [`Tensor::to_host`] copy explicitly. Ops are written once and dispatch on the storage:
+//! their output goes where their inputs are, an op whose inputs are on different devices is
+//! [`Error::DeviceMismatch`] naming the op and both devices, and a host read of device data
+//! (`to_vec`, `item`, `with_data`, ...) is [`Error::DeviceData`] naming the op and the device.
+//! On the emulated device every op of this crate runs (the host kernels, executed on the
+//! emulated memory through the backend); on a CUDA device the copies and views run, and an op
+//! with no CUDA kernel wired to it is [`Error::DeviceUnsupported`]. Views (`narrow`,
+//! `reshape`, `transpose`, `expand`, ...) only change the layout, so they work on every kind.
 //!
 //! # Views and aliasing
 //!
@@ -59,7 +76,9 @@ mod copy;
 #[cfg(feature = "cuda")]
 pub mod cuda;
 pub mod deferred;
+mod device;
 mod dtype;
+pub mod emulated;
 mod error;
 #[cfg(feature = "safetensors")]
 mod io;
@@ -71,9 +90,11 @@ pub mod random;
 mod reduce;
 mod storage;
 mod tensor;
+mod transfer;
 mod view;
 
 pub use deferred::{DeferredStorage, Fill, deferred_init, in_deferred_init};
+pub use device::{Device, DeviceBackend, DeviceBuffer, DeviceMemory, Stream, StreamScope};
 pub use dtype::{DType, Element};
 pub use error::{Error, Result};
 #[cfg(feature = "safetensors")]

@@ -1,4 +1,4 @@
-//! Accounting of host storage: live and peak bytes, per rank and per process.
+//! Accounting of tensor storage: live and peak bytes, per rank and per process.
 //!
 //! Every [`HostBuffer`](crate::HostBuffer) counts its bytes in the process-wide tracker
 //! ([`process`]) and in the tracker current on the allocating thread, if any. A rank that runs
@@ -21,10 +21,31 @@
 //! assert_eq!(tracker.peak_bytes(), 1024);
 //! # Ok::<(), hypershard_tensor::Error>(())
 //! ```
+//!
+//! Device memory (a [`DeviceBuffer`](crate::DeviceBuffer) of the emulated device) counts in
+//! the same trackers under its device's label, apart from host memory:
+//!
+//! ```
+//! use hypershard_tensor::memory::MemoryTracker;
+//! use hypershard_tensor::{DType, Device, Tensor};
+//! let device = Device::Emulated { ordinal: 0 };
+//! let tracker = MemoryTracker::new();
+//! let _scope = tracker.enter();
+//! let host = Tensor::zeros(&[64], DType::F32)?;
+//! let on_device = host.to_device(&device)?;
+//! assert_eq!(tracker.live_bytes(), 256); // the host tensor only
+//! assert_eq!(tracker.device_stats(&device).live_bytes, 256);
+//! drop(on_device);
+//! assert_eq!(tracker.device_stats(&device).live_bytes, 0);
+//! assert_eq!(tracker.device_stats(&device).peak_bytes, 256);
+//! # Ok::<(), hypershard_tensor::Error>(())
+//! ```
 
 use std::cell::RefCell;
-use std::sync::Arc;
 use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex, PoisonError};
+
+use crate::Device;
 
 /// Live and peak byte counters, shared by every buffer counted in them.
 #[derive(Debug, Default)]
@@ -32,6 +53,8 @@ struct Counters {
     live: AtomicUsize,
     peak: AtomicUsize,
     allocations: AtomicUsize,
+    /// Device memory, per device (a short list: one entry per device ever counted here).
+    devices: Mutex<Vec<(Device, MemoryStats)>>,
 }
 
 impl Counters {
@@ -44,6 +67,36 @@ impl Counters {
     fn sub(&self, bytes: usize) {
         self.live.fetch_sub(bytes, Ordering::Relaxed);
     }
+
+    /// Runs `f` on the counters of `device`, made zero on first use.
+    fn on_device<R>(&self, device: Device, f: impl FnOnce(&mut MemoryStats) -> R) -> R {
+        // Plain counters: a panic elsewhere leaves them usable.
+        let mut devices = self.devices.lock().unwrap_or_else(PoisonError::into_inner);
+        let at = match devices.iter().position(|(d, _)| *d == device) {
+            Some(at) => at,
+            None => {
+                devices.push((device, MemoryStats::default()));
+                devices.len() - 1
+            }
+        };
+        f(&mut devices[at].1)
+    }
+
+    fn add_device(&self, device: Device, bytes: usize) {
+        self.on_device(device, |stats| {
+            stats.live_bytes += bytes;
+            stats.peak_bytes = stats.peak_bytes.max(stats.live_bytes);
+            stats.allocations += 1;
+        });
+    }
+
+    fn sub_device(&self, device: Device, bytes: usize) {
+        self.on_device(device, |stats| stats.live_bytes -= bytes);
+    }
+
+    fn device_stats(&self, device: Device) -> MemoryStats {
+        self.on_device(device, |stats| *stats)
+    }
 }
 
 /// A set of counters that buffers allocated under [`MemoryTracker::enter`] count themselves in.
@@ -55,7 +108,7 @@ pub struct MemoryTracker {
 }
 
 /// A snapshot of a tracker's counters.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub struct MemoryStats {
     /// Bytes held by buffers alive now.
     pub live_bytes: usize,
@@ -97,12 +150,26 @@ impl MemoryTracker {
         }
     }
 
-    /// Restarts peak tracking from the live bytes now.
+    /// The counters of `device`'s memory (all zero for the host: see
+    /// [`stats`](MemoryTracker::stats)).
+    pub fn device_stats(&self, device: &Device) -> MemoryStats {
+        self.counters.device_stats(*device)
+    }
+
+    /// Restarts peak tracking from the live bytes now (host and every device).
     pub fn reset_peak(&self) {
         self.counters.peak.store(
             self.counters.live.load(Ordering::Relaxed),
             Ordering::Relaxed,
         );
+        let mut devices = self
+            .counters
+            .devices
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner);
+        for (_, stats) in devices.iter_mut() {
+            stats.peak_bytes = stats.live_bytes;
+        }
     }
 }
 
@@ -129,6 +196,7 @@ static PROCESS: Counters = Counters {
     live: AtomicUsize::new(0),
     peak: AtomicUsize::new(0),
     allocations: AtomicUsize::new(0),
+    devices: Mutex::new(Vec::new()),
 };
 
 /// The process-wide counters: every buffer of every thread.
@@ -140,14 +208,22 @@ pub fn process() -> MemoryStats {
     }
 }
 
+/// The process-wide counters of `device`'s memory.
+pub fn process_device(device: &Device) -> MemoryStats {
+    PROCESS.device_stats(*device)
+}
+
 /// The accounting entry of one buffer: counted on creation, released on drop.
 #[derive(Debug)]
 pub(crate) struct Tracked {
     bytes: usize,
+    /// `None` for host memory, else the device whose counters hold the bytes.
+    device: Option<Device>,
     thread_tracker: Option<Arc<Counters>>,
 }
 
 impl Tracked {
+    /// Host bytes: lock-free counters only, as host allocation is the hot path.
     pub(crate) fn new(bytes: usize) -> Self {
         PROCESS.add(bytes);
         let thread_tracker = CURRENT.try_with(|c| c.borrow().clone()).ok().flatten();
@@ -156,6 +232,21 @@ impl Tracked {
         }
         Tracked {
             bytes,
+            device: None,
+            thread_tracker,
+        }
+    }
+
+    /// Bytes of `device`'s memory.
+    pub(crate) fn on_device(bytes: usize, device: Device) -> Self {
+        PROCESS.add_device(device, bytes);
+        let thread_tracker = CURRENT.try_with(|c| c.borrow().clone()).ok().flatten();
+        if let Some(counters) = &thread_tracker {
+            counters.add_device(device, bytes);
+        }
+        Tracked {
+            bytes,
+            device: Some(device),
             thread_tracker,
         }
     }
@@ -163,9 +254,19 @@ impl Tracked {
 
 impl Drop for Tracked {
     fn drop(&mut self) {
-        PROCESS.sub(self.bytes);
-        if let Some(counters) = &self.thread_tracker {
-            counters.sub(self.bytes);
+        match self.device {
+            None => {
+                PROCESS.sub(self.bytes);
+                if let Some(counters) = &self.thread_tracker {
+                    counters.sub(self.bytes);
+                }
+            }
+            Some(device) => {
+                PROCESS.sub_device(device, self.bytes);
+                if let Some(counters) = &self.thread_tracker {
+                    counters.sub_device(device, self.bytes);
+                }
+            }
         }
     }
 }

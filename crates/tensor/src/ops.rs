@@ -4,6 +4,7 @@ use crate::dtype::sealed::Repr;
 use crate::dtype::{Arith, with_arith};
 use crate::layout::{StridedIndices, expand_strides};
 use crate::lock::{read_pair, read_write};
+use crate::storage::common_device;
 use crate::{Error, Result, Tensor};
 
 /// The four binary arithmetic operations.
@@ -27,6 +28,7 @@ fn broadcast_view_strides(op: &'static str, t: &Tensor, shape: &[usize]) -> Resu
 /// `out[i] = f(a[i], b[i])` over the broadcast shape, into a new contiguous tensor.
 fn zip_new<T: Arith>(
     op: &'static str,
+    device: crate::Device,
     (a, da): (&Tensor, &[T]),
     (b, db): (&Tensor, &[T]),
     shape: &[usize],
@@ -37,7 +39,7 @@ fn zip_new<T: Arith>(
         let n = a.numel();
         let xs = &da[a.offset..a.offset + n];
         let ys = &db[b.offset..b.offset + n];
-        return Tensor::build::<T>(op, shape, |out| {
+        return Tensor::build_on::<T>(op, device, shape, |out| {
             for ((o, &x), &y) in out.iter_mut().zip(xs).zip(ys) {
                 *o = f(x, y);
             }
@@ -47,7 +49,7 @@ fn zip_new<T: Arith>(
     let b_strides = broadcast_view_strides(op, b, shape)?;
     let ai = StridedIndices::new(shape, &a_strides, a.offset);
     let bi = StridedIndices::new(shape, &b_strides, b.offset);
-    Tensor::build::<T>(op, shape, |out| {
+    Tensor::build_on::<T>(op, device, shape, |out| {
         for ((o, i), j) in out.iter_mut().zip(ai).zip(bi) {
             *o = f(da[i], db[j]);
         }
@@ -71,16 +73,17 @@ fn binary_typed<T: Arith>(
 ) -> Result<Tensor> {
     let guards = read_pair(&a.storage, &b.storage);
     let (sa, sb) = guards.get();
-    let da = sa.host(op_name)?.typed::<T>();
-    let db = sb.host(op_name)?.typed::<T>();
+    let device = common_device(op_name, sa, sb)?;
+    let da = sa.data(op_name)?.typed::<T>();
+    let db = sb.data(op_name)?.typed::<T>();
     let (lhs, rhs) = ((a, da), (b, db));
     match op {
-        BinaryOp::Add => zip_new(op_name, lhs, rhs, shape, T::add),
-        BinaryOp::Sub => zip_new(op_name, lhs, rhs, shape, T::sub),
-        BinaryOp::Mul => zip_new(op_name, lhs, rhs, shape, T::mul),
+        BinaryOp::Add => zip_new(op_name, device, lhs, rhs, shape, T::add),
+        BinaryOp::Sub => zip_new(op_name, device, lhs, rhs, shape, T::sub),
+        BinaryOp::Mul => zip_new(op_name, device, lhs, rhs, shape, T::mul),
         BinaryOp::Div => {
             check_divisor(op_name, b, db)?;
-            zip_new(op_name, lhs, rhs, shape, T::div)
+            zip_new(op_name, device, lhs, rhs, shape, T::div)
         }
     }
 }
@@ -174,7 +177,7 @@ impl Tensor {
     pub fn scale_(&self, alpha: f64) -> Result<()> {
         self.check_writable("scale_")?;
         let mut guard = self.storage.write();
-        let host = guard.host_mut("scale_")?;
+        let host = guard.data_mut("scale_")?;
         with_arith!(self.dtype, "scale_", T => {
             map_in_place::<T>(self, host.typed_mut::<T>(), |x| T::scale(x, alpha));
         });
@@ -239,8 +242,9 @@ impl Tensor {
             return self.update(&detached, op, kernel);
         }
         let mut guards = read_write(&src.storage, &self.storage);
-        let s = guards.src.host(op)?;
-        let d = guards.dst.host_mut(op)?;
+        common_device(op, &guards.dst, &guards.src)?;
+        let s = guards.src.data(op)?;
+        let d = guards.dst.data_mut(op)?;
         kernel(self.dtype, self, d, src, &src_strides, s)
     }
 

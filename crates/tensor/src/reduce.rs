@@ -84,11 +84,12 @@ impl Tensor {
             outer_shape.clone()
         };
         let guard = self.storage.read();
-        let host = guard.host(op)?;
+        let device = guard.device();
+        let host = guard.data(op)?;
         with_arith!(self.dtype, op, T => {
             let data = host.typed::<T>();
             let bases = StridedIndices::new(&outer_shape, &outer_strides, self.offset);
-            Tensor::build::<T>(op, &out_shape, |out| {
+            Tensor::build_on::<T>(op, device, &out_shape, |out| {
                 for (o, base) in out.iter_mut().zip(bases) {
                     *o = reduce_run(how, data, base, n, stride);
                 }

@@ -85,6 +85,17 @@ impl HostBuffer {
         }
     }
 
+    /// A buffer of `len` zero bytes that stands for `device`'s memory (the emulated device's):
+    /// the memory trackers count it under the device, not the host.
+    pub(crate) fn zeroed_on(len: usize, device: crate::Device) -> Self {
+        let blocks = bytemuck::zeroed_vec(len.div_ceil(HOST_ALIGN));
+        HostBuffer {
+            memory: HostMemory::Owned(blocks),
+            len,
+            _tracked: crate::memory::Tracked::on_device(len, device),
+        }
+    }
+
     /// A buffer holding a copy of `bytes`.
     pub fn from_bytes(bytes: &[u8]) -> Self {
         let mut buf = HostBuffer::zeroed(bytes.len());
@@ -215,10 +226,12 @@ impl std::fmt::Debug for HostBuffer {
 
 /// Where a tensor's bytes live.
 ///
-/// Host memory, or no memory at all: a [`Deferred`](Storage::Deferred) storage carries only its
-/// length and how it would be filled (PyTorch's meta device). A device variant (a CUDA buffer
-/// behind the `cuda` feature) will be added, which is why the enum is `#[non_exhaustive]`.
-#[derive(Debug, Clone)]
+/// Host memory; no memory at all: a [`Deferred`](Storage::Deferred) storage carries only its
+/// length and how it would be filled (PyTorch's meta device); or device memory, a
+/// [`DeviceBuffer`](crate::DeviceBuffer) on the emulated device or (feature `cuda`) a GPU.
+/// Every op dispatches on it: the host arm runs the kernels directly, a device arm runs them
+/// through its backend or refuses with a typed error naming the op and the device.
+#[derive(Debug)]
 #[non_exhaustive]
 pub enum Storage {
     /// 64-byte aligned host memory.
@@ -227,6 +240,9 @@ pub enum Storage {
     /// [`deferred_init`](crate::deferred_init)). Every kernel refuses it with
     /// [`Error::Deferred`](crate::Error::Deferred).
     Deferred(crate::deferred::DeferredStorage),
+    /// Device memory, reached only through its backend (explicit copies, stream ordered).
+    /// Host reads of it are [`Error::DeviceData`](crate::Error::DeviceData).
+    Device(crate::DeviceBuffer),
 }
 
 impl Storage {
@@ -235,6 +251,7 @@ impl Storage {
         match self {
             Storage::Host(buf) => buf.len(),
             Storage::Deferred(deferred) => deferred.len(),
+            Storage::Device(buf) => buf.len(),
         }
     }
 
@@ -248,12 +265,26 @@ impl Storage {
         matches!(self, Storage::Deferred(_))
     }
 
-    /// The host buffer, for kernels that run on the CPU; a deferred storage is
-    /// [`Error::Deferred`](crate::Error::Deferred) naming `op`.
+    /// The device the bytes are on; a deferred storage is materialised on the host, so it
+    /// counts as [`Device::Cpu`](crate::Device::Cpu).
+    pub fn device(&self) -> crate::Device {
+        match self {
+            Storage::Host(_) | Storage::Deferred(_) => crate::Device::Cpu,
+            Storage::Device(buf) => buf.device(),
+        }
+    }
+
+    /// The host buffer, for host reads and writes of the data (`to_vec`, `with_data`...): a
+    /// deferred storage is [`Error::Deferred`](crate::Error::Deferred) and device memory
+    /// [`Error::DeviceData`](crate::Error::DeviceData), both naming `op`.
     pub(crate) fn host(&self, op: &'static str) -> crate::Result<&HostBuffer> {
         match self {
             Storage::Host(buf) => Ok(buf),
             Storage::Deferred(_) => Err(crate::Error::Deferred { op }),
+            Storage::Device(buf) => Err(crate::Error::DeviceData {
+                op,
+                device: buf.device(),
+            }),
         }
     }
 
@@ -262,7 +293,52 @@ impl Storage {
         match self {
             Storage::Host(buf) => Ok(buf),
             Storage::Deferred(_) => Err(crate::Error::Deferred { op }),
+            Storage::Device(buf) => Err(crate::Error::DeviceData {
+                op,
+                device: buf.device(),
+            }),
         }
+    }
+
+    /// The bytes an op's kernel reads, wherever the storage is: host memory as it is, device
+    /// memory through its backend (ordered on the device's current stream), or a typed error
+    /// naming `op` where the backend cannot run the crate's kernels.
+    pub(crate) fn data(&self, op: &'static str) -> crate::Result<&HostBuffer> {
+        match self {
+            Storage::Host(buf) => Ok(buf),
+            Storage::Deferred(_) => Err(crate::Error::Deferred { op }),
+            Storage::Device(buf) => buf.kernel_bytes(op),
+        }
+    }
+
+    /// The bytes an op's kernel writes (see [`data`](Storage::data)).
+    pub(crate) fn data_mut(&mut self, op: &'static str) -> crate::Result<&mut HostBuffer> {
+        match self {
+            Storage::Host(buf) => Ok(buf),
+            Storage::Deferred(_) => Err(crate::Error::Deferred { op }),
+            Storage::Device(buf) => buf.kernel_bytes_mut(op),
+        }
+    }
+}
+
+/// The one device two storages an op reads are on; [`Error::DeviceMismatch`](crate::Error)
+/// naming `op` and both devices otherwise. A deferred storage has no device yet: its kernel
+/// refuses it with [`Error::Deferred`](crate::Error::Deferred) instead.
+pub(crate) fn common_device(
+    op: &'static str,
+    a: &Storage,
+    b: &Storage,
+) -> crate::Result<crate::Device> {
+    match (a, b) {
+        // The host path stays one comparison.
+        (Storage::Host(_), Storage::Host(_)) => Ok(crate::Device::Cpu),
+        (Storage::Deferred(_), other) | (other, Storage::Deferred(_)) => Ok(other.device()),
+        _ if a.device() == b.device() => Ok(a.device()),
+        _ => Err(crate::Error::DeviceMismatch {
+            op,
+            lhs: a.device(),
+            rhs: b.device(),
+        }),
     }
 }
 

@@ -145,18 +145,23 @@ impl Tensor {
         dtype: DType,
         fill: impl FnOnce(&mut [T]),
     ) -> Result<Tensor> {
+        let bytes = Tensor::checked_bytes(op, shape, size_of::<T>())?;
+        let mut buf = HostBuffer::zeroed(bytes);
+        fill(buf.typed_mut::<T>());
+        Ok(Tensor::from_host(buf, dtype, shape.to_vec()))
+    }
+
+    /// The bytes `shape` takes at `elem` bytes an element, capped at `isize::MAX` like every
+    /// Rust allocation.
+    pub(crate) fn checked_bytes(op: &'static str, shape: &[usize], elem: usize) -> Result<usize> {
         let numel = checked_numel(op, shape)?;
-        // Allocations are capped at isize::MAX bytes, like every Rust allocation.
-        let bytes = numel
-            .checked_mul(size_of::<T>())
+        numel
+            .checked_mul(elem)
             .filter(|&b| b <= isize::MAX as usize)
             .ok_or_else(|| Error::SizeOverflow {
                 op,
                 shape: shape.to_vec(),
-            })?;
-        let mut buf = HostBuffer::zeroed(bytes);
-        fill(buf.typed_mut::<T>());
-        Ok(Tensor::from_host(buf, dtype, shape.to_vec()))
+            })
     }
 
     /// A tensor holding `data` in row-major order.

@@ -6,8 +6,12 @@
 //! [`CudaError::Unavailable`], never a panic (cudarc's loader panics on the first call into a
 //! missing library, so each is probed with `is_culib_present` first).
 //!
-//! The CPU [`Tensor`](crate::Tensor) is untouched: a [`CudaTensor`] is a separate type (dense,
-//! contiguous, owning its memory), and the two meet only through explicit copies.
+//! A [`Tensor`](crate::Tensor) can hold CUDA memory itself ([`Device::Cuda`](crate::Device),
+//! storage kind [`Storage::Device`](crate::Storage::Device), moved with
+//! [`to_device`](crate::Tensor::to_device) / [`to_host`](crate::Tensor::to_host)); its views
+//! work there, its ops are [`Error::DeviceUnsupported`](crate::Error::DeviceUnsupported) until
+//! the kernels below are wired to them. [`CudaTensor`] is the older, separate type (dense,
+//! contiguous, owning its memory) that the kernels and cuBLAS take today.
 //!
 //! * [`CudaDevice::new`] opens a device (one per ordinal per process, shared) with a stream of
 //!   its own; every operation of its tensors is ordered on that stream.
@@ -45,6 +49,7 @@ mod interop;
 mod kernels;
 mod nn_ops;
 mod ops;
+mod storage;
 mod tensor;
 
 pub use blas::{Transpose, gemm, gemm_strided_batched, matmul};
@@ -58,6 +63,7 @@ pub use nn_ops::{
     layer_norm, layer_norm_backward, merge_heads, split_heads,
 };
 pub use ops::{copy_in, copy_out};
+pub(crate) use storage::backend;
 pub use tensor::{CudaTensor, PinnedBuffer};
 
 /// The CUDA C source of the crate's kernels, as NVRTC compiles it.
