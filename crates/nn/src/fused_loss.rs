@@ -212,7 +212,7 @@ pub(crate) fn fused_head<F: Float>(
         }
         first += rows;
     }
-    let grads = with_grads.then(|| HeadGrads {
+    let grads = with_grads.then_some(HeadGrads {
         hidden: hidden_grad,
         weight: if defer {
             WeightGrad::Deferred {
