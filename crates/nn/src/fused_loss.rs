@@ -78,11 +78,57 @@ pub(crate) struct FusedHead<F> {
 /// The gradients of the mean loss with respect to the head's two inputs.
 pub(crate) struct HeadGrads<F> {
     pub(crate) hidden: Vec<F>,
-    pub(crate) weight: Vec<F>,
+    pub(crate) weight: WeightGrad<F>,
+}
+
+/// The head weight's gradient, or what it is made of when the caller asked to form it later.
+pub(crate) enum WeightGrad<F> {
+    /// `∂mean/∂W` `[V, C]`.
+    Done(Vec<F>),
+    /// The logits' gradients of every token `[tokens, V]`, block by block as the head computed
+    /// them, for [`weight_grad_into`] once the weight is no longer read (its memory may then
+    /// take the gradient).
+    Deferred {
+        logit_grads: Vec<F>,
+        rows_per_block: usize,
+    },
+}
+
+/// Writes `∂mean/∂W = Σ_blocks gᵀ · h` `[V, C]` into `out` from a [`WeightGrad::Deferred`]'s
+/// logit gradients and the head's `hidden` input: zeros, then the same products accumulated in
+/// the same blocks and order as [`fused_head`] does, so bit for bit its `Done` gradient.
+pub(crate) fn weight_grad_into<F: Float>(
+    logit_grads: &[F],
+    rows_per_block: usize,
+    hidden: &[F],
+    [tokens, c, v]: [usize; 3],
+    out: &mut [F],
+) -> Result<()> {
+    out.fill(F::ZERO);
+    let rows_per_block = rows_per_block.max(1);
+    let mut first = 0;
+    while first < tokens {
+        let rows = rows_per_block.min(tokens - first);
+        let dw = MatmulOptions {
+            transpose_a: true,
+            transpose_b: false,
+        };
+        gemm_accumulate_into(
+            &logit_grads[first * v..(first + rows) * v],
+            &hidden[first * c..(first + rows) * c],
+            GemmShape::new(v, rows, c, dw)?,
+            out,
+        )?;
+        first += rows;
+    }
+    Ok(())
 }
 
 /// The fused head over `hidden` `[tokens, C]` and the head weight `weight` `[V, C]`
-/// (logits = hidden · weightᵀ), against `targets`, in blocks of token rows.
+/// (logits = hidden · weightᵀ), against `targets`, in blocks of token rows. With
+/// `defer_weight_grad` the weight's gradient is left as [`WeightGrad::Deferred`]: every
+/// block's logit gradients are kept (`tokens·V` elements instead of one block's) and no
+/// `[V, C]` buffer is made here.
 pub(crate) fn fused_head<F: Float>(
     op: &'static str,
     hidden: &[F],
@@ -90,6 +136,7 @@ pub(crate) fn fused_head<F: Float>(
     targets: &TargetClasses,
     [tokens, c, v]: [usize; 3],
     with_grads: bool,
+    defer_weight_grad: bool,
 ) -> Result<FusedHead<F>> {
     if hidden.len() != tokens * c {
         return Err(Error::ShapeMismatch {
@@ -113,17 +160,26 @@ pub(crate) fn fused_head<F: Float>(
         0.0
     };
     let rows_per_block = (BLOCK_ELEMENTS / v.max(1)).clamp(1, tokens.max(1));
-    let mut block = vec![F::ZERO; rows_per_block * v];
-    let mut grads = with_grads.then(|| HeadGrads {
-        hidden: vec![F::ZERO; tokens * c],
-        weight: vec![F::ZERO; v * c],
-    });
+    let defer = with_grads && defer_weight_grad;
+    // Deferred, each block's logits (then their gradients) stay where they were computed.
+    let mut block = vec![F::ZERO; if defer { tokens } else { rows_per_block } * v];
+    let mut hidden_grad = if with_grads {
+        vec![F::ZERO; tokens * c]
+    } else {
+        Vec::new()
+    };
+    let mut weight_grad = if with_grads && !defer {
+        vec![F::ZERO; v * c]
+    } else {
+        Vec::new()
+    };
     let mut loss_sum = 0.0;
     let mut first = 0;
     while first < tokens {
         let rows = rows_per_block.min(tokens - first);
         let h = &hidden[first * c..(first + rows) * c];
-        let logits = &mut block[..rows * v];
+        let at = if defer { first * v } else { 0 };
+        let logits = &mut block[at..at + rows * v];
         let head = MatmulOptions {
             transpose_a: false,
             transpose_b: true,
@@ -136,29 +192,37 @@ pub(crate) fn fused_head<F: Float>(
             F::of(scale),
             &mut loss_sum,
         );
-        if let Some(grads) = grads.as_mut() {
+        if with_grads {
             // ∂hidden = g · W for these rows, [rows, V]·[V, C].
-            let dh = &mut grads.hidden[first * c..(first + rows) * c];
+            let dh = &mut hidden_grad[first * c..(first + rows) * c];
             gemm_into(
                 logits,
                 weight,
                 GemmShape::new(rows, v, c, MatmulOptions::default())?,
                 dh,
             )?;
-            // ∂W += gᵀ · h, [V, rows]·[rows, C].
+        }
+        if with_grads && !defer {
+            // ∂W += gᵀ · h, [V, rows]·[rows, C] (what `weight_grad_into` does when deferred).
             let dw = MatmulOptions {
                 transpose_a: true,
                 transpose_b: false,
             };
-            gemm_accumulate_into(
-                logits,
-                h,
-                GemmShape::new(v, rows, c, dw)?,
-                &mut grads.weight,
-            )?;
+            gemm_accumulate_into(logits, h, GemmShape::new(v, rows, c, dw)?, &mut weight_grad)?;
         }
         first += rows;
     }
+    let grads = with_grads.then_some(HeadGrads {
+        hidden: hidden_grad,
+        weight: if defer {
+            WeightGrad::Deferred {
+                logit_grads: block,
+                rows_per_block,
+            }
+        } else {
+            WeightGrad::Done(weight_grad)
+        },
+    });
     Ok(FusedHead {
         loss_sum,
         counted,

@@ -8,8 +8,8 @@ use hypershard_tensor::{DType, RandomInit, Tensor};
 
 use crate::checkpoint::{load_state_dict, save_safetensors};
 use crate::elementwise::check_float;
-use crate::embedding::{Embedding, gather_rows, scatter_add_rows};
-use crate::fused_loss::{LossTargets, fused_head};
+use crate::embedding::{Embedding, gather_rows};
+use crate::fused_loss::{LossTargets, WeightGrad, fused_head, weight_grad_into};
 use crate::kernels::{Float, add_assign, load, store, with_float, with_values, with_values2};
 use crate::linalg::{GemmShape, MatmulOptions, gemm};
 use crate::loss::TargetClasses;
@@ -82,6 +82,8 @@ pub struct Gpt {
     ln_f: LayerNorm,
     /// Set by [`Gpt::fused_loss`]: the forward returns the loss instead of the logits.
     fused: Option<FusedLoss>,
+    /// Set by [`Gpt::keep_head_grad_in_gathered_weight`].
+    head_grad_in_weight: bool,
     cache: Option<GptCache>,
 }
 
@@ -177,6 +179,7 @@ impl Gpt {
                 dtype: config.dtype,
             })?,
             fused: None,
+            head_grad_in_weight: false,
             cache: None,
         };
         gpt.init_weights()?;
@@ -241,6 +244,25 @@ impl Gpt {
             ignore_index,
         });
         targets
+    }
+
+    /// Lets the fused loss head (see [`Gpt::fused_loss`]) keep its gradient of the head weight
+    /// in the memory of the token embedding it has just read, once it no longer needs the
+    /// weight, instead of in a `[V, C]` buffer of its own.
+    ///
+    /// Only for a model whose `wte` the forward reads is a gathered copy that nothing reads
+    /// again before it is freed after backward: `fully_shard` with its default
+    /// `reshard_after_backward`, the gradient synchronised every backward, `wte` sharded (not
+    /// in `replicate_params` or `ignored_params`). `hypershard train` is such a user. There, the
+    /// fused head's backward needs none of the weight (only its gradient), so the unsharded
+    /// weight held from the forward to the root's post-backward would be dead memory through
+    /// every block's backward: `V·C` elements (196 MiB at GPT-2's vocabulary and width 1024) of
+    /// a rank's peak. On a model whose `wte` is the parameter itself this would overwrite the
+    /// weight with its gradient, so it is off by default. It applies when the parameters are in
+    /// the compute dtype (f32 or f64; a bf16 weight is too narrow to hold the f32 gradient) and
+    /// only to forwards that compute gradients.
+    pub fn keep_head_grad_in_gathered_weight(&mut self, on: bool) {
+        self.head_grad_in_weight = on;
     }
 
     /// The configuration.
@@ -379,6 +401,44 @@ fn embed<F: Float>(wte: &[F], wpe: &[F], rows: &[usize], seq: usize, c: usize) -
     x
 }
 
+/// Adds the token embedding's gradient into the head's, `head` `[V, C]`: row `r` becomes
+/// `(Σ g[t] over the tokens t of row r, in token order) + head[r]`, the sum starting from zero.
+/// That is bit for bit what scattering `g` into `[V, C]` zeros and adding `head` after gives
+/// (each element is one `a + b` of the same two values, and IEEE addition commutes), without
+/// the zeros: only the rows the tokens touch get a buffer. Rows no token touches get
+/// `0 + head[r]`, as there (it turns a `-0.0` into `+0.0`).
+fn add_token_rows<F: Float>(head: &mut [F], g: &[F], rows: &[usize], c: usize) {
+    if c == 0 {
+        return;
+    }
+    const UNTOUCHED: usize = usize::MAX;
+    let mut slot_of = vec![UNTOUCHED; head.len() / c];
+    let mut sums: Vec<F> = Vec::new();
+    for (&row, g_row) in rows.iter().zip(g.chunks_exact(c)) {
+        // `Embedding::rows` checked every id against the vocabulary.
+        let Some(slot) = slot_of.get_mut(row) else {
+            continue;
+        };
+        if *slot == UNTOUCHED {
+            *slot = sums.len() / c;
+            sums.resize(sums.len() + c, F::ZERO);
+        }
+        let start = *slot * c;
+        add_assign(&mut sums[start..start + c], g_row);
+    }
+    for (head_row, &slot) in head.chunks_exact_mut(c).zip(&slot_of) {
+        if slot == UNTOUCHED {
+            for h in head_row {
+                *h = F::ZERO + *h;
+            }
+        } else {
+            for (h, &sum) in head_row.iter_mut().zip(&sums[slot * c..(slot + 1) * c]) {
+                *h = sum + *h;
+            }
+        }
+    }
+}
+
 /// `dwpe[t] = Σ_b g[b, t]` for a `[block_size, C]` position table.
 fn position_grad<F: Float>(g: &[F], seq: usize, block_size: usize, c: usize) -> Vec<F> {
     let mut grad = vec![F::ZERO; block_size * c];
@@ -406,7 +466,11 @@ impl Module for Gpt {
         let dtype = wte.dtype();
         let rows = Embedding::rows(input, v)?;
         let x = with_float!(OP, dtype, F => {
-            let x = embed(&load::<F>(wte)?, &load::<F>(self.wpe.data()?)?, &rows, seq, c);
+            // Borrowed, not loaded: a copy of the whole `[V, C]` table to read `B·T` rows of
+            // it would double the root's largest buffer at the start of every forward.
+            let x = with_values2::<F, _>(wte, self.wpe.data()?, |w, p| {
+                embed(w, p, &rows, seq, c)
+            })?;
             store(x, &[batch, seq, c], dtype)?
         });
         let mut x = self.drop.forward(&x)?;
@@ -421,17 +485,59 @@ impl Module for Gpt {
             let classes = TargetClasses::new(OP, &pending.targets, v, fused.ignore_index)?;
             let tokens = batch * seq;
             let dtype = wte.dtype();
+            // The weight's memory may take its gradient (see
+            // `keep_head_grad_in_gathered_weight`) when it has the compute dtype.
+            let in_weight = self.head_grad_in_weight
+                && pending.backward
+                && wte.is_contiguous()
+                && wte.numel() == v * c;
             let (loss, head) = with_float!(OP, dtype, F => {
                 let hidden = load::<F>(&final_hidden)?;
+                let in_weight = in_weight && dtype == F::COMPUTE_DTYPE;
+                // Every token's logit gradients (`tokens·V`) instead of a `[V, C]` gradient
+                // next to the weight, when they are no larger: the gradient is then formed in
+                // the weight's memory once the head has read it for the last time.
+                let defer = in_weight && tokens <= c;
                 let head = with_values::<F, _>(wte, |w| {
-                    fused_head(OP, &hidden, w, &classes, [tokens, c, v], pending.backward)
+                    fused_head(
+                        OP,
+                        &hidden,
+                        w,
+                        &classes,
+                        [tokens, c, v],
+                        pending.backward,
+                        defer,
+                    )
                 })??;
                 let loss = head.loss_sum / head.counted as f64;
                 let grads = match head.grads {
-                    Some(grads) => Some((
-                        Tensor::from_vec(grads.hidden, &[tokens, c])?,
-                        Tensor::from_vec(grads.weight, &[v, c])?,
-                    )),
+                    Some(grads) => {
+                        let head_grad = match grads.weight {
+                            WeightGrad::Deferred {
+                                logit_grads,
+                                rows_per_block,
+                            } => {
+                                wte.with_data_mut::<F, _>(|w| {
+                                    weight_grad_into(
+                                        &logit_grads,
+                                        rows_per_block,
+                                        &hidden,
+                                        [tokens, c, v],
+                                        w,
+                                    )
+                                })??;
+                                wte.clone()
+                            }
+                            WeightGrad::Done(weight) if in_weight => {
+                                // The weight is dead from here on: its memory takes the
+                                // gradient, and the gradient's own buffer is freed now.
+                                wte.with_data_mut::<F, _>(|w| w.copy_from_slice(&weight))?;
+                                wte.clone()
+                            }
+                            WeightGrad::Done(weight) => Tensor::from_vec(weight, &[v, c])?,
+                        };
+                        Some((Tensor::from_vec(grads.hidden, &[tokens, c])?, head_grad))
+                    }
                     None => None,
                 };
                 (loss, grads)
@@ -514,13 +620,23 @@ impl Module for Gpt {
         let block_size = self.config.block_size;
         let (wte_grad, wpe_grad) = with_float!(OP, dtype, F => {
             let gv = load::<F>(&g)?;
-            let mut wte_grad = scatter_add_rows(&gv, &cache.rows, v, c);
-            // Borrowed, not loaded: a copy would be a third `[V, C]` buffer.
-            with_values::<F, _>(&head_grad, |head| add_assign(&mut wte_grad, head))?;
-            drop(head_grad);
+            // The embedding's rows are added into the head's gradient in place: scattered
+            // into a `[V, C]` of zeros first, they would make a third `[V, C]` buffer next to
+            // the head's gradient and the (unsharded) weight, at the root's peak.
+            let head_grad = if head_grad.dtype() == F::COMPUTE_DTYPE && head_grad.is_contiguous()
+            {
+                head_grad
+            } else {
+                store(load::<F>(&head_grad)?, &[v, c], F::COMPUTE_DTYPE)?
+            };
+            head_grad.with_data_mut::<F, _>(|head| add_token_rows(head, &gv, &cache.rows, c))?;
             let wpe_grad = position_grad(&gv, seq, block_size, c);
             (
-                store(wte_grad, &[v, c], dtype)?,
+                if dtype == F::COMPUTE_DTYPE {
+                    head_grad
+                } else {
+                    head_grad.to_dtype(dtype)?
+                },
                 store(wpe_grad, &[block_size, c], dtype)?,
             )
         });

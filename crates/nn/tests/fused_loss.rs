@@ -188,3 +188,64 @@ fn bad_targets_and_loss_gradients_are_typed_errors() {
         Err(Error::ShapeMismatch { .. })
     ));
 }
+
+/// The fused head's loss and every gradient with the head's weight gradient kept in the
+/// weight's memory (as `hypershard train` asks of its gathered copy), against the default.
+fn fused_in_weight(
+    config: GptConfig,
+    ids: &Tensor,
+    targets: &Tensor,
+    scale: f64,
+) -> (f64, Grads, bool) {
+    let mut model = Gpt::new(config).expect("gpt");
+    let handle = model.fused_loss(DEFAULT_IGNORE_INDEX);
+    model.keep_head_grad_in_gathered_weight(true);
+    handle.for_backward(targets.clone());
+    let loss = model
+        .forward(ids)
+        .expect("forward")
+        .to_f64_vec()
+        .expect("f64")[0];
+    let scale = Tensor::from_vec(vec![scale], &[1]).expect("scale");
+    model.backward(&scale).expect("backward");
+    let mut shared = false;
+    model
+        .visit_params("", &mut |name, p| {
+            if name == "transformer.wte.weight" {
+                let grad = p.grad.as_ref().expect("wte has a gradient");
+                shared = grad.shares_storage(p.data()?);
+            }
+            Ok(())
+        })
+        .expect("visit");
+    (loss, grads(&model), shared)
+}
+
+#[test]
+fn the_head_gradient_kept_in_the_weight_memory_is_bitwise_the_default() {
+    // Token ids repeat (a vocabulary of 5), so rows of the embedding's gradient sum several
+    // tokens before the head's gradient is added to them. 24 tokens are more than the width
+    // (8): the gradient is copied into the weight; 8 are not: it is formed there.
+    for (dtype, rows) in [DType::F64, DType::F32, DType::BF16]
+        .into_iter()
+        .flat_map(|d| [(d, 3), (d, 1)])
+    {
+        let config = config(dtype, 5);
+        let (ids, targets) = batch(5, rows, 8);
+        let (loss_a, grads_a) = fused(config, &ids, &targets, 0.5);
+        let (loss_b, grads_b, shared) = fused_in_weight(config, &ids, &targets, 0.5);
+        assert_eq!(loss_a.to_bits(), loss_b.to_bits(), "{dtype:?}");
+        assert_eq!(
+            grads_a.keys().collect::<Vec<_>>(),
+            grads_b.keys().collect::<Vec<_>>()
+        );
+        for (name, a) in &grads_a {
+            let a: Vec<u64> = a.iter().map(|g| g.to_bits()).collect();
+            let b: Vec<u64> = grads_b[name].iter().map(|g| g.to_bits()).collect();
+            assert_eq!(a, b, "{dtype:?} {name}");
+        }
+        // f32 and f64 weights hold their gradient; a bf16 weight is too narrow for the f32
+        // gradient and keeps its own memory.
+        assert_eq!(shared, dtype != DType::BF16, "{dtype:?}");
+    }
+}

@@ -169,7 +169,18 @@ impl ParamGroup {
             let bucket = self.reduce_plan[bucket_index].clone();
             let dtype = buffer_dtype(bucket.dtype, &self.unit)?;
             let size = bucket.dtype.size_of();
+            let cached = pool.stats().cached_bytes;
             let mut input = pool.take(dtype, bucket.per_rank * shard_world);
+            if cached > 0 && pool.stats().cached_bytes == cached {
+                // The pool had no buffer of this size, so this one is new memory whose pages
+                // the copy-in is about to fault in. What the pool holds idle is of other sizes
+                // (blocks' buffers, last step's gradient shards), of no use to this unit: it
+                // goes back to the allocator first, so the copy-in does not stack on top of
+                // it. The root meets this every step when its gathered head weight holds the
+                // head's gradient (nn's `Gpt::keep_head_grad_in_gathered_weight`): its 200 MiB
+                // copy-in at GPT-2's vocabulary would otherwise be the rank's peak.
+                pool.release_cached();
+            }
             {
                 // Rank-major order, so the regions come in increasing order; slots of
                 // parameters without a gradient are zeroed by the writer.

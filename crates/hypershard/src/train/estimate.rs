@@ -5,27 +5,38 @@
 //! The formula (docs/cli.md, "Memory check") is an upper estimate of the largest terms, not
 //! an exact account. With `N = batch_size · block_size` tokens per micro-step, `P` parameters,
 //! `S` shards per parameter (the second number of `--mesh`), `L` layers of width `C` with `H`
-//! heads, vocabulary `V`, and `U` the parameters of the largest FSDP unit (a block, or the root
-//! with the embeddings):
+//! heads, vocabulary `V`, block size `T`, a block unit of `B = 12·C² + 13·C` parameters, the root unit of
+//! `R = V·C + T·C + 2·C` (the embeddings, ln_f), `p` and `r` the bytes of `--param-dtype` and
+//! `--reduce-dtype`:
 //!
 //! - state: `16·⌈P/S⌉` (f32 parameter shard, gradient shard, two AdamW moments), plus `4·P`
 //!   with `--eager-init` (the whole model is built before it is sharded);
-//! - communication buffers: `U·(2·p + 4 + r)` (the gathered unit and the one prefetched in
-//!   `--param-dtype` bytes `p`, the unsharded f32 gradient and its reduce-scatter input in
-//!   `--reduce-dtype` bytes `r`);
-//! - activations: `4·N·(18·C + H)` per block kept for backward (its inputs, q/k/v, the
-//!   attention output and its per-row log-sum-exp — the tiled attention never holds the
-//!   `T × T` probabilities —, the MLP's 4C hidden twice, the norms and residuals), for every
-//!   block, or with `--activation-checkpointing` `4·N·C` per block (its input) plus one block
-//!   recomputed; and one block's worth again for backward's gradients;
-//! - logits: the fused loss head's block of logits, `4·min(N·V, 2²³)`, and its gradients of
-//!   the head weight and the hidden states, `4·V·C + 4·N·C`, plus `2·4·N·C` embeddings;
+//! - the rest is taken at whichever of four moments holds the most, each term its size then:
+//!   1. forward, in a block: the root gathered and two blocks (`R·p + 2·B·p`), what the blocks
+//!      before kept, the embeddings;
+//!   2. the fused head: the root gathered, the kept activations, a block of at most 2²³ logits,
+//!      the head's gradients of its weight and the hidden states (`4·V·C + 4·N·C`), the
+//!      embeddings;
+//!   3. backward, in a block: the root less the head weight (with f32 parameters the weight's
+//!      memory holds the head's gradient from then on), this block and the next gathered, this
+//!      block's f32 gradients, the previous block's reduce-scatter input and output
+//!      (`(R − V·C)·p + B·(2·p + 4) + B·r + ⌈B/S⌉·r`); the kept activations, one block
+//!      recomputed (with checkpointing) and one block's gradients; the head's gradients;
+//!   4. the root's post-backward: its parameters freed, its other gradients, reduce-scatter
+//!      input and output (`(R − V·C)·4 + R·r + ⌈R/S⌉·r`), and the head's gradients;
+//!
+//!   where a block keeps `4·N·(18·C + H)` for backward (its inputs, q/k/v, the attention
+//!   output and its per-row log-sum-exp — the tiled attention never holds the `T × T`
+//!   probabilities —, the MLP's 4C hidden twice, the norms and residuals), or with
+//!   `--activation-checkpointing` `4·N·C` (its input);
 //! - data: 4 bytes per corpus token (ids in memory);
 //! - runtime: 64 MiB (code, thread stacks, allocator), and against an address-space limit
 //!   (`ulimit -v`) 1 GiB, which counts reserved rather than used memory.
 
 use crate::error::{Error, Result};
 use crate::launch::{MemoryLimit, human_bytes};
+
+use hypershard_tensor::DType;
 
 use super::config::TrainConfig;
 
@@ -45,7 +56,8 @@ pub struct MemoryEstimate {
     /// Parameter and gradient shards and optimizer moments (and the whole model at start-up
     /// with `--eager-init`).
     pub state: u64,
-    /// FSDP's all-gather and reduce-scatter buffers.
+    /// FSDP's all-gather and reduce-scatter buffers (the unsharded parameters and gradients),
+    /// at the moment of the largest sum of this and the next two terms.
     pub comm: u64,
     /// Activations kept for backward, and backward's gradients of one block.
     pub activations: u64,
@@ -151,28 +163,57 @@ pub fn estimate(config: &TrainConfig, data_tokens: u64) -> Result<MemoryEstimate
     let shards = product("training state", model_drivers, &[16, shard])?;
     let state = sum("training state", model_drivers, &[shards, eager])?;
 
-    // The largest unit: a block (12·C² + 13·C with biases) or the root (embeddings, ln_f).
-    let block_params = sum(
+    // The units: a block (12·C² + 13·C with biases) and the root (the embeddings, ln_f), of
+    // which the tied token embedding, the head weight, is `V·C`.
+    let comm_drivers = model_drivers;
+    let block = sum(
         "communication buffers",
-        model_drivers,
+        comm_drivers,
         &[
-            product("communication buffers", model_drivers, &[12, c, c])?,
-            product("communication buffers", model_drivers, &[13, c])?,
+            product("communication buffers", comm_drivers, &[12, c, c])?,
+            product("communication buffers", comm_drivers, &[13, c])?,
         ],
     )?;
-    let root_params = sum(
+    let head = product("communication buffers", comm_drivers, &[v, c])?;
+    let root = sum(
         "communication buffers",
-        model_drivers,
+        comm_drivers,
         &[
-            product("communication buffers", model_drivers, &[v, c])?,
-            product("communication buffers", model_drivers, &[t, c])?,
-            product("communication buffers", model_drivers, &[2, c])?,
+            head,
+            product("communication buffers", comm_drivers, &[t, c])?,
+            product("communication buffers", comm_drivers, &[2, c])?,
         ],
     )?;
-    let unit = block_params.max(root_params);
-    let per_param =
-        2 * as_u64(config.param_dtype.size_of()) + 4 + as_u64(config.reduce_dtype.size_of());
-    let comm = product("communication buffers", model_drivers, &[unit, per_param])?;
+    let p = as_u64(config.param_dtype.size_of());
+    let r = as_u64(config.reduce_dtype.size_of());
+    // From the fused head to the root's post-backward the head's f32 weight gradient lives in
+    // the memory of the gathered weight when that has the same width (f32 parameters).
+    let head_in_weight = if config.param_dtype == DType::F32 {
+        head
+    } else {
+        0
+    };
+    let comm_term = |parts: &[(u64, u64)]| -> Result<u64> {
+        let bytes = parts
+            .iter()
+            .map(|&(n, size)| product("communication buffers", comm_drivers, &[n, size]))
+            .collect::<Result<Vec<u64>>>()?;
+        sum("communication buffers", comm_drivers, &bytes)
+    };
+    // Forward: the root gathered all along, a block gathered and the next one prefetched.
+    let comm_forward = comm_term(&[(root, p), (block, 2 * p)])?;
+    // Backward, in a block: the root (less the head weight once it holds the gradient), this
+    // block and the next gathered, this block's f32 gradients, and the previous block's
+    // reduce-scatter input and output still in flight.
+    let comm_backward = comm_term(&[
+        (root - head_in_weight, p),
+        (block, 2 * p + 4),
+        (block, r),
+        (block.div_ceil(s), r),
+    ])?;
+    // The root's post-backward: its gradients besides the head's (a term of its own), its
+    // reduce-scatter input and output; its parameters were freed just before.
+    let comm_root_reduce = comm_term(&[(root - head, 4), (root, r), (root.div_ceil(s), r)])?;
 
     let tokens = product("activations", batch_drivers, &[b, t])?;
     let per_token_block = sum(
@@ -182,26 +223,66 @@ pub fn estimate(config: &TrainConfig, data_tokens: u64) -> Result<MemoryEstimate
     )?;
     let block_full = product("activations", batch_drivers, &[4, tokens, per_token_block])?;
     let kept = if config.activation_checkpointing {
-        // Each block's input, and one block recomputed in full during backward.
-        let inputs = product("activations", batch_drivers, &[4, tokens, c, l])?;
-        sum("activations", batch_drivers, &[inputs, block_full])?
+        // Each block's input, and in backward one block recomputed in full.
+        product("activations", batch_drivers, &[4, tokens, c, l])?
     } else {
         product("activations", batch_drivers, &[block_full, l])?
     };
-    let activations = sum("activations", batch_drivers, &[kept, block_full])?;
+    let recomputed = if config.activation_checkpointing {
+        block_full
+    } else {
+        0
+    };
+    // In backward: what forward kept, a recomputed block, and one block's gradients.
+    let activations_backward = sum(
+        "activations",
+        batch_drivers,
+        &[kept, recomputed, block_full],
+    )?;
 
     // The lm_head and the loss run fused over blocks of at most 2^23 logits (nn's
-    // `fused_loss.rs`); the block never exceeds the whole logits.
+    // `fused_loss.rs`); the block never exceeds the whole logits. The embeddings and the
+    // final hidden state are `[N, C]` each; the head's gradients are the weight's `[V, C]`
+    // and the hidden state's `[N, C]`.
     let logit_block = product("logits", batch_drivers, &[tokens, v])?.min(FUSED_LOSS_BLOCK);
-    let logits = sum(
+    let embeddings = product("logits", batch_drivers, &[8, tokens, c])?;
+    let head_grads = sum(
+        "logits",
+        batch_drivers,
+        &[
+            product("logits", model_drivers, &[4, v, c])?,
+            product("logits", batch_drivers, &[4, tokens, c])?,
+        ],
+    )?;
+    let logits_head = sum(
         "logits",
         batch_drivers,
         &[
             product("logits", batch_drivers, &[4, logit_block])?,
-            product("logits", model_drivers, &[4, v, c])?,
-            product("logits", batch_drivers, &[12, tokens, c])?,
+            head_grads,
+            embeddings,
         ],
     )?;
+    let logits_backward = sum("logits", batch_drivers, &[head_grads, embeddings])?;
+
+    // The rank's peak is at one of four moments; each term is its size at the moment whose
+    // sum is largest (docs/cli.md, "Memory check").
+    let phases = [
+        // In forward, before the head.
+        (comm_forward, kept, embeddings),
+        // The fused head: every block resharded, nothing prefetched.
+        (comm_term(&[(root, p)])?, kept, logits_head),
+        (comm_backward, activations_backward, logits_backward),
+        (comm_root_reduce, 0, head_grads),
+    ];
+    let mut peak = phases[0];
+    for phase in phases {
+        let total = sum("memory", batch_drivers, &[phase.0, phase.1, phase.2])?;
+        if total > sum("memory", batch_drivers, &[peak.0, peak.1, peak.2])? {
+            peak = phase;
+        }
+    }
+    let (comm, activations, logits) = peak;
     let data = product(
         "corpus",
         || format!("--data ({data_tokens} tokens)"),
@@ -350,37 +431,76 @@ mod tests {
         let e = estimate(&small, 1000).unwrap();
         let params = small.model.parameter_count().unwrap() as u64;
         assert_eq!(e.state, 16 * params.div_ceil(2));
-        // A block (12·64² + 13·64) is larger than the root (256·64 + 64·64 + 2·64); f32
-        // everywhere: 16 B per parameter of it.
-        let block_unit = 12 * 64 * 64 + 13 * 64;
-        assert!(block_unit > 256 * 64 + 64 * 64 + 128);
-        assert_eq!(e.comm, block_unit * 16);
+        let (block, head) = (12 * 64 * 64 + 13 * 64, 256 * 64);
+        let root = head + 64 * 64 + 2 * 64;
         let n = 8 * 64;
-        let block = 4 * n * (18 * 64 + 4);
-        assert_eq!(e.activations, 4 * block + block);
-        assert_eq!(e.logits, 4 * n * 256 + 4 * 256 * 64 + 12 * n * 64);
+        let block_acts = 4 * n * (18 * 64 + 4);
+        let head_grads = 4 * 256 * 64 + 4 * n * 64;
+        let embeddings = 8 * n * 64;
+        // Activations dominate this model: the peak is in backward, inside a block. In f32:
+        // the root less the head weight (it holds its gradient now), this block and the next
+        // gathered, this block's gradients, the previous block's reduce-scatter input and
+        // output (its shard).
+        let in_block = |p: u64, r: u64, root_held: u64| {
+            root_held * p + block * (2 * p + 4) + block * r + block.div_ceil(2) * r
+        };
+        assert_eq!(e.comm, in_block(4, 4, root - head));
+        // Every block's activations kept, and one block's gradients.
+        assert_eq!(e.activations, 4 * block_acts + block_acts);
+        assert_eq!(e.logits, head_grads + embeddings);
         assert_eq!(e.data, 4000);
         // Checkpointing keeps only each block's input, plus one block recomputed.
         let mut checkpointed = small.clone();
         checkpointed.activation_checkpointing = true;
         let c = estimate(&checkpointed, 1000).unwrap();
-        assert_eq!(c.activations, 4 * n * 64 * 4 + 2 * block);
-        // bf16 gathers and reductions: 2·2 + 4 + 2 bytes per unit parameter.
+        assert_eq!(c.activations, 4 * n * 64 * 4 + 2 * block_acts);
+        assert_eq!(c.comm, e.comm);
+        // bf16 gathers and reductions: a 2-byte head weight cannot hold its f32 gradient, so
+        // the whole root stays gathered through backward.
         let mut mixed = small.clone();
         mixed.param_dtype = DType::BF16;
         mixed.reduce_dtype = DType::BF16;
-        assert_eq!(estimate(&mixed, 1000).unwrap().comm, block_unit * 10);
-        // With a large vocabulary the root (the embeddings) is the largest unit.
+        assert_eq!(estimate(&mixed, 1000).unwrap().comm, in_block(2, 2, root));
+        // With a large vocabulary the fused head is the peak: the root gathered, every block
+        // resharded and its activations kept, a block of logits and the head's gradients.
         let mut wide_vocab = config("small", 8);
         wide_vocab.model.vocab_size = 50_304;
+        let wide = estimate(&wide_vocab, 1000).unwrap();
+        assert_eq!(wide.comm, (50_304 * 64 + 64 * 64 + 128) * 4);
+        assert_eq!(wide.activations, 4 * block_acts);
         assert_eq!(
-            estimate(&wide_vocab, 1000).unwrap().comm,
-            (50_304 * 64 + 64 * 64 + 128) * 16
+            wide.logits,
+            4 * (1 << 23) + 4 * 50_304 * 64 + 4 * n * 64 + embeddings
         );
         // --eager-init builds the whole model (4 B a parameter) before sharding it.
         let mut eager = small;
         eager.eager_init = true;
         assert_eq!(estimate(&eager, 1000).unwrap().state, e.state + 4 * params);
+    }
+
+    #[test]
+    fn the_demonstration_fits_its_budget() {
+        // 354 M parameters (vocab 50304, 24 blocks of width 1024, context 256) over 8 ranks,
+        // batch 1, activation checkpointing: under 1.25 GiB a rank, as measured (benches
+        // memory --demo), with the corpus of data/shakespeare.txt.
+        let mut demo = config("small", 1);
+        demo.model.vocab_size = 50_304;
+        demo.model.block_size = 256;
+        demo.model.n_layer = 24;
+        demo.model.n_head = 16;
+        demo.model.n_embd = 1024;
+        demo.mesh = MeshSpec::parse("8").unwrap();
+        demo.activation_checkpointing = true;
+        let e = estimate(&demo, 1_115_394).unwrap();
+        let limit = MemoryLimit {
+            bytes: 1280 << 20,
+            source: LimitSource::MaxRankMemory,
+            address_space: false,
+        };
+        check_fits(&demo, &e, &[limit]).unwrap();
+        // The state alone is 675 MiB; the root's 196 MiB head weight is held once.
+        assert_eq!(e.state, 16 * 354_084_864u64.div_ceil(8));
+        assert!(e.terms() + RUNTIME_BYTES > 1150 << 20, "{e:?}");
     }
 
     #[test]
