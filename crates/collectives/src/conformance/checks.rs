@@ -36,20 +36,20 @@ pub fn check_async_ordering(comm: &dyn Communicator) -> Result<usize, Conformanc
             });
         }
     }
-    checker.expect(case3, &out3, DType::I64, 17, |i| {
+    checker.check_elements(case3, &out3, DType::I64, 17, |i| {
         reduced(ReduceOp::Max, DType::I64, size, i)
     })?;
     let case2 = checker.case(OpKind::Broadcast, dtype, None, 9);
     let out2 = w2.wait().map_err(checker.comm_err(case2))?;
-    checker.expect(case2, &out2, dtype, 9, |i| value(size - 1, i))?;
+    checker.check_elements(case2, &out2, dtype, 9, |i| value(size - 1, i))?;
     let case1 = checker.case(OpKind::AllGather, dtype, None, 5);
     let out1 = w1.wait().map_err(checker.comm_err(case1))?;
-    checker.expect(case1, &out1.output, dtype, 5 * size, |i| {
+    checker.check_elements(case1, &out1.output, dtype, 5 * size, |i| {
         value(i / 5, i % 5)
     })?;
     let case0 = checker.case(OpKind::AllReduce, dtype, Some(ReduceOp::Sum), 33);
     let out0 = w0.wait().map_err(checker.comm_err(case0))?;
-    checker.expect(case0, &out0, dtype, 33, |i| {
+    checker.check_elements(case0, &out0, dtype, 33, |i| {
         reduced(ReduceOp::Sum, dtype, size, i)
     })?;
     Ok(checker.cases)
@@ -105,7 +105,7 @@ pub fn check_split_concurrent(comm: &dyn Communicator) -> Result<usize, Conforma
         let out = comm
             .all_reduce(buffer(DType::F64, 64, |i| value(rank, i)), ReduceOp::Sum)
             .map_err(checker.comm_err(parent_case))?;
-        checker.expect(parent_case, &out, DType::F64, 64, |i| {
+        checker.check_elements(parent_case, &out, DType::F64, 64, |i| {
             reduced(ReduceOp::Sum, DType::F64, size, i)
         })?;
         return Ok(checker.cases);
@@ -140,12 +140,12 @@ pub fn check_split_concurrent(comm: &dyn Communicator) -> Result<usize, Conforma
     let child_out = child_work.wait().map_err(checker.comm_err(child_case))?;
     let member_sum: f64 = members.iter().map(|&r| (r * 1000) as f64).sum();
     let count = members.len() as f64;
-    checker.expect(child_case, &child_out, DType::F64, 4099, |i| {
+    checker.check_elements(child_case, &child_out, DType::F64, 4099, |i| {
         member_sum + count * i as f64
     })?;
     let parent_case = checker.case(OpKind::AllReduce, DType::F64, Some(ReduceOp::Sum), 64);
     let parent_out = parent_work.wait().map_err(checker.comm_err(parent_case))?;
-    checker.expect(parent_case, &parent_out, DType::F64, 64, |i| {
+    checker.check_elements(parent_case, &parent_out, DType::F64, 64, |i| {
         reduced(ReduceOp::Sum, DType::F64, size, i)
     })?;
     Ok(checker.cases)

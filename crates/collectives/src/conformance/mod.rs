@@ -339,7 +339,7 @@ impl Checker<'_> {
     }
 
     /// Compares `got` with `expected(i)` for every element.
-    fn expect(
+    fn check_elements(
         &mut self,
         case: Case,
         got: &Buffer,
@@ -411,7 +411,7 @@ impl Checker<'_> {
         }
         let out = result.map_err(self.comm_err(case))?;
         let size = self.size;
-        self.expect(case, &out, dtype, n, |i| reduced(op, dtype, size, i))
+        self.check_elements(case, &out, dtype, n, |i| reduced(op, dtype, size, i))
     }
 
     fn reduce(&mut self, dtype: DType, op: ReduceOp, n: usize) -> Check {
@@ -426,10 +426,10 @@ impl Checker<'_> {
         }
         let out = result.map_err(self.comm_err(case))?;
         if rank == root {
-            self.expect(case, &out, dtype, n, |i| reduced(op, dtype, size, i))
+            self.check_elements(case, &out, dtype, n, |i| reduced(op, dtype, size, i))
         } else {
             let round = |v: f64| HostBuffer::from_f64(dtype, &[v]).to_f64_vec()[0];
-            self.expect(case, &out, dtype, n, |i| round(input_value(op, rank, i)))
+            self.check_elements(case, &out, dtype, n, |i| round(input_value(op, rank, i)))
         }
     }
 
@@ -442,7 +442,7 @@ impl Checker<'_> {
             return self.expect_unsupported(case, result);
         }
         let pair = result.map_err(self.comm_err(case))?;
-        self.expect(case, &pair.output, dtype, m, |i| {
+        self.check_elements(case, &pair.output, dtype, m, |i| {
             reduced(op, dtype, size, rank * m + i)
         })
     }
@@ -464,7 +464,7 @@ impl Checker<'_> {
             return self.expect_unsupported(case, result);
         }
         let pair = result.map_err(self.comm_err(case))?;
-        self.expect(case, &pair.output, dtype, counts[rank], |i| {
+        self.check_elements(case, &pair.output, dtype, counts[rank], |i| {
             reduced(op, dtype, size, offset + i)
         })
     }
@@ -479,10 +479,10 @@ impl Checker<'_> {
                 Buffer::zeros(dtype, size * n),
             )
             .map_err(self.comm_err(case))?;
-        self.expect(case, &pair.output, dtype, size * n, |i| {
+        self.check_elements(case, &pair.output, dtype, size * n, |i| {
             value(i / n.max(1), i % n.max(1))
         })?;
-        self.expect(case, &pair.input, dtype, n, |i| value(rank, i))
+        self.check_elements(case, &pair.input, dtype, n, |i| value(rank, i))
     }
 
     fn all_gather_v(&mut self, dtype: DType, n: usize) -> Check {
@@ -500,7 +500,7 @@ impl Checker<'_> {
             )
             .map_err(self.comm_err(case))?;
         let owner = |i: usize| offsets.iter().rposition(|&o| o <= i).unwrap_or(0);
-        self.expect(case, &pair.output, dtype, total, |i| {
+        self.check_elements(case, &pair.output, dtype, total, |i| {
             // The last block starting at or before `i` that is non-empty owns element `i`.
             let mut r = owner(i);
             while counts[r] == 0 && r > 0 {
@@ -524,7 +524,7 @@ impl Checker<'_> {
             .comm
             .broadcast(input, root)
             .map_err(self.comm_err(case))?;
-        self.expect(case, &out, dtype, n, |i| value(root, i))
+        self.check_elements(case, &out, dtype, n, |i| value(root, i))
     }
 
     fn gather(&mut self, dtype: DType, n: usize) -> Check {
@@ -540,7 +540,7 @@ impl Checker<'_> {
                 root,
             )
             .map_err(self.comm_err(case))?;
-        self.expect(case, &pair.output, dtype, out_len, |i| {
+        self.check_elements(case, &pair.output, dtype, out_len, |i| {
             value(i / n.max(1), i % n.max(1))
         })
     }
@@ -559,7 +559,7 @@ impl Checker<'_> {
             .comm
             .scatter(input, Buffer::zeros(dtype, n), root)
             .map_err(self.comm_err(case))?;
-        self.expect(case, &pair.output, dtype, n, |i| value(rank, i))
+        self.check_elements(case, &pair.output, dtype, n, |i| value(rank, i))
     }
 
     fn all_to_all(&mut self, dtype: DType, n: usize) -> Check {
@@ -575,7 +575,7 @@ impl Checker<'_> {
             .all_to_all(input, Buffer::zeros(dtype, size * n))
             .map_err(self.comm_err(case))?;
         // Block r element i of the output came from rank r's block `rank`.
-        self.expect(case, &pair.output, dtype, size * n, |k| {
+        self.check_elements(case, &pair.output, dtype, size * n, |k| {
             value(k / block, 5 * rank + k % block)
         })
     }
@@ -608,7 +608,7 @@ impl Checker<'_> {
                 AllToAllCounts { send, recv },
             )
             .map_err(self.comm_err(case))?;
-        self.expect(case, &pair.output, dtype, total, |i| expected[i])
+        self.check_elements(case, &pair.output, dtype, total, |i| expected[i])
     }
 
     /// The strided all-to-all: every rank holds `n` rows of `size × width` columns plus
@@ -652,7 +652,7 @@ impl Checker<'_> {
             .map_err(self.comm_err(case))?;
         // Element k of the block from rank i is rank i's row k / width, column
         // offsets[rank] + k % width.
-        self.expect(case, &pair.output, dtype, size * block, |k| {
+        self.check_elements(case, &pair.output, dtype, size * block, |k| {
             let (from, k) = (k / block.max(1), k % block.max(1));
             strided_value(from, (k / width) * stride + offsets[rank] + k % width)
         })
@@ -670,8 +670,8 @@ impl Checker<'_> {
         let received = self.comm.recv_async(Buffer::zeros(dtype, n), from, 7);
         let received = received.wait().map_err(self.comm_err(case))?;
         let sent = sent.wait().map_err(self.comm_err(case))?;
-        self.expect(case, &received, dtype, n, |i| value(from, i))?;
-        self.expect(case, &sent, dtype, n, |i| value(rank, i))
+        self.check_elements(case, &received, dtype, n, |i| value(from, i))?;
+        self.check_elements(case, &sent, dtype, n, |i| value(rank, i))
     }
 }
 

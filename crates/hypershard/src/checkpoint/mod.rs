@@ -38,6 +38,4 @@ pub use writer::{
 };
 
 #[cfg(test)]
-mod path_tests;
-#[cfg(test)]
 mod tests;

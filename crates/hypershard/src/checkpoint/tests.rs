@@ -1,5 +1,7 @@
 //! Save at one layout, load at another; crashes mid-save; config checks; export.
 
+mod paths;
+
 use std::path::PathBuf;
 
 use hypershard_tensor::{DType, Tensor};

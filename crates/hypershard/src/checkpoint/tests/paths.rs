@@ -8,7 +8,7 @@ use std::time::Duration;
 use hypershard_tensor::Tensor;
 use serde_json::json;
 
-use super::*;
+use crate::checkpoint::*;
 use crate::error::Error;
 
 fn scratch(test: &str) -> PathBuf {
