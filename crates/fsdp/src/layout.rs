@@ -167,6 +167,58 @@ impl ShardLayout {
         Ok(true)
     }
 
+    /// The inverse of [`compact_in_place`](Self::compact_in_place): `bytes` starts with the
+    /// whole parameter (`world` blocks of `block_bytes` in all), and each rank's shard is moved
+    /// up to the start of its block, its padding zeroed, so the buffer is this parameter's
+    /// part of a reduce-scatter input. Rank 0's piece does not move. Returns `false`, leaving
+    /// `bytes` alone, where compaction would have: the shard dim is not 0 or the shards are not
+    /// a prefix of the padded slots.
+    ///
+    /// The rest of every block (other members' slots) is left as it was, for the caller to
+    /// write.
+    pub fn expand_in_place(
+        &self,
+        bytes: &mut [u8],
+        block_bytes: usize,
+        element: usize,
+    ) -> Result<bool> {
+        if self.dim != 0 {
+            return Ok(false);
+        }
+        let padded = self.span(0)?.padded_len;
+        for index in 0..self.world {
+            let span = self.span(index)?;
+            if span.len > 0 && span.offset != index * padded {
+                return Ok(false);
+            }
+        }
+        let slot = self.slot_numel()? * element;
+        let fits = block_bytes >= slot
+            && block_bytes
+                .checked_mul(self.world)
+                .is_some_and(|total| total <= bytes.len());
+        if !fits {
+            return Err(crate::error::FsdpError::BufferLength {
+                op: "reduce-scatter expansion",
+                expected: block_bytes.saturating_mul(self.world),
+                actual: bytes.len(),
+            });
+        }
+        let row = self.others() * element;
+        // Moving up in falling rank order never overwrites a shard not yet moved: shard `r`
+        // sits in `[r·slot, r·slot + len)` and lands at `r·block_bytes`, at or above where it
+        // was and above every lower rank's shard, which ends by `r·slot`.
+        for index in (0..self.world).rev() {
+            let len = self.span(index)?.len * row;
+            let to = index * block_bytes;
+            if index > 0 {
+                bytes.copy_within(index * slot..index * slot + len, to);
+            }
+            bytes[to + len..to + slot].fill(0);
+        }
+        Ok(true)
+    }
+
     /// Writes shard `index` from its padded slot (of `dtype`) into `target`, a tensor of the
     /// shard's shape: copied over it (`accumulate = false`, every element is written) or added
     /// into it, cast to `target`'s dtype either way.
@@ -273,6 +325,45 @@ mod tests {
     }
 
     #[test]
+    fn expansion_lays_the_parameter_out_as_rank_blocks() -> Result<()> {
+        // Each rank's block must start with what packing that rank's shard gives (padding
+        // zeroed); the rest of a block is another member's place, written by the caller.
+        for (rows, world) in [(7usize, 4usize), (8, 2), (1, 3), (5, 4), (6, 1)] {
+            let layout = ShardLayout {
+                shape: vec![rows, 3],
+                dim: 0,
+                world,
+            };
+            let full =
+                Tensor::from_vec((0..rows * 3).map(|v| v as f32 + 1.0).collect(), &[rows, 3])?;
+            let slot = layout.slot_numel()? * 4;
+            let block = slot + 20;
+            let mut bytes = vec![0xEEu8; block * world];
+            bytes[..rows * 12].copy_from_slice(&full.to_bytes()?);
+            assert!(layout.expand_in_place(&mut bytes, block, 4)?);
+            for r in 0..world {
+                let mut expected = vec![0u8; slot];
+                layout.pack_from_full(&full, r, DType::F32, &mut expected)?;
+                assert_eq!(
+                    &bytes[r * block..r * block + slot],
+                    &expected[..],
+                    "{rows} rows, world {world}, rank {r}"
+                );
+            }
+            // Compacting again gives the parameter back.
+            assert!(layout.compact_in_place(&mut bytes, block, 4)?);
+            assert_eq!(&bytes[..rows * 12], &full.to_bytes()?[..]);
+        }
+        let short = ShardLayout {
+            shape: vec![4, 2],
+            dim: 0,
+            world: 2,
+        };
+        assert!(short.expand_in_place(&mut [0u8; 24], 12, 4).is_err());
+        Ok(())
+    }
+
+    #[test]
     fn compaction_leaves_the_parameter_as_the_prefix() -> Result<()> {
         // 7 rows of 3 over 4 ranks (chunks of 2: 2, 2, 2, 1), each rank block holding the
         // slot followed by 5 bytes of another member.
@@ -303,6 +394,14 @@ mod tests {
             );
         }
         // Dim-1 shards are not a prefix; a block shorter than the slot is an error.
+        assert!(
+            !ShardLayout {
+                shape: vec![2, 4],
+                dim: 1,
+                world: 2
+            }
+            .expand_in_place(&mut [0u8; 64], 32, 4)?
+        );
         let dim1 = ShardLayout {
             shape: vec![2, 4],
             dim: 1,

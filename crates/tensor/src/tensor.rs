@@ -313,6 +313,38 @@ impl Tensor {
         }
     }
 
+    /// The 1-D tensor over the whole of this tensor's storage, sharing it, when this tensor is
+    /// a contiguous prefix of that storage (offset 0) whose length is a whole number of
+    /// elements; otherwise the tensor comes back unchanged. No reference is added: with the
+    /// last view consumed, [`try_into_host_buffer`](Self::try_into_host_buffer) of the result
+    /// hands the memory on. FSDP uses it to turn a gradient that was accumulated into the
+    /// prefix of a gathered buffer back into that buffer.
+    ///
+    /// ```
+    /// use hypershard_tensor::{DType, Tensor};
+    /// let base = Tensor::arange(6, DType::F32)?;
+    /// let prefix = base.narrow(0, 0, 4)?.view(&[2, 2])?;
+    /// drop(base);
+    /// let whole = prefix.into_whole_storage().map_err(|_| hypershard_tensor::Error::EmptyInput { op: "doc" })?;
+    /// assert_eq!(whole.to_vec::<f32>()?, vec![0.0, 1.0, 2.0, 3.0, 4.0, 5.0]);
+    /// # Ok::<(), hypershard_tensor::Error>(())
+    /// ```
+    pub fn into_whole_storage(self) -> std::result::Result<Tensor, Tensor> {
+        let bytes = self.storage.read().len();
+        let size = self.dtype.size_of();
+        if self.offset != 0 || !self.is_contiguous() || size == 0 || bytes % size != 0 {
+            return Err(self);
+        }
+        let numel = bytes / size;
+        Ok(Tensor {
+            strides: contiguous_strides(&[numel]),
+            shape: vec![numel],
+            offset: 0,
+            dtype: self.dtype,
+            storage: self.storage,
+        })
+    }
+
     /// A tensor of zeros.
     ///
     /// ```
@@ -541,6 +573,36 @@ mod tests {
     use half::{bf16, f16};
 
     use super::*;
+
+    #[test]
+    fn a_prefix_view_widens_to_its_whole_storage_and_nothing_else_does() -> Result<()> {
+        let base = Tensor::arange(12, DType::F32)?;
+        // A prefix, reshaped: widens, shares, and hands the buffer on once it is the last view.
+        let prefix = base.narrow(0, 0, 6)?.view(&[2, 3])?;
+        prefix.fill_(-1.0)?;
+        drop(base);
+        let whole = prefix
+            .into_whole_storage()
+            .map_err(|_| Error::EmptyInput { op: "test" })?;
+        assert_eq!(whole.shape(), &[12]);
+        let mut expected = vec![-1.0f32; 6];
+        expected.extend((6..12).map(|v| v as f32));
+        assert_eq!(whole.to_vec::<f32>()?, expected);
+        let buffer = whole
+            .try_into_host_buffer()
+            .map_err(|_| Error::EmptyInput { op: "test" })?;
+        assert_eq!(buffer.len(), 48);
+        // Not at offset 0, or not contiguous: the tensor comes back as it was.
+        let base = Tensor::arange(12, DType::F32)?;
+        let tail = base.narrow(0, 2, 4)?;
+        let tail = tail
+            .into_whole_storage()
+            .expect_err("offset 2 is no prefix");
+        assert_eq!(tail.to_vec::<f32>()?, vec![2.0, 3.0, 4.0, 5.0]);
+        let columns = base.view(&[3, 4])?.narrow(1, 0, 2)?;
+        assert!(columns.into_whole_storage().is_err());
+        Ok(())
+    }
 
     #[test]
     fn constructors_fill_values() -> Result<()> {

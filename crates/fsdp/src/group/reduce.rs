@@ -16,7 +16,7 @@ use crate::bucket::{BucketPlan, SlotWriter};
 use crate::config::GradReduceOp;
 use crate::error::Result;
 use crate::param::ParamRole;
-use hypershard_dtensor::bridge::fill_zero;
+use hypershard_dtensor::bridge::{fill_zero, reclaim_buffer};
 
 impl ParamGroup {
     fn reduce_scatter_op(&self) -> ReduceOp {
@@ -116,7 +116,7 @@ impl ParamGroup {
         }
         let pending = if sync {
             self.reduce_in_flight = true;
-            Some(self.issue_reductions(&grads)?)
+            Some(self.issue_reductions(&mut grads)?)
         } else {
             for (param, grad) in self.params.iter_mut().zip(grads) {
                 if grad.is_some() {
@@ -154,7 +154,63 @@ impl ParamGroup {
         Ok((target, fresh))
     }
 
-    fn issue_reductions(&mut self, grads: &[Option<Tensor>]) -> Result<PendingReduce> {
+    /// The reduce-scatter input made in place from the buffer that `grad`, the gradient of
+    /// `bucket`'s first member, is the prefix of: when that buffer is exactly the input's size
+    /// and dtype, nothing else holds it, and the member's shards are a prefix layout, its
+    /// shards are moved to their rank blocks ([`ShardLayout::expand_in_place`]) and the buffer
+    /// is returned, `grad` taken. Otherwise `grad` is left as it was and `None` returned.
+    ///
+    /// [`ShardLayout::expand_in_place`]: crate::layout::ShardLayout::expand_in_place
+    fn input_from_gathered(
+        &self,
+        bucket: &BucketPlan,
+        grad: &mut Option<Tensor>,
+        shard_world: usize,
+    ) -> Result<Option<Buffer>> {
+        let Some(&first) = bucket.members.first() else {
+            return Ok(None);
+        };
+        let layout = &self.params[first].layout;
+        let size = bucket.dtype.size_of();
+        let fits = grad.as_ref().is_some_and(|g| {
+            g.dtype() == bucket.dtype
+                && g.shape() == layout.shape.as_slice()
+                && layout.dim == 0
+                && layout.world == shard_world
+                && g.storage().read().len() == bucket.per_rank * shard_world * size
+        });
+        if !fits {
+            return Ok(None);
+        }
+        let Some(taken) = grad.take() else {
+            return Ok(None);
+        };
+        let shape = taken.shape().to_vec();
+        let numel = taken.numel();
+        let whole = match taken.into_whole_storage() {
+            Ok(whole) => whole,
+            Err(taken) => {
+                *grad = Some(taken);
+                return Ok(None);
+            }
+        };
+        let mut buffer = match reclaim_buffer(whole)? {
+            Ok(buffer) => buffer,
+            Err(whole) => {
+                *grad = Some(whole.narrow(0, 0, numel)?.view(&shape)?);
+                return Ok(None);
+            }
+        };
+        let bytes = host_bytes_mut(&mut buffer, "reduce-scatter copy-in")?;
+        if layout.expand_in_place(bytes, bucket.per_rank * size, size)? {
+            return Ok(Some(buffer));
+        }
+        let whole = self.mesh.pool().adopt(buffer, bucket.dtype)?;
+        *grad = Some(whole.narrow(0, 0, numel)?.view(&shape)?);
+        Ok(None)
+    }
+
+    fn issue_reductions(&mut self, grads: &mut [Option<Tensor>]) -> Result<PendingReduce> {
         let mut targets = HashMap::new();
         let shard_comm = self.mesh.shard().clone();
         let shard_world = shard_comm.size();
@@ -169,9 +225,23 @@ impl ParamGroup {
             let bucket = self.reduce_plan[bucket_index].clone();
             let dtype = buffer_dtype(bucket.dtype, &self.unit)?;
             let size = bucket.dtype.size_of();
+            // The gradient of the bucket's first member may already live in a buffer of the
+            // input's size: the gathered buffer its parameter was a prefix of, when the model
+            // accumulated the gradient there (nn's `Gpt::keep_head_grad_in_gathered_weight`).
+            // That buffer is the input then, with no new memory and no copy of that member.
+            let gathered = match grads.get_mut(bucket.members[0]) {
+                Some(grad) if bucket.offsets.first() == Some(&0) => {
+                    self.input_from_gathered(&bucket, grad, shard_world)?
+                }
+                _ => None,
+            };
+            let in_place = gathered.is_some();
             let cached = pool.stats().cached_bytes;
-            let mut input = pool.take(dtype, bucket.per_rank * shard_world);
-            if cached > 0 && pool.stats().cached_bytes == cached {
+            let mut input = match gathered {
+                Some(buffer) => buffer,
+                None => pool.take(dtype, bucket.per_rank * shard_world),
+            };
+            if !in_place && cached > 0 && pool.stats().cached_bytes == cached {
                 // The pool had no buffer of this size, so this one is new memory whose pages
                 // the copy-in is about to fault in. What the pool holds idle is of other sizes
                 // (blocks' buffers, last step's gradient shards), of no use to this unit: it
@@ -187,13 +257,20 @@ impl ParamGroup {
                 let mut writer =
                     SlotWriter::new(host_bytes_mut(&mut input, "reduce-scatter copy-in")?);
                 for rank in 0..shard_world {
-                    for (&member, &offset) in bucket.members.iter().zip(&bucket.offsets) {
+                    for (position, (&member, &offset)) in
+                        bucket.members.iter().zip(&bucket.offsets).enumerate()
+                    {
                         let param = &self.params[member];
+                        let slot_len = param.layout.slot_numel()? * size;
+                        let start = (rank * bucket.per_rank + offset) * size;
+                        if in_place && position == 0 {
+                            // Already in its place: claim the region so it is not zeroed.
+                            writer.region(start, slot_len, "reduce-scatter copy-in")?;
+                            continue;
+                        }
                         let Some(grad) = &grads[member] else {
                             continue;
                         };
-                        let slot_len = param.layout.slot_numel()? * size;
-                        let start = (rank * bucket.per_rank + offset) * size;
                         param.layout.pack_from_full(
                             grad,
                             rank,
