@@ -261,11 +261,13 @@ const COLLECTIVES_LAYERS: &[(&str, &[&str])] = &[
             "communicator",
             "config",
             "counter",
+            "device_buffer",
             "dtype",
             "engine",
             "env",
             "error",
             "frame_key",
+            "location",
             "op",
             "progress",
             "reduce",
@@ -458,4 +460,121 @@ mod tests {
             (1, "e".to_string())
         ]
     );
+}
+
+/// The import graph between the top-level modules (a file or a folder) of the crate whose
+/// source folder is `src`: `module → modules it imports from`, from `use crate::…` lines.
+fn module_graph(
+    src: &Path,
+) -> std::collections::BTreeMap<String, std::collections::BTreeSet<String>> {
+    let mut graph = std::collections::BTreeMap::<String, std::collections::BTreeSet<String>>::new();
+    let files: Vec<(String, String)> = sources()
+        .into_iter()
+        .filter_map(|path| {
+            let inside = path
+                .strip_prefix(src)
+                .ok()?
+                .to_string_lossy()
+                .replace('\\', "/");
+            let text = std::fs::read_to_string(&path).ok()?;
+            Some((inside, text))
+        })
+        .collect();
+    for (inside, _) in &files {
+        let own = inside
+            .split('/')
+            .next()
+            .unwrap_or_default()
+            .trim_end_matches(".rs");
+        if own != "lib" && own != "main" {
+            graph.entry(own.to_string()).or_default();
+        }
+    }
+    for (inside, text) in &files {
+        let own = inside
+            .split('/')
+            .next()
+            .unwrap_or_default()
+            .trim_end_matches(".rs");
+        if !graph.contains_key(own) || inside.ends_with("/tests.rs") {
+            continue;
+        }
+        let imported: Vec<String> = crate_imports(text)
+            .into_iter()
+            .map(|(_, module)| module)
+            .filter(|module| module != own && graph.contains_key(module))
+            .collect();
+        graph.entry(own.to_string()).or_default().extend(imported);
+    }
+    graph
+}
+
+/// One import cycle of `graph` (`a → b → … → a`), if it has any.
+fn find_cycle(
+    graph: &std::collections::BTreeMap<String, std::collections::BTreeSet<String>>,
+) -> Option<Vec<String>> {
+    // Depth-first search with the path on a stack: an edge back into the path is a cycle.
+    fn visit(
+        node: &str,
+        graph: &std::collections::BTreeMap<String, std::collections::BTreeSet<String>>,
+        path: &mut Vec<String>,
+        done: &mut std::collections::BTreeSet<String>,
+    ) -> Option<Vec<String>> {
+        if let Some(start) = path.iter().position(|n| n == node) {
+            let mut cycle = path[start..].to_vec();
+            cycle.push(node.to_string());
+            return Some(cycle);
+        }
+        if done.contains(node) {
+            return None;
+        }
+        path.push(node.to_string());
+        for next in graph.get(node).into_iter().flatten() {
+            if let Some(cycle) = visit(next, graph, path, done) {
+                return Some(cycle);
+            }
+        }
+        path.pop();
+        done.insert(node.to_string());
+        None
+    }
+    let mut done = std::collections::BTreeSet::new();
+    graph
+        .keys()
+        .find_map(|node| visit(node, graph, &mut Vec::new(), &mut done))
+}
+
+#[test]
+fn the_modules_of_each_layered_crate_import_without_cycles() {
+    let mut cycles = Vec::new();
+    for krate in ["fsdp", "collectives", "dtensor", "nn", "tensor"] {
+        let graph = module_graph(&root().join("crates").join(krate).join("src"));
+        assert!(graph.len() > 3, "{krate}: only {graph:?}");
+        if let Some(cycle) = find_cycle(&graph) {
+            cycles.push(format!("crates/{krate}/src: {}", cycle.join(" → ")));
+        }
+    }
+    assert!(cycles.is_empty(), "import cycles:\n{}", cycles.join("\n"));
+}
+
+#[test]
+fn the_cycle_finder_finds_a_cycle_and_only_a_cycle() {
+    let graph = |edges: &[(&str, &str)]| {
+        let mut g = std::collections::BTreeMap::<String, std::collections::BTreeSet<String>>::new();
+        for (from, to) in edges {
+            g.entry(from.to_string())
+                .or_default()
+                .insert(to.to_string());
+            g.entry(to.to_string()).or_default();
+        }
+        g
+    };
+    // A diamond is no cycle.
+    assert_eq!(
+        find_cycle(&graph(&[("a", "b"), ("a", "c"), ("b", "d"), ("c", "d")])),
+        None
+    );
+    let cycle = find_cycle(&graph(&[("a", "b"), ("b", "c"), ("c", "a"), ("c", "d")]))
+        .expect("a → b → c → a");
+    assert_eq!(cycle, vec!["a", "b", "c", "a"]);
 }

@@ -14,29 +14,7 @@ use half::{bf16, f16};
 use crate::dtype::{DType, Element};
 use crate::error::{Error, Result};
 
-/// Where a buffer's memory lives.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
-#[non_exhaustive]
-pub enum BufferLocation {
-    /// Ordinary host memory.
-    Host,
-    /// Memory of CUDA device `device` (the NCCL backend's [`Buffer::Cuda`]).
-    #[cfg(feature = "nccl")]
-    Cuda {
-        /// The device ordinal.
-        device: usize,
-    },
-}
-
-impl fmt::Display for BufferLocation {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        match self {
-            BufferLocation::Host => f.write_str("host"),
-            #[cfg(feature = "nccl")]
-            BufferLocation::Cuda { device } => write!(f, "cuda:{device}"),
-        }
-    }
-}
+pub use crate::location::BufferLocation;
 
 /// The allocation unit of a [`HostBuffer`]: 64 bytes, 64-byte aligned, so the storage is aligned
 /// for every element type and for full-width vector loads.
@@ -324,9 +302,9 @@ impl PartialEq for HostBuffer {
 pub enum Buffer {
     /// Host memory.
     Host(HostBuffer),
-    /// CUDA device memory (the NCCL backend); see [`crate::backend::nccl::DeviceBuffer`].
+    /// CUDA device memory (the NCCL backend); see [`DeviceBuffer`](crate::device_buffer::DeviceBuffer).
     #[cfg(feature = "nccl")]
-    Cuda(crate::backend::nccl::DeviceBuffer),
+    Cuda(crate::device_buffer::DeviceBuffer),
 }
 
 impl Buffer {
@@ -441,6 +419,16 @@ impl<T: Element> From<Vec<T>> for Buffer {
     fn from(values: Vec<T>) -> Self {
         Buffer::from_vec(values)
     }
+}
+
+/// The two buffers of an op with a separate input and output, handed back by
+/// [`Work::wait`](crate::Work::wait).
+#[derive(Debug)]
+pub struct BufferPair {
+    /// The input, unchanged.
+    pub input: Buffer,
+    /// The output, filled by the op.
+    pub output: Buffer,
 }
 
 #[cfg(test)]

@@ -2,11 +2,12 @@
 
 use std::sync::Arc;
 
+use crate::buffer::BufferPair;
 use crate::buffer::{Buffer, HostBuffer};
 use crate::config::CommConfig;
 use crate::dtype::Element;
 use crate::error::Result;
-use crate::op::{AllToAllCounts, BufferPair, ReduceOp, StridedBlocks};
+use crate::op::{AllToAllCounts, ReduceOp, StridedBlocks};
 use crate::work::Work;
 
 /// A group of `size()` ranks that run collectives together; this handle is rank `rank()`.

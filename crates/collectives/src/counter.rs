@@ -5,10 +5,11 @@ use std::collections::BTreeMap;
 use std::sync::{Arc, Mutex, PoisonError};
 
 use crate::buffer::Buffer;
+use crate::buffer::BufferPair;
 use crate::communicator::Communicator;
 use crate::config::CommConfig;
 use crate::error::Result;
-use crate::op::{AllToAllCounts, BufferPair, OpKind, ReduceOp, StridedBlocks};
+use crate::op::{AllToAllCounts, OpKind, ReduceOp, StridedBlocks};
 use crate::work::Work;
 
 /// Calls and bytes of one op kind.

@@ -3,8 +3,8 @@
 use std::fmt;
 use std::time::Duration;
 
-use crate::buffer::BufferLocation;
 use crate::dtype::DType;
+use crate::location::BufferLocation;
 use crate::op::{Argument, BufferRole, OpKind, ReduceOp};
 
 /// The result type of this crate.

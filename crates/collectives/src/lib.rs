@@ -38,6 +38,8 @@ mod config;
 #[cfg(feature = "testing")]
 pub mod conformance;
 mod counter;
+#[cfg(feature = "nccl")]
+mod device_buffer;
 mod dtype;
 mod engine;
 mod env;
@@ -49,6 +51,7 @@ mod frame_key;
 pub mod fuzzing;
 #[cfg(feature = "tcp")]
 mod init;
+mod location;
 mod op;
 #[cfg(feature = "tcp")]
 mod progress;
@@ -73,7 +76,7 @@ pub use backend::mpi;
 pub use backend::nccl;
 #[cfg(feature = "tcp")]
 pub use backend::tcp;
-pub use buffer::{Buffer, BufferLocation, HostBuffer};
+pub use buffer::{Buffer, BufferLocation, BufferPair, HostBuffer};
 pub use communicator::{Communicator, CommunicatorExt};
 pub use config::{CommConfig, DEFAULT_TIMEOUT, TIMEOUT_ENV, parse_seconds};
 pub use counter::{CommCounter, CounterSnapshot, OpCount};
@@ -90,8 +93,7 @@ pub use frame_key::{FrameKey, FrameKind};
 #[cfg(feature = "tcp")]
 pub use init::{DefaultWorld, init_default_from_env};
 pub use op::{
-    AllToAllCounts, Argument, BufferPair, BufferRole, Knob, OpKind, ReduceOp, StridedBlocks,
-    block_offsets,
+    AllToAllCounts, Argument, BufferRole, Knob, OpKind, ReduceOp, StridedBlocks, block_offsets,
 };
 pub use store::{MemoryStore, PrefixStore, Store};
 #[cfg(feature = "tcp")]

@@ -3,8 +3,6 @@
 
 use std::fmt;
 
-use crate::buffer::Buffer;
-
 /// How a reducing collective combines the contributions of the ranks.
 #[derive(Clone, Copy, Debug, PartialEq)]
 pub enum ReduceOp {
@@ -240,16 +238,6 @@ impl fmt::Display for Argument {
             Argument::AlgorithmKnob(knob) => write!(f, "TcpConfig::{knob} (algorithm knob)"),
         }
     }
-}
-
-/// The two buffers of an op with a separate input and output, handed back by
-/// [`Work::wait`](crate::Work::wait).
-#[derive(Debug)]
-pub struct BufferPair {
-    /// The input, unchanged.
-    pub input: Buffer,
-    /// The output, filled by the op.
-    pub output: Buffer,
 }
 
 /// The per-peer element counts of

@@ -6,7 +6,6 @@ use hypershard_mesh::{Placement, local_block};
 use hypershard_tensor::{DType, Tensor};
 
 use crate::error::{Error, Result};
-use crate::executor::RedistributeWork;
 use crate::planner::{Plan, PlanRequest, validate_placements};
 use crate::process_mesh::ProcessMesh;
 
@@ -172,25 +171,12 @@ impl DTensor {
         self.redistribute_async(placements)?.wait()
     }
 
-    /// Like [`redistribute`](DTensor::redistribute), returning once the first collective is
-    /// issued; see [`RedistributeWork`] for what runs when.
-    pub fn redistribute_async(&self, placements: &[Placement]) -> Result<RedistributeWork> {
-        let plan = self.plan_to(placements)?;
-        RedistributeWork::start(self.clone(), plan)
-    }
-
     /// Like [`redistribute`](DTensor::redistribute), consuming `self`: when no other view
     /// shares the local tensor and it lives in collective memory (it came out of a collective
     /// or a factory) and needs no padding, the first collective sends it without a copy, the
     /// way a bare collective takes its buffer by value.
     pub fn into_redistribute(self, placements: &[Placement]) -> Result<DTensor> {
         self.into_redistribute_async(placements)?.wait()
-    }
-
-    /// The consuming form of [`redistribute_async`](DTensor::redistribute_async).
-    pub fn into_redistribute_async(self, placements: &[Placement]) -> Result<RedistributeWork> {
-        let plan = self.plan_to(placements)?;
-        RedistributeWork::start(self, plan)
     }
 
     /// The full global tensor on every rank (a redistribute to all-`Replicate`).

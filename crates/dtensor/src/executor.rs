@@ -118,6 +118,24 @@ pub struct RedistributeWork {
     in_flight: Option<InFlight>,
 }
 
+// The asynchronous redistributes live beside the executor they start, so that the DTensor
+// type does not import its executor (and the executor, which builds DTensors, is not imported
+// back).
+impl DTensor {
+    /// Like [`redistribute`](DTensor::redistribute), returning once the first collective is
+    /// issued; see [`RedistributeWork`] for what runs when.
+    pub fn redistribute_async(&self, placements: &[Placement]) -> Result<RedistributeWork> {
+        let plan = self.plan_to(placements)?;
+        RedistributeWork::start(self.clone(), plan)
+    }
+
+    /// The consuming form of [`redistribute_async`](DTensor::redistribute_async).
+    pub fn into_redistribute_async(self, placements: &[Placement]) -> Result<RedistributeWork> {
+        let plan = self.plan_to(placements)?;
+        RedistributeWork::start(self, plan)
+    }
+}
+
 impl RedistributeWork {
     /// Starts executing `plan` on `source`.
     /// Starts executing `plan` on `source`, which it consumes: a local tensor nobody else

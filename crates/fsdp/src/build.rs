@@ -11,12 +11,14 @@ use hypershard_mesh::Placement;
 use hypershard_nn::{Module, join_name};
 
 use crate::bucket::{BucketItem, BucketPlan, plan_buckets};
+use crate::config::TensorParallelConfig;
 use crate::config::{FullyShardConfig, GradReduceOp};
 use crate::error::{FsdpError, Result};
 use crate::group::{GroupParts, TpGroup, post_forward_policy};
 use crate::layout::ShardLayout;
-use crate::param::{FsdpParam, ParamRole, ShardedState, TpInfo};
-use crate::tp::{TensorParallelConfig, tp_layouts};
+use crate::param::{FsdpParam, ParamRole, TpInfo};
+use crate::state::ShardedState;
+use crate::tp::tp_layouts;
 
 /// Whether `param` (a dotted name relative to the wrapped module) is named by `list`: equal to
 /// an entry, or ending in `.entry` (so `bias` names every bias, and one config can be reused

@@ -3,11 +3,11 @@
 use std::collections::BTreeSet;
 use std::sync::Arc;
 
+use hypershard_dtensor::ProcessMesh;
 use hypershard_nn::Parameter;
 use hypershard_tensor::DType;
 
 use crate::mesh::DataParallelMesh;
-use crate::tp::TensorParallelConfig;
 
 /// What a unit does with its unsharded parameters after forward.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
@@ -144,6 +144,43 @@ impl std::fmt::Debug for FullyShardConfig {
             .field("replicate_params", &self.replicate_params)
             .field("reduce_op", &self.reduce_op)
             .field("tensor_parallel", &self.tensor_parallel)
+            .finish()
+    }
+}
+
+/// What `fully_shard` needs to know about tensor parallelism: the world mesh holding both
+/// the data-parallel dims (those of [`FullyShardConfig::mesh`](crate::FullyShardConfig)) and
+/// the TP dim.
+#[derive(Clone)]
+pub struct TensorParallelConfig {
+    /// The mesh over every rank, e.g. `[dp, tp]`.
+    pub world: ProcessMesh,
+    /// The name of its TP dim.
+    pub tp_dim: String,
+    /// How the gradients of TP-replicated parameters are combined over the TP group after
+    /// the data-parallel reduction: `Avg` (the default) when every TP rank computed the
+    /// whole gradient from the same data, as in plain TP, where it keeps the replicas
+    /// identical; `Sum` when each TP rank holds a part of it (sequence parallelism).
+    pub replicated_grad_op: GradReduceOp,
+}
+
+impl TensorParallelConfig {
+    /// TP over dim `tp_dim` of `world`, averaging replicated gradients.
+    pub fn new(world: ProcessMesh, tp_dim: &str) -> Self {
+        TensorParallelConfig {
+            world,
+            tp_dim: tp_dim.to_string(),
+            replicated_grad_op: GradReduceOp::Avg,
+        }
+    }
+}
+
+impl std::fmt::Debug for TensorParallelConfig {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("TensorParallelConfig")
+            .field("world", &self.world.shape())
+            .field("tp_dim", &self.tp_dim)
+            .field("replicated_grad_op", &self.replicated_grad_op)
             .finish()
     }
 }

@@ -2,7 +2,7 @@
 
 use hypershard_tensor::DType;
 
-use crate::param::{ShardedState, TrainingState};
+use crate::state::{ShardedState, TrainingState};
 
 /// Everything that can go wrong while sharding, unsharding or reducing.
 ///

@@ -19,7 +19,8 @@ use crate::config::{CommFusionPolicy, GradReduceOp, MixedPrecisionPolicy, Reshar
 use crate::error::{FsdpError, Result};
 use crate::layout::ShardLayout;
 use crate::mesh::DataParallelMesh;
-use crate::param::{FsdpParam, ParamRole, ShardedState, TrainingState};
+use crate::param::{FsdpParam, ParamRole};
+use crate::state::{ShardedState, TrainingState};
 
 mod reduce;
 mod unshard;

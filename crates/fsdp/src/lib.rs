@@ -42,9 +42,11 @@ mod module;
 mod param;
 mod reshard_load;
 mod schedule;
+mod state;
 mod state_dict;
 pub mod tp;
 
+pub use config::TensorParallelConfig;
 pub use config::{
     CommFusionPolicy, CpuOffloadPolicy, FullyShardConfig, GradReduceOp, MixedPrecisionPolicy,
     ReshardAfterForward, ShardPlacementFn,
@@ -55,6 +57,7 @@ pub use module::{
     FsdpModule, Rejected, RejectedGroup, UnitHandle, fully_shard, fully_shard_children,
     fully_shard_group, has_params,
 };
-pub use param::{FsdpParamInfo, ShardedState, TrainingState};
+pub use param::FsdpParamInfo;
 pub use reshard_load::SavedShard;
-pub use tp::{TensorParallelConfig, TpLinear, TpParamLayout, TpStyle};
+pub use state::{ShardedState, TrainingState};
+pub use tp::{TpLinear, TpParamLayout, TpStyle};

@@ -10,8 +10,9 @@ use crate::build::build_group;
 use crate::config::{FullyShardConfig, MixedPrecisionPolicy, ReshardAfterForward};
 use crate::error::{FsdpError, Result};
 use crate::group::ParamGroup;
-use crate::param::{FsdpParamInfo, ParamRole, ShardedState, TrainingState};
+use crate::param::{FsdpParamInfo, ParamRole};
 use crate::schedule::{Schedule, ScheduledUnit, lock};
+use crate::state::{ShardedState, TrainingState};
 
 mod clip;
 mod hooks;

@@ -14,8 +14,9 @@ use hypershard_tensor::Tensor;
 use crate::error::{FsdpError, Result};
 use crate::group::{ParamGroup, TpGroup};
 use crate::module::FsdpModule;
-use crate::param::{ParamRole, ShardedState};
+use crate::param::ParamRole;
 use crate::schedule::lock;
+use crate::state::ShardedState;
 use crate::tp::tp_layouts;
 
 /// A managed parameter found by its full name.

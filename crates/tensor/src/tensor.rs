@@ -332,7 +332,7 @@ impl Tensor {
     pub fn into_whole_storage(self) -> std::result::Result<Tensor, Tensor> {
         let bytes = self.storage.read().len();
         let size = self.dtype.size_of();
-        if self.offset != 0 || !self.is_contiguous() || size == 0 || bytes % size != 0 {
+        if self.offset != 0 || !self.is_contiguous() || size == 0 || !bytes.is_multiple_of(size) {
             return Err(self);
         }
         let numel = bytes / size;

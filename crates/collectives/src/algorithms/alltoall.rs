@@ -14,10 +14,11 @@ use super::link::Link;
 use crate::agree::args;
 use crate::algorithms::group::Inner;
 use crate::buffer::Buffer;
+use crate::buffer::BufferPair;
 use crate::dtype::DType;
 use crate::engine::JobContext;
 use crate::error::{Error, Result};
-use crate::op::{AllToAllCounts, BufferPair, OpKind, StridedBlocks, block_offsets};
+use crate::op::{AllToAllCounts, OpKind, StridedBlocks, block_offsets};
 use crate::transport::tcp::frame::FrameKind;
 use crate::transport::tcp::posted::{PostMode, PostTarget, PostedRecv};
 

@@ -7,10 +7,11 @@ use crate::agree::args;
 use crate::agree::{copy_into, elements};
 use crate::algorithms::group::Inner;
 use crate::blocks::copy_segment;
+use crate::buffer::BufferPair;
 use crate::buffer::{Buffer, HostBuffer};
 use crate::engine::JobContext;
 use crate::error::{Error, Result};
-use crate::op::{BufferPair, OpKind, ReduceOp};
+use crate::op::{OpKind, ReduceOp};
 
 pub(crate) fn gather(
     inner: &Inner,

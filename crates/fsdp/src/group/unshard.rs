@@ -5,7 +5,8 @@
 use super::{ParamGroup, PendingGather, buffer_dtype, check_len, host_bytes, host_bytes_mut};
 use crate::bucket::SlotWriter;
 use crate::error::{FsdpError, Result};
-use crate::param::{ParamRole, ShardedState};
+use crate::param::ParamRole;
+use crate::state::ShardedState;
 
 impl ParamGroup {
     /// Issues this unit's all-gathers without waiting (a no-op when they are in flight or the

@@ -8,8 +8,8 @@ use hypershard_tensor::Tensor;
 use super::{ForwardDtypes, FsdpModule, cast_if};
 use crate::error::{FsdpError, Result};
 use crate::group::{ParamGroup, PostForward};
-use crate::param::{ShardedState, TrainingState};
 use crate::schedule::{Schedule, ScheduledUnit, lock};
+use crate::state::{ShardedState, TrainingState};
 
 /// Moves `group` to `next`, refusing a transition the state machine does not have
 /// ([`TrainingState::may_enter`]).

@@ -10,11 +10,12 @@ use std::sync::Arc;
 use super::group::{Group, Post, Session, reclaim};
 use super::{Inner, LocalComm};
 use crate::agree::{Desc, Faults, args, block, copy_into, elements, peer_view, validate};
+use crate::buffer::BufferPair;
 use crate::buffer::{Buffer, HostBuffer};
 use crate::communicator::Communicator;
 use crate::engine::JobContext;
 use crate::error::{Error, Result};
-use crate::op::{AllToAllCounts, BufferPair, BufferRole, OpKind, ReduceOp, block_offsets};
+use crate::op::{AllToAllCounts, BufferRole, OpKind, ReduceOp, block_offsets};
 
 /// Posts phase 0 and validates it. Returns this rank's post (to reclaim its data later) and
 /// every rank's phase-0 post.

@@ -12,11 +12,12 @@ use super::raw::Comm;
 use super::runtime::Runtime;
 use crate::agree::{Desc, Faults};
 use crate::buffer::Buffer;
+use crate::buffer::BufferPair;
 use crate::communicator::Communicator;
 use crate::config::CommConfig;
 use crate::engine::{JobContext, JobSpec, ProgressEngine};
 use crate::error::{Error, Result};
-use crate::op::{AllToAllCounts, BufferPair, OpKind, ReduceOp};
+use crate::op::{AllToAllCounts, OpKind, ReduceOp};
 use crate::work::Work;
 
 /// What an MPI group's ops share. Field order matters: `comm` is freed (`MPI_Comm_free`)

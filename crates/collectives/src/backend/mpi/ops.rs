@@ -16,10 +16,11 @@ use super::types::{
 };
 use crate::agree::args;
 use crate::agree::{Desc, Faults};
+use crate::buffer::BufferPair;
 use crate::buffer::{Buffer, HostBuffer};
 use crate::engine::JobContext;
 use crate::error::{Error, MpiQuantity, Result};
-use crate::op::{AllToAllCounts, BufferPair, OpKind, ReduceOp};
+use crate::op::{AllToAllCounts, OpKind, ReduceOp};
 use crate::reduce::ReducePlan;
 
 /// The backend's name in errors and [`Communicator::backend`](crate::Communicator::backend).

@@ -8,17 +8,18 @@ use std::time::Instant;
 use cudarc::driver::{CudaContext, CudaStream, DevicePtr, DevicePtrMut, SyncOnDrop};
 
 use super::completion::{self, Finish, Launched, Operand, Shared};
-use super::device::{DeviceBuffer, driver};
 use super::ffi::{self, Enqueue, Operands, RawComm};
 use super::library::{self, BACKEND, unavailable};
 use super::plan::{self, Call, Place, Request, Shape};
 use super::split::{self, SplitEntry};
+use crate::buffer::BufferPair;
 use crate::buffer::{Buffer, BufferLocation, HostBuffer};
 use crate::communicator::Communicator;
 use crate::config::CommConfig;
+use crate::device_buffer::{DeviceBuffer, driver};
 use crate::dtype::DType;
 use crate::error::{Error, Result, Unavailable};
-use crate::op::{AllToAllCounts, BufferPair, BufferRole, OpKind, ReduceOp};
+use crate::op::{AllToAllCounts, BufferRole, OpKind, ReduceOp};
 use crate::rendezvous::Store;
 use crate::work::{Completer, Work};
 

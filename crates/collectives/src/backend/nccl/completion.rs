@@ -15,11 +15,12 @@ use std::time::{Duration, Instant};
 
 use cudarc::driver::CudaEvent;
 
-use super::device::DeviceBuffer;
 use super::ffi::RawComm;
 use crate::buffer::Buffer;
+use crate::buffer::BufferPair;
+use crate::device_buffer::DeviceBuffer;
 use crate::error::{Error, Result};
-use crate::op::{BufferPair, OpKind};
+use crate::op::OpKind;
 use crate::work::Completer;
 
 /// The state the communicator handles and the completion thread share.
@@ -91,7 +92,7 @@ fn wait_event(shared: &Shared, launched: &Launched) -> Result<()> {
         match launched.event.try_is_complete() {
             Ok(true) => break,
             Ok(false) => {}
-            Err(error) => return Err(super::device::driver("cuEventQuery", error)),
+            Err(error) => return Err(crate::device_buffer::driver("cuEventQuery", error)),
         }
         if Instant::now() >= launched.deadline {
             shared.abort();

@@ -15,7 +15,7 @@ use std::path::{Path, PathBuf};
 use crate::error::{Error, Result, Unavailable};
 
 /// The backend name in errors.
-pub(crate) const BACKEND: &str = "nccl";
+pub(crate) use crate::device_buffer::NCCL_BACKEND as BACKEND;
 
 /// The variable that names pip's `libnccl.so.2` (or any NCCL library file) explicitly.
 pub const NCCL_LIB_ENV: &str = "HYPERSHARD_NCCL_LIB";

@@ -14,12 +14,11 @@
 
 mod communicator;
 mod completion;
-mod device;
 mod ffi;
 mod library;
 mod plan;
 mod split;
 
+pub use crate::device_buffer::DeviceBuffer;
 pub use communicator::{NcclCommunicator, NcclInit, accepts};
-pub use device::DeviceBuffer;
 pub use library::{NCCL_LIB_ENV, probe};

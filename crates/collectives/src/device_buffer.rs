@@ -1,16 +1,19 @@
-//! [`DeviceBuffer`]: dtype-tagged CUDA device memory, the NCCL backend's [`Buffer::Cuda`].
+//! [`DeviceBuffer`]: dtype-tagged CUDA device memory, the NCCL backend's [`Buffer::Cuda`]. It
+//! sits with the buffers, below the backends, because [`Buffer`] names it.
 
 use std::fmt;
 use std::sync::Arc;
 
 use cudarc::driver::{CudaSlice, CudaStream};
 
-use super::library::BACKEND;
 use crate::buffer::{Buffer, BufferLocation, HostBuffer};
 use crate::communicator::Communicator;
 use crate::dtype::DType;
 use crate::error::{DeviceLibrary, Error, Result};
 use crate::op::{BufferRole, OpKind};
+
+/// The name the NCCL communicator reports ([`Communicator::backend`]).
+pub(crate) const NCCL_BACKEND: &str = "nccl";
 
 /// `len` elements of `dtype` in the memory of one CUDA device.
 ///
@@ -120,7 +123,7 @@ impl DeviceBuffer {
     /// does. Other backends (local threads, tcp, shm, MPI) take host buffers only, so a caller
     /// holding device memory stages it through host memory for them.
     pub fn accepted_by(comm: &dyn Communicator) -> bool {
-        comm.backend() == BACKEND
+        comm.backend() == NCCL_BACKEND
     }
 
     /// The element type.
