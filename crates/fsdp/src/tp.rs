@@ -9,7 +9,7 @@
 //!
 //! `fully_shard` finds the `TpLinear` layers of the module it wraps and treats each local
 //! shard as the parameter to shard again over the data-parallel group; with
-//! [`TensorParallelConfig`] it also all-reduces the gradients of TP-replicated parameters over
+//! [`TensorParallelConfig`](crate::TensorParallelConfig) it also all-reduces the gradients of TP-replicated parameters over
 //! the TP group. See `docs/fsdp.md`, "TP + FSDP".
 
 use std::collections::BTreeMap;
