@@ -462,12 +462,13 @@ mod tests {
     );
 }
 
+/// Module → the modules it imports from.
+type ModuleGraph = std::collections::BTreeMap<String, std::collections::BTreeSet<String>>;
+
 /// The import graph between the top-level modules (a file or a folder) of the crate whose
 /// source folder is `src`: `module → modules it imports from`, from `use crate::…` lines.
-fn module_graph(
-    src: &Path,
-) -> std::collections::BTreeMap<String, std::collections::BTreeSet<String>> {
-    let mut graph = std::collections::BTreeMap::<String, std::collections::BTreeSet<String>>::new();
+fn module_graph(src: &Path) -> ModuleGraph {
+    let mut graph = ModuleGraph::new();
     let files: Vec<(String, String)> = sources()
         .into_iter()
         .filter_map(|path| {
@@ -510,13 +511,11 @@ fn module_graph(
 }
 
 /// One import cycle of `graph` (`a → b → … → a`), if it has any.
-fn find_cycle(
-    graph: &std::collections::BTreeMap<String, std::collections::BTreeSet<String>>,
-) -> Option<Vec<String>> {
+fn find_cycle(graph: &ModuleGraph) -> Option<Vec<String>> {
     // Depth-first search with the path on a stack: an edge back into the path is a cycle.
     fn visit(
         node: &str,
-        graph: &std::collections::BTreeMap<String, std::collections::BTreeSet<String>>,
+        graph: &ModuleGraph,
         path: &mut Vec<String>,
         done: &mut std::collections::BTreeSet<String>,
     ) -> Option<Vec<String>> {
@@ -560,7 +559,7 @@ fn the_modules_of_each_layered_crate_import_without_cycles() {
 #[test]
 fn the_cycle_finder_finds_a_cycle_and_only_a_cycle() {
     let graph = |edges: &[(&str, &str)]| {
-        let mut g = std::collections::BTreeMap::<String, std::collections::BTreeSet<String>>::new();
+        let mut g = ModuleGraph::new();
         for (from, to) in edges {
             g.entry(from.to_string())
                 .or_default()

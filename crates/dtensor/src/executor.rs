@@ -164,11 +164,10 @@ impl RedistributeWork {
     fn advance(&mut self) -> Result<()> {
         while self.in_flight.is_none() && self.next < self.plan.steps.len() {
             let step = self.plan.steps[self.next];
-            // invariant: `local` is Some whenever no collective is in flight.
             let local = self
                 .local
                 .take()
-                .expect("local tensor present between steps");
+                .expect("invariant: Some whenever no collective is in flight");
             let issued = self.issue(&step, local)?;
             self.placements[step.mesh_dim] = step.to;
             self.next += 1;

@@ -300,7 +300,7 @@ impl<'a> Search<'a> {
                 self.alphabet
                     .iter()
                     .position(|a| a == p)
-                    .expect("in alphabet") as u16
+                    .expect("invariant: in the alphabet (see above)") as u16
             })
             .collect()
     }

@@ -121,6 +121,42 @@ impl ShardLayout {
         }
     }
 
+    /// The padded slot's bytes when this parameter's shards are a prefix layout (dim 0, each
+    /// non-empty shard at `rank · padded`), which compaction and expansion need; `None` when
+    /// they are not. A buffer of `len` bytes too short for `world` blocks of `block_bytes`, or
+    /// blocks shorter than the slot, is an error naming `op`.
+    fn prefix_slot_bytes(
+        &self,
+        len: usize,
+        block_bytes: usize,
+        element: usize,
+        op: &'static str,
+    ) -> Result<Option<usize>> {
+        if self.dim != 0 {
+            return Ok(None);
+        }
+        let padded = self.span(0)?.padded_len;
+        for index in 0..self.world {
+            let span = self.span(index)?;
+            if span.len > 0 && span.offset != index * padded {
+                return Ok(None);
+            }
+        }
+        let slot = self.slot_numel()? * element;
+        let fits = block_bytes >= slot
+            && block_bytes
+                .checked_mul(self.world)
+                .is_some_and(|total| total <= len);
+        if !fits {
+            return Err(crate::error::FsdpError::BufferLength {
+                op,
+                expected: block_bytes.saturating_mul(self.world),
+                actual: len,
+            });
+        }
+        Ok(Some(slot))
+    }
+
     /// Turns an all-gather output whose every rank block starts with this parameter's slot
     /// (`bytes`: `world` blocks of `block_bytes`) into the unsharded parameter in place: the
     /// slots of ranks 1.. are moved down to follow rank 0's, after which the parameter's
@@ -136,28 +172,11 @@ impl ShardLayout {
         block_bytes: usize,
         element: usize,
     ) -> Result<bool> {
-        if self.dim != 0 {
+        let Some(slot) =
+            self.prefix_slot_bytes(bytes.len(), block_bytes, element, "unshard compaction")?
+        else {
             return Ok(false);
-        }
-        let padded = self.span(0)?.padded_len;
-        for index in 0..self.world {
-            let span = self.span(index)?;
-            if span.len > 0 && span.offset != index * padded {
-                return Ok(false);
-            }
-        }
-        let slot = self.slot_numel()? * element;
-        let fits = block_bytes >= slot
-            && block_bytes
-                .checked_mul(self.world)
-                .is_some_and(|total| total <= bytes.len());
-        if !fits {
-            return Err(crate::error::FsdpError::BufferLength {
-                op: "unshard compaction",
-                expected: block_bytes.saturating_mul(self.world),
-                actual: bytes.len(),
-            });
-        }
+        };
         // Moving down in rank order never overwrites a slot not yet moved: slot `r` lands
         // in `[r·slot, (r+1)·slot)`, below block `r+1`'s start `(r+1)·block_bytes`.
         for index in 1..self.world {
@@ -182,28 +201,15 @@ impl ShardLayout {
         block_bytes: usize,
         element: usize,
     ) -> Result<bool> {
-        if self.dim != 0 {
+        let Some(slot) = self.prefix_slot_bytes(
+            bytes.len(),
+            block_bytes,
+            element,
+            "reduce-scatter expansion",
+        )?
+        else {
             return Ok(false);
-        }
-        let padded = self.span(0)?.padded_len;
-        for index in 0..self.world {
-            let span = self.span(index)?;
-            if span.len > 0 && span.offset != index * padded {
-                return Ok(false);
-            }
-        }
-        let slot = self.slot_numel()? * element;
-        let fits = block_bytes >= slot
-            && block_bytes
-                .checked_mul(self.world)
-                .is_some_and(|total| total <= bytes.len());
-        if !fits {
-            return Err(crate::error::FsdpError::BufferLength {
-                op: "reduce-scatter expansion",
-                expected: block_bytes.saturating_mul(self.world),
-                actual: bytes.len(),
-            });
-        }
+        };
         let row = self.others() * element;
         // Moving up in falling rank order never overwrites a shard not yet moved: shard `r`
         // sits in `[r·slot, r·slot + len)` and lands at `r·block_bytes`, at or above where it
