@@ -101,6 +101,10 @@ impl JobContext {
 
 type Job = Box<dyn FnOnce() + Send>;
 
+/// The part of a job that knows its result type: runs it with its context and completes its
+/// [`Work`] (`None`: the communicator was aborted before the job started).
+type TypedJob = Box<dyn FnOnce(Option<&JobContext>) + Send>;
+
 /// A worker thread that runs jobs in submission order. Cheap to share behind an `Arc`.
 ///
 /// Dropping the engine lets the thread finish the jobs already queued and exit; it is not
@@ -171,6 +175,30 @@ impl ProgressEngine {
         if self.abort.is_set() {
             return Work::ready(op, Err(Error::Aborted { op }));
         }
+        let (work, completer) = Work::pending(op);
+        // Only this small closure is generic over the job: the span, the abort check and the
+        // queueing below are compiled once, not once per kind of op (every backend submits
+        // a dozen kinds, and the crates above instantiate more).
+        self.enqueue(
+            spec,
+            Box::new(move |context: Option<&JobContext>| match context {
+                None => completer.complete(Err(Error::Aborted { op })),
+                Some(context) => {
+                    let result = job(context);
+                    if let Err(error) = &result {
+                        tracing::debug!(%error, "op failed");
+                    }
+                    completer.complete(result);
+                }
+            }),
+        );
+        work
+    }
+
+    /// Queues `run` behind every job submitted before it: on the worker it is called with the
+    /// job's context, or with `None` when the communicator was aborted before it started.
+    fn enqueue(&self, spec: JobSpec, run: TypedJob) {
+        let op = spec.op;
         let seq = self.next_seq.fetch_add(1, Ordering::Relaxed);
         let span = tracing::info_span!(
             "collective",
@@ -179,12 +207,11 @@ impl ProgressEngine {
             group = %self.group,
             seq
         );
-        let (work, completer) = Work::pending(op);
         let abort = self.abort.clone();
         let boxed: Job = Box::new(move || {
             let _entered = span.enter();
             if abort.is_set() {
-                completer.complete(Err(Error::Aborted { op }));
+                run(None);
                 return;
             }
             let context = JobContext {
@@ -194,16 +221,11 @@ impl ProgressEngine {
                 deadline: Instant::now() + spec.timeout,
                 abort,
             };
-            let result = job(&context);
-            if let Err(error) = &result {
-                tracing::debug!(%error, "op failed");
-            }
-            completer.complete(result);
+            run(Some(&context));
         });
         // If the thread is gone, the job comes back inside the error and is dropped here,
         // which drops its Completer and fails the Work with EngineStopped.
         let _ = self.sender.send(boxed);
-        work
     }
 }
 

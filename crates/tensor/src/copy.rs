@@ -2,7 +2,7 @@
 
 use crate::DeviceBuffer;
 use crate::dtype::sealed::Repr;
-use crate::dtype::{cast_elem, cast_run, with_bits, with_repr};
+use crate::dtype::{cast_bytes, with_bits, with_repr};
 use crate::layout::{StridedIndices, broadcast_shapes, expand_strides, has_internal_overlap};
 use crate::lock::read_write;
 use crate::storage::{Storage, common_device};
@@ -68,21 +68,21 @@ impl Tensor {
         if dtype == self.dtype {
             return Ok(self.clone());
         }
+        if !self.is_contiguous() {
+            // Gather first (one loop per element width), then cast a contiguous run: a
+            // strided loop per pair of dtypes would be 64 more kernels to compile for a rare
+            // case.
+            return self.contiguous()?.to_dtype(dtype);
+        }
         let guard = self.storage.read();
         let device = guard.device();
         let host = guard.data("to_dtype")?;
-        with_repr!(self.dtype, S => {
-            let src = host.typed::<S>();
-            with_repr!(dtype, D => Tensor::build_on::<D>("to_dtype", device, &self.shape, |out| {
-                if self.is_contiguous() {
-                    cast_run::<S, D>(&src[self.offset..self.offset + self.numel()], out);
-                } else {
-                    for (o, i) in out.iter_mut().zip(self.indices()) {
-                        *o = cast_elem::<S, D>(src[i]);
-                    }
-                }
-            }))
-        })
+        let size = self.dtype.size_of();
+        let src = &host.as_bytes()[self.offset * size..(self.offset + self.numel()) * size];
+        let from = self.dtype;
+        with_bits!(dtype, D => Tensor::build_raw_on::<D>("to_dtype", device, &self.shape, dtype, |out| {
+            cast_bytes(from, src, dtype, bytemuck::cast_slice_mut(out));
+        }))
     }
 
     /// Errors if writing into `self` would write one storage element twice.
@@ -155,21 +155,20 @@ impl Tensor {
                     }
                 }
             });
+        } else if contiguous_pair {
+            let (ss, ds) = (src.dtype.size_of(), self.dtype.size_of());
+            let n = self.numel();
+            cast_bytes(
+                src.dtype,
+                &src_host.as_bytes()[src.offset * ss..(src.offset + n) * ss],
+                self.dtype,
+                &mut dst_host.as_bytes_mut()[self.offset * ds..(self.offset + n) * ds],
+            );
         } else {
-            with_repr!(src.dtype, S => {
-                let s = src_host.typed::<S>();
-                with_repr!(self.dtype, D => {
-                    let d = dst_host.typed_mut::<D>();
-                    if contiguous_pair {
-                        let n = self.numel();
-                        cast_run::<S, D>(&s[src.offset..src.offset + n], &mut d[self.offset..self.offset + n]);
-                    } else {
-                        for (di, si) in self.indices().zip(src_idx) {
-                            d[di] = cast_elem::<S, D>(s[si]);
-                        }
-                    }
-                })
-            });
+            // Cast into a contiguous temporary, then copy it strided with one loop per
+            // element width (see `to_dtype`).
+            drop(guards);
+            return self.copy_from(&src.expand(&self.shape)?.to_dtype(self.dtype)?);
         }
         Ok(())
     }
@@ -346,6 +345,26 @@ mod tests {
             row.expand(&[3, 2])?.copy_from(&row),
             Err(Error::OverlappingWrite { .. })
         ));
+        Ok(())
+    }
+
+    #[test]
+    fn casts_of_strided_views_read_in_view_order() -> Result<()> {
+        let t = Tensor::from_vec((0..12).map(|i| i as f32 * 0.5 - 2.0).collect(), &[3, 4])?;
+        let tt = t.transpose(0, 1)?.narrow(0, 1, 2)?;
+        for to in [DType::BF16, DType::I64, DType::F64] {
+            let strided = tt.to_dtype(to)?;
+            assert!(strided.is_contiguous());
+            assert_eq!(strided.shape(), &[2, 3]);
+            assert_eq!(
+                strided.to_f64_vec()?,
+                tt.contiguous()?.to_dtype(to)?.to_f64_vec()?
+            );
+        }
+        assert_eq!(
+            tt.to_dtype(DType::F64)?.to_f64_vec()?,
+            vec![-1.5, 0.5, 2.5, -1.0, 1.0, 3.0]
+        );
         Ok(())
     }
 

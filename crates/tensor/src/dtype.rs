@@ -232,8 +232,9 @@ int_repr!(i32, DType::I32);
 int_repr!(i64, DType::I64);
 int_repr!(u8, DType::U8);
 
-/// Converts one element between representations (see [`Repr`] for the rounding rules).
-#[inline]
+/// Converts one element between representations (see [`Repr`] for the rounding rules): the
+/// reference the tests hold [`cast_bytes`]'s paths to.
+#[cfg(test)]
 pub(crate) fn cast_elem<S: Repr, D: Repr>(s: S) -> D {
     if S::IS_INT && D::IS_INT {
         D::from_i64(s.to_i64())
@@ -672,85 +673,123 @@ mod tests {
 /// Converts a contiguous run of elements, with fast paths for the casts mixed precision does on
 /// every step (f32 ↔ bf16, f32 ↔ f16, f32 ↔ f64).
 ///
-/// The generic path goes through `f64` one element at a time; the fast paths are written so the
-/// compiler vectorises them (bf16) or use `half`'s slice conversions (f16, which use the F16C
-/// instructions when the CPU has them). Every path rounds to nearest-even exactly like
-/// [`cast_elem`], which the tests check bit for bit.
+/// A thin typed front to [`cast_bytes`], which does the work.
+#[cfg(test)]
 pub(crate) fn cast_run<S: Repr, D: Repr>(src: &[S], dst: &mut [D]) {
-    use half::slice::HalfFloatSliceExt;
     let n = src.len().min(dst.len());
-    let (src, dst) = (&src[..n], &mut dst[..n]);
-    // The dtype tags identify the concrete types, so these casts are between identical types
-    // and `try_cast_slice` cannot fail on size or alignment; on a mismatch we fall through to
-    // the generic path rather than panic.
-    match (S::DTYPE, D::DTYPE) {
+    cast_bytes(
+        S::DTYPE,
+        bytemuck::cast_slice(&src[..n]),
+        D::DTYPE,
+        bytemuck::cast_slice_mut(&mut dst[..n]),
+    );
+}
+
+/// Converts the elements of `src` (of `src_dtype`) into `dst` (of `dst_dtype`), as many as
+/// both hold.
+///
+/// The fast paths are written so the compiler vectorises them (bf16) or use `half`'s slice
+/// conversions (f16, which use the F16C instructions when the CPU has them). Every other pair
+/// goes through `f64` (`i64` between integer types) in stack-sized chunks: one widening and one
+/// narrowing loop per dtype instead of one loop per pair of dtypes keeps the crate's compile
+/// time down, and these pairs are not on any training step's path. Every path rounds to
+/// nearest-even exactly like [`cast_elem`], which the tests check bit for bit.
+pub(crate) fn cast_bytes(src_dtype: DType, src: &[u8], dst_dtype: DType, dst: &mut [u8]) {
+    let n = (src.len() / src_dtype.size_of()).min(dst.len() / dst_dtype.size_of());
+    let src = &src[..n * src_dtype.size_of()];
+    let dst = &mut dst[..n * dst_dtype.size_of()];
+    if cast_fast(src_dtype, src, dst_dtype, dst) {
+        return;
+    }
+    const CHUNK: usize = 256;
+    let (ss, ds) = (src_dtype.size_of(), dst_dtype.size_of());
+    let both_int = !src_dtype.is_float() && !dst_dtype.is_float();
+    let mut wide_f = [0f64; CHUNK];
+    let mut wide_i = [0i64; CHUNK];
+    for (s, d) in src.chunks(CHUNK * ss).zip(dst.chunks_mut(CHUNK * ds)) {
+        let len = s.len() / ss;
+        if both_int {
+            with_repr!(src_dtype, S => widen(s, &mut wide_i[..len], S::to_i64));
+            with_repr!(dst_dtype, D => narrow(&wide_i[..len], d, D::from_i64));
+        } else {
+            with_repr!(src_dtype, S => widen(s, &mut wide_f[..len], S::to_f64));
+            with_repr!(dst_dtype, D => narrow(&wide_f[..len], d, D::from_f64));
+        }
+    }
+}
+
+/// Reads `S` elements from unaligned bytes into `out`, each through `f`.
+fn widen<S: Repr, W: Copy>(src: &[u8], out: &mut [W], f: impl Fn(S) -> W) {
+    for (o, b) in out.iter_mut().zip(src.chunks_exact(size_of::<S>())) {
+        *o = f(bytemuck::pod_read_unaligned::<S>(b));
+    }
+}
+
+/// Writes `wide` as `D` elements into unaligned bytes, each through `f`.
+fn narrow<D: Repr, W: Copy>(wide: &[W], dst: &mut [u8], f: impl Fn(W) -> D) {
+    for (&w, b) in wide.iter().zip(dst.chunks_exact_mut(size_of::<D>())) {
+        b.copy_from_slice(bytemuck::bytes_of(&f(w)));
+    }
+}
+
+/// The fast paths of [`cast_bytes`]; false when the pair has none (or a buffer is not aligned
+/// for its type, which the crate's buffers always are).
+fn cast_fast(src_dtype: DType, src: &[u8], dst_dtype: DType, dst: &mut [u8]) -> bool {
+    use half::slice::HalfFloatSliceExt;
+    fn typed<T: bytemuck::Pod>(b: &[u8]) -> Option<&[T]> {
+        bytemuck::try_cast_slice(b).ok()
+    }
+    fn typed_mut<T: bytemuck::Pod>(b: &mut [u8]) -> Option<&mut [T]> {
+        bytemuck::try_cast_slice_mut(b).ok()
+    }
+    match (src_dtype, dst_dtype) {
         (DType::F32, DType::BF16) => {
-            if let (Ok(s), Ok(d)) = (
-                bytemuck::try_cast_slice::<S, f32>(src),
-                bytemuck::try_cast_slice_mut::<D, u16>(dst),
-            ) {
+            if let (Some(s), Some(d)) = (typed::<f32>(src), typed_mut::<u16>(dst)) {
                 for (o, &x) in d.iter_mut().zip(s) {
                     *o = f32_to_bf16_bits(x);
                 }
-                return;
+                return true;
             }
         }
         (DType::BF16, DType::F32) => {
-            if let (Ok(s), Ok(d)) = (
-                bytemuck::try_cast_slice::<S, u16>(src),
-                bytemuck::try_cast_slice_mut::<D, f32>(dst),
-            ) {
+            if let (Some(s), Some(d)) = (typed::<u16>(src), typed_mut::<f32>(dst)) {
                 for (o, &x) in d.iter_mut().zip(s) {
                     *o = f32::from_bits(u32::from(x) << 16);
                 }
-                return;
+                return true;
             }
         }
         (DType::F32, DType::F16) => {
-            if let (Ok(s), Ok(d)) = (
-                bytemuck::try_cast_slice::<S, f32>(src),
-                bytemuck::try_cast_slice_mut::<D, f16>(dst),
-            ) {
+            if let (Some(s), Some(d)) = (typed::<f32>(src), typed_mut::<f16>(dst)) {
                 d.convert_from_f32_slice(s);
-                return;
+                return true;
             }
         }
         (DType::F16, DType::F32) => {
-            if let (Ok(s), Ok(d)) = (
-                bytemuck::try_cast_slice::<S, f16>(src),
-                bytemuck::try_cast_slice_mut::<D, f32>(dst),
-            ) {
+            if let (Some(s), Some(d)) = (typed::<f16>(src), typed_mut::<f32>(dst)) {
                 s.convert_to_f32_slice(d);
-                return;
+                return true;
             }
         }
         (DType::F32, DType::F64) => {
-            if let (Ok(s), Ok(d)) = (
-                bytemuck::try_cast_slice::<S, f32>(src),
-                bytemuck::try_cast_slice_mut::<D, f64>(dst),
-            ) {
+            if let (Some(s), Some(d)) = (typed::<f32>(src), typed_mut::<f64>(dst)) {
                 for (o, &x) in d.iter_mut().zip(s) {
                     *o = f64::from(x);
                 }
-                return;
+                return true;
             }
         }
         (DType::F64, DType::F32) => {
-            if let (Ok(s), Ok(d)) = (
-                bytemuck::try_cast_slice::<S, f64>(src),
-                bytemuck::try_cast_slice_mut::<D, f32>(dst),
-            ) {
+            if let (Some(s), Some(d)) = (typed::<f64>(src), typed_mut::<f32>(dst)) {
                 for (o, &x) in d.iter_mut().zip(s) {
                     *o = x as f32;
                 }
-                return;
+                return true;
             }
         }
         _ => {}
     }
-    for (o, &x) in dst.iter_mut().zip(src) {
-        *o = cast_elem::<S, D>(x);
-    }
+    false
 }
 
 /// f32 → bf16 bits, rounding to nearest-even; NaN stays NaN (quieted), as `half` does.
@@ -849,5 +888,45 @@ mod cast_tests {
         let mut out = [0u8; 3];
         cast_run::<i32, u8>(&ints, &mut out);
         assert_eq!(out, [1, 249, 44]);
+    }
+
+    /// `cast_bytes` against the per-element reference for every pair of dtypes, over more
+    /// than one chunk and at a length that is no multiple of it.
+    #[test]
+    fn every_pair_matches_the_per_element_reference() {
+        let n = 600;
+        let values: Vec<f64> = (0..n)
+            .map(|i| {
+                let x = (i as f64 - 300.0) * 1.37e3_f64.powi(i % 5 - 1);
+                match i % 97 {
+                    0 => f64::NAN,
+                    1 => f64::INFINITY,
+                    2 => -0.0,
+                    3 => 2.0f64.powi(40) + 1.0,
+                    _ => x,
+                }
+            })
+            .collect();
+        fn make<S: Repr>(values: &[f64]) -> Vec<S> {
+            values.iter().map(|&v| S::from_f64(v)).collect()
+        }
+        fn check<S: Repr, D: Repr>(src: &[S]) {
+            let mut got = vec![D::from_f64(0.0); src.len()];
+            cast_run::<S, D>(src, &mut got);
+            for (i, (&x, &y)) in src.iter().zip(&got).enumerate() {
+                let want = cast_elem::<S, D>(x);
+                let same = bytemuck::bytes_of(&want) == bytemuck::bytes_of(&y)
+                    || (want.to_f64().is_nan() && y.to_f64().is_nan());
+                assert!(same, "{:?} -> {:?} at {i}", S::DTYPE, D::DTYPE);
+            }
+        }
+        for from in DType::ALL {
+            with_repr!(from, S => {
+                let src = make::<S>(&values);
+                for to in DType::ALL {
+                    with_repr!(to, D => check::<S, D>(&src));
+                }
+            });
+        }
     }
 }

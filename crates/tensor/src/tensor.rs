@@ -145,10 +145,7 @@ impl Tensor {
         dtype: DType,
         fill: impl FnOnce(&mut [T]),
     ) -> Result<Tensor> {
-        let bytes = Tensor::checked_bytes(op, shape, size_of::<T>())?;
-        let mut buf = HostBuffer::zeroed(bytes);
-        fill(buf.typed_mut::<T>());
-        Ok(Tensor::from_host(buf, dtype, shape.to_vec()))
+        Tensor::build_raw_on::<T>(op, crate::Device::Cpu, shape, dtype, fill)
     }
 
     /// The bytes `shape` takes at `elem` bytes an element, capped at `isize::MAX` like every

@@ -8,6 +8,21 @@ use crate::dtype::with_bits;
 use crate::storage::{HostBuffer, SharedStorage, Storage};
 use crate::{DType, Device, DeviceBuffer, Result, Tensor};
 
+/// Zeroed storage for a contiguous `shape` of `elem`-byte elements on `device`.
+#[inline(never)]
+fn zeroed_storage(
+    op: &'static str,
+    device: Device,
+    shape: &[usize],
+    elem: usize,
+) -> Result<Storage> {
+    let bytes = Tensor::checked_bytes(op, shape, elem)?;
+    if device.is_cpu() {
+        return Ok(Storage::Host(HostBuffer::zeroed(bytes)));
+    }
+    Ok(Storage::Device(DeviceBuffer::zeroed(op, &device, bytes)?))
+}
+
 impl Tensor {
     /// The device the tensor's data is on ([`Device::Cpu`] for host and deferred tensors).
     pub fn device(&self) -> Device {
@@ -23,17 +38,12 @@ impl Tensor {
         dtype: DType,
         fill: impl FnOnce(&mut [T]),
     ) -> Result<Tensor> {
-        if device.is_cpu() {
-            return Tensor::build_raw::<T>(op, shape, dtype, fill);
-        }
-        let bytes = Tensor::checked_bytes(op, shape, size_of::<T>())?;
-        let mut buf = DeviceBuffer::zeroed(op, &device, bytes)?;
-        fill(buf.kernel_bytes_mut(op)?.typed_mut::<T>());
-        Ok(Tensor::from_storage(
-            Storage::Device(buf),
-            dtype,
-            shape.to_vec(),
-        ))
+        // Only the kernel call is generic: the allocation and the wrapping are shared by every
+        // op, so each kernel is compiled once (not once per device kind) and the crate's
+        // build time stays proportional to its kernels.
+        let mut storage = zeroed_storage(op, device, shape, size_of::<T>())?;
+        fill(storage.data_mut(op)?.typed_mut::<T>());
+        Ok(Tensor::from_storage(storage, dtype, shape.to_vec()))
     }
 
     /// [`Tensor::build`] with the output on `device` (see [`Tensor::build_raw_on`]).
