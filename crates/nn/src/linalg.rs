@@ -288,7 +288,7 @@ fn gemm_rows<F: Float>(
 
 #[cfg(test)]
 mod tests {
-    use hypershard_tensor::RandomInit;
+    use hypershard_tensor::{DType, RandomInit};
 
     use super::*;
 
