@@ -4,9 +4,7 @@ use std::f64::consts::{FRAC_1_SQRT_2, PI};
 
 use hypershard_tensor::Tensor;
 
-use crate::kernels::{
-    Float, build_overwrite, same_device, with_float, with_values, with_values2,
-};
+use crate::kernels::{Float, build_overwrite, same_device, with_float, with_values, with_values2};
 use crate::module::{ParamVisitor, ParamVisitorMut};
 use crate::{Error, Module, Result};
 

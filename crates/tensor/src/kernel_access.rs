@@ -91,7 +91,11 @@ impl Tensor {
     /// A tensor holding `data` in row-major order on `device`: on the host exactly
     /// [`Tensor::from_vec`]; elsewhere the values are written into device memory through
     /// [`from_kernel_on`](Tensor::from_kernel_on).
-    pub fn from_vec_on<T: Element>(data: Vec<T>, shape: &[usize], device: &Device) -> Result<Tensor> {
+    pub fn from_vec_on<T: Element>(
+        data: Vec<T>,
+        shape: &[usize],
+        device: &Device,
+    ) -> Result<Tensor> {
         if device.is_cpu() {
             return Tensor::from_vec(data, shape);
         }

@@ -348,7 +348,8 @@ pub(crate) fn read_all<T: Element>(op: &'static str, t: &Tensor) -> Result<Vec<T
         // The host gathers a strided view in one pass.
         Ok(t.to_vec::<T>()?)
     } else {
-        Ok(t.contiguous()?.with_kernel_data::<T, _>(op, <[T]>::to_vec)?)
+        Ok(t.contiguous()?
+            .with_kernel_data::<T, _>(op, <[T]>::to_vec)?)
     }
 }
 

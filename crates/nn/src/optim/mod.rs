@@ -57,7 +57,11 @@ pub(crate) fn step_inputs(op: &'static str, param: &Parameter) -> Result<Option<
 
 /// Writes f64 values into `target` (any dtype and layout), rounding once.
 pub(crate) fn write_f64(target: &Tensor, values: Vec<f64>) -> Result<()> {
-    target.copy_from(&Tensor::from_vec_on(values, target.shape(), &target.device())?)?;
+    target.copy_from(&Tensor::from_vec_on(
+        values,
+        target.shape(),
+        &target.device(),
+    )?)?;
     Ok(())
 }
 
