@@ -113,3 +113,62 @@ impl Tensor {
         })
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use crate::{DType, Device, Error, Result, Stream, Tensor};
+
+    #[test]
+    fn kernels_run_in_place_on_the_host_and_on_the_emulated_device() -> Result<()> {
+        let device = Device::Emulated { ordinal: 20 };
+        for on in [Device::Cpu, device] {
+            let t = Tensor::arange(6, DType::F32)?.to_device(&on)?;
+            let row = t.view(&[2, 3])?.narrow(0, 1, 1)?;
+            // Writes through a view land in the shared storage, wherever it is.
+            row.with_kernel_data_mut::<f32, _>("double", |xs| {
+                xs.iter_mut().for_each(|x| *x *= 2.0)
+            })?;
+            let sum = t.with_kernel_data::<f32, _>("sum", |xs| xs.iter().sum::<f32>())?;
+            assert_eq!(sum, 0.0 + 1.0 + 2.0 + 6.0 + 8.0 + 10.0);
+            let built = Tensor::from_kernel_on::<f32>("fill", &[2], &on, |out| out.fill(1.5))?;
+            let from_vec = Tensor::from_vec_on(vec![1.5f32, 1.5], &[2], &on)?;
+            assert_eq!((built.device(), from_vec.device()), (on, on));
+            assert_eq!(built.to_host()?.to_vec::<f32>()?, vec![1.5, 1.5]);
+            assert_eq!(from_vec.to_host()?.to_vec::<f32>()?, vec![1.5, 1.5]);
+            // The checks of `with_data`, naming the kernel.
+            assert!(matches!(
+                t.with_kernel_data::<f64, _>("k", |_| ()),
+                Err(Error::DTypeMismatch { op: "k", .. })
+            ));
+            assert!(matches!(
+                t.view(&[2, 3])?
+                    .transpose(0, 1)?
+                    .with_kernel_data::<f32, _>("k", |_| ()),
+                Err(Error::NotContiguous { op: "k", .. })
+            ));
+            assert!(matches!(
+                Tensor::from_vec_on(vec![1.0f32], &[2], &on),
+                Err(Error::NumelMismatch { .. })
+            ));
+        }
+        Ok(())
+    }
+
+    #[test]
+    fn device_kernels_keep_the_stream_order() -> Result<()> {
+        let device = Device::Emulated { ordinal: 21 };
+        let side = Stream::new(&device)?;
+        let t = {
+            let _scope = side.enter();
+            Tensor::arange(4, DType::F32)?.to_device(&device)?
+        };
+        // The default stream may not read what `side` may still be writing.
+        assert!(matches!(
+            t.with_kernel_data::<f32, _>("k", |_| ()),
+            Err(Error::StreamOrder { op: "k", .. })
+        ));
+        side.synchronize()?;
+        assert_eq!(t.with_kernel_data::<f32, _>("k", |xs| xs.len())?, 4);
+        Ok(())
+    }
+}
