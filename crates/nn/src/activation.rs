@@ -4,7 +4,7 @@ use std::f64::consts::{FRAC_1_SQRT_2, PI};
 
 use hypershard_tensor::Tensor;
 
-use crate::kernels::{Float, build_overwrite, with_float, with_values, with_values2};
+use crate::kernels::{Float, build_overwrite, same_device, with_float, with_values, with_values2};
 use crate::module::{ParamVisitor, ParamVisitorMut};
 use crate::{Error, Module, Result};
 
@@ -184,8 +184,9 @@ impl Pointwise for Silu {
 
 /// `f(x)` for every element of `input`, in the compute type of its dtype.
 fn apply<P: Pointwise>(op: &'static str, f: &P, input: &Tensor) -> Result<Tensor> {
+    let device = input.device();
     with_float!(op, input.dtype(), F => {
-        build_overwrite::<F>(input.shape(), input.dtype(), |out| {
+        build_overwrite::<F>(input.shape(), input.dtype(), &device, |out| {
             with_values::<F, _>(input, |xs| {
                 in_parallel_chunks(out, |start, out| f.values(&xs[start..start + out.len()], out))
             })
@@ -214,8 +215,9 @@ fn apply_grad<P: Pointwise>(
             rhs: grad.dtype(),
         });
     }
+    let device = same_device(op, &[input, grad])?;
     with_float!(op, input.dtype(), F => {
-        build_overwrite::<F>(input.shape(), input.dtype(), |out| {
+        build_overwrite::<F>(input.shape(), input.dtype(), &device, |out| {
             with_values2::<F, _>(input, grad, |xs, gs| {
                 in_parallel_chunks(out, |start, out| {
                     let end = start + out.len();

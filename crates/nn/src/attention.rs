@@ -12,7 +12,7 @@ use hypershard_tensor::{DType, Tensor};
 
 use crate::dropout::DropMask;
 use crate::elementwise::check_float;
-use crate::kernels::{Float, load, store, with_float, with_values, with_values2};
+use crate::kernels::{Float, load, same_device, store, with_float, with_values, with_values2};
 use crate::module::{ChildVisitorMut, ParamVisitor, ParamVisitorMut, join_name};
 use crate::{Dropout, Error, Linear, LinearConfig, Module, Result};
 
@@ -143,7 +143,7 @@ fn compute_tensor<F: Float>(t: &Tensor) -> Result<Tensor> {
     if t.dtype() == F::COMPUTE_DTYPE && t.is_contiguous() {
         Ok(t.clone())
     } else {
-        Ok(Tensor::from_vec(load::<F>(t)?, t.shape())?)
+        Ok(Tensor::from_vec_on(load::<F>(t)?, t.shape(), &t.device())?)
     }
 }
 
@@ -214,6 +214,7 @@ impl CausalSelfAttention {
         let dtype = qkv.dtype();
         let y_shape = [dims.batch, dims.seq, dims.n_embd];
         let lse_shape = [dims.batch, dims.n_head, dims.seq];
+        let device = qkv.device();
         let (qkv, out, lse) = with_float!(OP, dtype, F => {
             let qkv = compute_tensor::<F>(qkv)?;
             let flash = with_values::<F, _>(&qkv, |values| {
@@ -221,8 +222,8 @@ impl CausalSelfAttention {
             })??;
             (
                 qkv,
-                Tensor::from_vec(flash.y, &y_shape)?,
-                Tensor::from_vec(flash.lse, &lse_shape)?,
+                Tensor::from_vec_on(flash.y, &y_shape, &device)?,
+                Tensor::from_vec_on(flash.lse, &lse_shape, &device)?,
             )
         });
         let y = if dtype == out.dtype() {
@@ -246,12 +247,13 @@ impl CausalSelfAttention {
         const OP: &str = "CausalSelfAttention::forward";
         let dtype = qkv.dtype();
         let probs_shape = [dims.batch, dims.n_head, dims.seq, dims.seq];
+        let device = qkv.device();
         let (qkv_cached, probs) = with_float!(OP, dtype, F => {
             let qkv_values = load::<F>(qkv)?;
             let probs = dense::attention_probs(&qkv_values, dims)?;
             (
-                Tensor::from_vec(qkv_values, qkv.shape())?,
-                Tensor::from_vec(probs, &probs_shape)?,
+                Tensor::from_vec_on(qkv_values, qkv.shape(), &device)?,
+                Tensor::from_vec_on(probs, &probs_shape, &device)?,
             )
         });
         let dropped_probs = self.attn_dropout.forward(&probs)?;
@@ -261,7 +263,7 @@ impl CausalSelfAttention {
                 &load::<F>(&dropped_probs)?,
                 dims,
             )?;
-            store(y, &[dims.batch, dims.seq, dims.n_embd], dtype)?
+            store(y, &[dims.batch, dims.seq, dims.n_embd], dtype, &device)?
         });
         self.cache = Some(AttentionCache::Dense {
             qkv: qkv_cached,
@@ -283,6 +285,7 @@ impl CausalSelfAttention {
     ) -> Result<Tensor> {
         const OP: &str = "CausalSelfAttention::backward";
         let probs_shape = [dims.batch, dims.n_head, dims.seq, dims.seq];
+        let device = same_device(OP, &[qkv, grad_y])?;
         let (grad_dropped, grad_v) = with_float!(OP, dtype, F => {
             let grads = dense::value_backward(
                 &load::<F>(qkv)?,
@@ -293,9 +296,9 @@ impl CausalSelfAttention {
             let grad_v: Vec<Tensor> = grads
                 .grad_v
                 .into_iter()
-                .map(|dv| Tensor::from_vec(dv, &[dims.seq, dims.head_dim()]))
+                .map(|dv| Tensor::from_vec_on(dv, &[dims.seq, dims.head_dim()], &device))
                 .collect::<std::result::Result<_, _>>()?;
-            (Tensor::from_vec(grads.grad_dropped_probs, &probs_shape)?, grad_v)
+            (Tensor::from_vec_on(grads.grad_dropped_probs, &probs_shape, &device)?, grad_v)
         });
         let grad_probs = self.attn_dropout.backward(&grad_dropped)?;
         Ok(with_float!(OP, dtype, F => {
@@ -307,7 +310,7 @@ impl CausalSelfAttention {
                 &grad_v,
                 dims,
             )?;
-            store(g, qkv.shape(), dtype)?
+            store(g, qkv.shape(), dtype, &device)?
         }))
     }
 
@@ -384,11 +387,12 @@ impl Module for CausalSelfAttention {
                 // log-sum-exps are copied. One thread never read-locks one storage twice:
                 // `with_values2` copies its second operand if it shares the first's storage,
                 // and a gradient sharing `qkv`'s storage is copied here.
+                let device = same_device(OP, &[&qkv, &grad_y])?;
                 let row_lse = load::<F>(&lse)?;
                 drop(lse);
                 let shape = qkv.shape().to_vec();
                 let dy_copy = if grad_y.shares_storage(&qkv) {
-                    Some(Tensor::from_vec(load::<F>(&grad_y)?, grad_y.shape())?)
+                    Some(Tensor::from_vec_on(load::<F>(&grad_y)?, grad_y.shape(), &device)?)
                 } else {
                     None
                 };
@@ -401,7 +405,7 @@ impl Module for CausalSelfAttention {
                 drop(out);
                 // The cache goes before the gradient is stored, lowering the peak.
                 drop(qkv);
-                store(g, &shape, dtype)?
+                store(g, &shape, dtype, &device)?
             }),
             AttentionCache::Dense {
                 qkv,

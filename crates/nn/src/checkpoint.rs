@@ -8,7 +8,8 @@ use hypershard_tensor::Tensor;
 use crate::{Error, Module, Result};
 
 /// Every parameter's values by dotted name, in visiting order (torch's `state_dict()` without
-/// buffers). The tensors share storage with the parameters.
+/// buffers). The tensors share storage with the parameters, on their device; the safetensors
+/// writers below copy device parameters to the host first.
 pub fn state_dict(module: &dyn Module) -> Result<Vec<(String, Tensor)>> {
     let mut out = Vec::new();
     module.visit_params("", &mut |name, param| {
@@ -52,20 +53,22 @@ pub fn load_state_dict(module: &mut dyn Module, tensors: &BTreeMap<String, Tenso
         });
     }
     module.visit_params_mut("", &mut |name, param| {
-        let dtype = param.tensor()?.dtype();
+        let (dtype, device) = (param.tensor()?.dtype(), param.tensor()?.device());
         let tensor = tensors.get(name).ok_or_else(|| Error::MissingTensor {
             op: OP,
             name: name.to_string(),
         })?;
-        // A copy in new storage, so the module never aliases the caller's tensors.
-        param.data = Some(tensor.to_dtype(dtype)?.deep_copy()?);
+        // A copy in new storage, so the module never aliases the caller's tensors; it goes
+        // where the parameter is.
+        let copy = tensor.to_dtype(dtype)?.deep_copy()?;
+        param.data = Some(copy.to_device(&device)?);
         Ok(())
     })
 }
 
 /// The module's parameters as safetensors bytes, by dotted name.
 pub fn save_safetensors(module: &dyn Module) -> Result<Vec<u8>> {
-    let tensors = state_dict(module)?;
+    let tensors = host_state_dict(module)?;
     Ok(hypershard_tensor::save_safetensors(
         tensors.iter().map(|(n, t)| (n.as_str(), t)),
     )?)
@@ -73,11 +76,19 @@ pub fn save_safetensors(module: &dyn Module) -> Result<Vec<u8>> {
 
 /// Writes the module's parameters to a safetensors file.
 pub fn save_safetensors_file(module: &dyn Module, path: &Path) -> Result<()> {
-    let tensors = state_dict(module)?;
+    let tensors = host_state_dict(module)?;
     Ok(hypershard_tensor::save_safetensors_file(
         tensors.iter().map(|(n, t)| (n.as_str(), t)),
         path,
     )?)
+}
+
+/// [`state_dict`] with every tensor on the host (host tensors as they are).
+fn host_state_dict(module: &dyn Module) -> Result<Vec<(String, Tensor)>> {
+    state_dict(module)?
+        .into_iter()
+        .map(|(name, t)| Ok((name, t.to_host()?)))
+        .collect()
 }
 
 /// Loads safetensors bytes into the module with [`load_state_dict`]'s checks.

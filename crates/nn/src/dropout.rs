@@ -105,7 +105,7 @@ fn scale_elements(op: &'static str, x: &Tensor, scales: &[f64]) -> Result<Tensor
     with_float!(op, x.dtype(), F => {
         let xs = load::<F>(x)?;
         let out: Vec<F> = xs.iter().zip(scales).map(|(&v, &s)| v * F::of(s)).collect();
-        store(out, x.shape(), x.dtype())
+        store(out, x.shape(), x.dtype(), &x.device())
     })
 }
 

@@ -1,6 +1,6 @@
 //! Dtype checks and the f64 constructor shared by the layers.
 
-use hypershard_tensor::{DType, Tensor};
+use hypershard_tensor::{DType, Device, Tensor};
 
 use crate::{Error, Result};
 
@@ -12,9 +12,14 @@ pub(crate) fn check_float(op: &'static str, dtype: DType) -> Result<()> {
     }
 }
 
-/// Builds a tensor of `dtype` from f64 values, rounding once.
-pub(crate) fn from_f64(values: Vec<f64>, shape: &[usize], dtype: DType) -> Result<Tensor> {
-    let t = Tensor::from_vec(values, shape)?;
+/// Builds a tensor of `dtype` on `device` from f64 values, rounding once.
+pub(crate) fn from_f64(
+    values: Vec<f64>,
+    shape: &[usize],
+    dtype: DType,
+    device: &Device,
+) -> Result<Tensor> {
+    let t = Tensor::from_vec_on(values, shape, device)?;
     if dtype == DType::F64 {
         Ok(t)
     } else {

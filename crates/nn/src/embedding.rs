@@ -3,7 +3,7 @@
 use hypershard_tensor::{DType, RandomInit, Tensor};
 
 use crate::elementwise::check_float;
-use crate::kernels::{Float, load, store, with_float};
+use crate::kernels::{Float, load, read_all, same_device, store, with_float};
 use crate::module::{ParamVisitor, ParamVisitorMut, join_name};
 use crate::{Error, Module, Parameter, Result};
 
@@ -57,7 +57,7 @@ impl Embedding {
                 rhs: ids.dtype(),
             });
         }
-        ids.to_vec::<i64>()?
+        read_all::<i64>("Embedding::forward", ids)?
             .into_iter()
             .enumerate()
             .map(|(position, index)| {
@@ -125,8 +125,9 @@ impl Module for Embedding {
         let rows = Embedding::rows(input, size)?;
         let mut shape = input.shape().to_vec();
         shape.push(dim);
+        let device = same_device("Embedding::forward", &[weight, input])?;
         let out = with_float!("Embedding::forward", weight.dtype(), F => {
-            store(gather_rows(&load::<F>(weight)?, &rows, dim), &shape, weight.dtype())?
+            store(gather_rows(&load::<F>(weight)?, &rows, dim), &shape, weight.dtype(), &device)?
         });
         self.ids = Some(input.clone());
         Ok(out)
@@ -155,15 +156,16 @@ impl Module for Embedding {
             });
         }
         let dtype = weight.dtype();
+        let device = same_device("Embedding::backward", &[weight, grad_output])?;
         if self.weight.requires_grad {
             let rows = Embedding::rows(&ids, size)?;
             let grad = with_float!("Embedding::backward", dtype, F => {
                 let g = load::<F>(grad_output)?;
-                store(scatter_add_rows(&g, &rows, size, dim), &[size, dim], dtype)?
+                store(scatter_add_rows(&g, &rows, size, dim), &[size, dim], dtype, &device)?
             });
             self.weight.accumulate_grad(grad)?;
         }
-        Ok(Tensor::zeros(ids.shape(), dtype)?)
+        Ok(Tensor::zeros_on(ids.shape(), dtype, &device)?)
     }
 
     fn clear_cache(&mut self) -> Result<()> {

@@ -10,7 +10,9 @@ use crate::checkpoint::{load_state_dict, save_safetensors};
 use crate::elementwise::check_float;
 use crate::embedding::{Embedding, gather_rows};
 use crate::fused_loss::{LossTargets, WeightGrad, fused_head, weight_grad_into};
-use crate::kernels::{Float, add_assign, load, store, with_float, with_values, with_values2};
+use crate::kernels::{
+    Float, add_assign, load, load_f64, same_device, store, with_float, with_values, with_values2,
+};
 use crate::linalg::{GemmShape, MatmulOptions, gemm};
 use crate::loss::TargetClasses;
 use crate::module::{ChildVisitorMut, ParamVisitor, ParamVisitorMut, join_name};
@@ -367,6 +369,7 @@ fn head_backward(
         });
     }
     let tokens = batch * seq;
+    let device = same_device(OP, &[wte, grad_output, final_hidden])?;
     Ok(with_float!(OP, dtype, F => {
         let g = load::<F>(grad_output)?;
         let dw_shape = GemmShape::new(
@@ -382,8 +385,8 @@ fn head_backward(
         let dh_shape = GemmShape::new(tokens, v, c, MatmulOptions::default())?;
         let dh = with_values::<F, _>(wte, |w| gemm(&g, w, dh_shape))??;
         (
-            Tensor::from_vec(head, &[v, c])?,
-            store(dh, &[batch, seq, c], dtype)?,
+            Tensor::from_vec_on(head, &[v, c], &device)?,
+            store(dh, &[batch, seq, c], dtype, &device)?,
         )
     }))
 }
@@ -464,6 +467,7 @@ impl Module for Gpt {
         let v = self.config.vocab_size;
         let wte = self.wte.data()?;
         let dtype = wte.dtype();
+        let device = same_device(OP, &[wte, self.wpe.data()?, input])?;
         let rows = Embedding::rows(input, v)?;
         let x = with_float!(OP, dtype, F => {
             // Borrowed, not loaded: a copy of the whole `[V, C]` table to read `B·T` rows of
@@ -471,7 +475,7 @@ impl Module for Gpt {
             let x = with_values2::<F, _>(wte, self.wpe.data()?, |w, p| {
                 embed(w, p, &rows, seq, c)
             })?;
-            store(x, &[batch, seq, c], dtype)?
+            store(x, &[batch, seq, c], dtype, &device)?
         });
         let mut x = self.drop.forward(&x)?;
         for block in self.h.iter_mut() {
@@ -482,6 +486,7 @@ impl Module for Gpt {
         let wte = self.wte.data()?;
         if let Some(fused) = &self.fused {
             let pending = fused.targets.take("GPT")?;
+            same_device(OP, &[wte, &final_hidden, &pending.targets])?;
             let classes = TargetClasses::new(OP, &pending.targets, v, fused.ignore_index)?;
             let tokens = batch * seq;
             let dtype = wte.dtype();
@@ -517,7 +522,7 @@ impl Module for Gpt {
                                 logit_grads,
                                 rows_per_block,
                             } => {
-                                wte.with_data_mut::<F, _>(|w| {
+                                wte.with_kernel_data_mut::<F, _>(OP, |w| {
                                     weight_grad_into(
                                         &logit_grads,
                                         rows_per_block,
@@ -531,12 +536,17 @@ impl Module for Gpt {
                             WeightGrad::Done(weight) if in_weight => {
                                 // The weight is dead from here on: its memory takes the
                                 // gradient, and the gradient's own buffer is freed now.
-                                wte.with_data_mut::<F, _>(|w| w.copy_from_slice(&weight))?;
+                                wte.with_kernel_data_mut::<F, _>(OP, |w| {
+                                    w.copy_from_slice(&weight)
+                                })?;
                                 wte.clone()
                             }
-                            WeightGrad::Done(weight) => Tensor::from_vec(weight, &[v, c])?,
+                            WeightGrad::Done(weight) => {
+                                Tensor::from_vec_on(weight, &[v, c], &device)?
+                            }
                         };
-                        Some((Tensor::from_vec(grads.hidden, &[tokens, c])?, head_grad))
+                        let hidden_grad = Tensor::from_vec_on(grads.hidden, &[tokens, c], &device)?;
+                        Some((hidden_grad, head_grad))
                     }
                     None => None,
                 };
@@ -551,7 +561,7 @@ impl Module for Gpt {
                     head_grad,
                 },
             });
-            return Ok(Tensor::from_vec(vec![loss], &[1])?);
+            return Ok(Tensor::from_vec_on(vec![loss], &[1], &device)?);
         }
         let shape = GemmShape::new(
             batch * seq,
@@ -562,10 +572,11 @@ impl Module for Gpt {
                 transpose_b: true,
             },
         )?;
+        let device = same_device(OP, &[wte, &final_hidden])?;
         let logits = with_float!(OP, wte.dtype(), F => {
             let logits =
                 with_values2::<F, _>(&final_hidden, wte, |h, w| gemm(h, w, shape))??;
-            store(logits, &[batch, seq, v], wte.dtype())?
+            store(logits, &[batch, seq, v], wte.dtype(), &device)?
         });
         self.cache = Some(GptCache {
             rows,
@@ -597,7 +608,7 @@ impl Module for Gpt {
                 // The gradients were computed for a loss gradient of one; scale them by the
                 // one given (the loss scale).
                 let expected = [1];
-                let scale = match grad_output.to_f64_vec() {
+                let scale = match load_f64(grad_output) {
                     Ok(values) if grad_output.shape() == expected => values[0],
                     _ => {
                         return Err(Error::ShapeMismatch {
@@ -618,6 +629,7 @@ impl Module for Gpt {
         }
         let g = self.drop.backward(&g)?;
         let block_size = self.config.block_size;
+        let device = same_device(OP, &[wte, &g])?;
         let (wte_grad, wpe_grad) = with_float!(OP, dtype, F => {
             let gv = load::<F>(&g)?;
             // The embedding's rows are added into the head's gradient in place: scattered
@@ -627,9 +639,11 @@ impl Module for Gpt {
             {
                 head_grad
             } else {
-                store(load::<F>(&head_grad)?, &[v, c], F::COMPUTE_DTYPE)?
+                store(load::<F>(&head_grad)?, &[v, c], F::COMPUTE_DTYPE, &device)?
             };
-            head_grad.with_data_mut::<F, _>(|head| add_token_rows(head, &gv, &cache.rows, c))?;
+            head_grad.with_kernel_data_mut::<F, _>(OP, |head| {
+                add_token_rows(head, &gv, &cache.rows, c)
+            })?;
             let wpe_grad = position_grad(&gv, seq, block_size, c);
             (
                 if dtype == F::COMPUTE_DTYPE {
@@ -637,14 +651,14 @@ impl Module for Gpt {
                 } else {
                     head_grad.to_dtype(dtype)?
                 },
-                store(wpe_grad, &[block_size, c], dtype)?,
+                store(wpe_grad, &[block_size, c], dtype, &device)?,
             )
         });
         self.wte.accumulate_grad(wte_grad)?;
         self.wpe.accumulate_grad(wpe_grad)?;
         // Token ids have no gradient; a zero placeholder keeps the Module contract (as
         // Embedding does).
-        Ok(Tensor::zeros(&[batch, seq], dtype)?)
+        Ok(Tensor::zeros_on(&[batch, seq], dtype, &device)?)
     }
 
     fn visit_params(&self, prefix: &str, f: &mut ParamVisitor<'_>) -> Result<()> {

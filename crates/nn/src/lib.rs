@@ -61,7 +61,7 @@ pub use linear::{Linear, LinearConfig};
 pub use loss::{DEFAULT_IGNORE_INDEX, LossOutput, cross_entropy, mse_loss};
 pub use module::{
     ChildVisitorMut, Identity, Module, ParamVisitor, ParamVisitorMut, join_name, parameter_names,
-    qualify_parameter_names, replace_module, zero_grad,
+    qualify_parameter_names, replace_module, to_device, zero_grad,
 };
 pub use module_list::ModuleList;
 pub use norm::{LayerNorm, LayerNormConfig, RmsNorm, RmsNormConfig};

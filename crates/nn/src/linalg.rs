@@ -8,10 +8,10 @@
 //! single-threaded GEMM: the caller's rayon pool (`ThreadPool::install`) decides the thread
 //! count per call, as `torch.set_num_threads` does.
 
-use hypershard_tensor::{DType, Tensor};
+use hypershard_tensor::Tensor;
 use rayon::prelude::*;
 
-use crate::kernels::Float;
+use crate::kernels::{Float, load, same_device, store, with_float};
 use crate::{Error, Result};
 
 /// Which operands of [`matmul_with`] are used transposed.
@@ -120,23 +120,13 @@ pub fn matmul_with(a: &Tensor, b: &Tensor, options: MatmulOptions) -> Result<Ten
     }
     // Both operands are gathered row-major; a transpose is then only a swap of strides.
     let shape = GemmShape::new(m, k, n, options)?;
-    match a.dtype() {
-        DType::F32 => {
-            let out = gemm(&a.to_vec::<f32>()?, &b.to_vec::<f32>()?, shape)?;
-            Ok(Tensor::from_vec(out, &[m, n])?)
-        }
-        DType::F64 => {
-            let out = gemm(&a.to_vec::<f64>()?, &b.to_vec::<f64>()?, shape)?;
-            Ok(Tensor::from_vec(out, &[m, n])?)
-        }
-        DType::BF16 | DType::F16 => {
-            let a32 = a.to_dtype(DType::F32)?.to_vec::<f32>()?;
-            let b32 = b.to_dtype(DType::F32)?.to_vec::<f32>()?;
-            let out = gemm(&a32, &b32, shape)?;
-            Ok(Tensor::from_vec(out, &[m, n])?.to_dtype(a.dtype())?)
-        }
-        dtype => Err(Error::UnsupportedDType { op: OP, dtype }),
-    }
+    let device = same_device(OP, &[a, b])?;
+    // The operands are read where they live and the product is stored there, rounded back
+    // once for bf16/f16 (`store`).
+    with_float!(OP, a.dtype(), F => {
+        let out = gemm(&load::<F>(a)?, &load::<F>(b)?, shape)?;
+        store(out, &[m, n], a.dtype(), &device)
+    })
 }
 
 /// Checks that row-major buffers hold exactly the operands `shape` describes, so every index
@@ -298,7 +288,7 @@ fn gemm_rows<F: Float>(
 
 #[cfg(test)]
 mod tests {
-    use hypershard_tensor::RandomInit;
+    use hypershard_tensor::{DType, RandomInit};
 
     use super::*;
 

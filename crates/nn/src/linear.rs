@@ -4,7 +4,8 @@ use hypershard_tensor::{DType, RandomInit, Tensor};
 
 use crate::elementwise::check_float;
 use crate::kernels::{
-    Float, add_row, build_overwrite, load, store, sum_rows, with_float, with_values, with_values2,
+    Float, add_row, build_overwrite, load, same_device, store, sum_rows, with_float, with_values,
+    with_values2,
 };
 use crate::linalg::{GemmShape, MatmulOptions, gemm_into};
 use crate::module::{ParamVisitor, ParamVisitorMut, join_name};
@@ -174,9 +175,13 @@ impl Module for Linear {
         };
         let shape = GemmShape::new(rows, self.in_features, self.out_features, options)?;
         let bias = self.bias.as_ref().map(Parameter::data).transpose()?;
+        let device = match bias {
+            Some(b) => same_device("Linear::forward", &[weight, input, b])?,
+            None => same_device("Linear::forward", &[weight, input])?,
+        };
         let y = with_float!("Linear::forward", weight.dtype(), F => {
             let bias = bias.map(load::<F>).transpose()?;
-            build_overwrite::<F>(&out_shape, weight.dtype(), |y| {
+            build_overwrite::<F>(&out_shape, weight.dtype(), &device, |y| {
                 with_values2::<F, _>(&x, weight, |xs, ws| {
                     // Few rows (a small batch): the packing-free kernel reads the weight in
                     // place; otherwise the general GEMM.
@@ -221,13 +226,14 @@ impl Module for Linear {
         let rows = x.shape()[0];
         let (n_in, n_out) = (self.in_features, self.out_features);
         let dtype = weight.dtype();
+        let device = same_device("Linear::backward", &[weight, grad_output])?;
         let weight_wants_grad = self.weight.requires_grad;
         let bias_wants_grad = self.bias.as_ref().is_some_and(|b| b.requires_grad);
         let grads = with_float!("Linear::backward", dtype, F => {
             let backward = |g: &[F]| -> Result<LinearGrads> {
                 // dx = gy · W, [N, out] · [out, in].
                 let dx_shape = GemmShape::new(rows, n_out, n_in, MatmulOptions::default())?;
-                let grad_input = build_overwrite::<F>(input.shape(), dtype, |dx| {
+                let grad_input = build_overwrite::<F>(input.shape(), dtype, &device, |dx| {
                     with_values::<F, _>(weight, |ws| {
                         if F::small_gemm_nn(g, ws, rows, n_out, n_in, dx) {
                             Ok(())
@@ -243,14 +249,14 @@ impl Module for Linear {
                         transpose_b: false,
                     };
                     let dw_shape = GemmShape::new(n_out, rows, n_in, options)?;
-                    Some(build_overwrite::<F>(&[n_out, n_in], dtype, |dw| {
+                    Some(build_overwrite::<F>(&[n_out, n_in], dtype, &device, |dw| {
                         with_values::<F, _>(&x, |xs| gemm_into(g, xs, dw_shape, dw))?
                     })?)
                 } else {
                     None
                 };
                 let grad_bias = if bias_wants_grad {
-                    Some(store(sum_rows(g, n_out), &[n_out], dtype)?)
+                    Some(store(sum_rows(g, n_out), &[n_out], dtype, &device)?)
                 } else {
                     None
                 };

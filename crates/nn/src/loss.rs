@@ -3,7 +3,7 @@
 use hypershard_tensor::{DType, Tensor};
 
 use crate::elementwise::{check_float, from_f64};
-use crate::kernels::{Float, load, store, with_float};
+use crate::kernels::{Float, load, load_f64, read_all, same_device, store, with_float};
 use crate::{Error, Result};
 
 /// A loss value and the gradient of the loss with respect to the prediction (or logits).
@@ -36,8 +36,9 @@ pub fn mse_loss(prediction: &Tensor, target: &Tensor) -> Result<LossOutput> {
             rhs: target.dtype(),
         });
     }
-    let p = prediction.to_f64_vec()?;
-    let t = target.to_f64_vec()?;
+    let device = same_device(OP, &[prediction, target])?;
+    let p = load_f64(prediction)?;
+    let t = load_f64(target)?;
     // torch gives NaN for an empty input (a mean over nothing); so does 0/0 here.
     let n = p.len() as f64;
     let loss = p
@@ -49,7 +50,7 @@ pub fn mse_loss(prediction: &Tensor, target: &Tensor) -> Result<LossOutput> {
     let grad = p.iter().zip(&t).map(|(p, t)| 2.0 * (p - t) / n).collect();
     Ok(LossOutput {
         loss,
-        grad: from_f64(grad, prediction.shape(), prediction.dtype())?,
+        grad: from_f64(grad, prediction.shape(), prediction.dtype(), &device)?,
     })
 }
 
@@ -76,6 +77,7 @@ pub fn cross_entropy(logits: &Tensor, targets: &Tensor, ignore_index: i64) -> Re
             rhs: targets.shape().to_vec(),
         });
     }
+    let device = same_device(OP, &[logits, targets])?;
     let TargetClasses {
         classes_of,
         counted,
@@ -93,7 +95,7 @@ pub fn cross_entropy(logits: &Tensor, targets: &Tensor, ignore_index: i64) -> Re
         cross_entropy_rows_in_place(&mut grad, &classes_of, classes, F::of(scale), &mut total);
         Ok(LossOutput {
             loss: total / counted as f64,
-            grad: store(grad, logits.shape(), logits.dtype())?,
+            grad: store(grad, logits.shape(), logits.dtype(), &device)?,
         })
     })
 }
@@ -120,7 +122,7 @@ impl TargetClasses {
                 rhs: targets.dtype(),
             });
         }
-        let labels = targets.to_vec::<i64>()?;
+        let labels = read_all::<i64>(op, targets)?;
         let mut counted = 0usize;
         let mut classes_of = Vec::with_capacity(labels.len());
         for (position, &label) in labels.iter().enumerate() {

@@ -1,6 +1,6 @@
 //! The `Module` trait: explicit forward and backward, parameter and child visitors.
 
-use hypershard_tensor::Tensor;
+use hypershard_tensor::{Device, Tensor};
 
 use crate::{Parameter, Result};
 
@@ -154,6 +154,41 @@ pub fn zero_grad(module: &mut dyn Module) -> Result<()> {
         param.clear_grad();
         Ok(())
     })
+}
+
+/// Moves every parameter of `module`, and its gradient, to `device` (torch's
+/// `module.to(device)`): layers run where their parameters are, so after this call the
+/// module takes inputs on `device` and returns outputs and gradients there. Parameters
+/// already on `device` are left as they are (no copy); a deferred (shape-only) parameter is
+/// [`Error::Deferred`](crate::Error::Deferred): materialise it first.
+///
+/// ```
+/// use hypershard_nn::{Linear, LinearConfig, Module, to_device};
+/// use hypershard_tensor::{DType, Device, Tensor};
+/// let device = Device::Emulated { ordinal: 0 };
+/// let mut layer = Linear::new(LinearConfig {
+///     in_features: 3,
+///     out_features: 2,
+///     bias: true,
+///     dtype: DType::F32,
+///     seed: 0,
+/// })?;
+/// to_device(&mut layer, &device)?;
+/// let y = layer.forward(&Tensor::ones(&[4, 3], DType::F32)?.to_device(&device)?)?;
+/// assert_eq!(y.device(), device);
+/// # Ok::<(), hypershard_nn::Error>(())
+/// ```
+pub fn to_device(module: &mut dyn Module, device: &Device) -> Result<()> {
+    module.visit_params_mut("", &mut |_, param| {
+        let moved = param.data()?.to_device(device)?;
+        param.data = Some(moved);
+        if let Some(grad) = &param.grad {
+            param.grad = Some(grad.to_device(device)?);
+        }
+        Ok(())
+    })?;
+    // Cached activations live where the old parameters were.
+    module.clear_cache()
 }
 
 /// Sets every parameter's [`Parameter::name`] to its full dotted name, so errors such as

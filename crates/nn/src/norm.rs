@@ -3,7 +3,7 @@
 use hypershard_tensor::{DType, Tensor};
 
 use crate::elementwise::check_float;
-use crate::kernels::{Float, load, store, with_float, with_values, with_values2};
+use crate::kernels::{Float, load, same_device, store, with_float, with_values, with_values2};
 use crate::module::{ParamVisitor, ParamVisitorMut, join_name};
 use crate::{Error, Module, Parameter, Result};
 
@@ -203,6 +203,10 @@ fn run_forward(
 ) -> Result<(Tensor, NormCache)> {
     let d = weight.numel();
     check_input(op, input, d, weight.dtype())?;
+    let device = match bias {
+        Some(b) => same_device(op, &[weight, input, b])?,
+        None => same_device(op, &[weight, input])?,
+    };
     with_float!(op, input.dtype(), F => {
         // The parameters are copied (one row each); the input is read in place.
         let w = load::<F>(weight)?;
@@ -210,12 +214,12 @@ fn run_forward(
         let fwd = with_values::<F, _>(input, |x| norm_forward(x, &w, b.as_deref(), eps, centering))?;
         let rows = fwd.inv_std.len();
         let cache = NormCache {
-            normalized: Tensor::from_vec(fwd.normalized, input.shape())?,
-            inv_std: Tensor::from_vec(fwd.inv_std, &[rows])?,
+            normalized: Tensor::from_vec_on(fwd.normalized, input.shape(), &device)?,
+            inv_std: Tensor::from_vec_on(fwd.inv_std, &[rows], &device)?,
             shape: input.shape().to_vec(),
             dtype: input.dtype(),
         };
-        Ok((store(fwd.out, input.shape(), input.dtype())?, cache))
+        Ok((store(fwd.out, input.shape(), input.dtype(), &device)?, cache))
     })
 }
 
@@ -231,6 +235,7 @@ fn run_backward(
     check_grad(op, grad_output, cache)?;
     let d = weight.numel();
     let dtype = cache.dtype;
+    let device = same_device(op, &[weight, grad_output, &cache.normalized])?;
     with_float!(op, dtype, F => {
         // The two activation-sized operands are read in place; one value per row and one
         // per feature are copied.
@@ -239,9 +244,9 @@ fn run_backward(
             norm_backward(g, normalized, &inv_std, &w, centering)
         })?;
         Ok(NormGrads {
-            grad_input: store(bwd.grad_input, &cache.shape, dtype)?,
-            grad_weight: store(bwd.grad_weight, &[d], dtype)?,
-            grad_bias: store(bwd.grad_bias, &[d], dtype)?,
+            grad_input: store(bwd.grad_input, &cache.shape, dtype, &device)?,
+            grad_weight: store(bwd.grad_weight, &[d], dtype, &device)?,
+            grad_bias: store(bwd.grad_bias, &[d], dtype, &device)?,
         })
     })
 }

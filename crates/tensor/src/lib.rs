@@ -82,6 +82,7 @@ pub mod emulated;
 mod error;
 #[cfg(feature = "safetensors")]
 mod io;
+pub mod kernel_access;
 mod layout;
 mod lock;
 pub mod memory;

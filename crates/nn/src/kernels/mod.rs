@@ -14,7 +14,7 @@ pub(crate) mod small_gemm;
 use std::iter::Sum;
 use std::ops::{Add, AddAssign, Div, Mul, MulAssign, Neg, Sub, SubAssign};
 
-use hypershard_tensor::{DType, Element, Tensor};
+use hypershard_tensor::{DType, Device, Element, Tensor};
 
 use crate::{Error, Result};
 
@@ -293,22 +293,73 @@ macro_rules! with_float {
 }
 pub(crate) use with_float;
 
-/// The elements of `t` (any float dtype, any layout) in the compute type `F`, row-major.
+/// The one device `tensors` are on: a layer checks its inputs and parameters with this once
+/// per call, so that a host input fed to a layer whose parameters are on a device is
+/// [`DeviceMismatch`](hypershard_tensor::Error::DeviceMismatch) naming the layer and both
+/// devices, not a kernel reading two memories.
+pub(crate) fn same_device(op: &'static str, tensors: &[&Tensor]) -> Result<Device> {
+    let Some((first, rest)) = tensors.split_first() else {
+        return Ok(Device::Cpu);
+    };
+    let device = first.device();
+    for t in rest {
+        let other = t.device();
+        if other != device {
+            return Err(hypershard_tensor::Error::DeviceMismatch {
+                op,
+                lhs: device,
+                rhs: other,
+            }
+            .into());
+        }
+    }
+    Ok(device)
+}
+
+/// The elements of `t` (any float dtype, any layout) in the compute type `F`, row-major: a
+/// kernel's scratch copy, read where `t` lives (see [`Tensor::with_kernel_data`]).
 pub(crate) fn load<F: Float>(t: &Tensor) -> Result<Vec<F>> {
-    if t.dtype() == F::COMPUTE_DTYPE {
-        Ok(t.to_vec::<F>()?)
+    let converted;
+    let t = if t.dtype() == F::COMPUTE_DTYPE {
+        t
     } else {
-        Ok(t.to_dtype(F::COMPUTE_DTYPE)?.to_vec::<F>()?)
+        converted = t.to_dtype(F::COMPUTE_DTYPE)?;
+        &converted
+    };
+    read_all::<F>("load", t)
+}
+
+/// The elements of `t` (any float dtype, any layout) as f64, row-major: on the host the
+/// tensor crate's one-pass widening read, elsewhere a kernel's read where `t` lives.
+pub(crate) fn load_f64(t: &Tensor) -> Result<Vec<f64>> {
+    if t.device().is_cpu() {
+        Ok(t.to_f64_vec()?)
+    } else {
+        load::<f64>(t)
+    }
+}
+
+/// The elements of `t` (any layout) in row-major order, read where `t` lives (see
+/// [`Tensor::with_kernel_data`]); `op` names the kernel in errors.
+pub(crate) fn read_all<T: Element>(op: &'static str, t: &Tensor) -> Result<Vec<T>> {
+    if t.is_contiguous() {
+        Ok(t.with_kernel_data::<T, _>(op, <[T]>::to_vec)?)
+    } else if t.device().is_cpu() {
+        // The host gathers a strided view in one pass.
+        Ok(t.to_vec::<T>()?)
+    } else {
+        Ok(t.contiguous()?
+            .with_kernel_data::<T, _>(op, <[T]>::to_vec)?)
     }
 }
 
 /// Runs `f` on the elements of `t` in the compute type `F`: borrowed in place (no copy, no
 /// allocation) when `t` is contiguous and already of `F`'s dtype, converted into a temporary
 /// buffer otherwise. The storage's read lock is held while `f` runs, so `f` must not write to
-/// `t`'s storage.
+/// `t`'s storage. The elements are read where `t` lives ([`Tensor::with_kernel_data`]).
 pub(crate) fn with_values<F: Float, R>(t: &Tensor, f: impl FnOnce(&[F]) -> R) -> Result<R> {
     if t.dtype() == F::COMPUTE_DTYPE && t.is_contiguous() {
-        Ok(t.with_data::<F, R>(f)?)
+        Ok(t.with_kernel_data::<F, R>("with_values", f)?)
     } else {
         let values = load::<F>(t)?;
         Ok(f(&values))
@@ -333,10 +384,15 @@ pub(crate) fn with_values2<F: Float, R>(
     }
 }
 
-/// A tensor of `dtype` and `shape` from compute values, rounding once when `dtype` is
-/// narrower than `F`.
-pub(crate) fn store<F: Float>(values: Vec<F>, shape: &[usize], dtype: DType) -> Result<Tensor> {
-    let t = Tensor::from_vec(values, shape)?;
+/// A tensor of `dtype` and `shape` on `device` from compute values, rounding once when
+/// `dtype` is narrower than `F`.
+pub(crate) fn store<F: Float>(
+    values: Vec<F>,
+    shape: &[usize],
+    dtype: DType,
+    device: &Device,
+) -> Result<Tensor> {
+    let t = Tensor::from_vec_on(values, shape, device)?;
     if dtype == F::COMPUTE_DTYPE {
         Ok(t)
     } else {
@@ -344,7 +400,8 @@ pub(crate) fn store<F: Float>(values: Vec<F>, shape: &[usize], dtype: DType) -> 
     }
 }
 
-/// A new tensor of `dtype` and `shape` whose values `fill` writes in the compute type `F`.
+/// A new tensor of `dtype` and `shape` on `device` whose values `fill` writes in the compute
+/// type `F`, where the tensor lives ([`Tensor::with_kernel_data_mut`]).
 ///
 /// When `dtype` is `F`'s own, `fill` writes straight into the new tensor's storage, saving the
 /// allocation and copy of building a `Vec` first; otherwise the values are rounded to `dtype`
@@ -352,10 +409,11 @@ pub(crate) fn store<F: Float>(values: Vec<F>, shape: &[usize], dtype: DType) -> 
 pub(crate) fn build<F: Float>(
     shape: &[usize],
     dtype: DType,
+    device: &Device,
     fill: impl FnOnce(&mut [F]) -> Result<()>,
 ) -> Result<Tensor> {
-    let t = Tensor::zeros(shape, F::COMPUTE_DTYPE)?;
-    t.with_data_mut::<F, _>(fill)??;
+    let t = Tensor::zeros_on(shape, F::COMPUTE_DTYPE, device)?;
+    t.with_kernel_data_mut::<F, _>("build", fill)??;
     if dtype == F::COMPUTE_DTYPE {
         Ok(t)
     } else {
@@ -363,15 +421,16 @@ pub(crate) fn build<F: Float>(
     }
 }
 
-/// [`build`] for a `fill` that writes every element: large outputs of `F`'s own dtype get
-/// recycled storage (see [`recycle`]) instead of a fresh zeroed allocation.
+/// [`build`] for a `fill` that writes every element: large host outputs of `F`'s own dtype
+/// get recycled storage (see [`recycle`]) instead of a fresh zeroed allocation.
 pub(crate) fn build_overwrite<F: Float>(
     shape: &[usize],
     dtype: DType,
+    device: &Device,
     fill: impl FnOnce(&mut [F]) -> Result<()>,
 ) -> Result<Tensor> {
-    if dtype != F::COMPUTE_DTYPE {
-        return build::<F>(shape, dtype, fill);
+    if dtype != F::COMPUTE_DTYPE || !device.is_cpu() {
+        return build::<F>(shape, dtype, device, fill);
     }
     let t = recycle::tensor(shape, dtype)?;
     t.with_data_mut::<F, _>(fill)??;
@@ -424,7 +483,8 @@ pub(crate) fn add_tensors(op: &'static str, a: &Tensor, b: &Tensor) -> Result<Te
             rhs: b.dtype(),
         });
     }
-    with_float!(op, a.dtype(), F => build::<F>(a.shape(), a.dtype(), |out| {
+    let device = same_device(op, &[a, b])?;
+    with_float!(op, a.dtype(), F => build::<F>(a.shape(), a.dtype(), &device, |out| {
         with_values2::<F, _>(a, b, |xs, ys| {
             for ((o, &x), &y) in out.iter_mut().zip(xs).zip(ys) {
                 *o = x + y;

@@ -5,6 +5,7 @@ use std::collections::BTreeMap;
 use hypershard_tensor::{DType, Tensor};
 
 use super::{check_non_negative, write_f64};
+use crate::kernels::{load_f64, same_device};
 use crate::{Error, Module, Parameter, Result};
 
 /// The hyper-parameters of [`AdamW`]; `Default` gives torch's defaults.
@@ -113,8 +114,8 @@ impl AdamW {
             Some(state) => state.clone(),
             None => AdamWState {
                 step: 0,
-                exp_avg: Tensor::zeros(data.shape(), data.dtype())?,
-                exp_avg_sq: Tensor::zeros(data.shape(), data.dtype())?,
+                exp_avg: Tensor::zeros_on(data.shape(), data.dtype(), &data.device())?,
+                exp_avg_sq: Tensor::zeros_on(data.shape(), data.dtype(), &data.device())?,
             },
         };
         if state.exp_avg.shape() != data.shape() {
@@ -124,6 +125,7 @@ impl AdamW {
                 rhs: state.exp_avg.shape().to_vec(),
             });
         }
+        same_device(OP, &[data, grad, &state.exp_avg, &state.exp_avg_sq])?;
         let step = state.step + 1;
         let update = AdamWUpdate::new(&self.config, step);
         let all_f32_and_contiguous = [data, grad, &state.exp_avg, &state.exp_avg_sq]
@@ -133,12 +135,12 @@ impl AdamW {
             // The common case: one pass over the four arrays in place, no copies. The
             // arithmetic is the general path's, so both give the same bits. The state was
             // made with the parameter, so it never shares the parameter's or gradient's storage.
-            let nested = grad.with_data::<f32, _>(|g| {
-                data.with_data_mut::<f32, _>(|p| {
-                    state.exp_avg.with_data_mut::<f32, _>(|m| {
+            let nested = grad.with_kernel_data::<f32, _>(OP, |g| {
+                data.with_kernel_data_mut::<f32, _>(OP, |p| {
+                    state.exp_avg.with_kernel_data_mut::<f32, _>(OP, |m| {
                         state
                             .exp_avg_sq
-                            .with_data_mut::<f32, _>(|v| update.apply_f32(p, m, v, g))
+                            .with_kernel_data_mut::<f32, _>(OP, |v| update.apply_f32(p, m, v, g))
                     })
                 })
             });
@@ -147,10 +149,10 @@ impl AdamW {
             // Any other dtype or layout: through f64 copies, rounded once into each tensor.
             // The state tensors are cloned as views, so an error here leaves the stored state
             // (and the parameter) untouched.
-            let mut values = data.to_f64_vec()?;
-            let grad = grad.to_f64_vec()?;
-            let mut exp_avg = state.exp_avg.to_f64_vec()?;
-            let mut exp_avg_sq = state.exp_avg_sq.to_f64_vec()?;
+            let mut values = load_f64(data)?;
+            let grad = load_f64(grad)?;
+            let mut exp_avg = load_f64(&state.exp_avg)?;
+            let mut exp_avg_sq = load_f64(&state.exp_avg_sq)?;
             for (((p, m), v), &g) in values
                 .iter_mut()
                 .zip(exp_avg.iter_mut())

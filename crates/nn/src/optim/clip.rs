@@ -1,5 +1,6 @@
 //! Global-norm gradient clipping (torch's `clip_grad_norm_`).
 
+use crate::kernels::load_f64;
 use crate::{Module, Parameter, Result};
 
 /// Scales every gradient of `module` so that their joint L2 norm is at most `max_norm`, and
@@ -14,7 +15,7 @@ pub fn clip_grad_norm(module: &mut dyn Module, max_norm: f64) -> Result<f64> {
     let mut sum_sq = 0.0;
     module.visit_params("", &mut |_, param| {
         if let Some(grad) = &param.grad {
-            sum_sq += grad.to_f64_vec()?.iter().map(|g| g * g).sum::<f64>();
+            sum_sq += load_f64(grad)?.iter().map(|g| g * g).sum::<f64>();
         }
         Ok(())
     })?;
@@ -36,7 +37,7 @@ pub fn clip_grad_norm_params(params: &mut [&mut Parameter], max_norm: f64) -> Re
     let mut sum_sq = 0.0;
     for param in params.iter() {
         if let Some(grad) = &param.grad {
-            sum_sq += grad.to_f64_vec()?.iter().map(|g| g * g).sum::<f64>();
+            sum_sq += load_f64(grad)?.iter().map(|g| g * g).sum::<f64>();
         }
     }
     let total_norm = sum_sq.sqrt();

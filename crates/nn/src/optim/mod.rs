@@ -19,6 +19,7 @@ pub use sgd::{Sgd, SgdConfig};
 
 use hypershard_tensor::Tensor;
 
+use crate::kernels::{load_f64, same_device};
 use crate::{Error, Parameter, Result};
 
 /// The values and gradient of one parameter, checked to agree in shape and dtype.
@@ -47,15 +48,20 @@ pub(crate) fn step_inputs(op: &'static str, param: &Parameter) -> Result<Option<
             rhs: grad.dtype(),
         });
     }
+    same_device(op, &[data, grad])?;
     Ok(Some(StepInputs {
-        values: data.to_f64_vec()?,
-        grad: grad.to_f64_vec()?,
+        values: load_f64(data)?,
+        grad: load_f64(grad)?,
     }))
 }
 
 /// Writes f64 values into `target` (any dtype and layout), rounding once.
 pub(crate) fn write_f64(target: &Tensor, values: Vec<f64>) -> Result<()> {
-    target.copy_from(&Tensor::from_vec(values, target.shape())?)?;
+    target.copy_from(&Tensor::from_vec_on(
+        values,
+        target.shape(),
+        &target.device(),
+    )?)?;
     Ok(())
 }
 

@@ -5,6 +5,7 @@ use std::collections::BTreeMap;
 use hypershard_tensor::Tensor;
 
 use super::{check_non_negative, step_inputs, write_f64};
+use crate::kernels::load_f64;
 use crate::{Error, Module, Parameter, Result};
 
 /// The hyper-parameters of [`Sgd`]; `Default` gives torch's defaults.
@@ -103,6 +104,7 @@ impl Sgd {
                     rhs: grad.dtype(),
                 });
             }
+            // `axpy` runs where the tensors are and refuses two devices.
             data.axpy(-self.config.lr, grad)?;
             return Ok(());
         }
@@ -126,8 +128,7 @@ impl Sgd {
         if momentum != 0.0 {
             let buffer = match self.momentum_buffers.get(name) {
                 None => grad.clone(),
-                Some(existing) => existing
-                    .to_f64_vec()?
+                Some(existing) => load_f64(existing)?
                     .iter()
                     .zip(&grad)
                     .map(|(b, g)| momentum * b + (1.0 - dampening) * g)
@@ -143,7 +144,7 @@ impl Sgd {
             let data = param.data()?;
             let stored = match self.momentum_buffers.get(name) {
                 Some(existing) => existing.clone(),
-                None => Tensor::zeros(data.shape(), data.dtype())?,
+                None => Tensor::zeros_on(data.shape(), data.dtype(), &data.device())?,
             };
             write_f64(&stored, buffer)?;
             self.momentum_buffers.insert(name.to_string(), stored);
