@@ -191,7 +191,10 @@ impl RedistributeWork {
             self.advance()?;
         }
         // invariant: the loop exits only with no collective in flight, so `local` is Some.
-        let local = self.local.take().expect("local tensor present at the end");
+        let local = self
+            .local
+            .take()
+            .expect("invariant: local tensor present at the end");
         Ok(DTensor::from_parts(
             local,
             self.mesh,

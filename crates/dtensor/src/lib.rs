@@ -56,7 +56,10 @@
 //!     let gathered = sharded.redistribute(&[Placement::Replicate])?;
 //!     Ok::<_, hypershard_dtensor::Error>((local, gathered.to_local().to_vec::<f32>()?))
 //! })).collect();
-//! let out: Vec<_> = handles.into_iter().map(|h| h.join().unwrap()).collect::<Result<_, _>>()?;
+//! let mut out = Vec::new();
+//! for handle in handles {
+//!     out.push(handle.join().map_err(|_| "a rank panicked")??);
+//! }
 //! assert_eq!(out[0], (vec![0.0, 1.0, 2.0], vec![0.0, 1.0, 2.0, 3.0, 4.0]));
 //! assert_eq!(out[1], (vec![3.0, 4.0], vec![0.0, 1.0, 2.0, 3.0, 4.0]));
 //! # Ok::<(), Box<dyn std::error::Error>>(())

@@ -33,7 +33,10 @@ use crate::pool::BufferPool;
 ///         })
 ///     })
 ///     .collect();
-/// let coords: Vec<_> = handles.into_iter().map(|h| h.join().unwrap()).collect::<Result<_, _>>()?;
+/// let mut coords = Vec::new();
+/// for handle in handles {
+///     coords.push(handle.join().map_err(|_| "a rank panicked")??);
+/// }
 /// assert_eq!(coords, [(0, 2), (0, 2), (1, 2), (1, 2)]);
 /// # Ok::<(), Box<dyn std::error::Error>>(())
 /// ```
@@ -249,7 +252,10 @@ impl ProcessMesh {
         }
         let flat = self.inner.mesh.flatten(&resolved, name)?;
         // invariant: DeviceMesh::flatten accepted `resolved`, so it is not empty.
-        let merged_at = *resolved.iter().min().expect("flatten checked the dims");
+        let merged_at = *resolved
+            .iter()
+            .min()
+            .expect("invariant: flatten checked the dims");
         let mut dim_comms = Vec::with_capacity(flat.ndim());
         for (dim, comm) in self.inner.dim_comms.iter().enumerate() {
             if dim == merged_at {

@@ -275,7 +275,7 @@ impl DeviceMesh {
     {
         let merged = self.resolve_dims(dims, "flatten")?;
         // invariant: resolve_dims rejects an empty list, so a minimum exists.
-        let first = *merged.iter().min().expect("merged is not empty");
+        let first = *merged.iter().min().expect("invariant: merged is not empty");
         let mut groups = Vec::with_capacity(self.ndim() - merged.len() + 1);
         let mut names = Vec::with_capacity(groups.capacity());
         for dim in 0..self.ndim() {

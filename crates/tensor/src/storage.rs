@@ -115,10 +115,15 @@ impl HostBuffer {
     ///     fn bytes(&self) -> &[u8] { self.0.as_bytes() }
     ///     fn bytes_mut(&mut self) -> &mut [u8] { self.0.as_bytes_mut() }
     /// }
-    /// let buf = HostBuffer::from_foreign(Box::new(Pages(HostBuffer::zeroed(8)))).ok().unwrap();
+    /// let Ok(buf) = HostBuffer::from_foreign(Box::new(Pages(HostBuffer::zeroed(8)))) else {
+    ///     return Err("the pages were not aligned".into());
+    /// };
     /// assert_eq!(buf.len(), 8);
-    /// let back = buf.into_foreign().ok().unwrap();
+    /// let Ok(back) = buf.into_foreign() else {
+    ///     return Err("the buffer did not hold foreign memory".into());
+    /// };
     /// assert_eq!(back.bytes().len(), 8);
+    /// # Ok::<(), Box<dyn std::error::Error>>(())
     /// ```
     pub fn from_foreign(
         foreign: Box<dyn ForeignBytes>,
@@ -147,10 +152,13 @@ impl HostBuffer {
     ///     fn bytes(&self) -> &[u8] { self.0.as_bytes() }
     ///     fn bytes_mut(&mut self) -> &mut [u8] { self.0.as_bytes_mut() }
     /// }
-    /// let adopted = HostBuffer::from_foreign(Box::new(Pages(HostBuffer::zeroed(8)))).ok().unwrap();
-    /// let foreign = adopted.foreign().expect("adopted memory");
+    /// let Ok(adopted) = HostBuffer::from_foreign(Box::new(Pages(HostBuffer::zeroed(8)))) else {
+    ///     return Err("the pages were not aligned".into());
+    /// };
+    /// let foreign = adopted.foreign().ok_or("no adopted memory")?;
     /// assert!((foreign as &dyn std::any::Any).is::<Pages>());
     /// assert!(HostBuffer::zeroed(8).foreign().is_none());
+    /// # Ok::<(), Box<dyn std::error::Error>>(())
     /// ```
     pub fn foreign(&self) -> Option<&dyn ForeignBytes> {
         match &self.memory {

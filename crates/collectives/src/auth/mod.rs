@@ -156,7 +156,8 @@ pub(crate) fn fresh_nonce() -> Result<Nonce> {
 fn keyed(secret: Option<&JobSecret>, label: &[u8], transcript: &[&[u8]]) -> HmacSha256 {
     let key = secret.map_or(&[][..], |s| s.bytes.as_slice());
     // invariant: HMAC accepts keys of every length (long ones are hashed first).
-    let mut mac = <HmacSha256 as KeyInit>::new_from_slice(key).expect("HMAC takes any key length");
+    let mut mac =
+        <HmacSha256 as KeyInit>::new_from_slice(key).expect("invariant: HMAC takes any key length");
     mac.update(label);
     for part in transcript {
         // Each part is length-prefixed so that moving bytes between parts changes the tag.
