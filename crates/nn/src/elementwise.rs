@@ -19,10 +19,5 @@ pub(crate) fn from_f64(
     dtype: DType,
     device: &Device,
 ) -> Result<Tensor> {
-    let t = Tensor::from_vec_on(values, shape, device)?;
-    if dtype == DType::F64 {
-        Ok(t)
-    } else {
-        Ok(t.to_dtype(dtype)?)
-    }
+    crate::kernels::store::<f64>(values, shape, dtype, device)
 }

@@ -7,39 +7,14 @@
 
 mod common;
 
-use common::{check_module, random};
+use common::{Opaque, check_module, random};
 use hypershard_nn::{
     CausalSelfAttention, CausalSelfAttentionConfig, Error, Linear, LinearConfig, Module,
-    ParamVisitor, ParamVisitorMut, Result, replace_module, with_num_threads, zero_grad,
+    replace_module, with_num_threads, zero_grad,
 };
 use hypershard_tensor::DType;
 use hypershard_tensor::Tensor;
 use hypershard_tensor::memory::MemoryTracker;
-
-/// Forwards every call to the inner module; being another type, it makes the attention treat
-/// its `attn_dropout` child as replaced.
-struct Opaque(Box<dyn Module>);
-
-impl Module for Opaque {
-    fn kind(&self) -> &'static str {
-        "Opaque"
-    }
-    fn forward(&mut self, input: &Tensor) -> Result<Tensor> {
-        self.0.forward(input)
-    }
-    fn backward(&mut self, grad_output: &Tensor) -> Result<Tensor> {
-        self.0.backward(grad_output)
-    }
-    fn visit_params(&self, prefix: &str, f: &mut ParamVisitor<'_>) -> Result<()> {
-        self.0.visit_params(prefix, f)
-    }
-    fn visit_params_mut(&mut self, prefix: &str, f: &mut ParamVisitorMut<'_>) -> Result<()> {
-        self.0.visit_params_mut(prefix, f)
-    }
-    fn set_training(&mut self, training: bool) -> Result<()> {
-        self.0.set_training(training)
-    }
-}
 
 fn config(n_embd: usize, n_head: usize, dropout: f64, dtype: DType) -> CausalSelfAttentionConfig {
     CausalSelfAttentionConfig {

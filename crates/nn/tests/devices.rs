@@ -8,11 +8,13 @@ use hypershard_nn::optim::{AdamW, AdamWConfig, Sgd, SgdConfig, clip_grad_norm};
 use hypershard_nn::{
     Block, BlockConfig, CausalSelfAttention, CausalSelfAttentionConfig, Checkpointed,
     DEFAULT_IGNORE_INDEX, Dropout, Embedding, EmbeddingConfig, Error, Gelu, GeluApproximation, Gpt,
-    GptConfig, LayerNorm, LayerNormConfig, Linear, LinearConfig, Mlp, Module, ParamVisitor,
-    ParamVisitorMut, Relu, Result, RmsNorm, RmsNormConfig, Silu, cross_entropy, mse_loss,
-    replace_module, to_device, zero_grad,
+    GptConfig, LayerNorm, LayerNormConfig, Linear, LinearConfig, Mlp, Module, Relu, Result,
+    RmsNorm, RmsNormConfig, Silu, cross_entropy, mse_loss, replace_module, to_device, zero_grad,
 };
 use hypershard_tensor::{DType, Device, RandomInit, Tensor};
+
+mod common;
+use common::Opaque;
 
 const EMULATED: Device = Device::Emulated { ordinal: 0 };
 
@@ -150,28 +152,6 @@ fn activations_and_dropout_run_on_their_inputs_device() -> Result<()> {
         assert!(zeros > 0);
     }
     Ok(())
-}
-
-/// Forwards every call to the inner module; being another type, it makes the attention take
-/// its materialised (dense) path.
-struct Opaque(Box<dyn Module>);
-
-impl Module for Opaque {
-    fn kind(&self) -> &'static str {
-        "Opaque"
-    }
-    fn forward(&mut self, input: &Tensor) -> Result<Tensor> {
-        self.0.forward(input)
-    }
-    fn backward(&mut self, grad_output: &Tensor) -> Result<Tensor> {
-        self.0.backward(grad_output)
-    }
-    fn visit_params(&self, prefix: &str, f: &mut ParamVisitor<'_>) -> Result<()> {
-        self.0.visit_params(prefix, f)
-    }
-    fn visit_params_mut(&mut self, prefix: &str, f: &mut ParamVisitorMut<'_>) -> Result<()> {
-        self.0.visit_params_mut(prefix, f)
-    }
 }
 
 fn attention(dtype: DType, dropout: f64, dense: bool) -> Result<CausalSelfAttention> {

@@ -2,7 +2,7 @@
 
 #![allow(dead_code)]
 
-use hypershard_nn::{Module, zero_grad};
+use hypershard_nn::{Module, ParamVisitor, ParamVisitorMut, Result, zero_grad};
 use hypershard_tensor::{DType, RandomInit, Tensor};
 
 /// A uniform random tensor on `[-1, 1)`.
@@ -120,5 +120,31 @@ pub fn check_params(module: &mut dyn Module, input: &Tensor, seed: u64) {
             .map(|i| central_difference(module, input, &data, i, &weights))
             .collect();
         assert_close(&grad, &numeric, &name);
+    }
+}
+
+/// Forwards every call to the inner module. Being another type, it makes `CausalSelfAttention`
+/// treat a child wrapped in it as replaced, which sends the attention down its materialised
+/// (dense) path.
+pub struct Opaque(pub Box<dyn Module>);
+
+impl Module for Opaque {
+    fn kind(&self) -> &'static str {
+        "Opaque"
+    }
+    fn forward(&mut self, input: &Tensor) -> Result<Tensor> {
+        self.0.forward(input)
+    }
+    fn backward(&mut self, grad_output: &Tensor) -> Result<Tensor> {
+        self.0.backward(grad_output)
+    }
+    fn visit_params(&self, prefix: &str, f: &mut ParamVisitor<'_>) -> Result<()> {
+        self.0.visit_params(prefix, f)
+    }
+    fn visit_params_mut(&mut self, prefix: &str, f: &mut ParamVisitorMut<'_>) -> Result<()> {
+        self.0.visit_params_mut(prefix, f)
+    }
+    fn set_training(&mut self, training: bool) -> Result<()> {
+        self.0.set_training(training)
     }
 }
