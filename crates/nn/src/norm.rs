@@ -3,7 +3,10 @@
 use hypershard_tensor::{DType, Tensor};
 
 use crate::elementwise::check_float;
-use crate::kernels::{Float, load, same_device, store, with_float, with_values, with_values2};
+use crate::kernels::{
+    Float, in_dtype, load, overwrite_target, same_device, store, with_float, with_values,
+    with_values2,
+};
 use crate::module::{ParamVisitor, ParamVisitorMut, join_name};
 use crate::{Error, Module, Parameter, Result};
 
@@ -70,126 +73,180 @@ enum Centering {
     None,
 }
 
-/// The forward of a norm over rows of width `d`: output, normalised input, inverse std.
-struct NormForward<F> {
-    out: Vec<F>,
-    normalized: Vec<F>,
-    inv_std: Vec<F>,
-}
+/// Rows per parallel task of the norm kernels. Fixed, so the backward's per-task partial sums
+/// of the parameter gradients (and so their bits) do not depend on the number of threads.
+const ROWS_PER_TASK: usize = 16;
+/// Elements below which one thread runs the whole kernel (spreading would cost more).
+const PARALLEL_ELEMENTS: usize = 1 << 15;
 
-/// One fused pass per row: statistics, normalisation and the affine map.
-fn norm_forward<F: Float>(
-    x: &[F],
-    weight: &[F],
-    bias: Option<&[F]>,
-    eps: f64,
+/// The forward of one block of rows of width `d = weight.len()`: writes the output, the
+/// normalised input and the inverse std of each row, in one fused pass per row (statistics,
+/// normalisation, affine map).
+struct ForwardRows<'a, F> {
+    weight: &'a [F],
+    bias: Option<&'a [F]>,
+    eps: F,
     centering: Centering,
-) -> NormForward<F> {
-    let d = weight.len();
-    let mut out = vec![F::ZERO; x.len()];
-    let mut normalized = vec![F::ZERO; x.len()];
-    let mut inv_std = Vec::with_capacity(x.len() / d.max(1));
-    if d == 0 {
-        return NormForward {
-            out,
-            normalized,
-            inv_std,
-        };
-    }
-    let inv_d = F::of(1.0 / d as f64);
-    let eps = F::of(eps);
-    for ((row, norm_row), out_row) in x
-        .chunks_exact(d)
-        .zip(normalized.chunks_exact_mut(d))
-        .zip(out.chunks_exact_mut(d))
-    {
-        let mean = match centering {
-            Centering::Mean => row.iter().copied().sum::<F>() * inv_d,
-            Centering::None => F::ZERO,
-        };
-        // Two passes (mean, then squared deviations) rather than E[x²] − E[x]², which
-        // cancels catastrophically in f32 for rows with a large mean.
-        let var = row.iter().map(|&v| (v - mean) * (v - mean)).sum::<F>() * inv_d;
-        let r = F::ONE / (var + eps).sqrt();
-        inv_std.push(r);
-        for (((n, o), &v), &w) in norm_row
-            .iter_mut()
-            .zip(out_row.iter_mut())
-            .zip(row)
-            .zip(weight)
+}
+
+impl<F: Float> ForwardRows<'_, F> {
+    fn run(&self, x: &[F], out: &mut [F], normalized: &mut [F], inv_std: &mut [F]) {
+        let d = self.weight.len();
+        let inv_d = F::of(1.0 / d as f64);
+        for (((row, norm_row), out_row), r_out) in x
+            .chunks_exact(d)
+            .zip(normalized.chunks_exact_mut(d))
+            .zip(out.chunks_exact_mut(d))
+            .zip(inv_std.iter_mut())
         {
-            *n = (v - mean) * r;
-            *o = *n * w;
+            let mean = match self.centering {
+                Centering::Mean => row.iter().copied().sum::<F>() * inv_d,
+                Centering::None => F::ZERO,
+            };
+            // Two passes (mean, then squared deviations) rather than E[x²] − E[x]², which
+            // cancels catastrophically in f32 for rows with a large mean.
+            let var = row.iter().map(|&v| (v - mean) * (v - mean)).sum::<F>() * inv_d;
+            let r = F::ONE / (var + self.eps).sqrt();
+            *r_out = r;
+            for (((n, o), &v), &w) in norm_row
+                .iter_mut()
+                .zip(out_row.iter_mut())
+                .zip(row)
+                .zip(self.weight)
+            {
+                *n = (v - mean) * r;
+                *o = *n * w;
+            }
+            if let Some(bias) = self.bias {
+                crate::kernels::add_assign(out_row, bias);
+            }
         }
-        if let Some(bias) = bias {
-            crate::kernels::add_assign(out_row, bias);
-        }
-    }
-    NormForward {
-        out,
-        normalized,
-        inv_std,
     }
 }
 
-/// The gradients of a norm.
-struct NormBackward<F> {
-    grad_input: Vec<F>,
+impl<F: Float> ForwardRows<'_, F> {
+    /// The forward of every row, blocks of [`ROWS_PER_TASK`] rows spread over the kernel
+    /// threads.
+    fn run_all(&self, x: &[F], out: &mut [F], normalized: &mut [F], inv_std: &mut [F]) {
+        let d = self.weight.len();
+        if d == 0 {
+            return;
+        }
+        if x.len() < PARALLEL_ELEMENTS {
+            self.run(x, out, normalized, inv_std);
+            return;
+        }
+        use rayon::prelude::*;
+        let block = ROWS_PER_TASK * d;
+        x.par_chunks(block)
+            .zip(out.par_chunks_mut(block))
+            .zip(normalized.par_chunks_mut(block))
+            .zip(inv_std.par_chunks_mut(ROWS_PER_TASK))
+            .for_each(|(((x, out), normalized), inv_std)| self.run(x, out, normalized, inv_std));
+    }
+}
+
+/// The parameter gradients of a norm (the input gradient is written in place).
+struct NormParamGrads<F> {
     grad_weight: Vec<F>,
     grad_bias: Vec<F>,
 }
 
+/// The backward of one block of rows: writes its rows of the input gradient and returns its
+/// share of the parameter gradients.
+struct BackwardRows<'a, F> {
+    weight: &'a [F],
+    centering: Centering,
+}
+
+impl<F: Float> BackwardRows<'_, F> {
+    fn run(
+        &self,
+        grad: &[F],
+        normalized: &[F],
+        inv_std: &[F],
+        grad_input: &mut [F],
+    ) -> NormParamGrads<F> {
+        let weight = self.weight;
+        let d = weight.len();
+        let inv_d = F::of(1.0 / d as f64);
+        let mut dw = vec![F::ZERO; d];
+        let mut db = vec![F::ZERO; d];
+        for (((g_row, xhat), &r), gx_row) in grad
+            .chunks_exact(d)
+            .zip(normalized.chunks_exact(d))
+            .zip(inv_std)
+            .zip(grad_input.chunks_exact_mut(d))
+        {
+            let mut sum_g = F::ZERO;
+            let mut sum_gx = F::ZERO;
+            for i in 0..d {
+                let gh = g_row[i] * weight[i];
+                sum_g += gh;
+                sum_gx += gh * xhat[i];
+                dw[i] += g_row[i] * xhat[i];
+                db[i] += g_row[i];
+            }
+            let mean_g = match self.centering {
+                Centering::Mean => sum_g * inv_d,
+                Centering::None => F::ZERO,
+            };
+            let mean_gx = sum_gx * inv_d;
+            for i in 0..d {
+                gx_row[i] = r * (g_row[i] * weight[i] - mean_g - xhat[i] * mean_gx);
+            }
+        }
+        NormParamGrads {
+            grad_weight: dw,
+            grad_bias: db,
+        }
+    }
+}
+
 /// With `ĝ = g·w` and `x̂` the normalised input, per row:
 /// LayerNorm `dx = r · (ĝ − mean(ĝ) − x̂ · mean(ĝ · x̂))`, RMSNorm the same without `mean(ĝ)`;
-/// `dw = Σ g · x̂`, `db = Σ g` over rows.
+/// `dw = Σ g · x̂`, `db = Σ g` over rows. Blocks of [`ROWS_PER_TASK`] rows are spread over the
+/// kernel threads; each sums its own share of `dw` and `db`, and the shares are added in row
+/// order, the same on any number of threads.
 fn norm_backward<F: Float>(
     grad: &[F],
     normalized: &[F],
     inv_std: &[F],
     weight: &[F],
     centering: Centering,
-) -> NormBackward<F> {
+    grad_input: &mut [F],
+) -> NormParamGrads<F> {
     let d = weight.len();
-    let mut grad_input = vec![F::ZERO; grad.len()];
-    let mut grad_weight = vec![F::ZERO; d];
-    let mut grad_bias = vec![F::ZERO; d];
+    let mut total = NormParamGrads {
+        grad_weight: vec![F::ZERO; d],
+        grad_bias: vec![F::ZERO; d],
+    };
     if d == 0 {
-        return NormBackward {
-            grad_input,
-            grad_weight,
-            grad_bias,
-        };
+        return total;
     }
-    let inv_d = F::of(1.0 / d as f64);
-    for (((g_row, xhat), &r), gx_row) in grad
-        .chunks_exact(d)
-        .zip(normalized.chunks_exact(d))
-        .zip(inv_std)
-        .zip(grad_input.chunks_exact_mut(d))
-    {
-        let mut sum_g = F::ZERO;
-        let mut sum_gx = F::ZERO;
-        for i in 0..d {
-            let gh = g_row[i] * weight[i];
-            sum_g += gh;
-            sum_gx += gh * xhat[i];
-            grad_weight[i] += g_row[i] * xhat[i];
-            grad_bias[i] += g_row[i];
-        }
-        let mean_g = match centering {
-            Centering::Mean => sum_g * inv_d,
-            Centering::None => F::ZERO,
-        };
-        let mean_gx = sum_gx * inv_d;
-        for i in 0..d {
-            gx_row[i] = r * (g_row[i] * weight[i] - mean_g - xhat[i] * mean_gx);
-        }
+    let rows = BackwardRows { weight, centering };
+    let block = ROWS_PER_TASK * d;
+    let shares: Vec<NormParamGrads<F>> = if grad.len() < PARALLEL_ELEMENTS {
+        grad.chunks(block)
+            .zip(normalized.chunks(block))
+            .zip(inv_std.chunks(ROWS_PER_TASK))
+            .zip(grad_input.chunks_mut(block))
+            .map(|(((g, n), r), gx)| rows.run(g, n, r, gx))
+            .collect()
+    } else {
+        use rayon::prelude::*;
+        grad.par_chunks(block)
+            .zip(normalized.par_chunks(block))
+            .zip(inv_std.par_chunks(ROWS_PER_TASK))
+            .zip(grad_input.par_chunks_mut(block))
+            .map(|(((g, n), r), gx)| rows.run(g, n, r, gx))
+            .collect()
+    };
+    for share in shares {
+        crate::kernels::add_assign(&mut total.grad_weight, &share.grad_weight);
+        crate::kernels::add_assign(&mut total.grad_bias, &share.grad_bias);
     }
-    NormBackward {
-        grad_input,
-        grad_weight,
-        grad_bias,
-    }
+    total
 }
 
 /// The shared forward of both norms: runs the kernel in the compute type and fills the cache.
@@ -207,19 +264,33 @@ fn run_forward(
         Some(b) => same_device(op, &[weight, input, b])?,
         None => same_device(op, &[weight, input])?,
     };
+    let rows = input.numel().checked_div(d).unwrap_or(0);
     with_float!(op, input.dtype(), F => {
-        // The parameters are copied (one row each); the input is read in place.
+        // The parameters are copied (one row each); the input is read in place, and the
+        // output and the normalised input are written where they will live.
         let w = load::<F>(weight)?;
         let b = bias.map(load::<F>).transpose()?;
-        let fwd = with_values::<F, _>(input, |x| norm_forward(x, &w, b.as_deref(), eps, centering))?;
-        let rows = fwd.inv_std.len();
+        let mut inv_std = vec![F::ZERO; rows];
+        let kernel = ForwardRows {
+            weight: &w,
+            bias: b.as_deref(),
+            eps: F::of(eps),
+            centering,
+        };
+        let out = overwrite_target::<F>(input.shape(), &device)?;
+        let normalized = overwrite_target::<F>(input.shape(), &device)?;
+        out.with_kernel_data_mut::<F, _>(op, |out| {
+            normalized.with_kernel_data_mut::<F, _>(op, |norm| {
+                with_values::<F, _>(input, |x| kernel.run_all(x, out, norm, &mut inv_std))
+            })
+        })???;
         let cache = NormCache {
-            normalized: Tensor::from_vec_on(fwd.normalized, input.shape(), &device)?,
-            inv_std: Tensor::from_vec_on(fwd.inv_std, &[rows], &device)?,
+            normalized,
+            inv_std: Tensor::from_vec_on(inv_std, &[rows], &device)?,
             shape: input.shape().to_vec(),
             dtype: input.dtype(),
         };
-        Ok((store(fwd.out, input.shape(), input.dtype(), &device)?, cache))
+        Ok((in_dtype(out, input.dtype())?, cache))
     })
 }
 
@@ -237,16 +308,19 @@ fn run_backward(
     let dtype = cache.dtype;
     let device = same_device(op, &[weight, grad_output, &cache.normalized])?;
     with_float!(op, dtype, F => {
-        // The two activation-sized operands are read in place; one value per row and one
-        // per feature are copied.
+        // The two activation-sized operands are read in place and the input gradient is
+        // written where it will live; one value per row and one per feature are copied.
         let (inv_std, w) = (load::<F>(&cache.inv_std)?, load::<F>(weight)?);
-        let bwd = with_values2::<F, _>(grad_output, &cache.normalized, |g, normalized| {
-            norm_backward(g, normalized, &inv_std, &w, centering)
-        })?;
+        let grad_input = overwrite_target::<F>(&cache.shape, &device)?;
+        let params = grad_input.with_kernel_data_mut::<F, _>(op, |gx| {
+            with_values2::<F, _>(grad_output, &cache.normalized, |g, normalized| {
+                norm_backward(g, normalized, &inv_std, &w, centering, gx)
+            })
+        })??;
         Ok(NormGrads {
-            grad_input: store(bwd.grad_input, &cache.shape, dtype, &device)?,
-            grad_weight: store(bwd.grad_weight, &[d], dtype, &device)?,
-            grad_bias: store(bwd.grad_bias, &[d], dtype, &device)?,
+            grad_input: in_dtype(grad_input, dtype)?,
+            grad_weight: store(params.grad_weight, &[d], dtype, &device)?,
+            grad_bias: store(params.grad_bias, &[d], dtype, &device)?,
         })
     })
 }
@@ -440,5 +514,101 @@ impl Module for RmsNorm {
 
     fn visit_params_mut(&mut self, prefix: &str, f: &mut ParamVisitorMut<'_>) -> Result<()> {
         f(&join_name(prefix, "weight"), &mut self.weight)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The row-parallel kernels past their threshold, with a row count that leaves a partial
+    /// block: forward and every gradient against an f64 reference, and the same bits on one
+    /// thread and on two.
+    #[test]
+    fn norm_kernels_match_the_reference_on_any_thread_count() -> Result<()> {
+        let (rows, d) = (403usize, 96usize);
+        assert!(rows * d >= PARALLEL_ELEMENTS && rows % ROWS_PER_TASK != 0);
+        let x: Vec<f32> = (0..rows * d)
+            .map(|i| ((i * 7919 % 997) as f32 / 997.0 - 0.4) * 3.0 + (i / d) as f32 * 0.01)
+            .collect();
+        let g: Vec<f32> = (0..rows * d)
+            .map(|i| ((i * 104_729 % 991) as f32 / 991.0 - 0.5) * 0.1)
+            .collect();
+        let weight: Vec<f32> = (0..d).map(|i| 0.5 + i as f32 / d as f32).collect();
+        let bias: Vec<f32> = (0..d).map(|i| i as f32 * 0.01 - 0.3).collect();
+        // Output, input gradient, weight gradient, bias gradient.
+        type Run = (Vec<f32>, Vec<f32>, Vec<f32>, Vec<f32>);
+        let run = |threads| -> Result<Run> {
+            crate::with_num_threads(threads, || -> Result<_> {
+                let mut ln = LayerNorm::new(LayerNormConfig {
+                    normalized_shape: d,
+                    eps: 1e-5,
+                    bias: true,
+                    dtype: DType::F32,
+                })?;
+                ln.weight.data = Some(Tensor::from_vec(weight.clone(), &[d])?);
+                if let Some(b) = ln.bias.as_mut() {
+                    b.data = Some(Tensor::from_vec(bias.clone(), &[d])?);
+                }
+                let y = ln.forward(&Tensor::from_vec(x.clone(), &[rows, d])?)?;
+                let gx = ln.backward(&Tensor::from_vec(g.clone(), &[rows, d])?)?;
+                let grad = |p: &Parameter| -> Result<Vec<f32>> {
+                    let t = p
+                        .grad
+                        .as_ref()
+                        .ok_or(Error::BackwardBeforeForward { module: "t" })?;
+                    Ok(t.to_vec::<f32>()?)
+                };
+                let gb = ln.bias.as_ref().map(grad).transpose()?.unwrap_or_default();
+                Ok((
+                    y.to_vec::<f32>()?,
+                    gx.to_vec::<f32>()?,
+                    grad(&ln.weight)?,
+                    gb,
+                ))
+            })?
+        };
+        let one = run(1)?;
+        let two = run(2)?;
+        assert_eq!(one, two);
+        let (y, gx, gw, gb) = two;
+        let mut want_gw = vec![0.0f64; d];
+        let mut want_gb = vec![0.0f64; d];
+        for r in 0..rows {
+            let row: Vec<f64> = x[r * d..(r + 1) * d]
+                .iter()
+                .map(|&v| f64::from(v))
+                .collect();
+            let mean = row.iter().sum::<f64>() / d as f64;
+            let var = row.iter().map(|v| (v - mean) * (v - mean)).sum::<f64>() / d as f64;
+            let inv = 1.0 / (var + 1e-5).sqrt();
+            let xhat: Vec<f64> = row.iter().map(|v| (v - mean) * inv).collect();
+            let gr: Vec<f64> = g[r * d..(r + 1) * d]
+                .iter()
+                .map(|&v| f64::from(v))
+                .collect();
+            let gh: Vec<f64> = (0..d).map(|i| gr[i] * f64::from(weight[i])).collect();
+            let mean_g = gh.iter().sum::<f64>() / d as f64;
+            let mean_gx = (0..d).map(|i| gh[i] * xhat[i]).sum::<f64>() / d as f64;
+            for i in 0..d {
+                let want_y = xhat[i] * f64::from(weight[i]) + f64::from(bias[i]);
+                assert!(
+                    (f64::from(y[r * d + i]) - want_y).abs() < 1e-5,
+                    "y[{r},{i}]"
+                );
+                let want_gx = inv * (gh[i] - mean_g - xhat[i] * mean_gx);
+                assert!(
+                    (f64::from(gx[r * d + i]) - want_gx).abs() < 1e-5,
+                    "gx[{r},{i}]"
+                );
+                want_gw[i] += gr[i] * xhat[i];
+                want_gb[i] += gr[i];
+            }
+        }
+        for i in 0..d {
+            assert!((f64::from(gw[i]) - want_gw[i]).abs() < 1e-4, "gw[{i}]");
+            assert!((f64::from(gb[i]) - want_gb[i]).abs() < 1e-4, "gb[{i}]");
+        }
+        Ok(())
     }
 }

@@ -437,6 +437,27 @@ pub(crate) fn build_overwrite<F: Float>(
     Ok(t)
 }
 
+/// A new compute-dtype (`F`) tensor of `shape` on `device` for a kernel that writes every
+/// element of it: recycled storage on the host (see [`recycle`]), zeroed memory elsewhere.
+/// For kernels with several outputs, which [`build_overwrite`] cannot give; finish with
+/// [`in_dtype`].
+pub(crate) fn overwrite_target<F: Float>(shape: &[usize], device: &Device) -> Result<Tensor> {
+    if device.is_cpu() {
+        recycle::tensor(shape, F::COMPUTE_DTYPE)
+    } else {
+        Ok(Tensor::zeros_on(shape, F::COMPUTE_DTYPE, device)?)
+    }
+}
+
+/// `t` in `dtype`: itself when it already is, else rounded once.
+pub(crate) fn in_dtype(t: Tensor, dtype: DType) -> Result<Tensor> {
+    if t.dtype() == dtype {
+        Ok(t)
+    } else {
+        Ok(t.to_dtype(dtype)?)
+    }
+}
+
 /// `dst[i] += src[i]`, a loop the compiler vectorises.
 pub(crate) fn add_assign<F: Float>(dst: &mut [F], src: &[F]) {
     for (d, s) in dst.iter_mut().zip(src) {
