@@ -254,14 +254,7 @@ impl Trainer {
         let mut sum_sq = 0.0f64;
         self.model.visit_params("", &mut |_, param| {
             if let Some(grad) = &param.grad {
-                // Read in place when possible: a copy would be twice the gradient in f64.
-                sum_sq += if grad.dtype() == DType::F32 && grad.is_contiguous() {
-                    grad.with_data::<f32, _>(|g| {
-                        g.iter().map(|&g| f64::from(g) * f64::from(g)).sum::<f64>()
-                    })?
-                } else {
-                    grad.to_f64_vec()?.iter().map(|g| g * g).sum::<f64>()
-                };
+                sum_sq += hypershard_nn::optim::sum_of_squares(grad)?;
             }
             Ok(())
         })?;

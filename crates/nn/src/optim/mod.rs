@@ -13,7 +13,7 @@ mod schedule;
 mod sgd;
 
 pub use adamw::{AdamW, AdamWConfig, AdamWState, AdamWUpdate};
-pub use clip::{clip_grad_norm, clip_grad_norm_params};
+pub use clip::{clip_grad_norm, clip_grad_norm_params, sum_of_squares};
 pub use schedule::WarmupCosine;
 pub use sgd::{Sgd, SgdConfig};
 
