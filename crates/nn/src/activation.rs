@@ -4,7 +4,9 @@ use std::f64::consts::{FRAC_1_SQRT_2, PI};
 
 use hypershard_tensor::Tensor;
 
-use crate::kernels::{Float, build_overwrite, same_device, with_float, with_values, with_values2};
+use crate::kernels::{
+    Float, build_overwrite, in_parallel_chunks, same_device, with_float, with_values, with_values2,
+};
 use crate::module::{ParamVisitor, ParamVisitorMut};
 use crate::{Error, Module, Result};
 
@@ -228,24 +230,6 @@ fn apply_grad<P: Pointwise>(
     })
 }
 
-/// Elements per task of an activation over a large tensor: enough work that a task's
-/// scheduling is noise, small enough that a layer's activations split over a rank's threads.
-const POINTWISE_CHUNK: usize = 1 << 14;
-
-/// Runs `f(start, chunk)` over consecutive chunks of `out` on the current rayon pool (inline
-/// when `out` is one chunk). Every element is computed alone, so the values do not depend on
-/// the number of threads.
-fn in_parallel_chunks<F: Float>(out: &mut [F], f: impl Fn(usize, &mut [F]) + Sync) {
-    if out.len() <= POINTWISE_CHUNK {
-        f(0, out);
-    } else {
-        use rayon::prelude::*;
-        out.par_chunks_mut(POINTWISE_CHUNK)
-            .enumerate()
-            .for_each(|(i, chunk)| f(i * POINTWISE_CHUNK, chunk));
-    }
-}
-
 /// Implements `Module` for an activation whose input is cached in `self.input`.
 macro_rules! activation_module {
     ($ty:ty, $kind:literal) => {
@@ -309,7 +293,7 @@ mod tests {
     #[test]
     fn large_tensors_split_over_threads_give_each_element_its_own_value() {
         // Three and a bit chunks, so the last task is short and every task boundary is crossed.
-        let n = 3 * POINTWISE_CHUNK + 77;
+        let n = 3 * crate::kernels::POINTWISE_CHUNK + 77;
         let xs: Vec<f32> = (0..n).map(|i| (i % 601) as f32 * 0.01 - 3.0).collect();
         let gs: Vec<f32> = (0..n).map(|i| (i % 37) as f32 * 0.1 - 1.5).collect();
         let input = Tensor::from_slice(&xs, &[n]).expect("input");

@@ -458,6 +458,24 @@ pub(crate) fn in_dtype(t: Tensor, dtype: DType) -> Result<Tensor> {
     }
 }
 
+/// Elements per task of a pointwise kernel over a large tensor: enough work that a task's
+/// scheduling is noise, small enough that a layer's activations split over a rank's threads.
+pub(crate) const POINTWISE_CHUNK: usize = 1 << 14;
+
+/// Runs `f(start, chunk)` over consecutive chunks of `out` on the current rayon pool (inline
+/// when `out` is one chunk). Every element is computed alone, so the values do not depend on
+/// the number of threads.
+pub(crate) fn in_parallel_chunks<F: Float>(out: &mut [F], f: impl Fn(usize, &mut [F]) + Sync) {
+    if out.len() <= POINTWISE_CHUNK {
+        f(0, out);
+    } else {
+        use rayon::prelude::*;
+        out.par_chunks_mut(POINTWISE_CHUNK)
+            .enumerate()
+            .for_each(|(i, chunk)| f(i * POINTWISE_CHUNK, chunk));
+    }
+}
+
 /// `dst[i] += src[i]`, a loop the compiler vectorises.
 pub(crate) fn add_assign<F: Float>(dst: &mut [F], src: &[F]) {
     for (d, s) in dst.iter_mut().zip(src) {
@@ -481,8 +499,21 @@ pub(crate) fn sum_rows<F: Float>(matrix: &[F], width: usize) -> Vec<F> {
     if width == 0 {
         return out;
     }
-    for chunk in matrix.chunks_exact(width) {
-        add_assign(&mut out, chunk);
+    // Columns are independent: spread blocks of columns over the threads, each summing its
+    // columns down the rows in row order, so the values do not depend on the thread count.
+    let column_block = (POINTWISE_CHUNK / (matrix.len() / width).max(1)).max(64);
+    let sum_columns = |first: usize, out: &mut [F]| {
+        for row in matrix.chunks_exact(width) {
+            add_assign(out, &row[first..first + out.len()]);
+        }
+    };
+    if matrix.len() <= POINTWISE_CHUNK || width <= column_block {
+        sum_columns(0, &mut out);
+    } else {
+        use rayon::prelude::*;
+        out.par_chunks_mut(column_block)
+            .enumerate()
+            .for_each(|(i, out)| sum_columns(i * column_block, out));
     }
     out
 }
@@ -505,11 +536,14 @@ pub(crate) fn add_tensors(op: &'static str, a: &Tensor, b: &Tensor) -> Result<Te
         });
     }
     let device = same_device(op, &[a, b])?;
-    with_float!(op, a.dtype(), F => build::<F>(a.shape(), a.dtype(), &device, |out| {
+    with_float!(op, a.dtype(), F => build_overwrite::<F>(a.shape(), a.dtype(), &device, |out| {
         with_values2::<F, _>(a, b, |xs, ys| {
-            for ((o, &x), &y) in out.iter_mut().zip(xs).zip(ys) {
-                *o = x + y;
-            }
+            in_parallel_chunks(out, |start, out| {
+                let end = start + out.len();
+                for ((o, &x), &y) in out.iter_mut().zip(&xs[start..end]).zip(&ys[start..end]) {
+                    *o = x + y;
+                }
+            })
         })
     }))
 }
@@ -554,6 +588,40 @@ mod tests {
         assert_eq!(pair, (6, vec![4.0, 5.0, 6.0]));
         let f64s = with_values::<f64, _>(&base, |xs| xs[5]).expect("convert");
         assert_eq!(f64s, 6.0);
+    }
+
+    /// Past the parallel threshold, with a width that leaves a partial column block: every
+    /// column is the row-order sum, bit for bit, on one thread and on two; and the residual
+    /// add is elementwise exact.
+    #[test]
+    fn parallel_row_sums_and_adds_match_the_serial_definitions() {
+        let (rows, width) = (300usize, 1000usize);
+        let m: Vec<f32> = (0..rows * width)
+            .map(|i| ((i * 7919 % 1009) as f32 - 504.0) * 1e-3)
+            .collect();
+        let mut want = vec![0.0f32; width];
+        for row in m.chunks_exact(width) {
+            for (w, &v) in want.iter_mut().zip(row) {
+                *w += v;
+            }
+        }
+        for threads in [1, 2] {
+            let got = crate::with_num_threads(threads, || sum_rows(&m, width)).expect("pool");
+            assert_eq!(got, want, "{threads} threads");
+        }
+        let a = Tensor::from_vec(m.clone(), &[rows, width]).expect("a");
+        let b = Tensor::from_vec(
+            m.iter().map(|v| v * 3.0).collect::<Vec<_>>(),
+            &[rows, width],
+        )
+        .expect("b");
+        let sum = crate::with_num_threads(2, || add_tensors("add", &a, &b))
+            .expect("pool")
+            .expect("add")
+            .to_vec::<f32>()
+            .expect("f32");
+        let want_sum: Vec<f32> = m.iter().map(|v| v + v * 3.0).collect();
+        assert_eq!(sum, want_sum);
     }
 
     #[test]
