@@ -41,6 +41,9 @@ pub(crate) struct Controls {
     pub reshard_after_backward: bool,
     pub is_last_backward: bool,
     pub gradient_scaling_factor: Option<f64>,
+    /// Whether the root frees the idle communication buffers and kernel outputs at the end
+    /// of the last backward of a step (see `FsdpModule::set_release_buffers_after_backward`).
+    pub release_buffers_after_backward: bool,
 }
 
 impl Default for Controls {
@@ -51,6 +54,7 @@ impl Default for Controls {
             reshard_after_backward: true,
             is_last_backward: true,
             gradient_scaling_factor: None,
+            release_buffers_after_backward: true,
         }
     }
 }

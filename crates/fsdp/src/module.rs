@@ -445,6 +445,25 @@ impl FsdpModule {
         self.for_each_group(&mut |g| g.controls.is_last_backward = last);
     }
 
+    /// With `false`, the root keeps the step's idle communication buffers and kernel outputs
+    /// cached after the last backward of a step instead of freeing them (the default,
+    /// `true`), so the next step finds every buffer it needs without allocating, as PyTorch's
+    /// caching allocator does on a GPU. A step then costs no page faults for them, at the
+    /// price of those idle buffers staying resident through the optimizer step (the tracker's
+    /// peak of live tensors is the same either way). [`release_cached_buffers`]
+    /// (Self::release_cached_buffers) frees them on demand (torch's `empty_cache`).
+    pub fn set_release_buffers_after_backward(&mut self, release: bool) {
+        self.for_each_group(&mut |g| g.controls.release_buffers_after_backward = release);
+    }
+
+    /// Frees the idle communication buffers of this module's mesh and the cached kernel
+    /// outputs now; returns the communication bytes freed.
+    pub fn release_cached_buffers(&self) -> usize {
+        let freed = lock(&self.group).mesh.pool().release_cached();
+        hypershard_nn::release_cached_kernel_buffers();
+        freed
+    }
+
     /// With `false`, units keep their unsharded parameters after backward (so the next
     /// forward needs no all-gather); call [`reshard`](Self::reshard) before stepping.
     pub fn set_reshard_after_backward(&mut self, reshard: bool) {

@@ -16,7 +16,7 @@ const MICRO: usize = 3;
 /// whether the idle pool stayed under its cap at every check.
 type Allocations = Vec<(usize, usize, bool)>;
 
-fn allocations(mesh_shape: &[usize], dims: [usize; 4]) -> Vec<Allocations> {
+fn allocations(mesh_shape: &[usize], dims: [usize; 4], release: bool) -> Vec<Allocations> {
     let world: usize = mesh_shape.iter().product();
     let comms = hypershard_collectives::local::spawn_world(world).expect("local world");
     let mesh_shape = mesh_shape.to_vec();
@@ -24,6 +24,7 @@ fn allocations(mesh_shape: &[usize], dims: [usize; 4]) -> Vec<Allocations> {
         let mesh = dp_mesh(&mesh_shape, comms[rank].clone())?;
         let config = FullyShardConfig::new(mesh.clone());
         let mut model = shard_model(mlp(&dims, DType::F32), &config)?;
+        model.set_release_buffers_after_backward(release);
         let mut optimizer = Optimizer::new(Opt::Sgd);
         let pool = mesh.process_mesh().buffer_pool().clone();
         let (dp_rank, dp_world) = (mesh.rank(), mesh.world().size());
@@ -60,7 +61,7 @@ fn allocations(mesh_shape: &[usize], dims: [usize; 4]) -> Vec<Allocations> {
 fn check(mesh_shape: &[usize]) {
     // Three like units (8 -> 8 Linear layers), as a transformer's blocks: their buffers share
     // sizes, so the step's buffers fit under the cap.
-    for (rank, steps) in allocations(mesh_shape, [8, 8, 8, 8])
+    for (rank, steps) in allocations(mesh_shape, [8, 8, 8, 8], true)
         .into_iter()
         .enumerate()
     {
@@ -83,7 +84,7 @@ fn check(mesh_shape: &[usize]) {
     // Units of three different shapes: keeping every size would hold the whole unsharded
     // model idle, so the cap frees the oldest buffers and they are allocated again. The pool
     // stays under its cap and every step allocates as many as the one before: no growth.
-    for (rank, steps) in allocations(mesh_shape, [6, 10, 7, 3])
+    for (rank, steps) in allocations(mesh_shape, [6, 10, 7, 3], true)
         .into_iter()
         .enumerate()
     {
@@ -91,6 +92,58 @@ fn check(mesh_shape: &[usize]) {
         assert!(steps.iter().all(|&(_, _, capped)| capped), "{context}");
         assert!(steps[1..].iter().all(|&step| step == steps[1]), "{context}");
     }
+}
+
+/// With the buffers kept after backward, every step after the first allocates nothing at
+/// all, the pool still within its cap; `release_cached_buffers` empties it on demand.
+fn check_kept(mesh_shape: &[usize]) {
+    for (rank, steps) in allocations(mesh_shape, [8, 8, 8, 8], false)
+        .into_iter()
+        .enumerate()
+    {
+        let context = format!("mesh {mesh_shape:?}, rank {rank}: {steps:?}");
+        assert!(steps.iter().all(|&(_, _, capped)| capped), "{context}");
+        assert!(steps[0].0 > 0, "{context}");
+        assert!(
+            steps[1..]
+                .iter()
+                .all(|&(first, later, _)| first == 0 && later == 0),
+            "{context}"
+        );
+    }
+    let world: usize = mesh_shape.iter().product();
+    let comms = hypershard_collectives::local::spawn_world(world).expect("local world");
+    let mesh_shape = mesh_shape.to_vec();
+    let freed = hypershard_testkit::run_ranks(world, move |rank| {
+        let mesh = dp_mesh(&mesh_shape, comms[rank].clone())?;
+        let mut model = shard_model(
+            mlp(&[8, 8, 8, 8], DType::F32),
+            &FullyShardConfig::new(mesh.clone()),
+        )?;
+        model.set_release_buffers_after_backward(false);
+        let (x, y) = batch(0, 8, 8, DType::F32);
+        let x = local_rows(&x, mesh.rank(), mesh.world().size());
+        let y = local_rows(&y, mesh.rank(), mesh.world().size());
+        let output = model.forward(&x)?;
+        model.backward(&mse_loss(&output, &y)?.grad)?;
+        let cached = mesh.comm_buffer_stats().cached_bytes;
+        let freed = model.release_cached_buffers();
+        Ok::<_, hypershard_fsdp::FsdpError>((cached, freed, mesh.comm_buffer_stats().cached_bytes))
+    })
+    .unwrap_or_else(|e| panic!("sharded run failed: {e}"));
+    for (rank, (cached, freed, after)) in freed.into_iter().enumerate() {
+        assert!(
+            cached > 0 && freed == cached && after == 0,
+            "rank {rank}: {cached} {freed} {after}"
+        );
+    }
+}
+
+#[test]
+fn kept_buffers_make_every_later_step_allocation_free() {
+    check_kept(&[2]);
+    check_kept(&[3]);
+    check_kept(&[2, 2]);
 }
 
 #[test]

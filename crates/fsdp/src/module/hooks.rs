@@ -163,12 +163,13 @@ impl FsdpModule {
         }
         if self.is_root && last {
             schedule.drain()?;
-            // The step's buffers go back to the allocator before the optimizer step (and a
-            // checkpoint) allocate their own: cached, they would add a step's worth of idle
-            // communication buffers and kernel outputs to the peak. Re-faulting them in the
-            // next step costs far less than the step's compute (docs/fsdp.md).
-            lock(&self.group).mesh.pool().release_cached();
-            hypershard_nn::release_cached_kernel_buffers();
+            // By default the step's buffers go back to the allocator before the optimizer step
+            // (and a checkpoint) allocate their own: cached, they would add a step's worth of
+            // idle communication buffers and kernel outputs to the resident peak. Kept, the
+            // next step re-faults none of them (docs/fsdp.md weighs the two).
+            if lock(&self.group).controls.release_buffers_after_backward {
+                self.release_cached_buffers();
+            }
         }
         match dtypes {
             Some(d) => cast_if(&grad_input, Some(d.input)),

@@ -282,7 +282,17 @@ pub fn estimate(config: &TrainConfig, data_tokens: u64) -> Result<MemoryEstimate
             peak = phase;
         }
     }
-    let (comm, activations, logits) = peak;
+    let (mut comm, activations, logits) = peak;
+    if config.keep_step_buffers {
+        // Kept, the idle buffers of the last step stay beside this step's own: the pool holds
+        // at most the larger of 4 x its largest request (the root's gather) and the most it
+        // lent at once (dtensor's pool.rs), which is at most the largest phase.
+        let idle = comm_term(&[(root, 4 * p)])?
+            .max(comm_forward)
+            .max(comm_backward)
+            .max(comm_root_reduce);
+        comm = sum("communication buffers", comm_drivers, &[comm, idle])?;
+    }
     let data = product(
         "corpus",
         || format!("--data ({data_tokens} tokens)"),
@@ -414,6 +424,7 @@ mod tests {
             init_from_hf: None,
             eager_init: false,
             activation_checkpointing: false,
+            keep_step_buffers: false,
             out: PathBuf::from("out"),
             resume: false,
             reset_optimizer: false,
@@ -421,6 +432,26 @@ mod tests {
             checkpoint_every: 0,
             eval_every: 0,
             losses: PathBuf::from("out/losses.jsonl"),
+        }
+    }
+
+    /// Kept step buffers stay beside the step's own: the idle pool's bound (at least the
+    /// largest phase's buffers) adds to the communication term and nothing else.
+    #[test]
+    fn kept_step_buffers_count_in_the_estimate() {
+        for model in ["small", "gpt2"] {
+            let released = config(model, 1);
+            let mut kept = config(model, 1);
+            kept.keep_step_buffers = true;
+            let (e, k) = (
+                estimate(&released, 1000).unwrap(),
+                estimate(&kept, 1000).unwrap(),
+            );
+            assert!(k.comm >= 2 * e.comm, "{model}: {} vs {}", k.comm, e.comm);
+            assert_eq!(
+                (k.state, k.activations, k.logits),
+                (e.state, e.activations, e.logits)
+            );
         }
     }
 

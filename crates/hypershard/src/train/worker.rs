@@ -156,7 +156,8 @@ impl Trainer {
         fully_shard_children(&mut gpt, &fsdp, &mut |name, block| {
             name.starts_with("transformer.h.") && has_params(block)
         })?;
-        let model = fully_shard(Box::new(gpt), fsdp).map_err(|rejected| rejected.error)?;
+        let mut model = fully_shard(Box::new(gpt), fsdp).map_err(|rejected| rejected.error)?;
+        model.set_release_buffers_after_backward(!config.keep_step_buffers);
         let optimizer = ShardedAdamW::new(config.optim);
         let mut meter = meter;
         meter.after_build();
