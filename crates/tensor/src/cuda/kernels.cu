@@ -96,28 +96,6 @@ ARITH(bf16, u16, float)
 ARITH(f16, u16, float)
 ARITH(f64, double, double)
 
-// Copy-in and copy-out of flat buffers, for elements of 1, 2, 4 or 8 bytes. `table` holds one
-// entry of three u64 per part: the part's device address, its offset in the flat buffer and
-// its length, both in elements. Block row `blockIdx.y` copies part `first + blockIdx.y`.
-#define FLAT_COPY(NAME, T)                                                                 \
-    extern "C" __global__ void copy_in_##NAME(T* flat, const u64* table, u32 first) {      \
-        const u64* entry = table + 3 * ((u64)first + blockIdx.y);                          \
-        const T* part = (const T*)entry[0];                                                \
-        u64 offset = entry[1];                                                             \
-        GRID_STRIDE(i, entry[2]) { flat[offset + i] = part[i]; }                           \
-    }                                                                                      \
-    extern "C" __global__ void copy_out_##NAME(const T* flat, const u64* table, u32 first) { \
-        const u64* entry = table + 3 * ((u64)first + blockIdx.y);                          \
-        T* part = (T*)entry[0];                                                            \
-        u64 offset = entry[1];                                                             \
-        GRID_STRIDE(i, entry[2]) { part[i] = flat[offset + i]; }                           \
-    }
-
-FLAT_COPY(b1, u8)
-FLAT_COPY(b2, u16)
-FLAT_COPY(b4, u32)
-FLAT_COPY(b8, u64)
-
 // ReLU for hypershard-nn's device layers, in place: x = x > 0 ? x : 0 (NaN gives 0, as the CPU
 // `Relu`); and its backward, in place on the gradient: g = y > 0 ? g : 0, where y is the ReLU's
 // output (y > 0 exactly where its input was). Values are only kept or zeroed, so every dtype
@@ -447,6 +425,15 @@ extern "C" __global__ void embedding_f32(float* out, const float* wte, const flo
         u64 row = (u64)ids[position];
         u64 t = position % seq;
         out[i] = wte[row * c + column] + wpe[t * c + column];
+    }
+}
+
+// One table's rows (embedding.rs `Embedding::forward`): out[n] = table[ids[n]], rows of width
+// c. The ids were checked against the table on the host.
+extern "C" __global__ void gather_rows_f32(float* out, const float* table, const i64* ids,
+                                           u64 tokens, u64 c) {
+    GRID_STRIDE(i, tokens * c) {
+        out[i] = table[(u64)ids[i / c] * c + i % c];
     }
 }
 
