@@ -1,7 +1,10 @@
 //! Global-norm gradient clipping (torch's `clip_grad_norm_`).
 
-use crate::kernels::load_f64;
+use crate::kernels::{host_only, load_f64};
 use crate::{Module, Parameter, Result};
+
+/// The op the clipping's errors name (it has no CUDA kernel).
+const OP: &str = "clip_grad_norm";
 
 /// Scales every gradient of `module` so that their joint L2 norm is at most `max_norm`, and
 /// returns the norm before clipping.
@@ -15,6 +18,7 @@ pub fn clip_grad_norm(module: &mut dyn Module, max_norm: f64) -> Result<f64> {
     let mut sum_sq = 0.0;
     module.visit_params("", &mut |_, param| {
         if let Some(grad) = &param.grad {
+            host_only(OP, &grad.device())?;
             sum_sq += load_f64(grad)?.iter().map(|g| g * g).sum::<f64>();
         }
         Ok(())
@@ -37,6 +41,7 @@ pub fn clip_grad_norm_params(params: &mut [&mut Parameter], max_norm: f64) -> Re
     let mut sum_sq = 0.0;
     for param in params.iter() {
         if let Some(grad) = &param.grad {
+            host_only(OP, &grad.device())?;
             sum_sq += load_f64(grad)?.iter().map(|g| g * g).sum::<f64>();
         }
     }

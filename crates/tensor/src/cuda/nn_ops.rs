@@ -134,20 +134,20 @@ pub fn layer_norm(
     Ok(LayerNormOutput { out, xhat, rstd })
 }
 
-/// LayerNorm's backward from `grad` (the output's gradient) and the forward's `x̂` and `r`:
-/// accumulates `grad_weight += Σ g·x̂` and `grad_bias += Σ g` in place (each column summed
-/// over the rows in order, as the host does) and returns the input gradient.
+/// LayerNorm's backward from `grad` (the output's gradient) and the forward's `x̂` and `r`
+/// (see [`LayerNormOutput`]): accumulates `grad_weight += Σ g·x̂` and `grad_bias += Σ g` in
+/// place (each column summed over the rows in order, as the host does) and returns the input
+/// gradient.
 pub fn layer_norm_backward(
     grad: &Tensor,
-    saved: &LayerNormOutput,
+    [xhat, rstd]: [&Tensor; 2],
     weight: &Tensor,
     grad_weight: &Tensor,
     grad_bias: Option<&Tensor>,
 ) -> Result<Tensor> {
     const OP: &str = "cuda::layer_norm_backward";
     let g = f32_of(OP, grad)?;
-    let [xhat, rstd, w, dw] =
-        [&saved.xhat, &saved.rstd, weight, grad_weight].map(|t| f32_of(OP, t));
+    let [xhat, rstd, w, dw] = [xhat, rstd, weight, grad_weight].map(|t| f32_of(OP, t));
     let (xhat, rstd, w, dw) = (xhat?, rstd?, w?, dw?);
     for t in [&xhat, &rstd, &w, &dw] {
         g.same_device(OP, t)?;
