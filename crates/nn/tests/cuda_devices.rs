@@ -9,8 +9,12 @@
 //! order, in f32), and the ops without a CUDA kernel must refuse CUDA tensors with
 //! `DeviceUnsupported` naming the op. Without the variable the GPU part runs only when a GPU
 //! happens to be usable; the binary says which.
+//!
+//! With the argument `--bench`: the reference MLP's training step timed on the GPU and on the
+//! host, written to `target/bench/nn-cuda-mlp.json` (fails without a GPU).
 
 use std::process::ExitCode;
+use std::time::Instant;
 
 use hypershard_nn::linalg::{MatmulOptions, matmul_with};
 use hypershard_nn::optim::{AdamW, AdamWConfig, Sgd, SgdConfig, clip_grad_norm};
@@ -52,6 +56,12 @@ const HALF: Tolerance = Tolerance {
 const TRAINING: Tolerance = Tolerance {
     rtol: 1e-3,
     atol: 5e-3,
+};
+
+/// A few optimizer steps in bf16: a rounding either side per step.
+const HALF_TRAINING: Tolerance = Tolerance {
+    rtol: 3e-2,
+    atol: 3e-2,
 };
 
 fn random(shape: &[usize], dtype: DType, seed: u64) -> Result<Tensor> {
@@ -237,22 +247,29 @@ fn optimizers(d: &Device) -> Result<Vec<Tensor>> {
     Ok(out)
 }
 
-/// The reference MLP of the FSDP benchmarks (Linear, ReLU, Linear, ReLU, Linear), trained
-/// with MSE and plain SGD for five steps: the losses and the final parameters.
-fn reference_mlp(d: &Device) -> Result<Vec<Tensor>> {
-    let mut mlp = Sequential::default()
-        .with(linear(DType::F32, true, [16, 32], 0)?)
-        .with(Relu::new())
-        .with(linear(DType::F32, true, [32, 32], 2)?)
-        .with(Relu::new())
-        .with(linear(DType::F32, true, [32, 4], 4)?);
+/// Linear(dims[i], dims[i+1]) + ReLU for each step of `dims`, seeds two apart: the reference
+/// MLP of the FSDP benchmarks.
+fn mlp(dims: &[usize], dtype: DType) -> Result<Sequential> {
+    let mut model = Sequential::default();
+    for (i, pair) in dims.windows(2).enumerate() {
+        model = model
+            .with(linear(dtype, true, [pair[0], pair[1]], 2 * i as u64)?)
+            .with(Relu::new());
+    }
+    Ok(model)
+}
+
+/// The reference MLP (4 × Linear + ReLU) trained with MSE and plain SGD for five steps in
+/// `dtype`: the losses and the final parameters.
+fn train_mlp(d: &Device, dtype: DType) -> Result<Vec<Tensor>> {
+    let mut mlp = mlp(&[16, 32, 32, 32, 4], dtype)?;
     to_device(&mut mlp, d)?;
     let mut sgd = Sgd::new(SgdConfig {
         lr: 0.05,
         ..SgdConfig::default()
     })?;
-    let x = random(&[8, 16], DType::F32, 90)?.to_device(d)?;
-    let y = random(&[8, 4], DType::F32, 91)?.to_device(d)?;
+    let x = random(&[8, 16], dtype, 90)?.to_device(d)?;
+    let y = random(&[8, 4], dtype, 91)?.to_device(d)?;
     let mut losses = Vec::new();
     for _ in 0..5 {
         let out = mlp.forward(&x)?;
@@ -265,6 +282,14 @@ fn reference_mlp(d: &Device) -> Result<Vec<Tensor>> {
     let mut out = vec![Tensor::from_vec_on(losses, &[5], d)?];
     out.extend(params_and_grads(&mlp)?);
     Ok(out)
+}
+
+fn reference_mlp(d: &Device) -> Result<Vec<Tensor>> {
+    train_mlp(d, DType::F32)
+}
+
+fn reference_mlp_bf16(d: &Device) -> Result<Vec<Tensor>> {
+    train_mlp(d, DType::BF16)
 }
 
 fn small_gpt() -> GptConfig {
@@ -309,7 +334,7 @@ fn gpt(d: &Device) -> Result<Vec<Tensor>> {
 }
 
 /// The bodies, with the tolerance each needs on a GPU.
-const BODIES: [(&str, Body, Tolerance); 11] = [
+const BODIES: [(&str, Body, Tolerance); 12] = [
     ("linear_f32", linear_f32, LAYER),
     ("linear_bf16", linear_bf16, HALF),
     ("embedding", embedding, LAYER),
@@ -320,6 +345,7 @@ const BODIES: [(&str, Body, Tolerance); 11] = [
     ("losses_and_matmul", losses_and_matmul, LAYER),
     ("optimizers", optimizers, TRAINING),
     ("reference_mlp", reference_mlp, TRAINING),
+    ("reference_mlp_bf16", reference_mlp_bf16, HALF_TRAINING),
     ("gpt", gpt, TRAINING),
 ];
 
@@ -434,8 +460,84 @@ fn no_gpu_is_a_typed_error() -> Outcome {
     }
 }
 
+/// The reference MLP of the FSDP benchmarks (8 × Linear(1024, 1024) + ReLU, MSE, SGD lr
+/// 0.01, batch 32): one training step timed on the GPU (f32, bf16) and on the host (f32),
+/// written as JSON to `target/bench/nn-cuda-mlp.json`.
+fn bench(name: &str) -> Outcome {
+    const WIDTH: usize = 1024;
+    const DEPTH: usize = 8;
+    const BATCH: usize = 32;
+    const LR: f64 = 0.01;
+    let median = |mut v: Vec<f64>| {
+        v.sort_by(f64::total_cmp);
+        v[v.len() / 2]
+    };
+    let step_times = |device: Device, dtype: DType, (warmup, steps): (usize, usize)| {
+        let run = || -> Result<(Vec<f64>, Vec<f64>)> {
+            let mut model = mlp(&[WIDTH; DEPTH + 1], dtype)?;
+            to_device(&mut model, &device)?;
+            let mut sgd = Sgd::new(SgdConfig {
+                lr: LR,
+                ..SgdConfig::default()
+            })?;
+            let x = random(&[BATCH, WIDTH], dtype, 10)?.to_device(&device)?;
+            let t = random(&[BATCH, WIDTH], dtype, 20)?.to_device(&device)?;
+            let (mut times, mut losses) = (Vec::new(), Vec::new());
+            for step in 0..warmup + steps {
+                let started = Instant::now();
+                let loss = mse_loss(&model.forward(&x)?, &t)?;
+                model.backward(&loss.grad)?;
+                sgd.step(&mut model)?;
+                zero_grad(&mut model)?;
+                device.synchronize()?;
+                if step >= warmup {
+                    times.push(started.elapsed().as_secs_f64() * 1e3);
+                    losses.push(loss.loss);
+                }
+            }
+            Ok((times, losses))
+        };
+        run().map_err(fail)
+    };
+    let mut rows = Vec::new();
+    for dtype in [DType::F32, DType::BF16] {
+        let (times, losses) = step_times(GPU, dtype, (5, 50))?;
+        rows.push(format!(
+            "{{\"where\":\"device\",\"dtype\":\"{dtype}\",\"steps\":50,\"median_ms\":{},\"min_ms\":{},\"first_loss\":{},\"last_loss\":{}}}",
+            median(times.clone()),
+            times.iter().copied().fold(f64::INFINITY, f64::min),
+            losses[0],
+            losses[losses.len() - 1]
+        ));
+    }
+    let (times, _) = step_times(Device::Cpu, DType::F32, (2, 10))?;
+    let threads = std::thread::available_parallelism().map_or(0, |n| n.get());
+    rows.push(format!(
+        "{{\"where\":\"cpu\",\"dtype\":\"f32\",\"steps\":10,\"threads\":{threads},\"median_ms\":{},\"min_ms\":{}}}",
+        median(times.clone()),
+        times.iter().copied().fold(f64::INFINITY, f64::min)
+    ));
+    let name = name.replace(['"', '\\'], "");
+    let json = format!(
+        "{{\"bench\":\"nn-cuda-mlp\",\"model\":\"{DEPTH} x (Linear({WIDTH},{WIDTH}) + ReLU), MSE, SGD lr {LR}\",\"batch\":{BATCH},\"device\":\"{name}\",\"rows\":[{}]}}\n",
+        rows.join(",")
+    );
+    std::fs::create_dir_all("target/bench").map_err(fail)?;
+    std::fs::write("target/bench/nn-cuda-mlp.json", &json).map_err(fail)?;
+    print!("cuda_devices: wrote target/bench/nn-cuda-mlp.json: {json}");
+    Ok(())
+}
+
 fn main() -> ExitCode {
     let mut tally = Tally::default();
+    if std::env::args().any(|a| a == "--bench") {
+        // The bench needs the GPU: without one it fails.
+        let outcome = CudaDevice::new(0)
+            .map_err(fail)
+            .and_then(|device| bench(&device.name().map_err(fail)?));
+        tally.check("bench", contained(|| outcome));
+        return tally.finish();
+    }
     for (name, body, _) in BODIES {
         tally.check(
             &format!("{name}_on_the_emulated_device"),
