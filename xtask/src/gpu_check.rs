@@ -815,10 +815,7 @@ mod tests {
     #[test]
     fn every_device_test_is_built_and_the_bench_is_one_of_them() {
         let names: Vec<&str> = DEVICE_TESTS.iter().map(|(_, _, t)| *t).collect();
-        assert_eq!(
-            names,
-            ["nccl_gpu", "cuda", "cuda_devices", "device_fsdp"]
-        );
+        assert_eq!(names, ["nccl_gpu", "cuda", "cuda_devices", "device_fsdp"]);
         for bench in BENCH_TESTS {
             assert!(names.contains(&bench.test), "{}", bench.test);
         }

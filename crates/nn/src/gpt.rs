@@ -411,7 +411,12 @@ fn head_backward(
     #[cfg(feature = "cuda")]
     if device.is_cuda() {
         let dims = [batch, seq, c, v];
-        return crate::kernels::cuda::gpt_head_backward(&grad_output.contiguous()?, final_hidden, wte, dims);
+        return crate::kernels::cuda::gpt_head_backward(
+            &grad_output.contiguous()?,
+            final_hidden,
+            wte,
+            dims,
+        );
     }
     Ok(with_float!(OP, dtype, F => {
         let g = load::<F>(grad_output)?;

@@ -20,9 +20,9 @@ use hypershard_nn::linalg::{MatmulOptions, matmul_with};
 use hypershard_nn::optim::{AdamW, AdamWConfig, Sgd, SgdConfig, clip_grad_norm};
 use hypershard_nn::{
     Block, BlockConfig, CausalSelfAttention, CausalSelfAttentionConfig, DEFAULT_IGNORE_INDEX,
-    Dropout, Embedding, EmbeddingConfig, Error, Gelu, GeluApproximation, Gpt, GptConfig,
-    LayerNorm, LayerNormConfig, Linear, LinearConfig, Mlp, Module, Relu, Result, RmsNorm,
-    RmsNormConfig, Sequential, Silu, cross_entropy, mse_loss, to_device, zero_grad,
+    Dropout, Embedding, EmbeddingConfig, Error, Gelu, GeluApproximation, Gpt, GptConfig, LayerNorm,
+    LayerNormConfig, Linear, LinearConfig, Mlp, Module, Relu, Result, RmsNorm, RmsNormConfig,
+    Sequential, Silu, cross_entropy, mse_loss, to_device, zero_grad,
 };
 use hypershard_tensor::cuda::CudaDevice;
 use hypershard_tensor::{DType, Device, RandomInit, Tensor};
@@ -113,7 +113,12 @@ fn linear(dtype: DType, bias: bool, [i, o]: [usize; 2], seed: u64) -> Result<Lin
 fn linear_f32(d: &Device) -> Result<Vec<Tensor>> {
     let x = random(&[2, 3, 6], DType::F32, 1)?;
     let mut out = forward_backward(&mut linear(DType::F32, true, [6, 5], 4)?, d, &x, 2)?;
-    out.extend(forward_backward(&mut linear(DType::F32, false, [6, 5], 6)?, d, &x, 3)?);
+    out.extend(forward_backward(
+        &mut linear(DType::F32, false, [6, 5], 6)?,
+        d,
+        &x,
+        3,
+    )?);
     Ok(out)
 }
 
@@ -170,7 +175,12 @@ fn attention_config() -> CausalSelfAttentionConfig {
 
 fn attention(d: &Device) -> Result<Vec<Tensor>> {
     let x = random(&[2, 5, 8], DType::F32, 22)?;
-    forward_backward(&mut CausalSelfAttention::new(attention_config())?, d, &x, 23)
+    forward_backward(
+        &mut CausalSelfAttention::new(attention_config())?,
+        d,
+        &x,
+        23,
+    )
 }
 
 fn block_config() -> BlockConfig {
@@ -187,7 +197,12 @@ fn block_config() -> BlockConfig {
 fn blocks(d: &Device) -> Result<Vec<Tensor>> {
     let x = random(&[2, 4, 8], DType::F32, 32)?;
     let mut out = forward_backward(&mut Mlp::new(block_config())?, d, &x, 33)?;
-    out.extend(forward_backward(&mut Block::new(block_config())?, d, &x, 34)?);
+    out.extend(forward_backward(
+        &mut Block::new(block_config())?,
+        d,
+        &x,
+        34,
+    )?);
     Ok(out)
 }
 
@@ -353,7 +368,11 @@ const BODIES: [(&str, Body, Tolerance); 12] = [
 /// (`None`: the same bits).
 fn agrees(host: &[Tensor], got: &[Tensor], device: Device, tol: Option<Tolerance>) -> Outcome {
     if host.len() != got.len() {
-        return Err(format!("{} tensors vs {} on the host", got.len(), host.len()));
+        return Err(format!(
+            "{} tensors vs {} on the host",
+            got.len(),
+            host.len()
+        ));
     }
     for (i, (h, g)) in host.iter().zip(got).enumerate() {
         if g.device() != device || g.shape() != h.shape() || g.dtype() != h.dtype() {
@@ -399,7 +418,9 @@ fn unsupported<T: std::fmt::Debug>(result: Result<T>, op: &str) -> Outcome {
         {
             Ok(())
         }
-        other => Err(format!("expected DeviceUnsupported naming {op}, got {other:?}")),
+        other => Err(format!(
+            "expected DeviceUnsupported naming {op}, got {other:?}"
+        )),
     }
 }
 
@@ -568,7 +589,10 @@ fn main() -> ExitCode {
             tally.check("gpu_available", Err(error.to_string()));
         }
         Err(error) => {
-            tally.check("no_gpu_is_a_typed_error", contained(no_gpu_is_a_typed_error));
+            tally.check(
+                "no_gpu_is_a_typed_error",
+                contained(no_gpu_is_a_typed_error),
+            );
             println!(
                 "cuda: {GPU_ENV}=1 is not set and no GPU is usable ({error}), so nn did not run on a GPU"
             );

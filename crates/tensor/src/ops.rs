@@ -216,6 +216,8 @@ impl Tensor {
 
     /// Shared plumbing of the in-place binary updates: checks, aliasing, locks. `cuda` names
     /// the op's CUDA kernel (its stem and scalar), where it has one.
+    // Without the `cuda` feature the kernel's name is only passed along.
+    #[cfg_attr(not(feature = "cuda"), allow(clippy::only_used_in_recursion))]
     fn update(
         &self,
         src: &Tensor,

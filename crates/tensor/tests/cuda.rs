@@ -159,7 +159,11 @@ fn round_trip(device: &Device) -> Outcome {
             d.shape() == [3, 37] && d.dtype() == dtype && d.device() == *device,
             || format!("{d:?}"),
         )?;
-        same_bytes(&format!("round trip {dtype}"), &d.to_host().map_err(fail)?, &t)?;
+        same_bytes(
+            &format!("round trip {dtype}"),
+            &d.to_host().map_err(fail)?,
+            &t,
+        )?;
         // A strided (transposed) source arrives row-major.
         let strided = t.transpose(0, 1).map_err(fail)?;
         let ds = strided.to_device(device).map_err(fail)?;
@@ -181,7 +185,9 @@ fn round_trip(device: &Device) -> Outcome {
         same_bytes(
             "narrow",
             &row.to_host().map_err(fail)?,
-            &t.narrow(0, 1, 1).and_then(|r| r.contiguous()).map_err(fail)?,
+            &t.narrow(0, 1, 1)
+                .and_then(|r| r.contiguous())
+                .map_err(fail)?,
         )?;
     }
     let empty = Tensor::zeros(&[0, 5], DType::F32)
@@ -224,13 +230,12 @@ fn casts_match_the_cpu(device: &Device) -> Outcome {
     }
     let d = host(&[4], F32, 0)?.to_device(device).map_err(fail)?;
     let bad = d.to_dtype(DType::I32);
-    ensure(
-        matches!(bad, Err(Error::UnsupportedDType { .. })),
-        || format!("{bad:?}"),
-    )?;
+    ensure(matches!(bad, Err(Error::UnsupportedDType { .. })), || {
+        format!("{bad:?}")
+    })?;
     // A strided view is cast through a device copy only where one exists: refused here.
-    let bad = Tensor::zeros_on(&[2, 3], F32, device)
-        .and_then(|t| t.transpose(0, 1)?.to_dtype(BF16));
+    let bad =
+        Tensor::zeros_on(&[2, 3], F32, device).and_then(|t| t.transpose(0, 1)?.to_dtype(BF16));
     ensure(matches!(bad, Err(Error::DeviceUnsupported { .. })), || {
         format!("{bad:?}")
     })
@@ -267,10 +272,9 @@ fn arith_matches_the_cpu(device: &Device) -> Outcome {
     })?;
     let i = Tensor::zeros_on(&[4], DType::I32, device).map_err(fail)?;
     let bad = i.scale_(2.0);
-    ensure(
-        matches!(bad, Err(Error::UnsupportedDType { .. })),
-        || format!("{bad:?}"),
-    )
+    ensure(matches!(bad, Err(Error::UnsupportedDType { .. })), || {
+        format!("{bad:?}")
+    })
 }
 
 /// The CPU product through tensor ops: sum over k of a[m, k, 1] · b[1, k, n].
@@ -480,7 +484,11 @@ fn batched_gemm_matches_the_cpu(device: &Device) -> Outcome {
     for i in 0..batch {
         let pick = |t: &Tensor| t.narrow(0, i, 1).and_then(|s| s.squeeze(0)).map_err(fail);
         let expected = cpu_matmul(&pick(&a)?, &pick(&bt)?.transpose(0, 1).map_err(fail)?)?;
-        same_bytes(&format!("batch {i}"), &pick(&got)?.contiguous().map_err(fail)?, &expected)?;
+        same_bytes(
+            &format!("batch {i}"),
+            &pick(&got)?.contiguous().map_err(fail)?,
+            &expected,
+        )?;
     }
     let bad = gemm_strided_batched(1.0, &c, Transpose::No, &c, Transpose::No, 0.0, &c);
     ensure(matches!(bad, Err(Error::ShapeMismatch { .. })), || {

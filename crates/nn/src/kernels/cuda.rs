@@ -166,7 +166,11 @@ pub(crate) fn token_index(
 }
 
 /// `Embedding`'s forward: the rows of `weight` (`[V, C]`) for every id, shaped `[*ids, C]`.
-pub(crate) fn embedding(weight: &Tensor, tokens: &TokenIndex, ids_shape: &[usize]) -> Result<Tensor> {
+pub(crate) fn embedding(
+    weight: &Tensor,
+    tokens: &TokenIndex,
+    ids_shape: &[usize],
+) -> Result<Tensor> {
     let rows = gpu::gather_rows(weight, tokens)?;
     let mut shape = ids_shape.to_vec();
     shape.push(weight.shape()[1]);
@@ -174,7 +178,11 @@ pub(crate) fn embedding(weight: &Tensor, tokens: &TokenIndex, ids_shape: &[usize
 }
 
 /// `Embedding`'s backward: the table's gradient `[V, C]` from the rows' gradient.
-pub(crate) fn embedding_backward(grad: &Tensor, tokens: &TokenIndex, weight: &Tensor) -> Result<Tensor> {
+pub(crate) fn embedding_backward(
+    grad: &Tensor,
+    tokens: &TokenIndex,
+    weight: &Tensor,
+) -> Result<Tensor> {
     let [v, c] = [weight.shape()[0], weight.shape()[1]];
     let grad_table = Tensor::zeros_on(&[v, c], DType::F32, &weight.device())?;
     let rows = grad.reshape(&[grad.numel() / c.max(1), c])?;
@@ -206,7 +214,11 @@ pub(crate) fn gpt_embed_backward(
 }
 
 /// The lm_head: `h[N, C] · wteᵀ`, shaped `[B, T, V]`.
-pub(crate) fn gpt_head(hidden: &Tensor, wte: &Tensor, [batch, seq, c, v]: [usize; 4]) -> Result<Tensor> {
+pub(crate) fn gpt_head(
+    hidden: &Tensor,
+    wte: &Tensor,
+    [batch, seq, c, v]: [usize; 4],
+) -> Result<Tensor> {
     let h = hidden.reshape(&[batch * seq, c])?;
     let logits = Tensor::zeros_on(&[batch * seq, v], wte.dtype(), &wte.device())?;
     gpu::gemm(1.0, &h, Transpose::No, wte, Transpose::Yes, 0.0, &logits)?;
@@ -271,7 +283,11 @@ pub(crate) fn attention(qkv: &Tensor, n_head: usize) -> Result<(Tensor, Attentio
 
 /// The attention's backward from the gradient of its output (`[B, T, C]`): the gradient of
 /// the fused projection, `[B, T, 3C]`.
-pub(crate) fn attention_backward(cache: &AttentionCache, grad_y: &Tensor, n_head: usize) -> Result<Tensor> {
+pub(crate) fn attention_backward(
+    cache: &AttentionCache,
+    grad_y: &Tensor,
+    n_head: usize,
+) -> Result<Tensor> {
     let AttentionCache { q, k, v, probs } = cache;
     let (batch, seq, c) = (grad_y.shape()[0], grad_y.shape()[1], grad_y.shape()[2]);
     let h = n_head;

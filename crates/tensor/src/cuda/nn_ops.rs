@@ -277,11 +277,7 @@ pub fn causal_softmax_backward_(grad: &Tensor, probs: &Tensor, scale: f64) -> Re
     let (rows64, t64, scale) = (rows as u64, t as u64, scale as f32);
     // Checked: grad and probs hold rows·t f32.
     launch!(OP, &g, CAUSAL_SOFTMAX_BACKWARD, config, |l| {
-        l.arg(&g.ptr)
-            .arg(&p.ptr)
-            .arg(&rows64)
-            .arg(&t64)
-            .arg(&scale);
+        l.arg(&g.ptr).arg(&p.ptr).arg(&rows64).arg(&t64).arg(&scale);
     })
 }
 
@@ -591,11 +587,7 @@ pub fn embedding_backward(
         // Checked: grad holds B·T·c f32 (gather_rows_backward), grad_wpe P·c with T ≤ P (the
         // kernel writes rows < T).
         launch!(OP, &g, POSITION_BACKWARD, config, |l| {
-            l.arg(&pe.ptr)
-                .arg(&g.ptr)
-                .arg(&b64)
-                .arg(&seq64)
-                .arg(&c64);
+            l.arg(&pe.ptr).arg(&g.ptr).arg(&b64).arg(&seq64).arg(&c64);
         })?;
     }
     Ok(())
@@ -614,7 +606,11 @@ pub struct CrossEntropyOutput {
 /// averaged over the targets other than `ignore_index`, as hypershard-nn's host
 /// `cross_entropy`: the row losses are computed in f64 on the device and summed in row order
 /// on the host. A target outside `0..V` is [`Error::IndexOutOfRange`].
-pub fn cross_entropy(logits: &Tensor, targets: &Tensor, ignore_index: i64) -> Result<CrossEntropyOutput> {
+pub fn cross_entropy(
+    logits: &Tensor,
+    targets: &Tensor,
+    ignore_index: i64,
+) -> Result<CrossEntropyOutput> {
     const OP: &str = "cuda::cross_entropy";
     let x = f32_of(OP, logits)?;
     if targets.dtype() != DType::I64 {
@@ -756,11 +752,7 @@ pub fn adamw_(
     let n = p.numel as u64;
     // Checked: param, exp_avg, exp_avg_sq and grad hold n f32 each.
     launch!(OP, &p, ADAMW, launch_cfg, |l| {
-        l.arg(&p.ptr)
-            .arg(&m.ptr)
-            .arg(&v.ptr)
-            .arg(&g.ptr)
-            .arg(&n);
+        l.arg(&p.ptr).arg(&m.ptr).arg(&v.ptr).arg(&g.ptr).arg(&n);
         for v in &scalars {
             l.arg(v);
         }

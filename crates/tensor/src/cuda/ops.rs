@@ -88,7 +88,11 @@ pub(crate) fn cast(t: &Tensor, dtype: DType) -> Result<Tensor> {
     let src = Dev::of(OP, t)?;
     let name = cast_kernel(src.dtype, dtype).ok_or(Error::UnsupportedDType {
         op: OP,
-        dtype: if src.dtype.is_float() { dtype } else { src.dtype },
+        dtype: if src.dtype.is_float() {
+            dtype
+        } else {
+            src.dtype
+        },
     })?;
     let (out, dst) = src.output(OP, &src.shape, dtype)?;
     if let Some(config) = launch_config(OP, src.numel, 1).map_err(src.error(OP))? {
