@@ -171,7 +171,7 @@ pub(crate) fn embedding(
     tokens: &TokenIndex,
     ids_shape: &[usize],
 ) -> Result<Tensor> {
-    let rows = gpu::gather_rows(weight, tokens)?;
+    let rows = gpu::embedding(weight, None, tokens)?;
     let mut shape = ids_shape.to_vec();
     shape.push(weight.shape()[1]);
     Ok(rows.reshape(&shape)?)
@@ -186,7 +186,7 @@ pub(crate) fn embedding_backward(
     let [v, c] = [weight.shape()[0], weight.shape()[1]];
     let grad_table = Tensor::zeros_on(&[v, c], DType::F32, &weight.device())?;
     let rows = grad.reshape(&[grad.numel() / c.max(1), c])?;
-    gpu::gather_rows_backward(&rows, tokens, &grad_table)?;
+    gpu::embedding_backward(&rows, tokens, &grad_table, None)?;
     Ok(grad_table)
 }
 
@@ -194,7 +194,7 @@ pub(crate) fn embedding_backward(
 pub(crate) fn gpt_embed(wte: &Tensor, wpe: &Tensor, tokens: &TokenIndex) -> Result<Tensor> {
     let [batch, seq] = tokens.shape();
     let c = wte.shape()[1];
-    Ok(gpu::embedding(wte, wpe, tokens)?.reshape(&[batch, seq, c])?)
+    Ok(gpu::embedding(wte, Some(wpe), tokens)?.reshape(&[batch, seq, c])?)
 }
 
 /// GPT's embeddings' backward from `g` (`[B, T, C]`): adds the token rows into `head_grad`
@@ -209,7 +209,7 @@ pub(crate) fn gpt_embed_backward(
     let c = head_grad.shape()[1];
     let wpe_grad = Tensor::zeros_on(&[block_size, c], DType::F32, &head_grad.device())?;
     let rows = g.reshape(&[g.numel() / c.max(1), c])?;
-    gpu::embedding_backward(&rows, tokens, head_grad, &wpe_grad)?;
+    gpu::embedding_backward(&rows, tokens, head_grad, Some(&wpe_grad))?;
     Ok(wpe_grad)
 }
 

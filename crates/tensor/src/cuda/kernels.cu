@@ -415,25 +415,18 @@ extern "C" __global__ void cross_entropy_f32(float* grad, double* row_loss, cons
     }
 }
 
-// The token and position embeddings (gpt.rs `embed`): out[n] = wte[ids[n]] + wpe[n mod seq],
-// rows of width c. The ids were checked against the vocabulary on the host.
+// The token embedding's rows, plus the position table's when `has_pos` (gpt.rs `embed`,
+// embedding.rs `Embedding::forward`): out[n] = wte[ids[n]] (+ wpe[n mod seq]), rows of width
+// c. The ids were checked against the vocabulary on the host; without positions `wpe` is never
+// read.
 extern "C" __global__ void embedding_f32(float* out, const float* wte, const float* wpe,
-                                         const i64* ids, u64 tokens, u64 seq, u64 c) {
+                                         const i64* ids, u64 tokens, u64 seq, u64 c,
+                                         u32 has_pos) {
     GRID_STRIDE(i, tokens * c) {
         u64 position = i / c;
         u64 column = i % c;
-        u64 row = (u64)ids[position];
-        u64 t = position % seq;
-        out[i] = wte[row * c + column] + wpe[t * c + column];
-    }
-}
-
-// One table's rows (embedding.rs `Embedding::forward`): out[n] = table[ids[n]], rows of width
-// c. The ids were checked against the table on the host.
-extern "C" __global__ void gather_rows_f32(float* out, const float* table, const i64* ids,
-                                           u64 tokens, u64 c) {
-    GRID_STRIDE(i, tokens * c) {
-        out[i] = table[(u64)ids[i / c] * c + i % c];
+        float row = wte[(u64)ids[position] * c + column];
+        out[i] = has_pos ? row + wpe[(position % seq) * c + column] : row;
     }
 }
 

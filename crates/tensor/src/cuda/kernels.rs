@@ -58,7 +58,6 @@ pub const KERNEL_NAMES: &[&str] = &[
     "causal_softmax_backward_f32",
     "cross_entropy_f32",
     "embedding_f32",
-    "gather_rows_f32",
     "embedding_backward_f32",
     "position_backward_f32",
     "split_heads_f32",

@@ -19,7 +19,7 @@
 //! * Kernels, compiled from CUDA C kept in the crate (`kernels.cu`) by NVRTC on first use:
 //!   casts, `add`/`axpy`/`scale`, ReLU, and the layers hypershard-nn runs on a GPU
 //!   ([`layer_norm`], [`gelu`], [`causal_softmax_`], [`split_heads`]/[`merge_heads`],
-//!   [`embedding`] and [`gather_rows`] (with [`TokenIndex`]), [`cross_entropy`] and
+//!   [`embedding`] (with [`TokenIndex`]), [`cross_entropy`] and
 //!   [`adamw_`], each with its backward; no atomics, so every result is reproducible).
 //! * [`matmul`], [`gemm`] and [`gemm_strided_batched`] through cuBLAS (f32, bf16, f16; f32
 //!   accumulation), row-major, with optional transposes (see [`blas`]'s docs).
@@ -49,9 +49,8 @@ pub use error::{CudaError, CudaResult, Library, Unavailable};
 pub use kernels::{KERNEL_NAMES, KernelImage, compile_kernels};
 pub use nn_ops::{
     AdamWStep, CrossEntropyOutput, LayerNormOutput, TokenIndex, adamw_, causal_softmax_,
-    causal_softmax_backward_, cross_entropy, embedding, embedding_backward, gather_rows,
-    gather_rows_backward, gelu, gelu_backward, layer_norm, layer_norm_backward, merge_heads,
-    split_heads,
+    causal_softmax_backward_, cross_entropy, embedding, embedding_backward, gelu, gelu_backward,
+    layer_norm, layer_norm_backward, merge_heads, split_heads,
 };
 pub(crate) use ops::{cast, elementwise_};
 pub use ops::{relu_, relu_grad_};

@@ -27,7 +27,6 @@ const CAUSAL_SOFTMAX: &str = "causal_softmax_f32";
 const CAUSAL_SOFTMAX_BACKWARD: &str = "causal_softmax_backward_f32";
 const CROSS_ENTROPY: &str = "cross_entropy_f32";
 const EMBEDDING: &str = "embedding_f32";
-const GATHER_ROWS: &str = "gather_rows_f32";
 const EMBEDDING_BACKWARD: &str = "embedding_backward_f32";
 const POSITION_BACKWARD: &str = "position_backward_f32";
 const SPLIT_HEADS: &str = "split_heads_f32";
@@ -45,7 +44,6 @@ const ALL: &[&str] = &[
     CAUSAL_SOFTMAX_BACKWARD,
     CROSS_ENTROPY,
     EMBEDDING,
-    GATHER_ROWS,
     EMBEDDING_BACKWARD,
     POSITION_BACKWARD,
     SPLIT_HEADS,
@@ -470,127 +468,98 @@ fn table(op: &'static str, t: &Tensor, ids: &Dev) -> Result<(Dev, [usize; 2])> {
     }
 }
 
-/// GPT's input: `wte[ids[b, t]] + wpe[t]` for every position, `[B · T, C]` (f32 tables
-/// `wte: [V, C]` with `V` the index's vocabulary and `wpe: [P, C]` with `T ≤ P`).
-pub fn embedding(wte: &Tensor, wpe: &Tensor, tokens: &TokenIndex) -> Result<Tensor> {
+/// The rows of `wte` (`[V, C]`, f32, `V` the index's vocabulary) for every id, plus GPT's
+/// position rows `wpe[t]` (`[P, C]` with `T ≤ P`) when given: `[B · T, C]`.
+pub fn embedding(wte: &Tensor, wpe: Option<&Tensor>, tokens: &TokenIndex) -> Result<Tensor> {
     const OP: &str = "cuda::embedding";
     let ids = Dev::of(OP, &tokens.ids)?;
     let (te, [v, c]) = table(OP, wte, &ids)?;
-    let (pe, [p, pc]) = table(OP, wpe, &ids)?;
-    if v != tokens.vocab || pc != c || tokens.seq > p {
+    let pe = wpe.map(|p| table(OP, p, &ids)).transpose()?;
+    let positions_fit = pe
+        .as_ref()
+        .is_none_or(|(_, [p, pc])| *pc == c && tokens.seq <= *p);
+    if v != tokens.vocab || !positions_fit {
         return Err(Error::ShapeMismatch {
             op: OP,
-            lhs: te.shape.clone(),
-            rhs: pe.shape.clone(),
+            lhs: vec![tokens.vocab, c],
+            rhs: pe.map_or(te.shape.clone(), |(p, _)| p.shape),
         });
     }
     let n = tokens.batch * tokens.seq;
     let (out, o) = te.output(OP, &[n, c], DType::F32)?;
     if let Some(config) = launch_config(OP, n * c, 1).map_err(te.error(OP))? {
         let (n64, seq64, c64) = (n as u64, tokens.seq as u64, c as u64);
+        let has_pos = u32::from(pe.is_some());
+        // Without positions the kernel never reads `wpe`; the table stands in for it.
+        let pe_ptr = pe.as_ref().map_or(te.ptr, |(p, _)| p.ptr);
         // Checked: ids holds n entries, each below V (TokenIndex::new), wte V·c f32, wpe P·c
         // with every position's t = n mod seq < seq ≤ P, out n·c.
         launch!(OP, &te, EMBEDDING, config, |l| {
             l.arg(&o.ptr)
                 .arg(&te.ptr)
-                .arg(&pe.ptr)
+                .arg(&pe_ptr)
                 .arg(&ids.ptr)
                 .arg(&n64)
                 .arg(&seq64)
-                .arg(&c64);
+                .arg(&c64)
+                .arg(&has_pos);
         })?;
     }
     Ok(out)
 }
 
-/// One table's rows: `table[ids[n]]` for every id, `[B · T, C]` (an f32 `table: [V, C]` with
-/// `V` the index's vocabulary).
-pub fn gather_rows(table_: &Tensor, tokens: &TokenIndex) -> Result<Tensor> {
-    const OP: &str = "cuda::gather_rows";
-    let ids = Dev::of(OP, &tokens.ids)?;
-    let (te, [v, c]) = table(OP, table_, &ids)?;
-    if v != tokens.vocab {
-        return Err(Error::ShapeMismatch {
-            op: OP,
-            lhs: vec![tokens.vocab, c],
-            rhs: te.shape.clone(),
-        });
-    }
-    let n = tokens.batch * tokens.seq;
-    let (out, o) = te.output(OP, &[n, c], DType::F32)?;
-    if let Some(config) = launch_config(OP, n * c, 1).map_err(te.error(OP))? {
-        let (n64, c64) = (n as u64, c as u64);
-        // Checked: ids holds n entries, each below V (TokenIndex::new), table V·c f32, out n·c.
-        launch!(OP, &te, GATHER_ROWS, config, |l| {
-            l.arg(&o.ptr).arg(&te.ptr).arg(&ids.ptr).arg(&n64).arg(&c64);
-        })?;
-    }
-    Ok(out)
-}
-
-/// The token table's backward from `grad` (`[B · T, C]`): `grad_table[v] += Σ grad[p]` in
-/// place, over the positions `p` of token `v` in increasing order.
-pub fn gather_rows_backward(grad: &Tensor, tokens: &TokenIndex, grad_table: &Tensor) -> Result<()> {
-    const OP: &str = "cuda::gather_rows_backward";
-    let ids = Dev::of(OP, &tokens.ids)?;
-    let (dt, [v, c]) = table(OP, grad_table, &ids)?;
-    let g = f32_of(OP, grad)?;
-    g.shape_is(OP, &[tokens.batch * tokens.seq, c])?;
-    g.same_device(OP, &dt)?;
-    if v != tokens.vocab {
-        return Err(Error::ShapeMismatch {
-            op: OP,
-            lhs: vec![tokens.vocab, c],
-            rhs: dt.shape.clone(),
-        });
-    }
-    let Some(config) = launch_config(OP, v * c, 1).map_err(g.error(OP))? else {
-        return Ok(());
-    };
-    let offsets = Dev::of(OP, &tokens.offsets)?;
-    let order = Dev::of(OP, &tokens.order)?;
-    let (v64, c64) = (v as u64, c as u64);
-    // Checked: offsets holds V + 1 nondecreasing entries ending at n, order n positions below
-    // n (positions_by_row), grad n·c f32, grad_table V·c.
-    launch!(OP, &g, EMBEDDING_BACKWARD, config, |l| {
-        l.arg(&dt.ptr)
-            .arg(&g.ptr)
-            .arg(&offsets.ptr)
-            .arg(&order.ptr)
-            .arg(&v64)
-            .arg(&c64);
-    })
-}
-
-/// The embeddings' backward from `grad` (`[B · T, C]`): [`gather_rows_backward`] into
-/// `grad_wte`, and `grad_wpe[t] += Σ_b grad[b, t]` in place.
+/// The embedding's backward from `grad` (`[B · T, C]`), in place: `grad_wte[v] += Σ grad[p]`
+/// over the positions `p` of token `v` in increasing order and, when given,
+/// `grad_wpe[t] += Σ_b grad[b, t]`.
 pub fn embedding_backward(
     grad: &Tensor,
     tokens: &TokenIndex,
     grad_wte: &Tensor,
-    grad_wpe: &Tensor,
+    grad_wpe: Option<&Tensor>,
 ) -> Result<()> {
     const OP: &str = "cuda::embedding_backward";
     let ids = Dev::of(OP, &tokens.ids)?;
-    let (pe, [p, c]) = table(OP, grad_wpe, &ids)?;
-    if tokens.seq > p || grad_wte.shape().get(1) != Some(&c) {
+    let (dt, [v, c]) = table(OP, grad_wte, &ids)?;
+    let pe = grad_wpe.map(|p| table(OP, p, &ids)).transpose()?;
+    let g = f32_of(OP, grad)?;
+    g.shape_is(OP, &[tokens.batch * tokens.seq, c])?;
+    g.same_device(OP, &dt)?;
+    let positions_fit = pe
+        .as_ref()
+        .is_none_or(|(_, [p, pc])| *pc == c && tokens.seq <= *p);
+    if v != tokens.vocab || !positions_fit {
         return Err(Error::ShapeMismatch {
             op: OP,
-            lhs: grad_wte.shape().to_vec(),
-            rhs: pe.shape.clone(),
+            lhs: vec![tokens.vocab, c],
+            rhs: pe.map_or(dt.shape.clone(), |(p, _)| p.shape),
         });
     }
-    gather_rows_backward(grad, tokens, grad_wte)?;
-    let g = f32_of(OP, grad)?;
-    if let Some(config) = launch_config(OP, tokens.seq * c, 1).map_err(g.error(OP))? {
-        let (b64, seq64, c64) = (tokens.batch as u64, tokens.seq as u64, c as u64);
-        // Checked: grad holds B·T·c f32 (gather_rows_backward), grad_wpe P·c with T ≤ P (the
-        // kernel writes rows < T).
-        launch!(OP, &g, POSITION_BACKWARD, config, |l| {
-            l.arg(&pe.ptr).arg(&g.ptr).arg(&b64).arg(&seq64).arg(&c64);
+    if let Some(config) = launch_config(OP, v * c, 1).map_err(g.error(OP))? {
+        let offsets = Dev::of(OP, &tokens.offsets)?;
+        let order = Dev::of(OP, &tokens.order)?;
+        let (v64, c64) = (v as u64, c as u64);
+        // Checked: offsets holds V + 1 nondecreasing entries ending at n, order n positions
+        // below n (positions_by_row), grad n·c f32, grad_wte V·c.
+        launch!(OP, &g, EMBEDDING_BACKWARD, config, |l| {
+            l.arg(&dt.ptr)
+                .arg(&g.ptr)
+                .arg(&offsets.ptr)
+                .arg(&order.ptr)
+                .arg(&v64)
+                .arg(&c64);
         })?;
     }
-    Ok(())
+    let (Some((pe, _)), Some(config)) = (
+        pe,
+        launch_config(OP, tokens.seq * c, 1).map_err(g.error(OP))?,
+    ) else {
+        return Ok(());
+    };
+    let (b64, seq64, c64) = (tokens.batch as u64, tokens.seq as u64, c as u64);
+    // Checked: grad holds B·T·c f32, grad_wpe P·c with T ≤ P (the kernel writes rows < T).
+    launch!(OP, &g, POSITION_BACKWARD, config, |l| {
+        l.arg(&pe.ptr).arg(&g.ptr).arg(&b64).arg(&seq64).arg(&c64);
+    })
 }
 
 /// A cross-entropy's mean loss (read back) and the gradient of the logits (on the device).
@@ -769,7 +738,7 @@ mod tests {
             assert!(KERNEL_NAMES.contains(name), "{name}");
             assert!(name.ends_with("_f32"), "{name}");
         }
-        assert_eq!(ALL.len(), 15);
+        assert_eq!(ALL.len(), 14);
     }
 
     #[test]
