@@ -5,8 +5,7 @@
 
 use cudarc::driver::PushKernelArg;
 
-use super::error::{CudaError, CudaResult};
-use super::kernels::launch_config;
+use super::kernels::{KERNEL_NAMES, launch_config};
 use super::view::{Dev, launch};
 use crate::{DType, Error, Result, Tensor};
 
@@ -21,64 +20,24 @@ fn arith_name(dtype: DType) -> Option<&'static str> {
     }
 }
 
+/// The kernel named `name`, as the `'static` name in [`KERNEL_NAMES`] (so a name the ops ask
+/// for always exists), or `None`.
+fn kernel(name: &str) -> Option<&'static str> {
+    KERNEL_NAMES.iter().copied().find(|k| *k == name)
+}
+
 /// The cast kernel from `from` to `to`, if there is one (identity casts need none).
 pub(crate) fn cast_kernel(from: DType, to: DType) -> Option<&'static str> {
-    use DType::{BF16, F16, F32, F64};
-    match (from, to) {
-        (F32, BF16) => Some("cast_f32_bf16"),
-        (BF16, F32) => Some("cast_bf16_f32"),
-        (F32, F16) => Some("cast_f32_f16"),
-        (F16, F32) => Some("cast_f16_f32"),
-        (BF16, F16) => Some("cast_bf16_f16"),
-        (F16, BF16) => Some("cast_f16_bf16"),
-        (F32, F64) => Some("cast_f32_f64"),
-        (F64, F32) => Some("cast_f64_f32"),
-        _ => None,
-    }
+    let (f, t) = (arith_name(from)?, arith_name(to)?);
+    (from != to).then(|| kernel(&format!("cast_{f}_{t}")))?
 }
 
 /// The kernel of an elementwise op (`"add"`, `"axpy"`, `"scale"`, `"relu"`, `"relu_grad"`)
 /// for `dtype`.
-pub(crate) fn arith_kernel(
-    op: &'static str,
-    stem: &'static str,
-    dtype: DType,
-) -> CudaResult<&'static str> {
-    let ty = arith_name(dtype).ok_or(CudaError::UnsupportedDType {
-        op,
-        from: dtype,
-        to: dtype,
-    })?;
-    // The names are spelled out so that they are `'static` and match KERNEL_NAMES.
-    Ok(match (stem, ty) {
-        ("add", "f32") => "add_f32",
-        ("add", "bf16") => "add_bf16",
-        ("add", "f16") => "add_f16",
-        ("add", "f64") => "add_f64",
-        ("axpy", "f32") => "axpy_f32",
-        ("axpy", "bf16") => "axpy_bf16",
-        ("axpy", "f16") => "axpy_f16",
-        ("axpy", "f64") => "axpy_f64",
-        ("scale", "f32") => "scale_f32",
-        ("scale", "bf16") => "scale_bf16",
-        ("scale", "f16") => "scale_f16",
-        ("scale", "f64") => "scale_f64",
-        ("relu", "f32") => "relu_f32",
-        ("relu", "bf16") => "relu_bf16",
-        ("relu", "f16") => "relu_f16",
-        ("relu", "f64") => "relu_f64",
-        ("relu_grad", "f32") => "relu_grad_f32",
-        ("relu_grad", "bf16") => "relu_grad_bf16",
-        ("relu_grad", "f16") => "relu_grad_f16",
-        ("relu_grad", "f64") => "relu_grad_f64",
-        _ => {
-            return Err(CudaError::UnsupportedDType {
-                op,
-                from: dtype,
-                to: dtype,
-            });
-        }
-    })
+pub(crate) fn arith_kernel(op: &'static str, stem: &str, dtype: DType) -> Result<&'static str> {
+    arith_name(dtype)
+        .and_then(|ty| kernel(&format!("{stem}_{ty}")))
+        .ok_or(Error::UnsupportedDType { op, dtype })
 }
 
 /// The CUDA arm of [`Tensor::to_dtype`] for a contiguous tensor: f32 ↔ bf16, f32 ↔ f16,
@@ -126,7 +85,7 @@ pub(crate) fn elementwise_(
         s.dtype_is(op, d.dtype)?;
         s.shape_is(op, &d.shape)?;
     }
-    let name = arith_kernel(op, stem, d.dtype).map_err(d.error(op))?;
+    let name = arith_kernel(op, stem, d.dtype)?;
     let Some(config) = launch_config(op, d.numel, 1).map_err(d.error(op))? else {
         return Ok(());
     };
@@ -165,7 +124,6 @@ pub fn relu_grad_(grad: &Tensor, output: &Tensor) -> Result<()> {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::cuda::kernels::KERNEL_NAMES;
 
     #[test]
     fn every_kernel_the_ops_name_exists() {
@@ -183,8 +141,8 @@ mod tests {
                         assert!(name.starts_with(stem), "{name} for {stem}");
                         assert!(from.is_float());
                     }
-                    Err(CudaError::UnsupportedDType { from: f, to, .. }) => {
-                        assert_eq!((f, to), (from, from));
+                    Err(Error::UnsupportedDType { dtype, .. }) => {
+                        assert_eq!(dtype, from);
                         assert!(!from.is_float());
                     }
                     Err(other) => panic!("{other}"),
