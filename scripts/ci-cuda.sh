@@ -61,8 +61,9 @@ PY
 LD_LIBRARY_PATH="$(cd "$nvrtc13_links" && pwd):$nvrtc13_lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}" \
 HYPERSHARD_TEST_NVRTC=1 \
     cargo test -p hypershard-tensor --features cuda --locked --test cuda
-# nn's device layers: the cuda:: unit tests and tests/cuda_mlp (Unavailable without a GPU, no panic).
-cargo test -p hypershard-nn --features cuda --locked --lib --test cuda_mlp -- cuda::
+# nn on CUDA tensors: tests/cuda_devices (its bodies on the host and the emulated device; a
+# typed error, no panic, for a GPU that is not there).
+cargo test -p hypershard-nn --features cuda --locked --test cuda_devices
 # bench-nccl (hypershard-benches, feature `nccl`) is linted by the workspace clippy above. Its
 # unit tests are not run here: with the feature, collectives and every crate above it in the
 # benches' tree recompile (about a minute); its sweep logic is tested in the benches' lib.

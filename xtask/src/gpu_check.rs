@@ -14,10 +14,10 @@
 //!    `libcublas.so.13`) is exposed under the plain name through a symlink in
 //!    `target/cuda-lib`, which goes first.
 //! 3. Builds the device test binaries in one cargo call (collectives' `nccl_gpu` with feature
-//!    `nccl`; tensor's `cuda`, nn's `cuda_mlp` and `cuda_gpt`, and fsdp's `device_fsdp` with
+//!    `nccl`; tensor's `cuda`, nn's `cuda_devices`, and fsdp's `device_fsdp` with
 //!    feature `cuda`; one feature set, so cudarc compiles once).
 //! 4. Runs each with `HYPERSHARD_TEST_GPU=1`: they fail when the GPU is missing.
-//! 5. Runs the benches of [`BENCH_TESTS`]: `cuda_mlp --bench`, the reference MLP's training
+//! 5. Runs the benches of [`BENCH_TESTS`]: `cuda_devices --bench`, the reference MLP's training
 //!    step (8 × Linear(1024, 1024) + ReLU, batch 32) timed on the device (f32, bf16) and on the
 //!    CPU, into `target/bench/nn-cuda-mlp.json`; and `device_fsdp --bench`, its FSDP step on
 //!    the device (NCCL world 1, local world 2) and CPU FSDP's, into
@@ -62,8 +62,7 @@ const NCCL_BENCH_MARGIN: Duration = Duration::from_secs(10);
 const DEVICE_TESTS: &[(&str, &str, &str)] = &[
     ("hypershard-collectives", "nccl", "nccl_gpu"),
     ("hypershard-tensor", "cuda", "cuda"),
-    ("hypershard-nn", "cuda", "cuda_mlp"),
-    ("hypershard-nn", "cuda", "cuda_gpt"),
+    ("hypershard-nn", "cuda", "cuda_devices"),
     ("hypershard-fsdp", "cuda", "device_fsdp"),
 ];
 
@@ -97,7 +96,7 @@ struct BenchTest {
 /// the CPU, and its FSDP step on the device (NCCL world 1, local world 2) against CPU FSDP.
 const BENCH_TESTS: &[BenchTest] = &[
     BenchTest {
-        test: "cuda_mlp",
+        test: "cuda_devices",
         json: "target/bench/nn-cuda-mlp.json",
         what: "the reference MLP's step, device vs CPU",
         key: "nn_bench",
@@ -816,16 +815,13 @@ mod tests {
     #[test]
     fn every_device_test_is_built_and_the_bench_is_one_of_them() {
         let names: Vec<&str> = DEVICE_TESTS.iter().map(|(_, _, t)| *t).collect();
-        assert_eq!(
-            names,
-            ["nccl_gpu", "cuda", "cuda_mlp", "cuda_gpt", "device_fsdp"]
-        );
+        assert_eq!(names, ["nccl_gpu", "cuda", "cuda_devices", "device_fsdp"]);
         for bench in BENCH_TESTS {
             assert!(names.contains(&bench.test), "{}", bench.test);
         }
         let nn = DEVICE_TESTS
             .iter()
-            .find(|(_, _, t)| *t == "cuda_mlp")
+            .find(|(_, _, t)| *t == "cuda_devices")
             .unwrap();
         assert_eq!((nn.0, nn.1), ("hypershard-nn", "cuda"));
     }
@@ -882,8 +878,7 @@ mod tests {
             [
                 "nccl_gpu",
                 "cuda",
-                "cuda_mlp",
-                "cuda_gpt",
+                "cuda_devices",
                 "device_fsdp",
                 "bench-nccl"
             ]

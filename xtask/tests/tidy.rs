@@ -54,18 +54,6 @@ const MAX_LINES: usize = 800;
 /// Files still over [`MAX_LINES`], each with why and what will split it.
 const LONG_FILES: &[(&str, &str)] = &[
     (
-        "crates/fsdp/src/device/model.rs",
-        "the separate GPU path, replaced by device storage in the tensor",
-    ),
-    (
-        "crates/nn/src/cuda/gpt.rs",
-        "the separate GPU path, replaced by device storage in the tensor",
-    ),
-    (
-        "crates/tensor/src/cuda/nn_ops.rs",
-        "GPU kernels; split per op family with device storage",
-    ),
-    (
         "crates/tensor/src/dtype.rs",
         "one macro table per dtype; split into dtype and element conversions",
     ),

@@ -86,9 +86,8 @@ impl DeviceBuffer {
     }
 
     /// Adopts device memory as a buffer of `dtype`, without a copy: `bytes.len()` must be a
-    /// whole number of elements ([`Error::MisalignedBytes`] otherwise). This is how another
-    /// crate's device tensor (hypershard-tensor's `CudaTensor::into_device_bytes`) becomes a
-    /// collective's buffer. The memory keeps the stream it was allocated on: cudarc's read and
+    /// whole number of elements ([`Error::MisalignedBytes`] otherwise), so that another
+    /// crate's device memory can become a collective's buffer. The memory keeps the stream it was allocated on: cudarc's read and
     /// write events on the slice order an NCCL op after that stream's last write, and that
     /// stream's next use after the op.
     pub fn from_slice(bytes: CudaSlice<u8>, dtype: DType) -> Result<Self> {

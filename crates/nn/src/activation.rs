@@ -89,6 +89,18 @@ trait Pointwise: Sync {
         }
     }
 
+    /// `f(x)` (or, with `grad`, `grad · f'(x)`) on a CUDA device: the kernel of this
+    /// function, or [`DeviceUnsupported`](hypershard_tensor::Error::DeviceUnsupported) naming
+    /// `op` where it has none.
+    #[cfg(feature = "cuda")]
+    fn cuda(&self, op: &'static str, x: &Tensor, _grad: Option<&Tensor>) -> Result<Tensor> {
+        Err(hypershard_tensor::Error::DeviceUnsupported {
+            op,
+            device: x.device(),
+        }
+        .into())
+    }
+
     /// `out = gs · f'(xs)` over slices of one length (see [`values`](Pointwise::values)).
     fn grads<F: Float>(&self, xs: &[F], gs: &[F], out: &mut [F]) {
         for ((o, &x), &g) in out.iter_mut().zip(xs).zip(gs) {
@@ -133,6 +145,14 @@ fn sigmoid<F: Float>(x: F) -> F {
 }
 
 impl Pointwise for Relu {
+    #[cfg(feature = "cuda")]
+    fn cuda(&self, _op: &'static str, x: &Tensor, grad: Option<&Tensor>) -> Result<Tensor> {
+        match grad {
+            None => crate::kernels::cuda::relu(x),
+            Some(grad) => crate::kernels::cuda::relu_backward(x, grad),
+        }
+    }
+
     fn value<F: Float>(&self, x: F) -> F {
         if x > F::ZERO { x } else { F::ZERO }
     }
@@ -142,6 +162,18 @@ impl Pointwise for Relu {
 }
 
 impl Pointwise for Gelu {
+    #[cfg(feature = "cuda")]
+    fn cuda(&self, op: &'static str, x: &Tensor, grad: Option<&Tensor>) -> Result<Tensor> {
+        // Only the exact GELU has a kernel.
+        if self.approximation == GeluApproximation::Tanh {
+            crate::kernels::host_only(op, &x.device())?;
+        }
+        Ok(match grad {
+            None => crate::kernels::cuda::gelu(x)?,
+            Some(grad) => crate::kernels::cuda::gelu_backward(x, grad)?,
+        })
+    }
+
     fn values<F: Float>(&self, xs: &[F], out: &mut [F]) {
         let pairs = out.iter_mut().zip(xs);
         match self.approximation {
@@ -187,6 +219,10 @@ impl Pointwise for Silu {
 /// `f(x)` for every element of `input`, in the compute type of its dtype.
 fn apply<P: Pointwise>(op: &'static str, f: &P, input: &Tensor) -> Result<Tensor> {
     let device = input.device();
+    #[cfg(feature = "cuda")]
+    if device.is_cuda() {
+        return f.cuda(op, input, None);
+    }
     with_float!(op, input.dtype(), F => {
         build_overwrite::<F>(input.shape(), input.dtype(), &device, |out| {
             with_values::<F, _>(input, |xs| {
@@ -218,6 +254,10 @@ fn apply_grad<P: Pointwise>(
         });
     }
     let device = same_device(op, &[input, grad])?;
+    #[cfg(feature = "cuda")]
+    if device.is_cuda() {
+        return f.cuda(op, input, Some(grad));
+    }
     with_float!(op, input.dtype(), F => {
         build_overwrite::<F>(input.shape(), input.dtype(), &device, |out| {
             with_values2::<F, _>(input, grad, |xs, gs| {

@@ -96,6 +96,12 @@ enum AttentionCache {
         dims: Dims,
         dtype: DType,
     },
+    /// The CUDA path: the heads and the `[B·H, T, T]` weights (see `kernels::cuda`).
+    #[cfg(feature = "cuda")]
+    Cuda {
+        cache: crate::kernels::cuda::AttentionCache,
+        dims: Dims,
+    },
 }
 
 /// The sizes of one attention call.
@@ -349,6 +355,18 @@ impl Module for CausalSelfAttention {
                 rhs: qkv.shape().to_vec(),
             });
         }
+        #[cfg(feature = "cuda")]
+        if qkv.device().is_cuda() {
+            // The dense attention of GEMMs and the causal softmax kernel; dropout on the
+            // weights has no kernel.
+            if !matches!(self.fused_dropout(), Some(None)) {
+                crate::kernels::host_only("CausalSelfAttention::attn_dropout", &qkv.device())?;
+            }
+            let (y, cache) = crate::kernels::cuda::attention(&qkv.contiguous()?, self.n_head)?;
+            self.cache = Some(AttentionCache::Cuda { cache, dims });
+            let out = self.c_proj.forward(&y)?;
+            return self.resid_dropout.forward(&out);
+        }
         let y = match self.fused_dropout() {
             Some(mask) => self.forward_flash(&qkv, dims, mask)?,
             None => self.forward_dense(&qkv, dims)?,
@@ -364,6 +382,8 @@ impl Module for CausalSelfAttention {
         })?;
         let dims = match &cache {
             AttentionCache::Flash { dims, .. } | AttentionCache::Dense { dims, .. } => *dims,
+            #[cfg(feature = "cuda")]
+            AttentionCache::Cuda { dims, .. } => *dims,
         };
         let grad_out = self.resid_dropout.backward(grad_output)?;
         let grad_y = self.c_proj.backward(&grad_out)?;
@@ -414,6 +434,10 @@ impl Module for CausalSelfAttention {
                 dims,
                 dtype,
             } => self.backward_dense((&qkv, &probs, &dropped_probs), &grad_y, dims, dtype)?,
+            #[cfg(feature = "cuda")]
+            AttentionCache::Cuda { cache, dims } => {
+                crate::kernels::cuda::attention_backward(&cache, &grad_y, dims.n_head)?
+            }
         };
         self.c_attn.backward(&grad_qkv)
     }

@@ -123,6 +123,7 @@ impl Module for Dropout {
             });
             return Ok(input.clone());
         };
+        crate::kernels::host_only("Dropout::forward", &input.device())?;
         let scales: Vec<f64> = (0..input.numel() as u64)
             .map(|i| mask.scale_at(i))
             .collect();

@@ -120,12 +120,28 @@ impl Module for Embedding {
     }
 
     fn forward(&mut self, input: &Tensor) -> Result<Tensor> {
+        const OP: &str = "Embedding::forward";
         let weight = self.weight.data()?;
         let [size, dim] = table_shape(weight)?;
+        let device = same_device(OP, &[weight, input])?;
+        #[cfg(feature = "cuda")]
+        if device.is_cuda() {
+            use crate::kernels::cuda;
+            if input.dtype() != DType::I64 {
+                return Err(Error::DTypeMismatch {
+                    op: OP,
+                    lhs: DType::I64,
+                    rhs: input.dtype(),
+                });
+            }
+            let tokens = cuda::token_index(OP, &device, input, size)?;
+            let out = cuda::embedding(weight, &tokens, input.shape())?;
+            self.ids = Some(input.clone());
+            return Ok(out);
+        }
         let rows = Embedding::rows(input, size)?;
         let mut shape = input.shape().to_vec();
         shape.push(dim);
-        let device = same_device("Embedding::forward", &[weight, input])?;
         let out = with_float!("Embedding::forward", weight.dtype(), F => {
             store(gather_rows(&load::<F>(weight)?, &rows, dim), &shape, weight.dtype(), &device)?
         });
@@ -157,6 +173,16 @@ impl Module for Embedding {
         }
         let dtype = weight.dtype();
         let device = same_device("Embedding::backward", &[weight, grad_output])?;
+        #[cfg(feature = "cuda")]
+        if device.is_cuda() {
+            use crate::kernels::cuda;
+            if self.weight.requires_grad {
+                let tokens = cuda::token_index("Embedding::backward", &device, &ids, size)?;
+                let grad = cuda::embedding_backward(&grad_output.contiguous()?, &tokens, weight)?;
+                self.weight.accumulate_grad(grad)?;
+            }
+            return Ok(Tensor::zeros_on(ids.shape(), dtype, &device)?);
+        }
         if self.weight.requires_grad {
             let rows = Embedding::rows(&ids, size)?;
             let grad = with_float!("Embedding::backward", dtype, F => {

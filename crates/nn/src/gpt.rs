@@ -121,6 +121,13 @@ enum HeadCache {
         hidden_grad: Tensor,
         head_grad: Tensor,
     },
+    /// Logits were returned on a CUDA device: the output of `ln_f` and the token ids indexed
+    /// for the embeddings' backward.
+    #[cfg(feature = "cuda")]
+    Cuda {
+        final_hidden: Tensor,
+        tokens: hypershard_tensor::cuda::TokenIndex,
+    },
 }
 
 /// The standard deviation of nanoGPT's initialisation.
@@ -331,6 +338,37 @@ impl Gpt {
     }
 
     /// The batch and sequence sizes of an id tensor, checked.
+    /// The forward on a CUDA device: the embeddings by their kernel, the blocks and `ln_f`
+    /// as on any device, the lm_head through cuBLAS. The fused loss head has no kernel.
+    #[cfg(feature = "cuda")]
+    fn forward_cuda(&mut self, input: &Tensor, dims: [usize; 4]) -> Result<Tensor> {
+        use crate::kernels::cuda;
+        const OP: &str = "Gpt::forward";
+        let [batch, seq, _, v] = dims;
+        let device = input.device();
+        if self.fused.is_some() {
+            crate::kernels::host_only("Gpt::fused_loss", &device)?;
+        }
+        let tokens = cuda::token_index(OP, &device, input, v)?;
+        let x = cuda::gpt_embed(self.wte.data()?, self.wpe.data()?, &tokens)?;
+        let mut x = self.drop.forward(&x)?;
+        for block in self.h.iter_mut() {
+            x = block.forward(&x)?;
+        }
+        let final_hidden = self.ln_f.forward(&x)?.contiguous()?;
+        let logits = cuda::gpt_head(&final_hidden, self.wte.data()?, dims)?;
+        self.cache = Some(GptCache {
+            rows: Vec::new(),
+            batch,
+            seq,
+            head: HeadCache::Cuda {
+                final_hidden,
+                tokens,
+            },
+        });
+        Ok(logits)
+    }
+
     fn input_dims(&self, ids: &Tensor) -> Result<[usize; 2]> {
         match ids.shape() {
             &[batch, seq] if seq <= self.config.block_size => Ok([batch, seq]),
@@ -370,6 +408,16 @@ fn head_backward(
     }
     let tokens = batch * seq;
     let device = same_device(OP, &[wte, grad_output, final_hidden])?;
+    #[cfg(feature = "cuda")]
+    if device.is_cuda() {
+        let dims = [batch, seq, c, v];
+        return crate::kernels::cuda::gpt_head_backward(
+            &grad_output.contiguous()?,
+            final_hidden,
+            wte,
+            dims,
+        );
+    }
     Ok(with_float!(OP, dtype, F => {
         let g = load::<F>(grad_output)?;
         let dw_shape = GemmShape::new(
@@ -468,6 +516,10 @@ impl Module for Gpt {
         let wte = self.wte.data()?;
         let dtype = wte.dtype();
         let device = same_device(OP, &[wte, self.wpe.data()?, input])?;
+        #[cfg(feature = "cuda")]
+        if device.is_cuda() {
+            return self.forward_cuda(input, [batch, seq, c, v]);
+        }
         let rows = Embedding::rows(input, v)?;
         let x = with_float!(OP, dtype, F => {
             // Borrowed, not loaded: a copy of the whole `[V, C]` table to read `B·T` rows of
@@ -597,8 +649,18 @@ impl Module for Gpt {
         let (c, v) = (self.config.n_embd, self.config.vocab_size);
         let wte = self.wte.data()?;
         let dtype = wte.dtype();
+        #[cfg(feature = "cuda")]
+        let mut cuda_tokens = None;
         let (head_grad, grad_hidden) = match cache.head {
             HeadCache::Logits { final_hidden } => {
+                head_backward(grad_output, &final_hidden, wte, [batch, seq, c, v])?
+            }
+            #[cfg(feature = "cuda")]
+            HeadCache::Cuda {
+                final_hidden,
+                tokens,
+            } => {
+                cuda_tokens = Some(tokens);
                 head_backward(grad_output, &final_hidden, wte, [batch, seq, c, v])?
             }
             HeadCache::Loss {
@@ -629,6 +691,15 @@ impl Module for Gpt {
         }
         let g = self.drop.backward(&g)?;
         let block_size = self.config.block_size;
+        #[cfg(feature = "cuda")]
+        if let Some(tokens) = cuda_tokens {
+            let g = g.contiguous()?;
+            let wpe_grad =
+                crate::kernels::cuda::gpt_embed_backward(&g, &tokens, &head_grad, block_size)?;
+            self.wte.accumulate_grad(head_grad)?;
+            self.wpe.accumulate_grad(wpe_grad)?;
+            return Ok(Tensor::zeros_on(&[batch, seq], dtype, &g.device())?);
+        }
         let device = same_device(OP, &[wte, &g])?;
         let (wte_grad, wpe_grad) = with_float!(OP, dtype, F => {
             let gv = load::<F>(&g)?;

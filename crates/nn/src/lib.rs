@@ -26,8 +26,6 @@
 mod activation;
 mod attention;
 pub mod checkpoint;
-#[cfg(feature = "cuda")]
-pub mod cuda;
 mod dropout;
 mod elementwise;
 mod embedding;

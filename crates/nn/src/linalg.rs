@@ -121,6 +121,10 @@ pub fn matmul_with(a: &Tensor, b: &Tensor, options: MatmulOptions) -> Result<Ten
     // Both operands are gathered row-major; a transpose is then only a swap of strides.
     let shape = GemmShape::new(m, k, n, options)?;
     let device = same_device(OP, &[a, b])?;
+    #[cfg(feature = "cuda")]
+    if device.is_cuda() {
+        return crate::kernels::cuda::matmul(a, b, options, [m, n]);
+    }
     // The operands are read where they live and the product is stored there, rounded back
     // once for bf16/f16 (`store`).
     with_float!(OP, a.dtype(), F => {

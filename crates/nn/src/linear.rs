@@ -142,6 +142,19 @@ impl Linear {
     }
 }
 
+impl Linear {
+    /// Accumulates the parameter gradients of one backward and returns the input's.
+    fn accumulate(&mut self, grads: LinearGrads) -> Result<Tensor> {
+        if let Some(grad_weight) = grads.grad_weight {
+            self.weight.accumulate_grad(grad_weight)?;
+        }
+        if let (Some(bias), Some(grad_bias)) = (&mut self.bias, grads.grad_bias) {
+            bias.accumulate_grad(grad_bias)?;
+        }
+        Ok(grads.grad_input)
+    }
+}
+
 /// The gradients one `Linear::backward` produces.
 struct LinearGrads {
     grad_input: Tensor,
@@ -179,6 +192,12 @@ impl Module for Linear {
             Some(b) => same_device("Linear::forward", &[weight, input, b])?,
             None => same_device("Linear::forward", &[weight, input])?,
         };
+        #[cfg(feature = "cuda")]
+        if device.is_cuda() {
+            let y = crate::kernels::cuda::linear_forward(&x, weight, bias, &out_shape)?;
+            self.input = Some(input.clone());
+            return Ok(y);
+        }
         let y = with_float!("Linear::forward", weight.dtype(), F => {
             let bias = bias.map(load::<F>).transpose()?;
             build_overwrite::<F>(&out_shape, weight.dtype(), &device, |y| {
@@ -229,6 +248,21 @@ impl Module for Linear {
         let device = same_device("Linear::backward", &[weight, grad_output])?;
         let weight_wants_grad = self.weight.requires_grad;
         let bias_wants_grad = self.bias.as_ref().is_some_and(|b| b.requires_grad);
+        #[cfg(feature = "cuda")]
+        if device.is_cuda() {
+            let (grad_input, grad_weight, grad_bias) = crate::kernels::cuda::linear_backward(
+                &x,
+                &gy,
+                weight,
+                [weight_wants_grad, bias_wants_grad],
+                input.shape(),
+            )?;
+            return self.accumulate(LinearGrads {
+                grad_input,
+                grad_weight,
+                grad_bias,
+            });
+        }
         let grads = with_float!("Linear::backward", dtype, F => {
             let backward = |g: &[F]| -> Result<LinearGrads> {
                 // dx = gy · W, [N, out] · [out, in].
@@ -275,14 +309,7 @@ impl Module for Linear {
                 with_values::<F, _>(&gy, backward)??
             }
         });
-        if let Some(grad_weight) = grads.grad_weight {
-            self.weight.accumulate_grad(grad_weight)?;
-        }
-        if let (Some(bias), Some(grad_bias)) = (&mut self.bias, grads.grad_bias) {
-            bias.accumulate_grad(grad_bias)?;
-        }
-        let grad_input = grads.grad_input;
-        Ok(grad_input)
+        self.accumulate(grads)
     }
 
     fn clear_cache(&mut self) -> Result<()> {

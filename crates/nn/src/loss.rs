@@ -37,6 +37,11 @@ pub fn mse_loss(prediction: &Tensor, target: &Tensor) -> Result<LossOutput> {
         });
     }
     let device = same_device(OP, &[prediction, target])?;
+    #[cfg(feature = "cuda")]
+    if device.is_cuda() {
+        let (loss, grad) = crate::kernels::cuda::mse_loss(prediction, target)?;
+        return Ok(LossOutput { loss, grad });
+    }
     let p = load_f64(prediction)?;
     let t = load_f64(target)?;
     // torch gives NaN for an empty input (a mean over nothing); so does 0/0 here.
@@ -78,6 +83,11 @@ pub fn cross_entropy(logits: &Tensor, targets: &Tensor, ignore_index: i64) -> Re
         });
     }
     let device = same_device(OP, &[logits, targets])?;
+    #[cfg(feature = "cuda")]
+    if device.is_cuda() {
+        let (loss, grad) = crate::kernels::cuda::cross_entropy(OP, logits, targets, ignore_index)?;
+        return Ok(LossOutput { loss, grad });
+    }
     let TargetClasses {
         classes_of,
         counted,

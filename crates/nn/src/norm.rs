@@ -264,6 +264,21 @@ fn run_forward(
         Some(b) => same_device(op, &[weight, input, b])?,
         None => same_device(op, &[weight, input])?,
     };
+    #[cfg(feature = "cuda")]
+    if device.is_cuda() {
+        // Only LayerNorm has a kernel.
+        if centering == Centering::None {
+            crate::kernels::host_only(op, &device)?;
+        }
+        let fwd = crate::kernels::cuda::layer_norm(input, weight, bias, eps)?;
+        let cache = NormCache {
+            normalized: fwd.xhat,
+            inv_std: fwd.rstd,
+            shape: input.shape().to_vec(),
+            dtype: input.dtype(),
+        };
+        return Ok((fwd.out, cache));
+    }
     let rows = input.numel().checked_div(d).unwrap_or(0);
     with_float!(op, input.dtype(), F => {
         // The parameters are copied (one row each); the input is read in place, and the
@@ -307,6 +322,20 @@ fn run_backward(
     let d = weight.numel();
     let dtype = cache.dtype;
     let device = same_device(op, &[weight, grad_output, &cache.normalized])?;
+    #[cfg(feature = "cuda")]
+    if device.is_cuda() {
+        if centering == Centering::None {
+            crate::kernels::host_only(op, &device)?;
+        }
+        let saved = [&cache.normalized, &cache.inv_std];
+        let [grad_input, grad_weight, grad_bias] =
+            crate::kernels::cuda::layer_norm_backward(&grad_output.contiguous()?, saved, weight)?;
+        return Ok(NormGrads {
+            grad_input,
+            grad_weight,
+            grad_bias,
+        });
+    }
     with_float!(op, dtype, F => {
         // The two activation-sized operands are read in place and the input gradient is
         // written where it will live; one value per row and one per feature are copied.

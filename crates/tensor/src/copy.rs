@@ -76,6 +76,11 @@ impl Tensor {
         }
         let guard = self.storage.read();
         let device = guard.device();
+        #[cfg(feature = "cuda")]
+        if device.is_cuda() {
+            drop(guard);
+            return crate::cuda::cast(self, dtype);
+        }
         let host = guard.data("to_dtype")?;
         let size = self.dtype.size_of();
         let src = &host.as_bytes()[self.offset * size..(self.offset + self.numel()) * size];

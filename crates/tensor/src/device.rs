@@ -67,6 +67,18 @@ impl Device {
         matches!(self, Device::Cpu)
     }
 
+    /// Whether this is a CUDA GPU (always false without the `cuda` feature).
+    pub fn is_cuda(&self) -> bool {
+        #[cfg(feature = "cuda")]
+        {
+            matches!(self, Device::Cuda { .. })
+        }
+        #[cfg(not(feature = "cuda"))]
+        {
+            false
+        }
+    }
+
     /// The backend that allocates and moves this device's memory; the host has none
     /// ([`Error::DeviceUnsupported`]).
     pub fn backend(&self, op: &'static str) -> Result<Arc<dyn DeviceBackend>> {

@@ -201,6 +201,18 @@ pub enum Error {
         /// The tensor's shape.
         shape: Vec<usize>,
     },
+    /// An index (a token id or a class target) is outside the table it indexes.
+    #[error("{op}: index {index} at position {position} is out of range for size {size}")]
+    IndexOutOfRange {
+        /// The operation that failed.
+        op: &'static str,
+        /// The flat position of the index in its tensor.
+        position: usize,
+        /// The index.
+        index: i64,
+        /// The size of the table.
+        size: usize,
+    },
     /// Integer division by zero.
     #[error("{op}: integer division by zero")]
     DivisionByZero {

@@ -89,8 +89,8 @@ impl Tensor {
     }
 
     /// A tensor holding `data` in row-major order on `device`: on the host exactly
-    /// [`Tensor::from_vec`]; elsewhere the values are written into device memory through
-    /// [`from_kernel_on`](Tensor::from_kernel_on).
+    /// [`Tensor::from_vec`]; on a CUDA device one upload; elsewhere the values are written into
+    /// device memory through [`from_kernel_on`](Tensor::from_kernel_on).
     pub fn from_vec_on<T: Element>(
         data: Vec<T>,
         shape: &[usize],
@@ -98,6 +98,10 @@ impl Tensor {
     ) -> Result<Tensor> {
         if device.is_cpu() {
             return Tensor::from_vec(data, shape);
+        }
+        if device.is_cuda() {
+            // Host-written kernels cannot fill GPU memory: one upload instead.
+            return Tensor::from_vec(data, shape)?.to_device(device);
         }
         let numel = Tensor::checked_bytes("from_vec_on", shape, 1)?;
         if numel != data.len() {

@@ -177,6 +177,11 @@ impl Tensor {
     pub fn scale_(&self, alpha: f64) -> Result<()> {
         self.check_writable("scale_")?;
         let mut guard = self.storage.write();
+        #[cfg(feature = "cuda")]
+        if guard.is_cuda() {
+            drop(guard);
+            return crate::cuda::elementwise_("scale_", "scale", self, Some(alpha), None);
+        }
         let host = guard.data_mut("scale_")?;
         with_arith!(self.dtype, "scale_", T => {
             map_in_place::<T>(self, host.typed_mut::<T>(), |x| T::scale(x, alpha));
@@ -185,9 +190,11 @@ impl Tensor {
     }
 
     fn binary_in_place(&self, other: &Tensor, op_name: &'static str, op: BinaryOp) -> Result<()> {
+        let cuda = matches!(op, BinaryOp::Add).then_some(("add", None));
         self.update(
             other,
             op_name,
+            cuda,
             |dtype, dst, d_bytes, src, src_strides, s_bytes| {
                 with_arith!(dtype, op_name, T => {
                     let d = d_bytes.typed_mut::<T>();
@@ -207,11 +214,15 @@ impl Tensor {
         )
     }
 
-    /// Shared plumbing of the in-place binary updates: checks, aliasing, locks.
+    /// Shared plumbing of the in-place binary updates: checks, aliasing, locks. `cuda` names
+    /// the op's CUDA kernel (its stem and scalar), where it has one.
+    // Without the `cuda` feature the kernel's name is only passed along.
+    #[cfg_attr(not(feature = "cuda"), allow(clippy::only_used_in_recursion))]
     fn update(
         &self,
         src: &Tensor,
         op: &'static str,
+        cuda: Option<(&'static str, Option<f64>)>,
         kernel: impl FnOnce(
             crate::DType,
             &Tensor,
@@ -239,10 +250,15 @@ impl Tensor {
             })?;
         if self.shares_storage(src) {
             let detached = src.deep_copy()?;
-            return self.update(&detached, op, kernel);
+            return self.update(&detached, op, cuda, kernel);
         }
         let mut guards = read_write(&src.storage, &self.storage);
-        common_device(op, &guards.dst, &guards.src)?;
+        let _device = common_device(op, &guards.dst, &guards.src)?;
+        #[cfg(feature = "cuda")]
+        if let (true, Some((stem, alpha))) = (_device.is_cuda(), cuda) {
+            drop(guards);
+            return crate::cuda::elementwise_(op, stem, self, alpha, Some(src));
+        }
         let s = guards.src.data(op)?;
         let d = guards.dst.data_mut(op)?;
         kernel(self.dtype, self, d, src, &src_strides, s)
@@ -287,7 +303,7 @@ impl Tensor {
     /// # Ok::<(), hypershard_tensor::Error>(())
     /// ```
     pub fn axpy(&self, alpha: f64, x: &Tensor) -> Result<()> {
-        self.update(x, "axpy", |dtype, dst, d_bytes, src, src_strides, s_bytes| {
+        self.update(x, "axpy", Some(("axpy", Some(alpha))), |dtype, dst, d_bytes, src, src_strides, s_bytes| {
             with_arith!(dtype, "axpy", T => {
                 update_in_place(dst, d_bytes.typed_mut::<T>(), src, src_strides, s_bytes.typed::<T>(), |a, b| T::axpy(a, alpha, b));
             });

@@ -268,6 +268,13 @@ impl Storage {
         self.len() == 0
     }
 
+    /// Whether the storage is CUDA memory (a match on the kind first, so the host pays one
+    /// comparison).
+    #[cfg(feature = "cuda")]
+    pub(crate) fn is_cuda(&self) -> bool {
+        matches!(self, Storage::Device(buf) if buf.device().is_cuda())
+    }
+
     /// Whether this is a deferred (shape-only) storage.
     pub fn is_deferred(&self) -> bool {
         matches!(self, Storage::Deferred(_))

@@ -7,6 +7,8 @@
 //! tensors are widened to f32 when loaded and rounded back once when the result is stored, so
 //! a bf16 layer accumulates in f32 as torch's CPU kernels do.
 
+#[cfg(feature = "cuda")]
+pub(crate) mod cuda;
 pub(crate) mod math;
 pub(crate) mod recycle;
 pub(crate) mod small_gemm;
@@ -316,6 +318,20 @@ pub(crate) fn same_device(op: &'static str, tensors: &[&Tensor]) -> Result<Devic
     Ok(device)
 }
 
+/// [`DeviceUnsupported`](hypershard_tensor::Error::DeviceUnsupported) naming `op` when
+/// `device` is a CUDA GPU: the check of the ops that have no CUDA kernel, so the error names
+/// the layer rather than the helper that would have read the memory.
+pub(crate) fn host_only(op: &'static str, device: &Device) -> Result<()> {
+    if device.is_cuda() {
+        return Err(hypershard_tensor::Error::DeviceUnsupported {
+            op,
+            device: *device,
+        }
+        .into());
+    }
+    Ok(())
+}
+
 /// The elements of `t` (any float dtype, any layout) in the compute type `F`, row-major: a
 /// kernel's scratch copy, read where `t` lives (see [`Tensor::with_kernel_data`]).
 pub(crate) fn load<F: Float>(t: &Tensor) -> Result<Vec<F>> {
@@ -536,6 +552,10 @@ pub(crate) fn add_tensors(op: &'static str, a: &Tensor, b: &Tensor) -> Result<Te
         });
     }
     let device = same_device(op, &[a, b])?;
+    #[cfg(feature = "cuda")]
+    if device.is_cuda() {
+        return cuda::add(a, b);
+    }
     with_float!(op, a.dtype(), F => build_overwrite::<F>(a.shape(), a.dtype(), &device, |out| {
         with_values2::<F, _>(a, b, |xs, ys| {
             in_parallel_chunks(out, |start, out| {

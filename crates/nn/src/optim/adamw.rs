@@ -125,8 +125,22 @@ impl AdamW {
                 rhs: state.exp_avg.shape().to_vec(),
             });
         }
-        same_device(OP, &[data, grad, &state.exp_avg, &state.exp_avg_sq])?;
+        let _device = same_device(OP, &[data, grad, &state.exp_avg, &state.exp_avg_sq])?;
         let step = state.step + 1;
+        #[cfg(feature = "cuda")]
+        if _device.is_cuda() {
+            let tensors = [data, &state.exp_avg, &state.exp_avg_sq, grad];
+            crate::kernels::cuda::adamw(tensors, &self.config, step)?;
+            self.state.insert(
+                name.to_string(),
+                AdamWState {
+                    step,
+                    exp_avg: state.exp_avg,
+                    exp_avg_sq: state.exp_avg_sq,
+                },
+            );
+            return Ok(());
+        }
         let update = AdamWUpdate::new(&self.config, step);
         let all_f32_and_contiguous = [data, grad, &state.exp_avg, &state.exp_avg_sq]
             .iter()

@@ -2,8 +2,11 @@
 
 use hypershard_tensor::{DType, Tensor};
 
-use crate::kernels::load_f64;
+use crate::kernels::{host_only, load_f64};
 use crate::{Module, Parameter, Result};
+
+/// The op the clipping's errors name (it has no CUDA kernel).
+const OP: &str = "clip_grad_norm";
 
 /// Elements per task of [`sum_of_squares`]: fixed, so the sum's bits do not depend on the
 /// number of threads.
@@ -59,6 +62,7 @@ pub fn clip_grad_norm(module: &mut dyn Module, max_norm: f64) -> Result<f64> {
     let mut sum_sq = 0.0;
     module.visit_params("", &mut |_, param| {
         if let Some(grad) = &param.grad {
+            host_only(OP, &grad.device())?;
             sum_sq += sum_of_squares(grad)?;
         }
         Ok(())
@@ -81,6 +85,7 @@ pub fn clip_grad_norm_params(params: &mut [&mut Parameter], max_norm: f64) -> Re
     let mut sum_sq = 0.0;
     for param in params.iter() {
         if let Some(grad) = &param.grad {
+            host_only(OP, &grad.device())?;
             sum_sq += sum_of_squares(grad)?;
         }
     }

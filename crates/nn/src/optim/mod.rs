@@ -48,7 +48,8 @@ pub(crate) fn step_inputs(op: &'static str, param: &Parameter) -> Result<Option<
             rhs: grad.dtype(),
         });
     }
-    same_device(op, &[data, grad])?;
+    // The general update runs on the host only (plain SGD and AdamW have CUDA paths).
+    crate::kernels::host_only(op, &same_device(op, &[data, grad])?)?;
     Ok(Some(StepInputs {
         values: load_f64(data)?,
         grad: load_f64(grad)?,

@@ -17,12 +17,11 @@ use std::sync::{Mutex, PoisonError};
 
 use cudarc::cublas::result as blas;
 use cudarc::cublas::sys;
-use cudarc::driver::{DevicePtr, DevicePtrMut};
 
 use super::device::CudaDevice;
 use super::error::{CudaError, CudaResult, Unavailable, cublas, driver};
-use super::tensor::CudaTensor;
-use crate::DType;
+use super::view::Dev;
+use crate::{DType, Result, Tensor};
 
 /// Whether an operand enters the product as stored or transposed.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -223,50 +222,56 @@ fn operation(transposed: bool) -> sys::cublasOperation_t {
     }
 }
 
-/// `c = alpha · op(a) · op(b) + beta · c` for row-major 2-D tensors on one device, accumulated
-/// in f32 (`CUBLAS_COMPUTE_32F`, which never uses TF32).
+/// The three operands of a product on one CUDA device, and their cuBLAS types.
+fn operands(
+    op: &'static str,
+    a: &Tensor,
+    b: &Tensor,
+    c: &Tensor,
+) -> Result<([Dev; 3], sys::cudaDataType_t, sys::cudaDataType_t)> {
+    let (a, b, c) = (Dev::of(op, a)?, Dev::of(op, b)?, Dev::of(op, c)?);
+    c.same_device(op, &a)?;
+    c.same_device(op, &b)?;
+    let (input, output) = gemm_types(op, a.dtype, b.dtype, c.dtype).map_err(c.error(op))?;
+    Ok(([a, b, c], input, output))
+}
+
+/// `c = alpha · op(a) · op(b) + beta · c` for row-major, contiguous 2-D tensors on one CUDA
+/// device, accumulated in f32 (`CUBLAS_COMPUTE_32F`, which never uses TF32); `c` is written
+/// in place (it may be a view of a larger storage).
 ///
 /// `a` and `b` are f32, bf16 or f16 (the same); `c` has their dtype or is f32. Shapes must
 /// agree (`op(a)`: `[M, K]`, `op(b)`: `[K, N]`, `c`: `[M, N]`), else
-/// [`CudaError::ShapeMismatch`]; sizes must fit cuBLAS's `int`.
+/// [`Error::ShapeMismatch`](crate::Error::ShapeMismatch); sizes must fit cuBLAS's `int`.
 #[allow(clippy::too_many_arguments)]
 pub fn gemm(
     alpha: f32,
-    a: &CudaTensor,
+    a: &Tensor,
     op_a: Transpose,
-    b: &CudaTensor,
+    b: &Tensor,
     op_b: Transpose,
     beta: f32,
-    c: &mut CudaTensor,
-) -> CudaResult<()> {
+    c: &Tensor,
+) -> Result<()> {
     let op = "cuda::gemm";
-    c.device.check_same(op, &a.device)?;
-    c.device.check_same(op, &b.device)?;
-    let (input, output) = gemm_types(op, a.dtype, b.dtype, c.dtype)?;
-    let plan = plan_gemm(op, &a.shape, op_a, &b.shape, op_b, &c.shape)?;
+    c.check_writable(op)?;
+    let ([a, b, c], input, output) = operands(op, a, b, c)?;
+    let plan = plan_gemm(op, &a.shape, op_a, &b.shape, op_b, &c.shape).map_err(c.error(op))?;
     if plan.rows == 0 || plan.cols == 0 {
         return Ok(());
     }
-    let device = c.device.clone();
-    let handle = device.blas(op)?;
+    let handle = c.device.blas(op).map_err(c.error(op))?;
     let guard = handle.handle.lock().unwrap_or_else(PoisonError::into_inner);
-    device
-        .context()
-        .bind_to_thread()
-        .map_err(driver(op, "cuCtxSetCurrent"))?;
-    let stream = device.stream();
-    let (a_ptr, _a_read) = a.data.device_ptr(stream);
-    let (b_ptr, _b_read) = b.data.device_ptr(stream);
-    let (c_ptr, _c_write) = c.data.device_ptr_mut(stream);
-    // SAFETY: the handle is live and bound to `stream` (BlasHandle::new), used under its lock;
-    // `alpha`/`beta` are host f32 (the default host pointer mode, and f32 is the scale type of
-    // CUBLAS_COMPUTE_32F). The pointers are live allocations of this device, kept alive by the
-    // borrows of `a`, `b`, `c` and ordered by their guards; `c` is distinct from `a` and `b`
-    // (`&mut`). Their sizes match the plan: `plan_gemm` checked that `b` is `[K, N]` (or
-    // `[N, K]` transposed) with leading dimension its row length, likewise `a` and `c`, and
-    // every element count is the product of the shape (CudaTensor's invariant), so cuBLAS reads
-    // and writes only inside them. Tested by the device tests `gemm_*` and, for the mapping, by
-    // the unit test `plan_matches_a_column_major_reference`.
+    bind(op, &c.device).map_err(c.error(op))?;
+    // SAFETY: the handle is live and bound to the device's stream (BlasHandle::new), used
+    // under its lock; `alpha`/`beta` are host f32 (the default host pointer mode, and f32 is
+    // the scale type of CUBLAS_COMPUTE_32F). The addresses are those of live, contiguous
+    // tensors of this device (`Dev::of`), kept alive by the caller's borrows and ordered on
+    // the one stream. Their sizes match the plan: `plan_gemm` checked that `b` is `[K, N]`
+    // (or `[N, K]` transposed) with leading dimension its row length, likewise `a` and `c`,
+    // and a contiguous tensor holds the product of its shape, so cuBLAS reads and writes only
+    // inside them. Tested by the device tests `gemm_*` and, for the mapping, by the unit test
+    // `plan_matches_a_column_major_reference`.
     unsafe {
         blas::gemm_ex(
             guard.0,
@@ -276,14 +281,14 @@ pub fn gemm(
             plan.n,
             plan.k,
             (&alpha as *const f32).cast(),
-            b_ptr as *const std::ffi::c_void,
+            b.ptr as *const std::ffi::c_void,
             input,
             plan.ld_first,
-            a_ptr as *const std::ffi::c_void,
+            a.ptr as *const std::ffi::c_void,
             input,
             plan.ld_second,
             (&beta as *const f32).cast(),
-            c_ptr as *mut std::ffi::c_void,
+            c.ptr as *mut std::ffi::c_void,
             output,
             plan.ld_out,
             sys::cublasComputeType_t::CUBLAS_COMPUTE_32F,
@@ -291,6 +296,15 @@ pub fn gemm(
         )
     }
     .map_err(cublas(op, "cublasGemmEx"))
+    .map_err(c.error(op))
+}
+
+/// Makes the device's context current on this thread (cuBLAS calls need it).
+fn bind(op: &'static str, device: &CudaDevice) -> CudaResult<()> {
+    device
+        .context()
+        .bind_to_thread()
+        .map_err(driver(op, "cuCtxSetCurrent"))
 }
 
 /// A batch of equal GEMMs over 3-D tensors `[batch, r, c]`: the plan of one product and the
@@ -358,49 +372,43 @@ pub(crate) fn plan_gemm_batched(
 }
 
 /// `c[i] = alpha · op(a[i]) · op(b[i]) + beta · c[i]` for every matrix `i` of 3-D tensors
-/// `[batch, r, c]` (row-major, contiguous), in one `cublasGemmStridedBatchedEx` call with f32
-/// accumulation (`CUBLAS_COMPUTE_32F`, never TF32): attention's per-head products.
+/// `[batch, r, c]` (row-major, contiguous, on one CUDA device), in one
+/// `cublasGemmStridedBatchedEx` call with f32 accumulation (`CUBLAS_COMPUTE_32F`, never
+/// TF32): attention's per-head products.
 ///
 /// Dtypes as for [`gemm`]; the batch sizes must agree and each matrix's shapes as in [`gemm`],
-/// else [`CudaError::ShapeMismatch`]; sizes and the batch count must fit cuBLAS's `int`.
+/// else [`Error::ShapeMismatch`](crate::Error::ShapeMismatch); sizes and the batch count must
+/// fit cuBLAS's `int`.
 #[allow(clippy::too_many_arguments)]
 pub fn gemm_strided_batched(
     alpha: f32,
-    a: &CudaTensor,
+    a: &Tensor,
     op_a: Transpose,
-    b: &CudaTensor,
+    b: &Tensor,
     op_b: Transpose,
     beta: f32,
-    c: &mut CudaTensor,
-) -> CudaResult<()> {
+    c: &Tensor,
+) -> Result<()> {
     let op = "cuda::gemm_strided_batched";
-    c.device.check_same(op, &a.device)?;
-    c.device.check_same(op, &b.device)?;
-    let (input, output) = gemm_types(op, a.dtype, b.dtype, c.dtype)?;
-    let plan = plan_gemm_batched(op, &a.shape, op_a, &b.shape, op_b, &c.shape)?;
+    c.check_writable(op)?;
+    let ([a, b, c], input, output) = operands(op, a, b, c)?;
+    let plan =
+        plan_gemm_batched(op, &a.shape, op_a, &b.shape, op_b, &c.shape).map_err(c.error(op))?;
     let g = plan.gemm;
     if plan.batch == 0 || g.rows == 0 || g.cols == 0 {
         return Ok(());
     }
-    let device = c.device.clone();
-    let handle = device.blas(op)?;
+    let handle = c.device.blas(op).map_err(c.error(op))?;
     let guard = handle.handle.lock().unwrap_or_else(PoisonError::into_inner);
-    device
-        .context()
-        .bind_to_thread()
-        .map_err(driver(op, "cuCtxSetCurrent"))?;
-    let stream = device.stream();
-    let (a_ptr, _a_read) = a.data.device_ptr(stream);
-    let (b_ptr, _b_read) = b.data.device_ptr(stream);
-    let (c_ptr, _c_write) = c.data.device_ptr_mut(stream);
-    // SAFETY: as in `gemm`, per matrix: the handle is live, bound to `stream` and used under
+    bind(op, &c.device).map_err(c.error(op))?;
+    // SAFETY: as in `gemm`, per matrix: the handle is live, bound to the stream and used under
     // its lock; `alpha`/`beta` are host f32. `plan_gemm_batched` checked that `a`, `b`, `c`
     // are 3-D with one batch size and that each matrix's shapes agree as in `gemm`, with the
     // leading dimensions their row lengths; the strides are exactly each matrix's element
-    // count, so matrix `i < batch` of each operand lies inside its allocation (which holds
-    // `batch · rows · cols` elements, CudaTensor's invariant). `c` is distinct from `a` and
-    // `b` (`&mut`). Tested by the device test `batched_gemm_matches_the_cpu` (cuda_gpt) and,
-    // for the mapping, by the unit test `batched_plan_strides_and_errors`.
+    // count, so matrix `i < batch` of each operand lies inside its contiguous tensor (which
+    // holds `batch · rows · cols` elements). Tested by the device test
+    // `batched_gemm_matches_the_cpu` and, for the mapping, by the unit test
+    // `batched_plan_strides_and_errors`.
     unsafe {
         blas::gemm_strided_batched_ex(
             guard.0,
@@ -410,16 +418,16 @@ pub fn gemm_strided_batched(
             g.n,
             g.k,
             (&alpha as *const f32).cast(),
-            b_ptr as *const std::ffi::c_void,
+            b.ptr as *const std::ffi::c_void,
             input,
             g.ld_first,
             plan.stride_b,
-            a_ptr as *const std::ffi::c_void,
+            a.ptr as *const std::ffi::c_void,
             input,
             g.ld_second,
             plan.stride_a,
             (&beta as *const f32).cast(),
-            c_ptr as *mut std::ffi::c_void,
+            c.ptr as *mut std::ffi::c_void,
             output,
             g.ld_out,
             plan.stride_c,
@@ -429,16 +437,26 @@ pub fn gemm_strided_batched(
         )
     }
     .map_err(cublas(op, "cublasGemmStridedBatchedEx"))
+    .map_err(c.error(op))
 }
 
-/// `a · b` for row-major `a: [M, K]` and `b: [K, N]` of one dtype (f32, bf16, f16), as a new
-/// `[M, N]` tensor of that dtype.
-pub fn matmul(a: &CudaTensor, b: &CudaTensor) -> CudaResult<CudaTensor> {
+/// `a · b` for row-major `a: [M, K]` and `b: [K, N]` of one dtype (f32, bf16, f16) on a CUDA
+/// device, as a new `[M, N]` tensor of that dtype there.
+pub fn matmul(a: &Tensor, b: &Tensor) -> Result<Tensor> {
     let op = "cuda::matmul";
-    let (m, _) = matrix(op, &a.shape, &b.shape)?;
-    let (_, n) = matrix(op, &b.shape, &a.shape)?;
-    let mut c = CudaTensor::zeros(&a.device, &[m, n], a.dtype)?;
-    gemm(1.0, a, Transpose::No, b, Transpose::No, 0.0, &mut c)?;
+    let da = Dev::of(op, a)?;
+    let (m, n) = match (a.shape(), b.shape()) {
+        ([m, _], [_, n]) => (*m, *n),
+        _ => {
+            return Err(crate::Error::ShapeMismatch {
+                op,
+                lhs: a.shape().to_vec(),
+                rhs: b.shape().to_vec(),
+            });
+        }
+    };
+    let (c, _) = da.output(op, &[m, n], a.dtype())?;
+    gemm(1.0, a, Transpose::No, b, Transpose::No, 0.0, &c)?;
     Ok(c)
 }
 

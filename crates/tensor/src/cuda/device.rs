@@ -19,7 +19,7 @@ static DEVICES: Mutex<Vec<(usize, Weak<Inner>)>> = Mutex::new(Vec::new());
 /// Cloning is cheap (a shared handle). [`CudaDevice::new`] for an ordinal that is already open
 /// returns the same device, so its kernels are compiled at most once per process while any
 /// handle lives. All tensors of a device use its one stream, so their operations run in the
-/// order they were issued, and a host read ([`CudaTensor::to_host`](super::CudaTensor::to_host))
+/// order they were issued, and a host read ([`Tensor::to_host`](crate::Tensor::to_host))
 /// waits for everything before it.
 #[derive(Clone)]
 pub struct CudaDevice {
@@ -160,19 +160,6 @@ impl CudaDevice {
         Arc::ptr_eq(&self.inner, &other.inner)
     }
 
-    /// Errors unless `other` is this device.
-    pub(crate) fn check_same(&self, op: &'static str, other: &CudaDevice) -> CudaResult<()> {
-        if self.same_device(other) {
-            Ok(())
-        } else {
-            Err(CudaError::DeviceMismatch {
-                op,
-                lhs: self.ordinal(),
-                rhs: other.ordinal(),
-            })
-        }
-    }
-
     /// The compiled kernels, built on first use (NVRTC, then a module load).
     pub(crate) fn kernels(&self, op: &'static str) -> CudaResult<Arc<Kernels>> {
         let mut slot = self
@@ -215,17 +202,14 @@ impl fmt::Debug for CudaDevice {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::cuda::{CudaTensor, PinnedBuffer};
 
     fn send_sync<T: Send + Sync>() {}
 
     #[test]
     fn device_types_cross_threads() {
-        // FSDP hands tensors to communication threads; this fails to compile if any of the
-        // device types stops being Send + Sync.
+        // Tensors cross threads (ranks, communication threads); this fails to compile if the
+        // device handle stops being Send + Sync.
         send_sync::<CudaDevice>();
-        send_sync::<CudaTensor>();
-        send_sync::<PinnedBuffer>();
     }
 
     #[test]

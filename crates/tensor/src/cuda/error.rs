@@ -43,20 +43,6 @@ pub enum CudaError {
         /// NVRTC's log.
         log: String,
     },
-    /// A host buffer, device buffer or tensor does not have the length the operation needs.
-    #[error("{op}: {role} has {got} {unit}, expected {expected}")]
-    LengthMismatch {
-        /// The operation that failed.
-        op: &'static str,
-        /// Which argument (`"source"`, `"destination"`, `"pinned buffer"`, ...).
-        role: &'static str,
-        /// The length that was needed.
-        expected: usize,
-        /// The length that was given.
-        got: usize,
-        /// `"bytes"` or `"elements"`.
-        unit: &'static str,
-    },
     /// Two shapes that must agree do not.
     #[error("{op}: shape mismatch, {lhs:?} vs {rhs:?}")]
     ShapeMismatch {
@@ -87,32 +73,6 @@ pub enum CudaError {
         /// The output dtype (equal to `from` for operations that keep the dtype).
         to: DType,
     },
-    /// A part of a flat buffer does not lie inside it.
-    #[error(
-        "{op}: part {part} at offset {offset} with {len} elements exceeds the flat buffer of {capacity}"
-    )]
-    OutOfBounds {
-        /// The operation that failed.
-        op: &'static str,
-        /// The index of the part.
-        part: usize,
-        /// The part's offset in the flat buffer, in elements.
-        offset: usize,
-        /// The part's length, in elements.
-        len: usize,
-        /// The flat buffer's length, in elements.
-        capacity: usize,
-    },
-    /// Two parts written into one flat buffer overlap (the result would depend on timing).
-    #[error("{op}: parts {first} and {second} overlap in the flat buffer")]
-    OverlappingParts {
-        /// The operation that failed.
-        op: &'static str,
-        /// The earlier part (by offset).
-        first: usize,
-        /// The later part.
-        second: usize,
-    },
     /// A size exceeds what the kernel launch or the library call can express.
     #[error("{op}: {what} = {value} exceeds the limit {max}")]
     TooLarge {
@@ -125,32 +85,6 @@ pub enum CudaError {
         /// The largest size allowed.
         max: usize,
     },
-    /// Tensors of two different devices were combined.
-    #[error("{op}: tensors on devices {lhs} and {rhs}")]
-    DeviceMismatch {
-        /// The operation that failed.
-        op: &'static str,
-        /// The first device ordinal.
-        lhs: usize,
-        /// The second device ordinal.
-        rhs: usize,
-    },
-    /// An index (a token id or a class target) is outside the table it indexes; checked on
-    /// the host before it is uploaded, so no kernel reads outside a table.
-    #[error("{op}: index {index} at position {position} is out of range for size {size}")]
-    IndexOutOfRange {
-        /// The operation that failed.
-        op: &'static str,
-        /// The flat position of the index in its tensor.
-        position: usize,
-        /// The index.
-        index: i64,
-        /// The size of the table (vocabulary or classes).
-        size: usize,
-    },
-    /// A host-side tensor operation failed.
-    #[error(transparent)]
-    Tensor(#[from] crate::Error),
 }
 
 /// The result type of the `cuda` module.

@@ -96,28 +96,6 @@ ARITH(bf16, u16, float)
 ARITH(f16, u16, float)
 ARITH(f64, double, double)
 
-// Copy-in and copy-out of flat buffers, for elements of 1, 2, 4 or 8 bytes. `table` holds one
-// entry of three u64 per part: the part's device address, its offset in the flat buffer and
-// its length, both in elements. Block row `blockIdx.y` copies part `first + blockIdx.y`.
-#define FLAT_COPY(NAME, T)                                                                 \
-    extern "C" __global__ void copy_in_##NAME(T* flat, const u64* table, u32 first) {      \
-        const u64* entry = table + 3 * ((u64)first + blockIdx.y);                          \
-        const T* part = (const T*)entry[0];                                                \
-        u64 offset = entry[1];                                                             \
-        GRID_STRIDE(i, entry[2]) { flat[offset + i] = part[i]; }                           \
-    }                                                                                      \
-    extern "C" __global__ void copy_out_##NAME(const T* flat, const u64* table, u32 first) { \
-        const u64* entry = table + 3 * ((u64)first + blockIdx.y);                          \
-        T* part = (T*)entry[0];                                                            \
-        u64 offset = entry[1];                                                             \
-        GRID_STRIDE(i, entry[2]) { part[i] = flat[offset + i]; }                           \
-    }
-
-FLAT_COPY(b1, u8)
-FLAT_COPY(b2, u16)
-FLAT_COPY(b4, u32)
-FLAT_COPY(b8, u64)
-
 // ReLU for hypershard-nn's device layers, in place: x = x > 0 ? x : 0 (NaN gives 0, as the CPU
 // `Relu`); and its backward, in place on the gradient: g = y > 0 ? g : 0, where y is the ReLU's
 // output (y > 0 exactly where its input was). Values are only kept or zeroed, so every dtype
@@ -437,16 +415,18 @@ extern "C" __global__ void cross_entropy_f32(float* grad, double* row_loss, cons
     }
 }
 
-// The token and position embeddings (gpt.rs `embed`): out[n] = wte[ids[n]] + wpe[n mod seq],
-// rows of width c. The ids were checked against the vocabulary on the host.
+// The token embedding's rows, plus the position table's when `has_pos` (gpt.rs `embed`,
+// embedding.rs `Embedding::forward`): out[n] = wte[ids[n]] (+ wpe[n mod seq]), rows of width
+// c. The ids were checked against the vocabulary on the host; without positions `wpe` is never
+// read.
 extern "C" __global__ void embedding_f32(float* out, const float* wte, const float* wpe,
-                                         const i64* ids, u64 tokens, u64 seq, u64 c) {
+                                         const i64* ids, u64 tokens, u64 seq, u64 c,
+                                         u32 has_pos) {
     GRID_STRIDE(i, tokens * c) {
         u64 position = i / c;
         u64 column = i % c;
-        u64 row = (u64)ids[position];
-        u64 t = position % seq;
-        out[i] = wte[row * c + column] + wpe[t * c + column];
+        float row = wte[(u64)ids[position] * c + column];
+        out[i] = has_pos ? row + wpe[(position % seq) * c + column] : row;
     }
 }
 

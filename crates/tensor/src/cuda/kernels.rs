@@ -41,14 +41,6 @@ pub const KERNEL_NAMES: &[&str] = &[
     "add_f64",
     "axpy_f64",
     "scale_f64",
-    "copy_in_b1",
-    "copy_out_b1",
-    "copy_in_b2",
-    "copy_out_b2",
-    "copy_in_b4",
-    "copy_out_b4",
-    "copy_in_b8",
-    "copy_out_b8",
     "relu_f32",
     "relu_grad_f32",
     "relu_bf16",
@@ -80,7 +72,7 @@ pub(crate) const BLOCK: u32 = 256;
 /// keeps the grid far below the hardware limit (2³¹ − 1).
 pub(crate) const MAX_GRID_X: usize = 65_535;
 
-/// The most blocks along y (the hardware limit); one block row per part of a flat copy.
+/// The most blocks along y (the hardware limit).
 pub(crate) const MAX_GRID_Y: usize = 65_535;
 
 /// Threads per block of the row kernels (layer norm, softmax, cross-entropy): one block per
@@ -271,8 +263,7 @@ impl Kernels {
     }
 }
 
-/// The grid of an elementwise launch over `n` elements with `rows` block rows (1, or the
-/// number of parts of a flat copy); `None` when there is nothing to do (a zero-size grid is
+/// The grid of an elementwise launch over `n` elements with `rows` block rows; `None` when there is nothing to do (a zero-size grid is
 /// an invalid launch).
 pub(crate) fn launch_config(
     op: &'static str,
@@ -315,82 +306,6 @@ pub(crate) fn row_launch_config(rows: usize) -> Option<LaunchConfig> {
     })
 }
 
-/// Errors unless a tensor of `got` elements has exactly `needed` (the check a launch makes on
-/// every buffer it is given, before the FFI call).
-pub(crate) fn check_len(
-    op: &'static str,
-    role: &'static str,
-    needed: usize,
-    got: usize,
-) -> CudaResult<()> {
-    if got == needed {
-        Ok(())
-    } else {
-        Err(CudaError::LengthMismatch {
-            op,
-            role,
-            expected: needed,
-            got,
-            unit: "elements",
-        })
-    }
-}
-
-/// Checks the parts of a flat copy: as many offsets as parts, every part `[offset, offset +
-/// len)` inside the flat buffer of `capacity` elements, and, when `disjoint` (the parts are
-/// written into the flat buffer), no two overlapping. Returns the largest part length.
-pub(crate) fn check_parts(
-    op: &'static str,
-    capacity: usize,
-    lens: &[usize],
-    offsets: &[usize],
-    disjoint: bool,
-) -> CudaResult<usize> {
-    if lens.len() != offsets.len() {
-        return Err(CudaError::LengthMismatch {
-            op,
-            role: "offsets",
-            expected: lens.len(),
-            got: offsets.len(),
-            unit: "elements",
-        });
-    }
-    for (part, (&len, &offset)) in lens.iter().zip(offsets).enumerate() {
-        let end = offset.checked_add(len);
-        if end.is_none_or(|end| end > capacity) {
-            return Err(CudaError::OutOfBounds {
-                op,
-                part,
-                offset,
-                len,
-                capacity,
-            });
-        }
-    }
-    if disjoint {
-        let mut order: Vec<usize> = (0..lens.len()).filter(|&p| lens[p] > 0).collect();
-        order.sort_by_key(|&p| offsets[p]);
-        for pair in order.windows(2) {
-            let (first, second) = (pair[0], pair[1]);
-            if offsets[first] + lens[first] > offsets[second] {
-                return Err(CudaError::OverlappingParts { op, first, second });
-            }
-        }
-    }
-    Ok(lens.iter().copied().max().unwrap_or(0))
-}
-
-/// The kernel name suffix of the flat copies for elements of `size` bytes.
-pub(crate) fn copy_width(size: usize) -> Option<&'static str> {
-    match size {
-        1 => Some("b1"),
-        2 => Some("b2"),
-        4 => Some("b4"),
-        8 => Some("b8"),
-        _ => None,
-    }
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -412,10 +327,6 @@ mod tests {
                     Some(("relu", ty)) => {
                         let ty = ty.strip_prefix("grad_").unwrap_or(ty);
                         SOURCE.contains(&format!("RELU({ty}, "))
-                    }
-                    Some(("copy", rest)) => {
-                        let width = rest.rsplit('_').next().unwrap();
-                        SOURCE.contains(&format!("FLAT_COPY({width}, "))
                     }
                     _ => false,
                 };
@@ -499,69 +410,6 @@ mod tests {
                 ..
             })
         ));
-    }
-
-    #[test]
-    fn parts_must_fit_and_not_overlap_when_written() {
-        assert_eq!(
-            check_parts("t", 10, &[3, 4, 3], &[0, 3, 7], true).unwrap(),
-            4
-        );
-        assert_eq!(check_parts("t", 0, &[], &[], true).unwrap(), 0);
-        // Empty parts may sit anywhere up to the end, even at the same offset as another.
-        assert_eq!(
-            check_parts("t", 10, &[0, 5, 0], &[10, 5, 5], true).unwrap(),
-            5
-        );
-        assert!(matches!(
-            check_parts("t", 10, &[3, 4], &[0, 7], true),
-            Err(CudaError::OutOfBounds {
-                part: 1,
-                offset: 7,
-                len: 4,
-                capacity: 10,
-                ..
-            })
-        ));
-        assert!(matches!(
-            check_parts("t", 10, &[1], &[usize::MAX], false),
-            Err(CudaError::OutOfBounds { part: 0, .. })
-        ));
-        assert!(matches!(
-            check_parts("t", 10, &[4, 3], &[0, 3], true),
-            Err(CudaError::OverlappingParts {
-                first: 0,
-                second: 1,
-                ..
-            })
-        ));
-        // Reading overlapping parts out of a flat buffer is fine.
-        assert_eq!(check_parts("t", 10, &[4, 3], &[0, 3], false).unwrap(), 4);
-        assert!(matches!(
-            check_parts("t", 10, &[4, 3], &[0], true),
-            Err(CudaError::LengthMismatch {
-                role: "offsets",
-                expected: 2,
-                got: 1,
-                ..
-            })
-        ));
-    }
-
-    #[test]
-    fn lengths_and_widths() {
-        assert!(check_len("t", "x", 3, 3).is_ok());
-        assert!(matches!(
-            check_len("t", "x", 3, 4),
-            Err(CudaError::LengthMismatch {
-                expected: 3,
-                got: 4,
-                ..
-            })
-        ));
-        assert_eq!(copy_width(2), Some("b2"));
-        assert_eq!(copy_width(8), Some("b8"));
-        assert_eq!(copy_width(3), None);
     }
 
     #[test]

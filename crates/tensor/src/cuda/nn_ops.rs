@@ -1,22 +1,21 @@
-//! The device operations of a GPT's layers (for hypershard-nn's `DeviceGpt`), f32 only: layer
-//! norm, exact GELU, the causal softmax of attention, attention's head split and merge, the
-//! token and position embeddings, cross-entropy, and an AdamW step; each with its backward.
+//! The device operations of nn's layers on CUDA tensors, f32 only: layer norm, exact GELU,
+//! the causal softmax of attention, attention's head split and merge, the token and position
+//! embeddings (and one table's rows), cross-entropy, and an AdamW step; each with its
+//! backward. hypershard-nn dispatches its layers here when their tensors are on a CUDA device.
 //!
 //! Every operation checks dtypes, shapes and (for token ids and class targets) index ranges on
-//! the host, then launches the kernels of kernels.cu that follow hypershard-nn's CPU code step
+//! the host, then launches the kernels of kernels.cu that follow hypershard-nn's host code step
 //! by step (see the comments there). No kernel uses atomics, so every result is the same from
 //! run to run: the embedding gradient is a gather over a host-built index of each token's
 //! positions rather than a scatter.
 
 use cudarc::driver::PushKernelArg;
 
-use super::CudaDevice;
 #[cfg(test)]
 use super::KERNEL_NAMES;
-use super::error::{CudaError, CudaResult, driver};
 use super::kernels::{launch_config, row_launch_config};
-use super::tensor::CudaTensor;
-use crate::{DType, Tensor};
+use super::view::{Dev, launch};
+use crate::{DType, Error, Result, Tensor};
 
 /// The kernels this module launches (all in [`KERNEL_NAMES`]; a unit test checks).
 const LAYER_NORM: &str = "layer_norm_f32";
@@ -52,37 +51,18 @@ const ALL: &[&str] = &[
     ADAMW,
 ];
 
-/// Errors unless `t` is f32 (the only dtype these kernels have).
-fn check_f32(op: &'static str, t: &CudaTensor) -> CudaResult<()> {
-    if t.dtype == DType::F32 {
-        Ok(())
-    } else {
-        Err(CudaError::UnsupportedDType {
-            op,
-            from: t.dtype,
-            to: t.dtype,
-        })
-    }
+/// The view of `t` for `op`, which must be f32.
+fn f32_of(op: &'static str, t: &Tensor) -> Result<Dev> {
+    let dev = Dev::of(op, t)?;
+    dev.f32(op)?;
+    Ok(dev)
 }
 
-/// Errors unless `t` has exactly `shape`.
-fn check_shape(op: &'static str, t: &CudaTensor, shape: &[usize]) -> CudaResult<()> {
-    if t.shape == shape {
-        Ok(())
-    } else {
-        Err(CudaError::ShapeMismatch {
-            op,
-            lhs: shape.to_vec(),
-            rhs: t.shape.clone(),
-        })
-    }
-}
-
-/// `(rows, width)` of a tensor read as rows of its last dim; the width must be `width`.
-fn rows_of(op: &'static str, t: &CudaTensor, width: usize) -> CudaResult<usize> {
+/// The rows of a tensor read as rows of its last dim; the width must be `width`.
+fn rows_of(op: &'static str, t: &Dev, width: usize) -> Result<usize> {
     match t.shape.last() {
         Some(&last) if last == width => Ok(t.numel.checked_div(width).unwrap_or(0)),
-        _ => Err(CudaError::ShapeMismatch {
+        _ => Err(Error::ShapeMismatch {
             op,
             lhs: vec![width],
             rhs: t.shape.clone(),
@@ -90,156 +70,125 @@ fn rows_of(op: &'static str, t: &CudaTensor, width: usize) -> CudaResult<usize> 
     }
 }
 
-/// Launches kernel `$name` of `$device` with `$config`, after `$push` has pushed its arguments
-/// onto the launch builder `$l`; evaluates to `CudaResult<()>`. (A macro rather than a
-/// function: the builder borrows the kernel table, which must live in the caller's frame.)
-macro_rules! launch {
-    ($op:expr, $device:expr, $name:expr, $config:expr, |$l:ident| $push:block) => {{
-        let device: &CudaDevice = $device;
-        match device.kernels($op) {
-            Err(error) => Err(error),
-            Ok(kernels) => match kernels.function($op, $name) {
-                Err(error) => Err(error),
-                Ok(function) => {
-                    let stream = device.stream();
-                    let mut $l = stream.launch_builder(function);
-                    $push
-                    // SAFETY: every caller pushes exactly the arguments its kernel declares in
-                    // kernels.cu, in order and with the declared types (device buffers as
-                    // `CudaSlice`s, `u64` counts, `u32` flags, `f32` scalars), after checking
-                    // on the host that each buffer holds the elements the kernel reads or
-                    // writes for those counts (stated at each call). The buffers are borrowed
-                    // by the caller (the written ones exclusively) until the launch is ordered
-                    // on the stream, and cudarc frees memory on the same stream, so none is
-                    // freed while the kernel runs. Tested by the device tests of
-                    // crates/nn/tests/cuda_gpt.rs (each kernel against the CPU op).
-                    unsafe { $l.launch($config) }
-                        .map(|_| ())
-                        .map_err(driver($op, "cuLaunchKernel"))
-                }
-            },
-        }
-    }};
-}
-
 /// What a layer norm's forward gives: the output and what its backward needs.
 #[derive(Debug)]
 pub struct LayerNormOutput {
     /// `x̂ · w + b`, the input's shape.
-    pub out: CudaTensor,
+    pub out: Tensor,
     /// The normalised input `x̂ = (x − mean) · r`, the input's shape.
-    pub xhat: CudaTensor,
+    pub xhat: Tensor,
     /// `r = 1/√(var + eps)` per row, `[rows]`.
-    pub rstd: CudaTensor,
+    pub rstd: Tensor,
 }
 
-/// torch's LayerNorm over the last dim of `x` (f32), as hypershard-nn's CPU `LayerNorm`:
+/// torch's LayerNorm over the last dim of `x` (f32), as hypershard-nn's host `LayerNorm`:
 /// `weight` and `bias` are `[d]` with `d` the last dim, the variance biased, `eps` rounded to
-/// f32 as the CPU does.
+/// f32 as the host does.
 pub fn layer_norm(
-    x: &CudaTensor,
-    weight: &CudaTensor,
-    bias: Option<&CudaTensor>,
+    x: &Tensor,
+    weight: &Tensor,
+    bias: Option<&Tensor>,
     eps: f64,
-) -> CudaResult<LayerNormOutput> {
+) -> Result<LayerNormOutput> {
     const OP: &str = "cuda::layer_norm";
-    check_f32(OP, x)?;
-    check_f32(OP, weight)?;
-    let d = weight.numel;
-    check_shape(OP, weight, &[d])?;
-    if let Some(bias) = bias {
-        check_f32(OP, bias)?;
-        check_shape(OP, bias, &[d])?;
-        x.device.check_same(OP, &bias.device)?;
+    let xd = f32_of(OP, x)?;
+    let w = f32_of(OP, weight)?;
+    let d = w.numel;
+    w.shape_is(OP, &[d])?;
+    xd.same_device(OP, &w)?;
+    let b = bias.map(|b| f32_of(OP, b)).transpose()?;
+    if let Some(b) = &b {
+        b.shape_is(OP, &[d])?;
+        xd.same_device(OP, b)?;
     }
-    x.device.check_same(OP, &weight.device)?;
-    let rows = rows_of(OP, x, d)?;
-    let mut out = x.output(OP, &x.shape, DType::F32)?;
-    let mut xhat = x.output(OP, &x.shape, DType::F32)?;
-    let mut rstd = CudaTensor::zeros(&x.device, &[rows], DType::F32)?;
-    let Some(config) = row_launch_config(if d == 0 { 0 } else { rows }) else {
-        // No rows, or rows of width 0: nothing to normalise (the outputs are empty), and the
-        // CPU leaves no statistics either; `rstd` stays zero.
-        return Ok(LayerNormOutput { out, xhat, rstd });
-    };
-    let (rows64, d64) = (rows as u64, d as u64);
-    let inv_d = (1.0 / d as f64) as f32;
-    let eps = eps as f32;
-    let has_bias = u32::from(bias.is_some());
-    // Checked: x, out, xhat hold rows·d f32; rstd holds rows; weight (and bias) hold d. Without
-    // a bias the kernel never reads `b`, and the weight's pointer stands in for it.
-    launch!(OP, &x.device, LAYER_NORM, config, |l| {
-        l.arg(&mut out.data)
-            .arg(&mut xhat.data)
-            .arg(&mut rstd.data)
-            .arg(&x.data)
-            .arg(&weight.data)
-            .arg(&bias.unwrap_or(weight).data)
-            .arg(&has_bias)
-            .arg(&rows64)
-            .arg(&d64)
-            .arg(&inv_d)
-            .arg(&eps);
-    })?;
+    let rows = rows_of(OP, &xd, d)?;
+    let (out, o) = xd.output(OP, &xd.shape, DType::F32)?;
+    let (xhat, h) = xd.output(OP, &xd.shape, DType::F32)?;
+    let (rstd, r) = xd.output(OP, &[rows], DType::F32)?;
+    // No rows, or rows of width 0: nothing to normalise (the outputs are empty), and the host
+    // leaves no statistics either; `rstd` stays zero.
+    if let Some(config) = row_launch_config(if d == 0 { 0 } else { rows }) {
+        let (rows64, d64) = (rows as u64, d as u64);
+        let inv_d = (1.0 / d as f64) as f32;
+        let eps = eps as f32;
+        let has_bias = u32::from(b.is_some());
+        // Without a bias the kernel never reads `b`, and the weight stands in for it.
+        let b_ptr = b.as_ref().map_or(w.ptr, |b| b.ptr);
+        // Checked: x, out, xhat hold rows·d f32; rstd holds rows; weight (and bias) hold d.
+        launch!(OP, &xd, LAYER_NORM, config, |l| {
+            l.arg(&o.ptr)
+                .arg(&h.ptr)
+                .arg(&r.ptr)
+                .arg(&xd.ptr)
+                .arg(&w.ptr)
+                .arg(&b_ptr)
+                .arg(&has_bias)
+                .arg(&rows64)
+                .arg(&d64)
+                .arg(&inv_d)
+                .arg(&eps);
+        })?;
+    }
     Ok(LayerNormOutput { out, xhat, rstd })
 }
 
-/// LayerNorm's backward from `grad` (the output's gradient) and the forward's `x̂` and `r`:
-/// accumulates `grad_weight += Σ g·x̂` and `grad_bias += Σ g` (each column summed over the rows
-/// in order, as the CPU does) and returns the input gradient.
+/// LayerNorm's backward from `grad` (the output's gradient) and the forward's `x̂` and `r`
+/// (see [`LayerNormOutput`]): accumulates `grad_weight += Σ g·x̂` and `grad_bias += Σ g` in
+/// place (each column summed over the rows in order, as the host does) and returns the input
+/// gradient.
 pub fn layer_norm_backward(
-    grad: &CudaTensor,
-    saved: &LayerNormOutput,
-    weight: &CudaTensor,
-    grad_weight: &mut CudaTensor,
-    grad_bias: Option<&mut CudaTensor>,
-) -> CudaResult<CudaTensor> {
+    grad: &Tensor,
+    [xhat, rstd]: [&Tensor; 2],
+    weight: &Tensor,
+    grad_weight: &Tensor,
+    grad_bias: Option<&Tensor>,
+) -> Result<Tensor> {
     const OP: &str = "cuda::layer_norm_backward";
-    for t in [grad, &saved.xhat, &saved.rstd, weight, &*grad_weight] {
-        check_f32(OP, t)?;
-        grad.device.check_same(OP, &t.device)?;
+    let g = f32_of(OP, grad)?;
+    let [xhat, rstd, w, dw] = [xhat, rstd, weight, grad_weight].map(|t| f32_of(OP, t));
+    let (xhat, rstd, w, dw) = (xhat?, rstd?, w?, dw?);
+    for t in [&xhat, &rstd, &w, &dw] {
+        g.same_device(OP, t)?;
     }
-    let d = weight.numel;
-    check_shape(OP, weight, &[d])?;
-    check_shape(OP, grad_weight, &[d])?;
-    check_shape(OP, grad, &saved.xhat.shape)?;
-    let rows = rows_of(OP, grad, d)?;
-    check_shape(OP, &saved.rstd, &[rows])?;
-    if let Some(grad_bias) = &grad_bias {
-        check_f32(OP, grad_bias)?;
-        check_shape(OP, grad_bias, &[d])?;
-        grad.device.check_same(OP, &grad_bias.device)?;
+    let d = w.numel;
+    w.shape_is(OP, &[d])?;
+    dw.shape_is(OP, &[d])?;
+    g.shape_is(OP, &xhat.shape)?;
+    let rows = rows_of(OP, &g, d)?;
+    rstd.shape_is(OP, &[rows])?;
+    let db = grad_bias.map(|b| f32_of(OP, b)).transpose()?;
+    if let Some(db) = &db {
+        db.shape_is(OP, &[d])?;
+        g.same_device(OP, db)?;
     }
-    let mut dx = grad.output(OP, &grad.shape, DType::F32)?;
+    let (dx, dxd) = g.output(OP, &g.shape, DType::F32)?;
     let rows = if d == 0 { 0 } else { rows };
     let (rows64, d64) = (rows as u64, d as u64);
     if let Some(config) = row_launch_config(rows) {
         let inv_d = (1.0 / d as f64) as f32;
         // Checked: grad, xhat, dx hold rows·d f32, rstd holds rows, weight holds d.
-        launch!(OP, &grad.device, LAYER_NORM_BACKWARD, config, |l| {
-            l.arg(&mut dx.data)
-                .arg(&grad.data)
-                .arg(&saved.xhat.data)
-                .arg(&saved.rstd.data)
-                .arg(&weight.data)
+        launch!(OP, &g, LAYER_NORM_BACKWARD, config, |l| {
+            l.arg(&dxd.ptr)
+                .arg(&g.ptr)
+                .arg(&xhat.ptr)
+                .arg(&rstd.ptr)
+                .arg(&w.ptr)
                 .arg(&rows64)
                 .arg(&d64)
                 .arg(&inv_d);
         })?;
     }
-    if let Some(config) = launch_config(OP, if rows == 0 { 0 } else { d }, 1)? {
-        let has_bias = u32::from(grad_bias.is_some());
-        let null = 0u64;
-        // Checked: grad and xhat hold rows·d f32, grad_weight (and grad_bias) hold d. Without
-        // a bias the kernel never touches `db`, which is passed as a null pointer.
-        launch!(OP, &grad.device, LAYER_NORM_PARAM_GRAD, config, |l| {
-            l.arg(&mut grad_weight.data);
-            match grad_bias {
-                Some(grad_bias) => l.arg(&mut grad_bias.data),
-                None => l.arg(&null),
-            };
-            l.arg(&grad.data)
-                .arg(&saved.xhat.data)
+    let param_config = launch_config(OP, if rows == 0 { 0 } else { d }, 1).map_err(g.error(OP))?;
+    if let Some(config) = param_config {
+        let has_bias = u32::from(db.is_some());
+        // Without a bias the kernel never touches `db`, which is passed as a null pointer.
+        let db_ptr = db.as_ref().map_or(0u64, |db| db.ptr);
+        // Checked: grad and xhat hold rows·d f32, grad_weight (and grad_bias) hold d.
+        launch!(OP, &g, LAYER_NORM_PARAM_GRAD, config, |l| {
+            l.arg(&dw.ptr)
+                .arg(&db_ptr)
+                .arg(&g.ptr)
+                .arg(&xhat.ptr)
                 .arg(&has_bias)
                 .arg(&rows64)
                 .arg(&d64);
@@ -248,44 +197,45 @@ pub fn layer_norm_backward(
     Ok(dx)
 }
 
-/// The exact GELU `x · Φ(x)` of every element (f32), with the CPU's own `erf` and `exp`
-/// approximations, so each element rounds as on the CPU.
-pub fn gelu(x: &CudaTensor) -> CudaResult<CudaTensor> {
+/// The exact GELU `x · Φ(x)` of every element (f32), with the host's own `erf` and `exp`
+/// approximations, so each element rounds as on the host.
+pub fn gelu(x: &Tensor) -> Result<Tensor> {
     const OP: &str = "cuda::gelu";
-    check_f32(OP, x)?;
-    let mut y = x.output(OP, &x.shape, DType::F32)?;
-    if let Some(config) = launch_config(OP, x.numel, 1)? {
-        let n = x.numel as u64;
+    let xd = f32_of(OP, x)?;
+    let (y, yd) = xd.output(OP, &xd.shape, DType::F32)?;
+    if let Some(config) = launch_config(OP, xd.numel, 1).map_err(xd.error(OP))? {
+        let n = xd.numel as u64;
         // Checked: x and y hold n f32.
-        launch!(OP, &x.device, GELU, config, |l| {
-            l.arg(&mut y.data).arg(&x.data).arg(&n);
+        launch!(OP, &xd, GELU, config, |l| {
+            l.arg(&yd.ptr).arg(&xd.ptr).arg(&n);
         })?;
     }
     Ok(y)
 }
 
 /// GELU's backward: `grad · (Φ(x) + x·φ(x))` for the forward's input `x`.
-pub fn gelu_backward(x: &CudaTensor, grad: &CudaTensor) -> CudaResult<CudaTensor> {
+pub fn gelu_backward(x: &Tensor, grad: &Tensor) -> Result<Tensor> {
     const OP: &str = "cuda::gelu_backward";
-    check_f32(OP, x)?;
-    x.device.check_same(OP, &grad.device)?;
-    grad.check_like(OP, &x.shape, DType::F32)?;
-    let mut dx = x.output(OP, &x.shape, DType::F32)?;
-    if let Some(config) = launch_config(OP, x.numel, 1)? {
-        let n = x.numel as u64;
+    let xd = f32_of(OP, x)?;
+    let g = f32_of(OP, grad)?;
+    xd.same_device(OP, &g)?;
+    g.shape_is(OP, &xd.shape)?;
+    let (dx, dxd) = xd.output(OP, &xd.shape, DType::F32)?;
+    if let Some(config) = launch_config(OP, xd.numel, 1).map_err(xd.error(OP))? {
+        let n = xd.numel as u64;
         // Checked: x, grad and dx hold n f32.
-        launch!(OP, &x.device, GELU_GRAD, config, |l| {
-            l.arg(&mut dx.data).arg(&grad.data).arg(&x.data).arg(&n);
+        launch!(OP, &xd, GELU_GRAD, config, |l| {
+            l.arg(&dxd.ptr).arg(&g.ptr).arg(&xd.ptr).arg(&n);
         })?;
     }
     Ok(dx)
 }
 
-/// The `T` of attention scores `[.., T, T]` (at least 2-D, square in the last two dims).
-fn square_rows(op: &'static str, t: &CudaTensor) -> CudaResult<(usize, usize)> {
+/// The `(rows, T)` of attention scores `[.., T, T]` (at least 2-D, square in the last two).
+fn square_rows(op: &'static str, t: &Dev) -> Result<(usize, usize)> {
     match t.shape.as_slice() {
         [.., r, c] if r == c => Ok((t.numel.checked_div(*c).unwrap_or(0), *c)),
-        other => Err(CudaError::ShapeMismatch {
+        other => Err(Error::ShapeMismatch {
             op,
             lhs: vec![0, 0],
             rhs: other.to_vec(),
@@ -294,94 +244,78 @@ fn square_rows(op: &'static str, t: &CudaTensor) -> CudaResult<(usize, usize)> {
 }
 
 /// The causal softmax of attention scores `[.., T, T]` in place: row `i` of each `T × T`
-/// matrix becomes `softmax(scale · s[i, 0..=i])` and exactly 0 beyond `i`, as the CPU's
+/// matrix becomes `softmax(scale · s[i, 0..=i])` and exactly 0 beyond `i`, as the host's
 /// attention does (`scale` rounded to f32).
-pub fn causal_softmax_(scores: &mut CudaTensor, scale: f64) -> CudaResult<()> {
+pub fn causal_softmax_(scores: &Tensor, scale: f64) -> Result<()> {
     const OP: &str = "cuda::causal_softmax_";
-    check_f32(OP, scores)?;
-    let (rows, t) = square_rows(OP, scores)?;
+    let s = f32_of(OP, scores)?;
+    let (rows, t) = square_rows(OP, &s)?;
     let Some(config) = row_launch_config(rows) else {
         return Ok(());
     };
     let (rows64, t64, scale) = (rows as u64, t as u64, scale as f32);
-    let device = scores.device.clone();
     // Checked: scores holds rows·t f32, rows a multiple of t (whole T × T matrices).
-    launch!(OP, &device, CAUSAL_SOFTMAX, config, |l| {
-        l.arg(&mut scores.data).arg(&rows64).arg(&t64).arg(&scale);
+    launch!(OP, &s, CAUSAL_SOFTMAX, config, |l| {
+        l.arg(&s.ptr).arg(&rows64).arg(&t64).arg(&scale);
     })
 }
 
 /// The causal softmax's backward in place on `grad` (the gradient of its output `probs`):
 /// `grad = scale · probs ⊙ (grad − Σ_row grad ⊙ probs)`, the gradient of the unscaled scores.
-pub fn causal_softmax_backward_(
-    grad: &mut CudaTensor,
-    probs: &CudaTensor,
-    scale: f64,
-) -> CudaResult<()> {
+pub fn causal_softmax_backward_(grad: &Tensor, probs: &Tensor, scale: f64) -> Result<()> {
     const OP: &str = "cuda::causal_softmax_backward_";
-    check_f32(OP, probs)?;
-    grad.device.check_same(OP, &probs.device)?;
-    grad.check_like(OP, &probs.shape, DType::F32)?;
-    let (rows, t) = square_rows(OP, probs)?;
+    let g = f32_of(OP, grad)?;
+    let p = f32_of(OP, probs)?;
+    g.same_device(OP, &p)?;
+    g.shape_is(OP, &p.shape)?;
+    let (rows, t) = square_rows(OP, &p)?;
     let Some(config) = row_launch_config(rows) else {
         return Ok(());
     };
     let (rows64, t64, scale) = (rows as u64, t as u64, scale as f32);
-    let device = grad.device.clone();
     // Checked: grad and probs hold rows·t f32.
-    launch!(OP, &device, CAUSAL_SOFTMAX_BACKWARD, config, |l| {
-        l.arg(&mut grad.data)
-            .arg(&probs.data)
-            .arg(&rows64)
-            .arg(&t64)
-            .arg(&scale);
+    launch!(OP, &g, CAUSAL_SOFTMAX_BACKWARD, config, |l| {
+        l.arg(&g.ptr).arg(&p.ptr).arg(&rows64).arg(&t64).arg(&scale);
     })
 }
 
-/// `(batch, seq, parts · C)` checks of a head split or merge; returns the head width.
+/// `(batch, seq, parts · C)` checks of a head split or merge; returns `[B, T, H, D]`.
 fn head_dims(
     op: &'static str,
-    rows: &CudaTensor,
+    rows: &Dev,
     part: usize,
     parts: usize,
     n_head: usize,
-) -> CudaResult<[usize; 4]> {
-    check_f32(op, rows)?;
+) -> Result<[usize; 4]> {
+    rows.f32(op)?;
+    let bad = || Error::ShapeMismatch {
+        op,
+        lhs: vec![0, 0, parts, n_head],
+        rhs: rows.shape.clone(),
+    };
     let &[batch, seq, width] = rows.shape.as_slice() else {
-        return Err(CudaError::ShapeMismatch {
-            op,
-            lhs: vec![0, 0, parts],
-            rhs: rows.shape.clone(),
-        });
+        return Err(bad());
     };
     let c = width.checked_div(parts).unwrap_or(0);
     if parts == 0 || part >= parts || n_head == 0 || c * parts != width || c % n_head != 0 {
-        return Err(CudaError::ShapeMismatch {
-            op,
-            lhs: vec![batch, seq, parts, n_head],
-            rhs: rows.shape.clone(),
-        });
+        return Err(bad());
     }
     Ok([batch, seq, n_head, c / n_head])
 }
 
 /// Part `part` of `parts` of every row of `rows` (`[B, T, parts · C]`, the fused q, k, v
 /// projection has 3 parts), split into `n_head` heads: a new `[B · n_head, T, C / n_head]`.
-pub fn split_heads(
-    rows: &CudaTensor,
-    part: usize,
-    parts: usize,
-    n_head: usize,
-) -> CudaResult<CudaTensor> {
+pub fn split_heads(rows: &Tensor, part: usize, parts: usize, n_head: usize) -> Result<Tensor> {
     const OP: &str = "cuda::split_heads";
-    let [batch, seq, h, hd] = head_dims(OP, rows, part, parts, n_head)?;
-    let mut heads = rows.output(OP, &[batch * h, seq, hd], DType::F32)?;
-    if let Some(config) = launch_config(OP, heads.numel, 1)? {
+    let r = Dev::of(OP, rows)?;
+    let [batch, seq, h, hd] = head_dims(OP, &r, part, parts, n_head)?;
+    let (heads, hd_dev) = r.output(OP, &[batch * h, seq, hd], DType::F32)?;
+    if let Some(config) = launch_config(OP, hd_dev.numel, 1).map_err(r.error(OP))? {
         let args = [batch, seq, h, hd, part, parts].map(|v| v as u64);
         // Checked: heads holds B·H·T·D f32 and rows B·T·parts·H·D; the kernel's index map
         // stays inside both for part < parts.
-        launch!(OP, &rows.device, SPLIT_HEADS, config, |l| {
-            l.arg(&mut heads.data).arg(&rows.data);
+        launch!(OP, &r, SPLIT_HEADS, config, |l| {
+            l.arg(&hd_dev.ptr).arg(&r.ptr);
             for v in &args {
                 l.arg(v);
             }
@@ -393,39 +327,40 @@ pub fn split_heads(
 /// The inverse of [`split_heads`]: writes `heads` (`[B · n_head, T, C / n_head]`) into part
 /// `part` of every row of `rows` (`[B, T, parts · C]`), leaving the other parts as they are.
 pub fn merge_heads(
-    heads: &CudaTensor,
-    rows: &mut CudaTensor,
+    heads: &Tensor,
+    rows: &Tensor,
     part: usize,
     parts: usize,
     n_head: usize,
-) -> CudaResult<()> {
+) -> Result<()> {
     const OP: &str = "cuda::merge_heads";
-    let [batch, seq, h, hd] = head_dims(OP, rows, part, parts, n_head)?;
-    rows.device.check_same(OP, &heads.device)?;
-    heads.check_like(OP, &[batch * h, seq, hd], DType::F32)?;
-    let Some(config) = launch_config(OP, heads.numel, 1)? else {
+    let r = Dev::of(OP, rows)?;
+    let [batch, seq, h, hd] = head_dims(OP, &r, part, parts, n_head)?;
+    let hs = f32_of(OP, heads)?;
+    r.same_device(OP, &hs)?;
+    hs.shape_is(OP, &[batch * h, seq, hd])?;
+    let Some(config) = launch_config(OP, hs.numel, 1).map_err(r.error(OP))? else {
         return Ok(());
     };
     let args = [batch, seq, h, hd, part, parts].map(|v| v as u64);
-    let device = rows.device.clone();
     // Checked as in `split_heads`.
-    launch!(OP, &device, MERGE_HEADS, config, |l| {
-        l.arg(&mut rows.data).arg(&heads.data);
+    launch!(OP, &r, MERGE_HEADS, config, |l| {
+        l.arg(&r.ptr).arg(&hs.ptr);
         for v in &args {
             l.arg(v);
         }
     })
 }
 
-/// Token ids `[B, T]` checked against a vocabulary and uploaded, with the index the embedding
-/// backward needs: for each vocabulary row, its positions in increasing order (a stable
-/// counting sort on the host), so the gradient is a gather with a fixed order instead of a
-/// scatter with atomics.
+/// Token ids `[B, T]` checked against a table and uploaded, with the index the embedding
+/// backward needs: for each table row, its positions in increasing order (a stable counting
+/// sort on the host), so the gradient is a gather with a fixed order instead of a scatter with
+/// atomics.
 #[derive(Debug)]
 pub struct TokenIndex {
-    ids: CudaTensor,
-    offsets: CudaTensor,
-    order: CudaTensor,
+    ids: Tensor,
+    offsets: Tensor,
+    order: Tensor,
     batch: usize,
     seq: usize,
     vocab: usize,
@@ -450,52 +385,58 @@ pub(crate) fn positions_by_row(rows: &[usize], vocab: usize) -> (Vec<i64>, Vec<i
     (offsets, order)
 }
 
-/// The ids of an I64 tensor as rows of a table of `size`, or the first out of range.
-pub(crate) fn checked_rows(op: &'static str, ids: &[i64], size: usize) -> CudaResult<Vec<usize>> {
+/// The ids as rows of a table of `size`, or the first out of range.
+pub(crate) fn checked_rows(op: &'static str, ids: &[i64], size: usize) -> Result<Vec<usize>> {
     ids.iter()
         .enumerate()
         .map(|(position, &index)| {
-            usize::try_from(index).ok().filter(|&row| row < size).ok_or(
-                CudaError::IndexOutOfRange {
+            usize::try_from(index)
+                .ok()
+                .filter(|&row| row < size)
+                .ok_or(Error::IndexOutOfRange {
                     op,
                     position,
                     index,
                     size,
-                },
-            )
+                })
         })
         .collect()
 }
 
 impl TokenIndex {
-    /// Checks `ids` (I64 `[B, T]`, each in `0..vocab`) and uploads them with their index.
-    pub fn new(device: &CudaDevice, ids: &Tensor, vocab: usize) -> CudaResult<TokenIndex> {
+    /// Checks `ids` (I64, `[B, T]` or `[N]`, on any device; each in `0..vocab`) and uploads
+    /// them with their index to `device`. A 1-D `[N]` is read as `[1, N]`.
+    pub fn new(device: &crate::Device, ids: &Tensor, vocab: usize) -> Result<TokenIndex> {
         const OP: &str = "cuda::TokenIndex::new";
         if ids.dtype() != DType::I64 {
-            return Err(CudaError::DTypeMismatch {
+            return Err(Error::DTypeMismatch {
                 op: OP,
                 lhs: DType::I64,
                 rhs: ids.dtype(),
             });
         }
-        let &[batch, seq] = ids.shape() else {
-            return Err(CudaError::ShapeMismatch {
-                op: OP,
-                lhs: vec![0, 0],
-                rhs: ids.shape().to_vec(),
-            });
+        let (batch, seq) = match *ids.shape() {
+            [batch, seq] => (batch, seq),
+            [n] => (1, n),
+            _ => {
+                return Err(Error::ShapeMismatch {
+                    op: OP,
+                    lhs: vec![0, 0],
+                    rhs: ids.shape().to_vec(),
+                });
+            }
         };
-        let values = ids.to_vec::<i64>()?;
+        let values = ids.to_host()?.to_vec::<i64>()?;
         let rows = checked_rows(OP, &values, vocab)?;
         let (offsets, order) = positions_by_row(&rows, vocab);
-        let upload = |v: &[i64]| -> CudaResult<CudaTensor> {
-            let bytes: Vec<u8> = v.iter().flat_map(|x| x.to_le_bytes()).collect();
-            CudaTensor::from_bytes(device, &bytes, &[v.len()], DType::I64)
+        let upload = |v: Vec<i64>| {
+            let n = v.len();
+            Tensor::from_vec(v, &[n])?.to_device(device)
         };
         Ok(TokenIndex {
-            ids: upload(&values)?,
-            offsets: upload(&offsets)?,
-            order: upload(&order)?,
+            ids: upload(values)?,
+            offsets: upload(offsets)?,
+            order: upload(order)?,
             batch,
             seq,
             vocab,
@@ -507,109 +448,118 @@ impl TokenIndex {
         [self.batch, self.seq]
     }
 
-    /// The vocabulary size the ids were checked against.
+    /// The table size the ids were checked against.
     pub fn vocab(&self) -> usize {
         self.vocab
     }
 }
 
-/// Checks a `[rows, c]` table of the index's device; returns `rows`.
-fn table(op: &'static str, t: &CudaTensor, index: &TokenIndex) -> CudaResult<[usize; 2]> {
-    check_f32(op, t)?;
-    index.ids.device.check_same(op, &t.device)?;
-    match t.shape.as_slice() {
-        &[rows, c] => Ok([rows, c]),
-        other => Err(CudaError::ShapeMismatch {
+/// Checks a `[rows, c]` f32 table on the index's device; returns `[rows, c]`.
+fn table(op: &'static str, t: &Tensor, ids: &Dev) -> Result<(Dev, [usize; 2])> {
+    let dev = f32_of(op, t)?;
+    ids.same_device(op, &dev)?;
+    match *dev.shape.as_slice() {
+        [rows, c] => Ok((dev, [rows, c])),
+        _ => Err(Error::ShapeMismatch {
             op,
             lhs: vec![0, 0],
-            rhs: other.to_vec(),
+            rhs: dev.shape.clone(),
         }),
     }
 }
 
-/// GPT's input: `wte[ids[b, t]] + wpe[t]` for every position, `[B · T, C]` (f32 tables
-/// `wte: [V, C]` with `V` the index's vocabulary and `wpe: [P, C]` with `T ≤ P`).
-pub fn embedding(
-    wte: &CudaTensor,
-    wpe: &CudaTensor,
-    tokens: &TokenIndex,
-) -> CudaResult<CudaTensor> {
+/// The rows of `wte` (`[V, C]`, f32, `V` the index's vocabulary) for every id, plus GPT's
+/// position rows `wpe[t]` (`[P, C]` with `T ≤ P`) when given: `[B · T, C]`.
+pub fn embedding(wte: &Tensor, wpe: Option<&Tensor>, tokens: &TokenIndex) -> Result<Tensor> {
     const OP: &str = "cuda::embedding";
-    let [v, c] = table(OP, wte, tokens)?;
-    let [p, pc] = table(OP, wpe, tokens)?;
-    if v != tokens.vocab || pc != c || tokens.seq > p {
-        return Err(CudaError::ShapeMismatch {
+    let ids = Dev::of(OP, &tokens.ids)?;
+    let (te, [v, c]) = table(OP, wte, &ids)?;
+    let pe = wpe.map(|p| table(OP, p, &ids)).transpose()?;
+    let positions_fit = pe
+        .as_ref()
+        .is_none_or(|(_, [p, pc])| *pc == c && tokens.seq <= *p);
+    if v != tokens.vocab || !positions_fit {
+        return Err(Error::ShapeMismatch {
             op: OP,
-            lhs: wte.shape.clone(),
-            rhs: wpe.shape.clone(),
+            lhs: vec![tokens.vocab, c],
+            rhs: pe.map_or(te.shape.clone(), |(p, _)| p.shape),
         });
     }
     let n = tokens.batch * tokens.seq;
-    let mut out = wte.output(OP, &[n, c], DType::F32)?;
-    if let Some(config) = launch_config(OP, n * c, 1)? {
+    let (out, o) = te.output(OP, &[n, c], DType::F32)?;
+    if let Some(config) = launch_config(OP, n * c, 1).map_err(te.error(OP))? {
         let (n64, seq64, c64) = (n as u64, tokens.seq as u64, c as u64);
+        let has_pos = u32::from(pe.is_some());
+        // Without positions the kernel never reads `wpe`; the table stands in for it.
+        let pe_ptr = pe.as_ref().map_or(te.ptr, |(p, _)| p.ptr);
         // Checked: ids holds n entries, each below V (TokenIndex::new), wte V·c f32, wpe P·c
         // with every position's t = n mod seq < seq ≤ P, out n·c.
-        launch!(OP, &wte.device, EMBEDDING, config, |l| {
-            l.arg(&mut out.data)
-                .arg(&wte.data)
-                .arg(&wpe.data)
-                .arg(&tokens.ids.data)
+        launch!(OP, &te, EMBEDDING, config, |l| {
+            l.arg(&o.ptr)
+                .arg(&te.ptr)
+                .arg(&pe_ptr)
+                .arg(&ids.ptr)
                 .arg(&n64)
                 .arg(&seq64)
-                .arg(&c64);
+                .arg(&c64)
+                .arg(&has_pos);
         })?;
     }
     Ok(out)
 }
 
-/// The embeddings' backward from `grad` (`[B · T, C]`): `grad_wte[v] += Σ grad[p]` over the
-/// positions `p` of token `v`, in increasing order, and `grad_wpe[t] += Σ_b grad[b, t]`.
+/// The embedding's backward from `grad` (`[B · T, C]`), in place: `grad_wte[v] += Σ grad[p]`
+/// over the positions `p` of token `v` in increasing order and, when given,
+/// `grad_wpe[t] += Σ_b grad[b, t]`.
 pub fn embedding_backward(
-    grad: &CudaTensor,
+    grad: &Tensor,
     tokens: &TokenIndex,
-    grad_wte: &mut CudaTensor,
-    grad_wpe: &mut CudaTensor,
-) -> CudaResult<()> {
+    grad_wte: &Tensor,
+    grad_wpe: Option<&Tensor>,
+) -> Result<()> {
     const OP: &str = "cuda::embedding_backward";
-    let [v, c] = table(OP, grad_wte, tokens)?;
-    let [p, pc] = table(OP, grad_wpe, tokens)?;
-    let n = tokens.batch * tokens.seq;
-    check_f32(OP, grad)?;
-    check_shape(OP, grad, &[n, c])?;
-    grad.device.check_same(OP, &grad_wte.device)?;
-    if v != tokens.vocab || pc != c || tokens.seq > p {
-        return Err(CudaError::ShapeMismatch {
+    let ids = Dev::of(OP, &tokens.ids)?;
+    let (dt, [v, c]) = table(OP, grad_wte, &ids)?;
+    let pe = grad_wpe.map(|p| table(OP, p, &ids)).transpose()?;
+    let g = f32_of(OP, grad)?;
+    g.shape_is(OP, &[tokens.batch * tokens.seq, c])?;
+    g.same_device(OP, &dt)?;
+    let positions_fit = pe
+        .as_ref()
+        .is_none_or(|(_, [p, pc])| *pc == c && tokens.seq <= *p);
+    if v != tokens.vocab || !positions_fit {
+        return Err(Error::ShapeMismatch {
             op: OP,
-            lhs: grad_wte.shape.clone(),
-            rhs: grad_wpe.shape.clone(),
+            lhs: vec![tokens.vocab, c],
+            rhs: pe.map_or(dt.shape.clone(), |(p, _)| p.shape),
         });
     }
-    if let Some(config) = launch_config(OP, v * c, 1)? {
+    if let Some(config) = launch_config(OP, v * c, 1).map_err(g.error(OP))? {
+        let offsets = Dev::of(OP, &tokens.offsets)?;
+        let order = Dev::of(OP, &tokens.order)?;
         let (v64, c64) = (v as u64, c as u64);
         // Checked: offsets holds V + 1 nondecreasing entries ending at n, order n positions
         // below n (positions_by_row), grad n·c f32, grad_wte V·c.
-        launch!(OP, &grad.device, EMBEDDING_BACKWARD, config, |l| {
-            l.arg(&mut grad_wte.data)
-                .arg(&grad.data)
-                .arg(&tokens.offsets.data)
-                .arg(&tokens.order.data)
+        launch!(OP, &g, EMBEDDING_BACKWARD, config, |l| {
+            l.arg(&dt.ptr)
+                .arg(&g.ptr)
+                .arg(&offsets.ptr)
+                .arg(&order.ptr)
                 .arg(&v64)
                 .arg(&c64);
         })?;
     }
-    if let Some(config) = launch_config(OP, tokens.seq * c, 1)? {
-        let (b64, seq64, c64) = (tokens.batch as u64, tokens.seq as u64, c as u64);
-        // Checked: grad holds B·T·c f32, grad_wpe P·c with T ≤ P (the kernel writes rows < T).
-        launch!(OP, &grad.device, POSITION_BACKWARD, config, |l| {
-            l.arg(&mut grad_wpe.data)
-                .arg(&grad.data)
-                .arg(&b64)
-                .arg(&seq64)
-                .arg(&c64);
-        })?;
-    }
-    Ok(())
+    let (Some((pe, _)), Some(config)) = (
+        pe,
+        launch_config(OP, tokens.seq * c, 1).map_err(g.error(OP))?,
+    ) else {
+        return Ok(());
+    };
+    let (b64, seq64, c64) = (tokens.batch as u64, tokens.seq as u64, c as u64);
+    // Checked: grad holds B·T·c f32, grad_wpe P·c with T ≤ P (the kernel writes rows < T).
+    launch!(OP, &g, POSITION_BACKWARD, config, |l| {
+        l.arg(&pe.ptr).arg(&g.ptr).arg(&b64).arg(&seq64).arg(&c64);
+    })
 }
 
 /// A cross-entropy's mean loss (read back) and the gradient of the logits (on the device).
@@ -618,41 +568,42 @@ pub struct CrossEntropyOutput {
     /// The mean over the counted targets (NaN when every target is ignored, as torch).
     pub loss: f64,
     /// `∂loss/∂logits`, the logits' shape.
-    pub grad: CudaTensor,
+    pub grad: Tensor,
 }
 
-/// Cross-entropy of f32 `logits` `[*, V]` against I64 `targets` `[*]`, averaged over the
-/// targets other than `ignore_index`, as hypershard-nn's CPU `cross_entropy`: the row losses
-/// are computed in f64 on the device and summed in row order on the host.
+/// Cross-entropy of f32 `logits` `[*, V]` against I64 `targets` `[*]` (on any device),
+/// averaged over the targets other than `ignore_index`, as hypershard-nn's host
+/// `cross_entropy`: the row losses are computed in f64 on the device and summed in row order
+/// on the host. A target outside `0..V` is [`Error::IndexOutOfRange`].
 pub fn cross_entropy(
-    logits: &CudaTensor,
+    logits: &Tensor,
     targets: &Tensor,
     ignore_index: i64,
-) -> CudaResult<CrossEntropyOutput> {
+) -> Result<CrossEntropyOutput> {
     const OP: &str = "cuda::cross_entropy";
-    check_f32(OP, logits)?;
+    let x = f32_of(OP, logits)?;
     if targets.dtype() != DType::I64 {
-        return Err(CudaError::DTypeMismatch {
+        return Err(Error::DTypeMismatch {
             op: OP,
             lhs: DType::I64,
             rhs: targets.dtype(),
         });
     }
-    let Some((&classes, leading)) = logits.shape.split_last() else {
-        return Err(CudaError::ShapeMismatch {
+    let Some((&classes, leading)) = x.shape.split_last() else {
+        return Err(Error::ShapeMismatch {
             op: OP,
             lhs: vec![0],
-            rhs: logits.shape.clone(),
+            rhs: x.shape.clone(),
         });
     };
     if leading != targets.shape() {
-        return Err(CudaError::ShapeMismatch {
+        return Err(Error::ShapeMismatch {
             op: OP,
-            lhs: logits.shape.clone(),
+            lhs: x.shape.clone(),
             rhs: targets.shape().to_vec(),
         });
     }
-    let labels = targets.to_vec::<i64>()?;
+    let labels = targets.to_host()?.to_vec::<i64>()?;
     let rows = labels.len();
     let mut mapped = Vec::with_capacity(rows);
     for (position, &label) in labels.iter().enumerate() {
@@ -661,7 +612,7 @@ pub fn cross_entropy(
             continue;
         }
         if !usize::try_from(label).is_ok_and(|class| class < classes) {
-            return Err(CudaError::IndexOutOfRange {
+            return Err(Error::IndexOutOfRange {
                 op: OP,
                 position,
                 index: label,
@@ -676,7 +627,7 @@ pub fn cross_entropy(
     } else {
         0.0
     };
-    let mut grad = CudaTensor::zeros(&logits.device, &logits.shape, DType::F32)?;
+    let (grad, gd) = x.output(OP, &x.shape, DType::F32)?;
     // Rows of width 0 have no counted target (none is in range), so there is nothing to do.
     let Some(config) = row_launch_config(if classes == 0 { 0 } else { rows }) else {
         return Ok(CrossEntropyOutput {
@@ -684,17 +635,18 @@ pub fn cross_entropy(
             grad,
         });
     };
-    let bytes: Vec<u8> = mapped.iter().flat_map(|x| x.to_le_bytes()).collect();
-    let targets = CudaTensor::from_bytes(&logits.device, &bytes, &[rows], DType::I64)?;
-    let mut row_loss = CudaTensor::zeros(&logits.device, &[rows], DType::F64)?;
+    let device = x.label();
+    let classes_of = Tensor::from_vec(mapped.clone(), &[rows])?.to_device(&device)?;
+    let t = Dev::of(OP, &classes_of)?;
+    let (row_loss, rl) = x.output(OP, &[rows], DType::F64)?;
     let (rows64, classes64, scale32) = (rows as u64, classes as u64, scale as f32);
     // Checked: logits and grad hold rows·classes f32, targets rows entries each −1 or below
     // classes, row_loss rows f64.
-    launch!(OP, &logits.device, CROSS_ENTROPY, config, |l| {
-        l.arg(&mut grad.data)
-            .arg(&mut row_loss.data)
-            .arg(&logits.data)
-            .arg(&targets.data)
+    launch!(OP, &x, CROSS_ENTROPY, config, |l| {
+        l.arg(&gd.ptr)
+            .arg(&rl.ptr)
+            .arg(&x.ptr)
+            .arg(&t.ptr)
             .arg(&rows64)
             .arg(&classes64)
             .arg(&scale32);
@@ -728,23 +680,27 @@ pub struct AdamWStep {
     pub step: std::num::NonZeroU64,
 }
 
-/// One AdamW step in place on an f32 parameter and its f32 moments, from `grad`: the CPU
+/// One AdamW step in place on an f32 parameter and its f32 moments, from `grad`: the host
 /// `AdamW`'s update (which runs in f64) in f32, with the bias corrections computed on the
 /// host in f64 and rounded once.
 pub fn adamw_(
-    param: &mut CudaTensor,
-    exp_avg: &mut CudaTensor,
-    exp_avg_sq: &mut CudaTensor,
-    grad: &CudaTensor,
+    param: &Tensor,
+    exp_avg: &Tensor,
+    exp_avg_sq: &Tensor,
+    grad: &Tensor,
     config: &AdamWStep,
-) -> CudaResult<()> {
+) -> Result<()> {
     const OP: &str = "cuda::adamw_";
-    for t in [&*param, &*exp_avg, &*exp_avg_sq, grad] {
-        check_f32(OP, t)?;
-        param.device.check_same(OP, &t.device)?;
-        t.check_like(OP, &param.shape, DType::F32)?;
+    let [p, m, v, g] = [param, exp_avg, exp_avg_sq, grad].map(|t| f32_of(OP, t));
+    let (p, m, v, g) = (p?, m?, v?, g?);
+    for t in [&m, &v, &g] {
+        p.same_device(OP, t)?;
+        t.shape_is(OP, &p.shape)?;
     }
-    let Some(launch_cfg) = launch_config(OP, param.numel, 1)? else {
+    for t in [param, exp_avg, exp_avg_sq] {
+        t.check_writable(OP)?;
+    }
+    let Some(launch_cfg) = launch_config(OP, p.numel, 1).map_err(p.error(OP))? else {
         return Ok(());
     };
     let (beta1, beta2) = config.betas;
@@ -762,16 +718,10 @@ pub fn adamw_(
         config.eps,
     ]
     .map(|v| v as f32);
-    let n = param.numel as u64;
-    let device = param.device.clone();
-    // Checked: param, exp_avg, exp_avg_sq and grad hold n f32 each, distinct allocations
-    // (three `&mut` and one `&`).
-    launch!(OP, &device, ADAMW, launch_cfg, |l| {
-        l.arg(&mut param.data)
-            .arg(&mut exp_avg.data)
-            .arg(&mut exp_avg_sq.data)
-            .arg(&grad.data)
-            .arg(&n);
+    let n = p.numel as u64;
+    // Checked: param, exp_avg, exp_avg_sq and grad hold n f32 each.
+    launch!(OP, &p, ADAMW, launch_cfg, |l| {
+        l.arg(&p.ptr).arg(&m.ptr).arg(&v.ptr).arg(&g.ptr).arg(&n);
         for v in &scalars {
             l.arg(v);
         }
@@ -815,7 +765,7 @@ mod tests {
         assert_eq!(checked_rows("t", &[0, 4, 2], 5).unwrap(), vec![0, 4, 2]);
         assert!(matches!(
             checked_rows("t", &[0, 5], 5),
-            Err(CudaError::IndexOutOfRange {
+            Err(Error::IndexOutOfRange {
                 position: 1,
                 index: 5,
                 size: 5,
@@ -824,7 +774,7 @@ mod tests {
         ));
         assert!(matches!(
             checked_rows("t", &[-1], 5),
-            Err(CudaError::IndexOutOfRange {
+            Err(Error::IndexOutOfRange {
                 position: 0,
                 index: -1,
                 ..

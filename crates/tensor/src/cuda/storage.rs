@@ -6,8 +6,9 @@
 //! Every operation is ordered on the [`CudaDevice`]'s one stream (stream id 0); the backend
 //! makes no other streams yet, so [`Stream::new`](crate::Stream::new) on a CUDA device is
 //! [`Error::DeviceUnsupported`]. The crate's host kernels cannot run on GPU memory
-//! ([`DeviceMemory::kernel_bytes`] refuses), so an op without a CUDA kernel is a typed
-//! error there, never a silent host round trip.
+//! ([`DeviceMemory::kernel_bytes`] refuses): an op with a CUDA kernel reaches the memory
+//! through [`Dev`](super::view::Dev), and an op without one is a typed error there, never a
+//! silent host round trip.
 
 use std::sync::Arc;
 
@@ -127,7 +128,7 @@ impl DeviceBackend for CudaBackend {
 }
 
 /// One CUDA allocation.
-struct CudaMemory {
+pub(crate) struct CudaMemory {
     /// At least one byte; the first `len` are the storage.
     data: CudaSlice<u8>,
     len: usize,
@@ -145,6 +146,16 @@ impl std::fmt::Debug for CudaMemory {
 }
 
 impl CudaMemory {
+    /// The device the allocation belongs to (its stream orders every access).
+    pub(crate) fn cuda_device(&self) -> &CudaDevice {
+        &self.device
+    }
+
+    /// The allocation (at least one byte; the first `len` are the storage).
+    pub(crate) fn slice(&self) -> &CudaSlice<u8> {
+        &self.data
+    }
+
     fn label(&self) -> Device {
         Device::Cuda {
             ordinal: self.device.ordinal(),

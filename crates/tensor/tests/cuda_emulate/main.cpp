@@ -134,11 +134,17 @@ void test_embedding() {
     std::vector<long long> next(offsets.begin(), offsets.end() - 1);
     for (size_t pos = 0; pos < n; ++pos) order[next[ids[pos]]++] = pos;
     std::vector<float> out(n * c);
-    launch(2, 256, [&] { embedding_f32(out.data(), wte.data(), wpe.data(), ids.data(), n, seq, c); });
+    launch(2, 256, [&] { embedding_f32(out.data(), wte.data(), wpe.data(), ids.data(), n, seq, c, 1u); });
     bool ok = true;
     for (size_t pos = 0; pos < n; ++pos) for (size_t col = 0; col < c; ++col)
         ok &= out[pos * c + col] == wte[ids[pos] * c + col] + wpe[(pos % seq) * c + col];
     CHECK(ok, "embedding forward");
+    // Without positions (nn's Embedding): the table's rows alone; `wpe` is never read.
+    launch(2, 256, [&] { embedding_f32(out.data(), wte.data(), nullptr, ids.data(), n, seq, c, 0u); });
+    ok = true;
+    for (size_t pos = 0; pos < n; ++pos) for (size_t col = 0; col < c; ++col)
+        ok &= out[pos * c + col] == wte[ids[pos] * c + col];
+    CHECK(ok, "embedding forward without positions");
     auto gw = rnd(v * c, -1, 1, 13), gp = rnd(p * c, -1, 1, 14);
     auto want_w = gw, want_p = gp;
     std::vector<float> acc(v * c, 0.0f); std::vector<bool> used(v);
