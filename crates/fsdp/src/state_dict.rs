@@ -5,7 +5,7 @@ use std::collections::BTreeMap;
 use std::sync::{Arc, Mutex};
 
 use hypershard_collectives::Buffer;
-use hypershard_dtensor::bridge::{buffer_to_tensor, with_bytes};
+use hypershard_dtensor::bridge::{buffer_to_tensor, staging_into_buffer, staging_tensor};
 use hypershard_dtensor::{DTensor, Placement};
 use hypershard_mesh::shard_span;
 use hypershard_nn::Module;
@@ -132,8 +132,9 @@ impl FsdpModule {
         Ok(out)
     }
 
-    /// The full state dict (PyTorch names and shapes) on global rank 0; other ranks get an
-    /// empty map. Parameters are gathered one at a time to the shard group's first rank, so no
+    /// The full state dict (PyTorch names and shapes) on global rank 0, in host memory
+    /// whatever the module's device (torch's `full_state_dict` with `cpu_offload`); other
+    /// ranks get an empty map. Parameters are gathered one at a time to the shard group's first rank, so no
     /// rank ever holds more than one full parameter beyond its shards. Collective over the
     /// shard groups of replica 0 (other replicas take no part).
     pub fn full_state_dict(&mut self) -> Result<BTreeMap<String, Tensor>> {
@@ -146,7 +147,7 @@ impl FsdpModule {
         self.visit_params("", &mut |name, param| {
             names.push(name.to_string());
             if !managed.contains_key(name) {
-                locals.insert(name.to_string(), param.data()?.deep_copy()?);
+                locals.insert(name.to_string(), param.data()?.to_host()?.deep_copy()?);
             }
             Ok(())
         })?;
@@ -166,7 +167,7 @@ impl FsdpModule {
             let on_replica_zero = mesh.replicate().is_none_or(|c| c.rank() == 0);
             if param.role == ParamRole::Replicated {
                 if mesh.rank() == 0 {
-                    out.insert(name, param.sharded.deep_copy()?);
+                    out.insert(name, param.sharded.to_host()?.deep_copy()?);
                 }
                 continue;
             }
@@ -177,16 +178,11 @@ impl FsdpModule {
             let comm_type = crate::group::buffer_dtype(dtype, &name)?;
             let layout = &param.layout;
             let slot = layout.slot_numel()?;
-            let mut input = Buffer::zeros(comm_type, slot);
-            {
-                let bytes = input
-                    .as_host_mut()
-                    .map_err(|_| FsdpError::NotHostStorage {
-                        op: "full_state_dict",
-                    })?
-                    .as_bytes_mut();
-                layout.pack(&param.sharded, dtype, bytes)?;
-            }
+            // The shard comes to the host first (one copy from a device, none on the host):
+            // the gather runs on host buffers.
+            let staged = staging_tensor(&[slot], dtype)?;
+            layout.pack(&param.sharded.to_host()?, &staged)?;
+            let input = staging_into_buffer(staged)?;
             let shard = mesh.shard();
             let is_root = shard.rank() == 0;
             let output = Buffer::zeros(comm_type, if is_root { slot * layout.world } else { 0 });
@@ -194,14 +190,13 @@ impl FsdpModule {
             if is_root {
                 let gathered = buffer_to_tensor(pair.output, &[slot * layout.world], dtype)?;
                 let full = Tensor::zeros(&layout.shape, dtype)?;
-                let size = dtype.size_of();
-                with_bytes(&gathered, |bytes| -> Result<()> {
-                    for rank in 0..layout.world {
-                        let start = rank * slot * size;
-                        layout.unpack_into_full(&bytes[start..start + slot * size], rank, &full)?;
-                    }
-                    Ok(())
-                })??;
+                for rank in 0..layout.world {
+                    layout.unpack_into_full(
+                        &gathered.narrow(0, rank * slot, slot)?,
+                        rank,
+                        &full,
+                    )?;
+                }
                 if mesh.rank() == 0 {
                     out.insert(name, full);
                 }
@@ -403,7 +398,9 @@ impl FsdpModule {
         let plan: BTreeMap<String, Tensor> = plan.into_iter().collect();
         self.visit_params_mut("", &mut |name, param| {
             if let Some(value) = plan.get(name) {
-                param.data()?.copy_from(value)?;
+                // A host state dict loads into a module on a device (one copy per entry).
+                let data = param.data()?;
+                data.copy_from(&value.to_device(&data.device())?)?;
             }
             Ok(())
         })?;
