@@ -32,8 +32,6 @@
 mod bucket;
 mod build;
 mod config;
-#[cfg(feature = "cuda")]
-pub mod device;
 mod error;
 mod group;
 mod layout;

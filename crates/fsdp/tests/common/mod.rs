@@ -40,7 +40,8 @@ pub fn on_both<R>(body: impl Fn(Device) -> R) -> Vec<R> {
 
 /// `t` on `device` (no copy when it is there already).
 pub fn on(t: &Tensor, device: Device) -> Tensor {
-    t.to_device(&device).expect("invariant: a host tensor moves to any device")
+    t.to_device(&device)
+        .expect("invariant: a host tensor moves to any device")
 }
 
 /// A module's parameters moved to `device`.
