@@ -198,7 +198,8 @@ fn check(world: usize, dropout: f64, reshard: ReshardAfterForward, gathers_per_s
         for (rank, (want, got)) in plain.iter().zip(&got).enumerate() {
             assert_eq!(want.len(), got.len());
             for (i, (w, g)) in want.iter().zip(got).enumerate() {
-                let at = format!("{wrapping:?} on {device:?}, world {world}, rank {rank}, step {i}");
+                let at =
+                    format!("{wrapping:?} on {device:?}, world {world}, rank {rank}, step {i}");
                 assert_eq!(w.loss, g.loss, "loss bits, {at}");
                 assert_eq!(w.all_gathers, g.all_gathers, "all-gathers, {at}");
                 assert_eq!(

@@ -5,8 +5,8 @@ mod common;
 use common::*;
 use hypershard_fsdp::{FsdpError, FullyShardConfig, ReshardAfterForward};
 use hypershard_nn::{Linear, LinearConfig, Module, Sequential, mse_loss};
-use hypershard_tensor::{DType, Device};
 use hypershard_tensor::memory::MemoryTracker;
+use hypershard_tensor::{DType, Device};
 
 const DIMS: [usize; 4] = [5, 3, 7, 2];
 
@@ -52,7 +52,11 @@ fn clipping_over_shards_matches_the_unsharded_norm_without_double_counting() {
                 let mut grads = Params::new();
                 model.visit_params("", &mut |name, p| {
                     let g = p.grad.as_ref().expect("grad");
-                    assert_eq!(g.device(), device, "{name}: the gradient stays on the device");
+                    assert_eq!(
+                        g.device(),
+                        device,
+                        "{name}: the gradient stays on the device"
+                    );
                     let g = g.to_host()?;
                     grads.insert(name.to_string(), (g.shape().to_vec(), g.to_f64_vec()?));
                     Ok(())
@@ -70,8 +74,15 @@ fn clipping_over_shards_matches_the_unsharded_norm_without_double_counting() {
             .expect("run")
         });
         for (host, emulated) in runs[0].iter().zip(&runs[1]) {
-            assert_eq!(host.0.to_bits(), emulated.0.to_bits(), "mesh {shape:?}: norms");
-            assert_eq!(host.1.params, emulated.1.params, "mesh {shape:?}: gradients");
+            assert_eq!(
+                host.0.to_bits(),
+                emulated.0.to_bits(),
+                "mesh {shape:?}: norms"
+            );
+            assert_eq!(
+                host.1.params, emulated.1.params,
+                "mesh {shape:?}: gradients"
+            );
         }
         let results = runs.into_iter().next().expect("invariant: the host run");
         for (norm, _) in &results {
@@ -133,7 +144,10 @@ fn peaks(reshard: ReshardAfterForward, device: Device) -> (usize, usize, usize) 
         tracker.reset_peak();
         let out = model.forward(&x)?;
         let forward_peak = bytes(&tracker).peak_bytes;
-        model.backward(&on(&hypershard_tensor::Tensor::ones(out.shape(), DType::F32)?, device))?;
+        model.backward(&on(
+            &hypershard_tensor::Tensor::ones(out.shape(), DType::F32)?,
+            device,
+        ))?;
         let step_peak = bytes(&tracker).peak_bytes;
         Ok::<_, FsdpError>((held, forward_peak, step_peak))
     })
