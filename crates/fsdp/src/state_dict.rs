@@ -413,10 +413,26 @@ mod tests {
     use super::*;
     use crate::{DataParallelMesh, FullyShardConfig, fully_shard};
     use hypershard_nn::{Linear, LinearConfig};
-    use hypershard_tensor::DType;
+    use hypershard_tensor::{DType, Device};
 
     #[test]
     fn full_and_local_state_dicts_round_trip_at_world_3() {
+        // The same round trips for a unit on the host and on the emulated device: the full
+        // state dict comes back in host memory, the local and sharded ones stay on the
+        // device, and host state dicts load into the device unit.
+        for device in [Device::Cpu, Device::Emulated { ordinal: 0 }] {
+            round_trip_at_world_3(device);
+        }
+    }
+
+    /// Values of `t` wherever it lives.
+    fn values(t: &Tensor) -> Vec<f64> {
+        t.to_host()
+            .and_then(|h| h.to_f64_vec())
+            .expect("invariant: readable")
+    }
+
+    fn round_trip_at_world_3(device: Device) {
         let comms = hypershard_collectives::local::spawn_world(3).expect("world");
         let reference = Linear::new(LinearConfig {
             in_features: 4,
@@ -428,39 +444,46 @@ mod tests {
         .expect("layer");
         let want_weight = reference.weight.data().expect("w").to_f64_vec().expect("v");
         hypershard_testkit::run_ranks(3, move |rank| {
+            let device = match device {
+                Device::Cpu => Device::Cpu,
+                _ => Device::Emulated { ordinal: rank },
+            };
             let mesh = DataParallelMesh::fsdp(comms[rank].clone())?;
-            let layer = Linear::new(LinearConfig {
+            let mut layer = Linear::new(LinearConfig {
                 in_features: 4,
                 out_features: 5,
                 bias: true,
                 dtype: DType::F32,
                 seed: 3,
             })?;
+            hypershard_nn::to_device(&mut layer, &device)?;
             let mut unit = fully_shard(Box::new(layer), FullyShardConfig::new(mesh))?;
             let full = unit.full_state_dict()?;
             if rank == 0 {
                 assert_eq!(full["weight"].shape(), &[5, 4]);
+                assert_eq!(full["weight"].device(), Device::Cpu);
                 assert_eq!(full["weight"].to_f64_vec()?, want_weight);
             } else {
                 assert!(full.is_empty());
             }
             // Load zeros in the full form, then the saved local form back.
             let local = unit.local_state_dict()?;
+            assert!(local.values().all(|t| t.device() == device));
             let zeros: BTreeMap<String, Tensor> = [
                 ("weight".to_string(), Tensor::zeros(&[5, 4], DType::F32)?),
                 ("bias".to_string(), Tensor::zeros(&[5], DType::F32)?),
             ]
             .into();
             unit.load_state_dict(&zeros)?;
-            assert!(unit.local_state_dict()?.values().all(|t| {
-                t.to_f64_vec()
-                    .map(|v| v.iter().all(|x| *x == 0.0))
-                    .unwrap_or(false)
-            }));
+            assert!(
+                unit.local_state_dict()?
+                    .values()
+                    .all(|t| values(t).iter().all(|x| *x == 0.0))
+            );
             unit.load_state_dict(&local)?;
             assert_eq!(
-                unit.local_state_dict()?["weight"].to_f64_vec()?,
-                local["weight"].to_f64_vec()?
+                values(&unit.local_state_dict()?["weight"]),
+                values(&local["weight"])
             );
             // A wrong shape is refused before anything is written.
             let mut bad = local.clone();
@@ -471,8 +494,8 @@ mod tests {
                 Err(FsdpError::StateDictShape { name, .. }) if name == "bias"
             ));
             assert_eq!(
-                unit.local_state_dict()?["weight"].to_f64_vec()?,
-                local["weight"].to_f64_vec()?
+                values(&unit.local_state_dict()?["weight"]),
+                values(&local["weight"])
             );
             let mut missing = local.clone();
             missing.remove("bias");
@@ -486,8 +509,15 @@ mod tests {
             assert_eq!(sharded["weight"].placements(), &[Placement::Shard(0)]);
             let expected_rows = [2, 2, 1][rank];
             assert_eq!(sharded["weight"].to_local().shape(), &[expected_rows, 4]);
-            let gathered = sharded["weight"].full_tensor()?;
-            assert_eq!(gathered.to_f64_vec()?, want_weight);
+            // DTensor's collectives run on host tensors: gather a host copy of the local.
+            let weight = &sharded["weight"];
+            let host = DTensor::from_local(
+                weight.to_local().to_host()?,
+                weight.process_mesh(),
+                weight.placements(),
+                Some(weight.shape()),
+            )?;
+            assert_eq!(host.full_tensor()?.to_f64_vec()?, want_weight);
             // `sharded` shares storage with the parameters (as torch's does): keep a copy.
             let mut saved = BTreeMap::new();
             for (name, d) in &sharded {
@@ -502,12 +532,12 @@ mod tests {
             unit.load_state_dict(&zeros)?;
             unit.load_sharded_state_dict(&saved)?;
             assert_eq!(
-                unit.local_state_dict()?["weight"].to_f64_vec()?,
-                local["weight"].to_f64_vec()?
+                values(&unit.local_state_dict()?["weight"]),
+                values(&local["weight"])
             );
             // The unit still trains after loading (storage identity kept).
-            let y = unit.forward(&Tensor::ones(&[2, 4], DType::F32)?)?;
-            unit.backward(&Tensor::ones(y.shape(), DType::F32)?)?;
+            let y = unit.forward(&Tensor::ones(&[2, 4], DType::F32)?.to_device(&device)?)?;
+            unit.backward(&Tensor::ones(y.shape(), DType::F32)?.to_device(&device)?)?;
             Ok::<_, FsdpError>(())
         })
         .expect("run");
