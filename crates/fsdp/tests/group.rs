@@ -49,15 +49,15 @@ fn shard_with_group(
     Ok(fully_shard(Box::new(model), config.clone())?)
 }
 
-/// Trains `STEPS` steps of `micro` micro-batches (all but the last without gradient sync)
+/// Trains `STEPS` steps of `micro` micro-batches (all but the last without gradient sync,
+/// and kept unsharded between them with `keep_between_micro`)
 /// on this rank; returns its local parameters, and checks the full state dict on rank 0.
 fn train_grouped(
     comm: Arc<dyn Communicator>,
     mesh_shape: &[usize],
     members: &[&str],
     configure: &(dyn Fn(&mut FullyShardConfig) + Send + Sync),
-    micro: usize,
-    keep_between_micro: bool,
+    (micro, keep_between_micro): (usize, bool),
     want: &Params,
     device: Device,
 ) -> Result<RankResult, FsdpError> {
@@ -130,8 +130,7 @@ fn check(
                 &shape,
                 members,
                 configure.as_ref(),
-                micro,
-                keep_between_micro,
+                (micro, keep_between_micro),
                 &want_ranks,
                 device,
             )
@@ -227,7 +226,15 @@ fn count(mesh_shape: &[usize], members: &'static [&'static str]) -> Vec<(Counts,
     let want = Arc::new(reference(&DIMS, DType::F32, Opt::Sgd, STEPS, 1));
     hypershard_testkit::run_ranks(world, move |rank| {
         let comm: Arc<dyn Communicator> = counters[rank].clone();
-        train_grouped(comm, &shape, members, &|_| {}, 1, false, &want, Device::Cpu)?;
+        train_grouped(
+            comm,
+            &shape,
+            members,
+            &|_| {},
+            (1, false),
+            &want,
+            Device::Cpu,
+        )?;
         let counts = counts_of(&counters[rank]);
         let children = counters[rank]
             .children()
