@@ -414,6 +414,7 @@ mod tests {
             init_from_hf: None,
             eager_init: false,
             activation_checkpointing: false,
+            device: crate::train::TrainDevice::Cpu,
             out: PathBuf::from("out"),
             resume: false,
             reset_optimizer: false,
