@@ -152,30 +152,27 @@ impl ParamGroup {
                 && bucket.offsets[0] == 0
                 && layouts[0].dim == 0
                 && numels[0] * size >= crate::bucket::COMPACT_MIN_BYTES;
-            let compacted = if compact && bucket.members.len() > 1 {
-                None
-            } else if compact {
-                Some(layouts[0].compact_in_place(
+            // With more than one member, the compacting one is copied out after the others
+            // (they sit in its way) and then compacted; until then the output is viewed
+            // without a way home, so taking it back keeps its loan. A lone member is
+            // compacted at once.
+            let defer_first = compact && bucket.members.len() > 1;
+            let compacted = compact
+                && !defer_first
+                && layouts[0].compact_in_place(
                     host_bytes_mut(&mut output, "unshard copy-out")?,
                     bucket.per_rank * size,
                     size,
-                )?)
-            } else {
-                None
-            };
+                )?;
             // The gather output on the unit's device: adopted on the host, one host → device
             // copy onto a device.
-            // With more than one member, the compacting one is copied out after the others
-            // (they sit in its way) and then compacted; until then the output is viewed
-            // without a way home, so taking it back keeps its loan.
-            let defer_first = compact && bucket.members.len() > 1;
             let gathered = if defer_first {
                 let len = output.len();
                 hypershard_dtensor::bridge::buffer_to_tensor(output, &[len], bucket.dtype)?
             } else {
                 self.stage_in(output, bucket.dtype, "unshard copy-out")?
             };
-            if single_view || compacted == Some(true) {
+            if single_view || compacted {
                 let param = &mut self.params[bucket.members[0]];
                 param.unsharded = Some(gathered.narrow(0, 0, numels[0])?.view(&layouts[0].shape)?);
                 param.post_forward = None;
