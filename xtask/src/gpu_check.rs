@@ -14,14 +14,12 @@
 //!    `libcublas.so.13`) is exposed under the plain name through a symlink in
 //!    `target/cuda-lib`, which goes first.
 //! 3. Builds the device test binaries in one cargo call (collectives' `nccl_gpu` with feature
-//!    `nccl`; tensor's `cuda`, nn's `cuda_devices`, and fsdp's `device_fsdp` with
-//!    feature `cuda`; one feature set, so cudarc compiles once).
+//!    `nccl`; tensor's `cuda` and nn's `cuda_devices` with feature `cuda`; one feature set,
+//!    so cudarc compiles once).
 //! 4. Runs each with `HYPERSHARD_TEST_GPU=1`: they fail when the GPU is missing.
 //! 5. Runs the benches of [`BENCH_TESTS`]: `cuda_devices --bench`, the reference MLP's training
 //!    step (8 × Linear(1024, 1024) + ReLU, batch 32) timed on the device (f32, bf16) and on the
-//!    CPU, into `target/bench/nn-cuda-mlp.json`; and `device_fsdp --bench`, its FSDP step on
-//!    the device (NCCL world 1, local world 2) and CPU FSDP's, into
-//!    `target/bench/fsdp-cuda.json`.
+//!    CPU, into `target/bench/nn-cuda-mlp.json`.
 //! 6. Runs `bench-nccl` (hypershard-benches, feature `nccl`): the NCCL busbw sweep on one rank
 //!    per GPU, interleaved with its torch.distributed peer (`bench_nccl.py`, run by `python3`
 //!    or `$HYPERSHARD_TORCH_PYTHON`), into `target/bench/nccl.json`.
@@ -63,7 +61,6 @@ const DEVICE_TESTS: &[(&str, &str, &str)] = &[
     ("hypershard-collectives", "nccl", "nccl_gpu"),
     ("hypershard-tensor", "cuda", "cuda"),
     ("hypershard-nn", "cuda", "cuda_devices"),
-    ("hypershard-fsdp", "cuda", "device_fsdp"),
 ];
 
 /// The device binaries other than tests: (package, feature, binary). Their features join the
@@ -93,21 +90,13 @@ struct BenchTest {
 }
 
 /// The benches run after the device tests: the reference MLP's step on one device against
-/// the CPU, and its FSDP step on the device (NCCL world 1, local world 2) against CPU FSDP.
-const BENCH_TESTS: &[BenchTest] = &[
-    BenchTest {
-        test: "cuda_devices",
-        json: "target/bench/nn-cuda-mlp.json",
-        what: "the reference MLP's step, device vs CPU",
-        key: "nn_bench",
-    },
-    BenchTest {
-        test: "device_fsdp",
-        json: "target/bench/fsdp-cuda.json",
-        what: "the reference MLP's FSDP step, device vs CPU FSDP",
-        key: "fsdp_bench",
-    },
-];
+/// the CPU.
+const BENCH_TESTS: &[BenchTest] = &[BenchTest {
+    test: "cuda_devices",
+    json: "target/bench/nn-cuda-mlp.json",
+    what: "the reference MLP's step, device vs CPU",
+    key: "nn_bench",
+}];
 
 /// The benchmark's figures for the summary: its JSON, or a string saying why there is none.
 fn bench_figures(path: &Path) -> serde_json::Value {
@@ -815,7 +804,7 @@ mod tests {
     #[test]
     fn every_device_test_is_built_and_the_bench_is_one_of_them() {
         let names: Vec<&str> = DEVICE_TESTS.iter().map(|(_, _, t)| *t).collect();
-        assert_eq!(names, ["nccl_gpu", "cuda", "cuda_devices", "device_fsdp"]);
+        assert_eq!(names, ["nccl_gpu", "cuda", "cuda_devices"]);
         for bench in BENCH_TESTS {
             assert!(names.contains(&bench.test), "{}", bench.test);
         }
@@ -871,17 +860,11 @@ mod tests {
         let features = &args[args.iter().position(|a| a == "--features").unwrap() + 1];
         assert_eq!(
             features,
-            "hypershard-collectives/nccl,hypershard-tensor/cuda,hypershard-nn/cuda,hypershard-fsdp/cuda,hypershard-benches/nccl"
+            "hypershard-collectives/nccl,hypershard-tensor/cuda,hypershard-nn/cuda,hypershard-benches/nccl"
         );
         assert_eq!(
             device_binary_names(),
-            [
-                "nccl_gpu",
-                "cuda",
-                "cuda_devices",
-                "device_fsdp",
-                "bench-nccl"
-            ]
+            ["nccl_gpu", "cuda", "cuda_devices", "bench-nccl"]
         );
     }
 

@@ -3,7 +3,7 @@
 //! ([`hypershard_dtensor::BufferPool`], shared with redistribute); a recycled buffer holds
 //! stale bytes, so every bucket is written whole through a [`SlotWriter`].
 
-use hypershard_tensor::DType;
+use hypershard_tensor::{DType, Tensor};
 
 use crate::error::{FsdpError, Result};
 
@@ -81,40 +81,52 @@ pub(crate) fn plan_buckets(items: &[BucketItem], fused: bool, cap_bytes: usize) 
 /// copy is cheap and the parameter gets storage of its exact size.
 pub(crate) const COMPACT_MIN_BYTES: usize = 64 << 10;
 
-/// Writes the regions of a (possibly recycled) bucket buffer in increasing order and zeroes
-/// every byte between and after them, so no stale byte of an earlier use reaches a
+/// Writes the regions of a (possibly recycled) flat bucket in increasing order and zeroes
+/// every element between and after them, so no stale byte of an earlier use reaches a
 /// collective: gaps left by slot alignment and the slots of parameters without a gradient
-/// become zeros, as in a freshly zeroed buffer.
+/// become zeros, as in a freshly zeroed buffer. Offsets and lengths count elements; the
+/// writes are tensor ops on the bucket's device.
 pub(crate) struct SlotWriter<'a> {
-    bytes: &'a mut [u8],
+    flat: &'a Tensor,
     cursor: usize,
 }
 
 impl<'a> SlotWriter<'a> {
-    /// A writer over the whole buffer.
-    pub fn new(bytes: &'a mut [u8]) -> Self {
-        SlotWriter { bytes, cursor: 0 }
+    /// A writer over the whole (1-d) bucket.
+    pub fn new(flat: &'a Tensor) -> Self {
+        SlotWriter { flat, cursor: 0 }
     }
 
-    /// The `len` bytes at `start` (which must not precede the end of the previous region),
+    /// The `len` elements at `start` (which must not precede the end of the previous region),
     /// after zeroing the gap before them.
-    pub fn region(&mut self, start: usize, len: usize, op: &'static str) -> Result<&mut [u8]> {
-        let end = start.checked_add(len).filter(|&e| e <= self.bytes.len());
+    pub fn region(&mut self, start: usize, len: usize, op: &'static str) -> Result<Tensor> {
+        let total = self.flat.numel();
+        let end = start.checked_add(len).filter(|&e| e <= total);
         let Some(end) = end.filter(|_| start >= self.cursor) else {
             return Err(FsdpError::BufferLength {
                 op,
-                expected: self.bytes.len(),
+                expected: total,
                 actual: start.saturating_add(len),
             });
         };
-        self.bytes[self.cursor..start].fill(0);
+        if start > self.cursor {
+            self.flat
+                .narrow(0, self.cursor, start - self.cursor)?
+                .zero_()?;
+        }
         self.cursor = end;
-        Ok(&mut self.bytes[start..end])
+        Ok(self.flat.narrow(0, start, len)?)
     }
 
     /// Zeroes everything after the last region.
-    pub fn finish(self) {
-        self.bytes[self.cursor..].fill(0);
+    pub fn finish(self) -> Result<()> {
+        let total = self.flat.numel();
+        if total > self.cursor {
+            self.flat
+                .narrow(0, self.cursor, total - self.cursor)?
+                .zero_()?;
+        }
+        Ok(())
     }
 }
 
@@ -168,15 +180,21 @@ mod tests {
 
     #[test]
     fn slot_writer_zeroes_gaps_and_tail() -> Result<()> {
-        let mut bytes = vec![7u8; 10];
-        let mut writer = SlotWriter::new(&mut bytes);
-        writer.region(2, 3, "test")?.fill(1);
-        writer.region(6, 1, "test")?.fill(2);
-        // Regions must come in increasing order and stay inside the buffer.
-        assert!(writer.region(5, 2, "test").is_err());
-        assert!(writer.region(8, 3, "test").is_err());
-        writer.finish();
-        assert_eq!(bytes, vec![0, 0, 1, 1, 1, 0, 2, 0, 0, 0]);
+        use hypershard_tensor::Device;
+        for device in [Device::Cpu, Device::Emulated { ordinal: 0 }] {
+            let flat = Tensor::full(&[10], 7.0, DType::U8)?.to_device(&device)?;
+            let mut writer = SlotWriter::new(&flat);
+            writer.region(2, 3, "test")?.fill_(1.0)?;
+            writer.region(6, 1, "test")?.fill_(2.0)?;
+            // Regions must come in increasing order and stay inside the buffer.
+            assert!(writer.region(5, 2, "test").is_err());
+            assert!(writer.region(8, 3, "test").is_err());
+            writer.finish()?;
+            assert_eq!(
+                flat.to_host()?.to_vec::<u8>()?,
+                vec![0, 0, 1, 1, 1, 0, 2, 0, 0, 0]
+            );
+        }
         Ok(())
     }
 }

@@ -9,6 +9,7 @@ use hypershard_dtensor::bridge::reducible;
 use hypershard_mesh::Placement;
 
 use hypershard_nn::{Module, join_name};
+use hypershard_tensor::Device;
 
 use crate::bucket::{BucketItem, BucketPlan, plan_buckets};
 use crate::config::TensorParallelConfig;
@@ -67,6 +68,7 @@ fn member_params<Unit: Any>(
     member: usize,
     post_size: Option<usize>,
     tp: Option<&TpGroup>,
+    device: Device,
     params: &mut Vec<FsdpParam>,
 ) -> Result<()> {
     let mut nested = BTreeSet::new();
@@ -118,6 +120,14 @@ fn member_params<Unit: Any>(
         // `tensor`: a deferred parameter has a shape and a dtype, which is all the plan needs.
         let data = param.tensor()?;
         let deferred = data.is_deferred();
+        if !deferred && data.device() != device {
+            failure = Some(FsdpError::ParamDevice {
+                param: name.to_string(),
+                expected: device,
+                actual: data.device(),
+            });
+            return Ok(());
+        }
         let orig_dtype = data.dtype();
         if !reducible(orig_dtype) {
             failure = Some(FsdpError::UnsupportedDType {
@@ -175,7 +185,9 @@ fn member_params<Unit: Any>(
         let sharded = if replicated {
             if deferred {
                 let zeros = vec![0; shape.len()];
-                param.materialize_block(&zeros, &shape)?
+                param
+                    .materialize_block(&zeros, &shape)?
+                    .to_device(&device)?
             } else {
                 data.deep_copy()?
             }
@@ -193,7 +205,10 @@ fn member_params<Unit: Any>(
                 offset[dim] = span.offset;
                 let mut block = shape.clone();
                 block[dim] = span.len;
-                param.materialize_block(&offset, &block)?
+                // Built on the host from the recipe, then moved to the unit's device.
+                param
+                    .materialize_block(&offset, &block)?
+                    .to_device(&device)?
             } else {
                 // A deep copy, so the shard owns its storage and the full tensor can be freed.
                 data.narrow(dim, span.offset, span.len)?.deep_copy()?
@@ -244,6 +259,24 @@ fn member_params<Unit: Any>(
         return Err(error);
     }
     Ok(())
+}
+
+/// The device of the first managed (not ignored) parameter that has data, the host when
+/// every one is deferred.
+fn unit_device(modules: &[Box<dyn Module>], config: &FullyShardConfig) -> Result<Device> {
+    let mut found = None;
+    for module in modules {
+        module.visit_params("", &mut |name, param| {
+            if found.is_none() && !named_by(&config.ignored_params, name) {
+                let data = param.tensor()?;
+                if !data.is_deferred() {
+                    found = Some(data.device());
+                }
+            }
+            Ok(())
+        })?;
+    }
+    Ok(found.unwrap_or(Device::Cpu))
 }
 
 /// Checks the config and the modules and computes every parameter of the new unit; then
@@ -316,6 +349,10 @@ pub(crate) fn build_group<Unit: Any>(
         Some(tp_config) => Some(tp_group(tp_config, config)?),
         None => None,
     };
+    let device = match config.device {
+        Some(device) => device,
+        None => unit_device(modules, config)?,
+    };
     let mut params: Vec<FsdpParam> = Vec::new();
     for (member, module) in modules.iter_mut().enumerate() {
         member_params::<Unit>(
@@ -324,6 +361,7 @@ pub(crate) fn build_group<Unit: Any>(
             member,
             post_size,
             tp.as_ref(),
+            device,
             &mut params,
         )
         .map_err(|error| for_member(member, error))?;
@@ -425,6 +463,7 @@ pub(crate) fn build_group<Unit: Any>(
         reduce_plan,
         replicate_plan,
         tp,
+        device,
     })
 }
 

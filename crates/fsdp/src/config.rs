@@ -5,7 +5,7 @@ use std::sync::Arc;
 
 use hypershard_dtensor::ProcessMesh;
 use hypershard_nn::Parameter;
-use hypershard_tensor::DType;
+use hypershard_tensor::{DType, Device};
 
 use crate::mesh::DataParallelMesh;
 
@@ -110,6 +110,12 @@ pub struct FullyShardConfig {
     pub reduce_op: GradReduceOp,
     /// Tensor parallelism under this data-parallel mesh (2-d: dp × tp), or `None`.
     pub tensor_parallel: Option<TensorParallelConfig>,
+    /// The unit's device: where deferred (shape-only) parameters are materialised and where
+    /// every other managed parameter must already be. `None` takes the device of the first
+    /// managed parameter that has data (the host when all are deferred). Shards, unsharded
+    /// parameters and gradients stay there; collectives of the host backends are staged
+    /// through host memory, one copy each way per bucket.
+    pub device: Option<Device>,
 }
 
 impl FullyShardConfig {
@@ -127,6 +133,7 @@ impl FullyShardConfig {
             replicate_params: BTreeSet::new(),
             reduce_op: GradReduceOp::default(),
             tensor_parallel: None,
+            device: None,
         }
     }
 }
@@ -144,6 +151,7 @@ impl std::fmt::Debug for FullyShardConfig {
             .field("replicate_params", &self.replicate_params)
             .field("reduce_op", &self.reduce_op)
             .field("tensor_parallel", &self.tensor_parallel)
+            .field("device", &self.device)
             .finish()
     }
 }

@@ -159,6 +159,22 @@ pub enum FsdpError {
         /// Elements of the local box.
         needed: usize,
     },
+    /// A managed parameter is not on the unit's device (a module with parameters on two
+    /// devices, or parameters elsewhere than [`FullyShardConfig::device`]).
+    ///
+    /// [`FullyShardConfig::device`]: crate::FullyShardConfig::device
+    #[error(
+        "fully_shard: parameter `{param}` is on {actual:?}, but the unit's parameters are on \
+         {expected:?}; move the module to one device first (hypershard_nn::to_device)"
+    )]
+    ParamDevice {
+        /// The parameter's name relative to the wrapped module.
+        param: String,
+        /// The unit's device.
+        expected: hypershard_tensor::Device,
+        /// The parameter's device.
+        actual: hypershard_tensor::Device,
+    },
     /// A communication buffer was not in host memory.
     #[error("{op}: tensor storage is not host memory")]
     NotHostStorage {

@@ -5,10 +5,9 @@
 //! and never reaches a parameter or a gradient.
 
 use hypershard_mesh::{ShardSpan, shard_span};
-use hypershard_tensor::{DType, Tensor};
+use hypershard_tensor::Tensor;
 
 use crate::error::Result;
-use hypershard_dtensor::bridge::{with_bytes, write_bytes};
 
 /// How one parameter is cut over one group of `world` ranks.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -56,68 +55,54 @@ impl ShardLayout {
         Ok(shape)
     }
 
-    /// Writes `shard` (shard `index`'s values, any dtype) cast to `dtype` into `slot`, the
-    /// bytes of one padded slot, all of which are written: the padding becomes zeros, so a
-    /// recycled buffer carries no stale bytes.
-    pub fn pack(&self, shard: &Tensor, dtype: DType, slot: &mut [u8]) -> Result<()> {
-        let cast;
-        let shard = if shard.dtype() == dtype {
-            shard
-        } else {
-            cast = shard.to_dtype(dtype)?;
-            &cast
-        };
+    /// Writes `shard` (shard `index`'s values, any dtype) cast to the slot's dtype into `slot`,
+    /// a flat tensor of one padded slot (a view into a bucket), all of which is written: the
+    /// padding becomes zeros, so a recycled buffer carries no stale bytes. Tensor ops on the
+    /// slot's device, so the same copy-in runs on the host and on a device.
+    pub fn pack(&self, shard: &Tensor, slot: &Tensor) -> Result<()> {
+        let numel = shard.numel();
+        let slot_numel = slot.numel();
         if self.dim == 0 {
-            // Dim-0 padding sits at the end of the slot, so the shard's bytes go first.
-            let written = with_bytes(shard, |bytes| {
-                slot[..bytes.len()].copy_from_slice(bytes);
-                bytes.len()
-            })?;
-            slot[written..].fill(0);
+            // Dim-0 padding sits at the end of the slot, so the shard's elements go first.
+            slot.narrow(0, 0, numel)?
+                .view(shard.shape())?
+                .copy_from(shard)?;
+            if numel < slot_numel {
+                slot.narrow(0, numel, slot_numel - numel)?.zero_()?;
+            }
         } else {
-            let padded = Tensor::zeros(&self.padded_shape()?, dtype)?;
+            let padded = slot
+                .narrow(0, 0, self.slot_numel()?)?
+                .view(&self.padded_shape()?)?;
             let len = shard.shape()[self.dim];
+            let padded_len = padded.shape()[self.dim];
             padded.narrow(self.dim, 0, len)?.copy_from(shard)?;
-            let written = with_bytes(&padded, |bytes| {
-                slot[..bytes.len()].copy_from_slice(bytes);
-                bytes.len()
-            })?;
-            slot[written..].fill(0);
+            if len < padded_len {
+                padded.narrow(self.dim, len, padded_len - len)?.zero_()?;
+            }
         }
         Ok(())
     }
 
-    /// Writes shard `index` of the unsharded `full` into `slot`.
-    pub fn pack_from_full(
-        &self,
-        full: &Tensor,
-        index: usize,
-        dtype: DType,
-        slot: &mut [u8],
-    ) -> Result<()> {
+    /// Writes shard `index` of the unsharded `full` into `slot` (see [`pack`](Self::pack)).
+    pub fn pack_from_full(&self, full: &Tensor, index: usize, slot: &Tensor) -> Result<()> {
         let span = self.span(index)?;
         let shard = full.narrow(self.dim, span.offset, span.len)?;
-        self.pack(&shard, dtype, slot)
+        self.pack(&shard, slot)
     }
 
-    /// Shard `index` read back from its padded slot (in `dtype`, the slot's dtype).
-    pub fn unpack(&self, slot: &[u8], index: usize, dtype: DType) -> Result<Tensor> {
+    /// Shard `index` inside its padded slot (a flat tensor of the slot's dtype): a view, no
+    /// copy (strided for a shard dim other than 0).
+    pub fn unpack(&self, slot: &Tensor, index: usize) -> Result<Tensor> {
         let shape = self.shard_shape(index)?;
         if self.dim == 0 {
             let numel: usize = shape.iter().product();
-            Ok(Tensor::from_bytes(
-                &slot[..numel * dtype.size_of()],
-                &shape,
-                dtype,
-            )?)
+            Ok(slot.narrow(0, 0, numel)?.view(&shape)?)
         } else {
-            let numel = self.slot_numel()?;
-            let padded = Tensor::from_bytes(
-                &slot[..numel * dtype.size_of()],
-                &self.padded_shape()?,
-                dtype,
-            )?;
-            Ok(padded.narrow(self.dim, 0, shape[self.dim])?.contiguous()?)
+            let padded = slot
+                .narrow(0, 0, self.slot_numel()?)?
+                .view(&self.padded_shape()?)?;
+            Ok(padded.narrow(self.dim, 0, shape[self.dim])?)
         }
     }
 
@@ -225,70 +210,37 @@ impl ShardLayout {
         Ok(true)
     }
 
-    /// Writes shard `index` from its padded slot (of `dtype`) into `target`, a tensor of the
-    /// shard's shape: copied over it (`accumulate = false`, every element is written) or added
-    /// into it, cast to `target`'s dtype either way.
-    ///
-    /// A dim-0 shard of `target`'s own dtype is read straight from the slot bytes (one pass,
-    /// no temporary tensor); other cases unpack a temporary first.
+    /// Writes shard `index` from its padded slot (a flat tensor) into `target`, a tensor of
+    /// the shard's shape on the slot's device: copied over it (`accumulate = false`, every
+    /// element is written) or added into it, cast to `target`'s dtype either way.
     pub fn unpack_shard_into(
         &self,
-        slot: &[u8],
+        slot: &Tensor,
         index: usize,
-        dtype: DType,
         target: &Tensor,
         accumulate: bool,
     ) -> Result<()> {
-        let shape = self.shard_shape(index)?;
-        let direct = self.dim == 0
-            && dtype == target.dtype()
-            && target.is_contiguous()
-            && target.shape() == shape.as_slice();
-        if direct {
-            let bytes = &slot[..target.numel() * dtype.size_of()];
-            if !accumulate {
-                write_bytes(target, 0, bytes)?;
-                return Ok(());
-            }
-            if dtype == DType::F32 {
-                target.with_data_mut::<f32, _>(|values| {
-                    for (value, chunk) in values.iter_mut().zip(bytes.chunks_exact(4)) {
-                        let mut raw = [0u8; 4];
-                        raw.copy_from_slice(chunk);
-                        *value += f32::from_ne_bytes(raw);
-                    }
-                })?;
-                return Ok(());
-            }
-        }
-        let shard = self.unpack(slot, index, dtype)?;
-        if accumulate {
-            if shard.dtype() == target.dtype() {
-                target.add_(&shard)?;
-            } else {
-                target.add_(&shard.to_dtype(target.dtype())?)?;
-            }
-        } else {
+        let shard = self.unpack(slot, index)?;
+        if !accumulate {
             target.copy_from(&shard)?;
+        } else if shard.dtype() == target.dtype() {
+            target.add_(&shard)?;
+        } else {
+            target.add_(&shard.to_dtype(target.dtype())?)?;
         }
         Ok(())
     }
 
-    /// Writes shard `index` from its padded slot into its place in the contiguous `full`
+    /// Writes shard `index` from its padded slot into its place in the unsharded `full`
     /// (whose dtype is the slot's).
-    pub fn unpack_into_full(&self, slot: &[u8], index: usize, full: &Tensor) -> Result<()> {
+    pub fn unpack_into_full(&self, slot: &Tensor, index: usize, full: &Tensor) -> Result<()> {
         let span = self.span(index)?;
-        if self.dim == 0 {
-            let others = self.others();
-            let bytes = span.len * others * full.dtype().size_of();
-            write_bytes(full, span.offset * others, &slot[..bytes])?;
-            Ok(())
-        } else {
-            let shard = self.unpack(slot, index, full.dtype())?;
-            full.narrow(self.dim, span.offset, span.len)?
-                .copy_from(&shard)?;
-            Ok(())
+        if span.len == 0 {
+            return Ok(());
         }
+        full.narrow(self.dim, span.offset, span.len)?
+            .copy_from(&self.unpack(slot, index)?)?;
+        Ok(())
     }
 }
 
@@ -297,36 +249,53 @@ mod tests {
     use super::*;
     use proptest::prelude::*;
 
+    use hypershard_tensor::{DType, Device};
+
+    /// Packs shard `r` of `full` into a fresh host slot and returns its bytes.
+    fn packed(layout: &ShardLayout, full: &Tensor, r: usize) -> Result<Vec<u8>> {
+        let slot = Tensor::full(&[layout.slot_numel()?], 7.0, full.dtype())?;
+        layout.pack_from_full(full, r, &slot)?;
+        Ok(slot.to_bytes()?)
+    }
+
     proptest! {
         #[test]
-        fn shards_tile_the_tensor(rows in 0usize..7, cols in 1usize..5, world in 1usize..5, dim in 0usize..2) {
+        fn shards_tile_the_tensor(rows in 0usize..7, cols in 1usize..5, world in 1usize..5, dim in 0usize..2, emulated in any::<bool>()) {
+            // One body on the host and on the emulated device: the copy-in and copy-out are
+            // tensor ops on the slot's device.
+            let device = if emulated { Device::Emulated { ordinal: 0 } } else { Device::Cpu };
             let layout = ShardLayout { shape: vec![rows, cols], dim, world };
             let n = rows * cols;
-            let full = Tensor::from_vec((0..n).map(|v| v as f32).collect(), &[rows, cols]).unwrap();
-            let slot_bytes = layout.slot_numel().unwrap() * 4;
-            let rebuilt = Tensor::zeros(&[rows, cols], DType::F32).unwrap();
+            let full_host = Tensor::from_vec((0..n).map(|v| v as f32).collect(), &[rows, cols]).unwrap();
+            let full = full_host.to_device(&device).unwrap();
+            let slot_numel = layout.slot_numel().unwrap();
+            let rebuilt = Tensor::zeros_on(&[rows, cols], DType::F32, &device).unwrap();
             for r in 0..world {
-                // A recycled slot full of stale bytes: packing overwrites all of it.
-                let mut slot = vec![0xA5u8; slot_bytes];
-                layout.pack_from_full(&full, r, DType::F32, &mut slot).unwrap();
-                let mut fresh = vec![0u8; slot_bytes];
-                layout.pack_from_full(&full, r, DType::F32, &mut fresh).unwrap();
-                prop_assert_eq!(&slot, &fresh);
-                let shard = layout.unpack(&slot, r, DType::F32).unwrap();
+                // A recycled slot full of stale values: packing overwrites all of it, cast on
+                // the way in.
+                let slot = Tensor::full(&[slot_numel], 7.0, DType::F64).unwrap().to_device(&device).unwrap();
+                layout.pack_from_full(&full, r, &slot).unwrap();
+                let fresh = Tensor::zeros_on(&[slot_numel], DType::F64, &device).unwrap();
+                layout.pack_from_full(&full, r, &fresh).unwrap();
+                prop_assert_eq!(slot.to_host().unwrap().to_bytes().unwrap(), fresh.to_host().unwrap().to_bytes().unwrap());
+                let slot = slot.to_dtype(DType::F32).unwrap();
+                let shard = layout.unpack(&slot, r).unwrap();
                 prop_assert_eq!(shard.shape(), &layout.shard_shape(r).unwrap()[..]);
+                prop_assert_eq!(shard.device(), device);
                 layout.unpack_into_full(&slot, r, &rebuilt).unwrap();
                 // Copying into a shard-shaped target, then adding: twice the shard, in f32
-                // (direct for dim 0) and into an f64 target (through a cast).
+                // and into an f64 target (through a cast).
+                let shard = shard.to_host().unwrap();
                 for target_dtype in [DType::F32, DType::F64] {
-                    let target = Tensor::full(&layout.shard_shape(r).unwrap(), 9.0, target_dtype).unwrap();
-                    layout.unpack_shard_into(&slot, r, DType::F32, &target, false).unwrap();
-                    prop_assert_eq!(target.to_f64_vec().unwrap(), shard.to_f64_vec().unwrap());
-                    layout.unpack_shard_into(&slot, r, DType::F32, &target, true).unwrap();
+                    let target = Tensor::full(&layout.shard_shape(r).unwrap(), 9.0, target_dtype).unwrap().to_device(&device).unwrap();
+                    layout.unpack_shard_into(&slot, r, &target, false).unwrap();
+                    prop_assert_eq!(target.to_host().unwrap().to_f64_vec().unwrap(), shard.to_f64_vec().unwrap());
+                    layout.unpack_shard_into(&slot, r, &target, true).unwrap();
                     let doubled: Vec<f64> = shard.to_f64_vec().unwrap().iter().map(|v| 2.0 * v).collect();
-                    prop_assert_eq!(target.to_f64_vec().unwrap(), doubled);
+                    prop_assert_eq!(target.to_host().unwrap().to_f64_vec().unwrap(), doubled);
                 }
             }
-            prop_assert_eq!(rebuilt.to_vec::<f32>().unwrap(), full.to_vec::<f32>().unwrap());
+            prop_assert_eq!(rebuilt.to_host().unwrap().to_vec::<f32>().unwrap(), full_host.to_vec::<f32>().unwrap());
         }
     }
 
@@ -348,8 +317,7 @@ mod tests {
             bytes[..rows * 12].copy_from_slice(&full.to_bytes()?);
             assert!(layout.expand_in_place(&mut bytes, block, 4)?);
             for r in 0..world {
-                let mut expected = vec![0u8; slot];
-                layout.pack_from_full(&full, r, DType::F32, &mut expected)?;
+                let expected = packed(&layout, &full, r)?;
                 assert_eq!(
                     &bytes[r * block..r * block + slot],
                     &expected[..],
@@ -384,12 +352,7 @@ mod tests {
             let block = slot + 20;
             let mut bytes = vec![0xEEu8; block * world];
             for r in 0..world {
-                layout.pack_from_full(
-                    &full,
-                    r,
-                    DType::F32,
-                    &mut bytes[r * block..r * block + slot],
-                )?;
+                bytes[r * block..r * block + slot].copy_from_slice(&packed(&layout, &full, r)?);
             }
             assert!(layout.compact_in_place(&mut bytes, block, 4)?);
             let rebuilt = Tensor::from_bytes(&bytes[..rows * 3 * 4], &[rows, 3], DType::F32)?;

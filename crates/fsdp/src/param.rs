@@ -39,8 +39,9 @@ pub(crate) struct FsdpParam {
     pub sharded_grad: Option<Tensor>,
     /// The unsharded parameter while `Unsharded`.
     pub unsharded: Option<Tensor>,
-    /// The padded post-forward slot bytes while `ShardedPostForward`.
-    pub post_forward: Option<Vec<u8>>,
+    /// The padded post-forward slot (flat, `param_dtype`, on the unit's device) while
+    /// `ShardedPostForward`.
+    pub post_forward: Option<Tensor>,
     /// Unsharded gradients accumulated without synchronisation, while resharded.
     pub unsharded_grad_accum: Option<Tensor>,
     /// The fp32 main gradient, with `fp32_main_grad`.

@@ -133,7 +133,8 @@ impl FsdpModule {
 
     /// This rank's piece of every parameter, to be saved (one file per rank, say) and loaded
     /// later by [`load_saved_shards`](Self::load_saved_shards) at any world size. The tensors
-    /// are copies. No communication.
+    /// are copies in host memory, whatever the module's device (what a checkpoint writes). No
+    /// communication.
     pub fn saved_shards(&mut self) -> Result<BTreeMap<String, SavedShard>> {
         let boxes = self.local_boxes()?;
         let locals = self.local_state_dict()?;
@@ -145,7 +146,8 @@ impl FsdpModule {
                     SavedShard {
                         global_shape: b.global_shape.clone(),
                         offset: b.offset.clone(),
-                        tensor,
+                        // A copy already on the host: this is the tensor itself.
+                        tensor: tensor.to_host()?,
                     },
                 );
             }
@@ -229,7 +231,9 @@ impl FsdpModule {
                     }
                 };
                 let mut dst = target;
-                let mut src = piece.tensor.clone();
+                // Pieces are assembled on the host (no copy for host pieces); the load moves
+                // the result to the module's device.
+                let mut src = piece.tensor.to_host()?;
                 for d in 0..ndim {
                     dst = dst.narrow(d, dst_ranges[d].0, dst_ranges[d].1)?;
                     src = src.narrow(d, src_ranges[d].0, src_ranges[d].1)?;

@@ -157,3 +157,104 @@ impl Schedule {
         Ok(())
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use std::sync::Arc;
+
+    use hypershard_nn::{Linear, LinearConfig};
+    use hypershard_tensor::DType;
+
+    use super::{Schedule, ScheduledUnit};
+    use crate::{DataParallelMesh, FsdpModule, FullyShardConfig, fully_shard};
+
+    /// `n` one-Linear units on a world of 1, registered with a fresh schedule in id order.
+    fn scheduled(n: usize) -> crate::Result<(Schedule, Vec<FsdpModule>)> {
+        let comm = hypershard_collectives::local::spawn_world(1)?.remove(0);
+        let mesh = DataParallelMesh::fsdp(comm)?;
+        let schedule = Schedule::default();
+        let mut units = Vec::new();
+        for id in 0..n {
+            let linear = Linear::new(LinearConfig {
+                in_features: 2,
+                out_features: 3,
+                bias: true,
+                dtype: DType::F32,
+                seed: id as u64,
+            })?;
+            let unit = fully_shard(Box::new(linear), FullyShardConfig::new(mesh.clone()))?;
+            schedule.register(ScheduledUnit {
+                id,
+                group: Arc::clone(unit.group_arc()),
+            });
+            units.push(unit);
+        }
+        Ok((schedule, units))
+    }
+
+    fn next_forward(schedule: &Schedule, id: usize) -> Option<usize> {
+        schedule.next_in_forward(id).map(|u| u.id)
+    }
+
+    fn next_backward(schedule: &Schedule, id: usize) -> Option<usize> {
+        schedule.next_in_backward(id).map(|u| u.id)
+    }
+
+    #[test]
+    fn forward_prefetch_follows_registration_then_the_last_forward() -> crate::Result<()> {
+        let (schedule, _units) = scheduled(4)?;
+        // Registering a unit twice keeps one entry.
+        let again = schedule.units()[2].clone();
+        schedule.register(again);
+        assert_eq!(schedule.units().len(), 4);
+        // Before any forward completed: pre-order (registration) order.
+        assert_eq!(
+            (0..4)
+                .map(|id| next_forward(&schedule, id))
+                .collect::<Vec<_>>(),
+            vec![Some(1), Some(2), Some(3), None]
+        );
+        // A forward that ran the units in another order is the order of the next one.
+        schedule.begin_forward()?;
+        for id in [0, 3, 1, 2] {
+            schedule.record_pre_forward(id);
+        }
+        schedule.begin_forward()?;
+        assert_eq!(next_forward(&schedule, 0), Some(3));
+        assert_eq!(next_forward(&schedule, 3), Some(1));
+        assert_eq!(next_forward(&schedule, 2), None);
+        // An unknown unit has no successor.
+        assert_eq!(next_forward(&schedule, 9), None);
+        Ok(())
+    }
+
+    #[test]
+    fn backward_prefetch_is_the_reverse_post_forward_order() -> crate::Result<()> {
+        let (schedule, _units) = scheduled(3)?;
+        schedule.begin_forward()?;
+        for id in [0, 1, 2] {
+            schedule.record_pre_forward(id);
+            schedule.record_post_forward(id);
+        }
+        assert!(!schedule.in_backward());
+        schedule.begin_backward();
+        assert!(schedule.in_backward());
+        assert_eq!(next_backward(&schedule, 2), Some(1));
+        assert_eq!(next_backward(&schedule, 1), Some(0));
+        assert_eq!(next_backward(&schedule, 0), None);
+        // A new forward ends the backward and forgets the post-forward order.
+        schedule.begin_forward()?;
+        assert!(!schedule.in_backward());
+        assert_eq!(next_backward(&schedule, 2), None);
+        Ok(())
+    }
+
+    #[test]
+    fn draining_with_nothing_in_flight_is_a_no_op() -> crate::Result<()> {
+        let (schedule, units) = scheduled(2)?;
+        schedule.drain()?;
+        schedule.finish_pending()?;
+        assert!(units.iter().all(|u| !u.handle().gather_in_flight()));
+        Ok(())
+    }
+}

@@ -5,7 +5,7 @@ use std::collections::BTreeMap;
 use std::sync::{Arc, Mutex};
 
 use hypershard_collectives::Buffer;
-use hypershard_dtensor::bridge::{buffer_to_tensor, with_bytes};
+use hypershard_dtensor::bridge::{buffer_to_tensor, staging_into_buffer, staging_tensor};
 use hypershard_dtensor::{DTensor, Placement};
 use hypershard_mesh::shard_span;
 use hypershard_nn::Module;
@@ -132,8 +132,9 @@ impl FsdpModule {
         Ok(out)
     }
 
-    /// The full state dict (PyTorch names and shapes) on global rank 0; other ranks get an
-    /// empty map. Parameters are gathered one at a time to the shard group's first rank, so no
+    /// The full state dict (PyTorch names and shapes) on global rank 0, in host memory
+    /// whatever the module's device (torch's `full_state_dict` with `cpu_offload`); other
+    /// ranks get an empty map. Parameters are gathered one at a time to the shard group's first rank, so no
     /// rank ever holds more than one full parameter beyond its shards. Collective over the
     /// shard groups of replica 0 (other replicas take no part).
     pub fn full_state_dict(&mut self) -> Result<BTreeMap<String, Tensor>> {
@@ -146,7 +147,7 @@ impl FsdpModule {
         self.visit_params("", &mut |name, param| {
             names.push(name.to_string());
             if !managed.contains_key(name) {
-                locals.insert(name.to_string(), param.data()?.deep_copy()?);
+                locals.insert(name.to_string(), param.data()?.to_host()?.deep_copy()?);
             }
             Ok(())
         })?;
@@ -166,7 +167,7 @@ impl FsdpModule {
             let on_replica_zero = mesh.replicate().is_none_or(|c| c.rank() == 0);
             if param.role == ParamRole::Replicated {
                 if mesh.rank() == 0 {
-                    out.insert(name, param.sharded.deep_copy()?);
+                    out.insert(name, param.sharded.to_host()?.deep_copy()?);
                 }
                 continue;
             }
@@ -177,16 +178,11 @@ impl FsdpModule {
             let comm_type = crate::group::buffer_dtype(dtype, &name)?;
             let layout = &param.layout;
             let slot = layout.slot_numel()?;
-            let mut input = Buffer::zeros(comm_type, slot);
-            {
-                let bytes = input
-                    .as_host_mut()
-                    .map_err(|_| FsdpError::NotHostStorage {
-                        op: "full_state_dict",
-                    })?
-                    .as_bytes_mut();
-                layout.pack(&param.sharded, dtype, bytes)?;
-            }
+            // The shard comes to the host first (one copy from a device, none on the host):
+            // the gather runs on host buffers.
+            let staged = staging_tensor(&[slot], dtype)?;
+            layout.pack(&param.sharded.to_host()?, &staged)?;
+            let input = staging_into_buffer(staged)?;
             let shard = mesh.shard();
             let is_root = shard.rank() == 0;
             let output = Buffer::zeros(comm_type, if is_root { slot * layout.world } else { 0 });
@@ -194,14 +190,13 @@ impl FsdpModule {
             if is_root {
                 let gathered = buffer_to_tensor(pair.output, &[slot * layout.world], dtype)?;
                 let full = Tensor::zeros(&layout.shape, dtype)?;
-                let size = dtype.size_of();
-                with_bytes(&gathered, |bytes| -> Result<()> {
-                    for rank in 0..layout.world {
-                        let start = rank * slot * size;
-                        layout.unpack_into_full(&bytes[start..start + slot * size], rank, &full)?;
-                    }
-                    Ok(())
-                })??;
+                for rank in 0..layout.world {
+                    layout.unpack_into_full(
+                        &gathered.narrow(0, rank * slot, slot)?,
+                        rank,
+                        &full,
+                    )?;
+                }
                 if mesh.rank() == 0 {
                     out.insert(name, full);
                 }
@@ -403,7 +398,9 @@ impl FsdpModule {
         let plan: BTreeMap<String, Tensor> = plan.into_iter().collect();
         self.visit_params_mut("", &mut |name, param| {
             if let Some(value) = plan.get(name) {
-                param.data()?.copy_from(value)?;
+                // A host state dict loads into a module on a device (one copy per entry).
+                let data = param.data()?;
+                data.copy_from(&value.to_device(&data.device())?)?;
             }
             Ok(())
         })?;
@@ -416,10 +413,26 @@ mod tests {
     use super::*;
     use crate::{DataParallelMesh, FullyShardConfig, fully_shard};
     use hypershard_nn::{Linear, LinearConfig};
-    use hypershard_tensor::DType;
+    use hypershard_tensor::{DType, Device};
 
     #[test]
     fn full_and_local_state_dicts_round_trip_at_world_3() {
+        // The same round trips for a unit on the host and on the emulated device: the full
+        // state dict comes back in host memory, the local and sharded ones stay on the
+        // device, and host state dicts load into the device unit.
+        for device in [Device::Cpu, Device::Emulated { ordinal: 0 }] {
+            round_trip_at_world_3(device);
+        }
+    }
+
+    /// Values of `t` wherever it lives.
+    fn values(t: &Tensor) -> Vec<f64> {
+        t.to_host()
+            .and_then(|h| h.to_f64_vec())
+            .expect("invariant: readable")
+    }
+
+    fn round_trip_at_world_3(device: Device) {
         let comms = hypershard_collectives::local::spawn_world(3).expect("world");
         let reference = Linear::new(LinearConfig {
             in_features: 4,
@@ -431,39 +444,46 @@ mod tests {
         .expect("layer");
         let want_weight = reference.weight.data().expect("w").to_f64_vec().expect("v");
         hypershard_testkit::run_ranks(3, move |rank| {
+            let device = match device {
+                Device::Cpu => Device::Cpu,
+                _ => Device::Emulated { ordinal: rank },
+            };
             let mesh = DataParallelMesh::fsdp(comms[rank].clone())?;
-            let layer = Linear::new(LinearConfig {
+            let mut layer = Linear::new(LinearConfig {
                 in_features: 4,
                 out_features: 5,
                 bias: true,
                 dtype: DType::F32,
                 seed: 3,
             })?;
+            hypershard_nn::to_device(&mut layer, &device)?;
             let mut unit = fully_shard(Box::new(layer), FullyShardConfig::new(mesh))?;
             let full = unit.full_state_dict()?;
             if rank == 0 {
                 assert_eq!(full["weight"].shape(), &[5, 4]);
+                assert_eq!(full["weight"].device(), Device::Cpu);
                 assert_eq!(full["weight"].to_f64_vec()?, want_weight);
             } else {
                 assert!(full.is_empty());
             }
             // Load zeros in the full form, then the saved local form back.
             let local = unit.local_state_dict()?;
+            assert!(local.values().all(|t| t.device() == device));
             let zeros: BTreeMap<String, Tensor> = [
                 ("weight".to_string(), Tensor::zeros(&[5, 4], DType::F32)?),
                 ("bias".to_string(), Tensor::zeros(&[5], DType::F32)?),
             ]
             .into();
             unit.load_state_dict(&zeros)?;
-            assert!(unit.local_state_dict()?.values().all(|t| {
-                t.to_f64_vec()
-                    .map(|v| v.iter().all(|x| *x == 0.0))
-                    .unwrap_or(false)
-            }));
+            assert!(
+                unit.local_state_dict()?
+                    .values()
+                    .all(|t| values(t).iter().all(|x| *x == 0.0))
+            );
             unit.load_state_dict(&local)?;
             assert_eq!(
-                unit.local_state_dict()?["weight"].to_f64_vec()?,
-                local["weight"].to_f64_vec()?
+                values(&unit.local_state_dict()?["weight"]),
+                values(&local["weight"])
             );
             // A wrong shape is refused before anything is written.
             let mut bad = local.clone();
@@ -474,8 +494,8 @@ mod tests {
                 Err(FsdpError::StateDictShape { name, .. }) if name == "bias"
             ));
             assert_eq!(
-                unit.local_state_dict()?["weight"].to_f64_vec()?,
-                local["weight"].to_f64_vec()?
+                values(&unit.local_state_dict()?["weight"]),
+                values(&local["weight"])
             );
             let mut missing = local.clone();
             missing.remove("bias");
@@ -489,8 +509,15 @@ mod tests {
             assert_eq!(sharded["weight"].placements(), &[Placement::Shard(0)]);
             let expected_rows = [2, 2, 1][rank];
             assert_eq!(sharded["weight"].to_local().shape(), &[expected_rows, 4]);
-            let gathered = sharded["weight"].full_tensor()?;
-            assert_eq!(gathered.to_f64_vec()?, want_weight);
+            // DTensor's collectives run on host tensors: gather a host copy of the local.
+            let weight = &sharded["weight"];
+            let host = DTensor::from_local(
+                weight.to_local().to_host()?,
+                weight.process_mesh(),
+                weight.placements(),
+                Some(weight.shape()),
+            )?;
+            assert_eq!(host.full_tensor()?.to_f64_vec()?, want_weight);
             // `sharded` shares storage with the parameters (as torch's does): keep a copy.
             let mut saved = BTreeMap::new();
             for (name, d) in &sharded {
@@ -505,12 +532,12 @@ mod tests {
             unit.load_state_dict(&zeros)?;
             unit.load_sharded_state_dict(&saved)?;
             assert_eq!(
-                unit.local_state_dict()?["weight"].to_f64_vec()?,
-                local["weight"].to_f64_vec()?
+                values(&unit.local_state_dict()?["weight"]),
+                values(&local["weight"])
             );
             // The unit still trains after loading (storage identity kept).
-            let y = unit.forward(&Tensor::ones(&[2, 4], DType::F32)?)?;
-            unit.backward(&Tensor::ones(y.shape(), DType::F32)?)?;
+            let y = unit.forward(&Tensor::ones(&[2, 4], DType::F32)?.to_device(&device)?)?;
+            unit.backward(&Tensor::ones(y.shape(), DType::F32)?.to_device(&device)?)?;
             Ok::<_, FsdpError>(())
         })
         .expect("run");

@@ -8,7 +8,7 @@ mod common;
 use std::collections::BTreeMap;
 use std::sync::{Arc, Mutex};
 
-use common::counted_world;
+use common::{DEVICES, counted_world, on, rank_device};
 use hypershard_collectives::{CommCounter, OpKind};
 use hypershard_fsdp::{
     DataParallelMesh, FsdpError, FullyShardConfig, ReshardAfterForward, ShardedState,
@@ -19,7 +19,7 @@ use hypershard_nn::{
     Checkpointed, DEFAULT_IGNORE_INDEX, Gpt, GptConfig, Linear, LinearConfig, Module, ParamVisitor,
     ParamVisitorMut, Sequential, cross_entropy, replace_module,
 };
-use hypershard_tensor::{DType, Tensor};
+use hypershard_tensor::{DType, Device, Tensor};
 
 const LAYERS: u64 = 3;
 const STEPS: usize = 2;
@@ -87,12 +87,15 @@ fn train_rank(
     wrapping: Wrapping,
     dropout: f64,
     reshard: ReshardAfterForward,
+    device: Device,
 ) -> Result<Vec<Step>, FsdpError> {
     let config = config(dropout);
+    let device = rank_device(device, rank);
     let mesh = DataParallelMesh::fsdp(counter.clone())?;
     let mut fsdp = FullyShardConfig::new(mesh);
     fsdp.reshard_after_forward = reshard;
     let mut gpt = Gpt::new(config)?;
+    hypershard_nn::to_device(&mut gpt, &device)?;
     if wrapping == Wrapping::CheckpointThenShard {
         wrap_blocks(&mut gpt)?;
     }
@@ -117,8 +120,8 @@ fn train_rank(
             calls(&counter, OpKind::ReduceScatter),
         );
         let (ids, targets) = batch(rank, step, config.vocab_size);
-        let logits = model.forward(&ids)?;
-        let loss = cross_entropy(&logits, &targets, DEFAULT_IGNORE_INDEX)?;
+        let logits = model.forward(&on(&ids, device))?;
+        let loss = cross_entropy(&logits, &on(&targets, device), DEFAULT_IGNORE_INDEX)?;
         model.backward(&loss.grad)?;
         for unit in &blocks {
             assert_eq!(unit.training_state(), TrainingState::Idle);
@@ -126,7 +129,12 @@ fn train_rank(
         let mut grads = BTreeMap::new();
         model.visit_params("", &mut |name, p| {
             let grad = p.grad.as_ref().expect("every parameter gets a gradient");
-            let bits = grad.to_vec::<f32>()?.iter().map(|g| g.to_bits()).collect();
+            let bits = grad
+                .to_host()?
+                .to_vec::<f32>()?
+                .iter()
+                .map(|g| g.to_bits())
+                .collect();
             grads.insert(name.to_string(), bits);
             Ok(())
         })?;
@@ -147,18 +155,27 @@ fn run(
     wrapping: Wrapping,
     dropout: f64,
     reshard: ReshardAfterForward,
+    device: Device,
 ) -> Vec<Vec<Step>> {
     let counters = counted_world(world);
     hypershard_testkit::run_ranks(world, move |rank| {
-        train_rank(counters[rank].clone(), rank, wrapping, dropout, reshard)
+        train_rank(
+            counters[rank].clone(),
+            rank,
+            wrapping,
+            dropout,
+            reshard,
+            device,
+        )
     })
-    .unwrap_or_else(|e| panic!("world {world}, {wrapping:?}: {e}"))
+    .unwrap_or_else(|e| panic!("world {world}, {wrapping:?}, {device:?}: {e}"))
 }
 
-/// Both wrapping orders against the plain run: bitwise equal losses and gradients on every
-/// rank, and the same collectives, `gathers_per_step` all-gathers each step.
+/// Both wrapping orders, on the host and on the emulated device, against the plain host run:
+/// bitwise equal losses and gradients on every rank, and the same collectives,
+/// `gathers_per_step` all-gathers each step.
 fn check(world: usize, dropout: f64, reshard: ReshardAfterForward, gathers_per_step: u64) {
-    let plain = run(world, Wrapping::Plain, dropout, reshard);
+    let plain = run(world, Wrapping::Plain, dropout, reshard, Device::Cpu);
     for steps in &plain {
         for step in steps {
             assert_eq!(step.all_gathers, gathers_per_step, "plain, world {world}");
@@ -166,12 +183,23 @@ fn check(world: usize, dropout: f64, reshard: ReshardAfterForward, gathers_per_s
             assert_eq!(step.reduce_scatters, 1 + LAYERS, "plain, world {world}");
         }
     }
-    for wrapping in [Wrapping::CheckpointThenShard, Wrapping::ShardThenCheckpoint] {
-        let got = run(world, wrapping, dropout, reshard);
+    let runs = DEVICES.into_iter().flat_map(|device| {
+        [
+            Wrapping::Plain,
+            Wrapping::CheckpointThenShard,
+            Wrapping::ShardThenCheckpoint,
+        ]
+        .into_iter()
+        .filter(move |&w| w != Wrapping::Plain || device != Device::Cpu)
+        .map(move |w| (w, device))
+    });
+    for (wrapping, device) in runs {
+        let got = run(world, wrapping, dropout, reshard, device);
         for (rank, (want, got)) in plain.iter().zip(&got).enumerate() {
             assert_eq!(want.len(), got.len());
             for (i, (w, g)) in want.iter().zip(got).enumerate() {
-                let at = format!("{wrapping:?}, world {world}, rank {rank}, step {i}");
+                let at =
+                    format!("{wrapping:?} on {device:?}, world {world}, rank {rank}, step {i}");
                 assert_eq!(w.loss, g.loss, "loss bits, {at}");
                 assert_eq!(w.all_gathers, g.all_gathers, "all-gathers, {at}");
                 assert_eq!(

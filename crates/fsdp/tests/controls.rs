@@ -13,7 +13,7 @@ use hypershard_fsdp::{
 use hypershard_nn::{
     Linear, LinearConfig, Module, ParamVisitor, ParamVisitorMut, Sequential, mse_loss,
 };
-use hypershard_tensor::{DType, Tensor};
+use hypershard_tensor::{DType, Device, Tensor};
 
 const DIMS: [usize; 4] = [5, 3, 7, 2];
 const TOL: f64 = 1e-5;
@@ -79,23 +79,24 @@ fn sum_with_scaling_factor_equals_the_mean() {
 
 #[test]
 fn sum_reduction_is_world_times_the_mean() {
-    let grads = |op: GradReduceOp| {
+    let grads = |op: GradReduceOp, device: Device| {
         let comms = hypershard_collectives::local::spawn_world(3).expect("world");
         hypershard_testkit::run_ranks(3, move |rank| {
             let mesh = dp_mesh(&[3], comms[rank].clone())?;
             let mut config = FullyShardConfig::new(mesh);
             config.reduce_op = op;
-            let mut model = shard_model(mlp(&DIMS, DType::F32), &config)?;
+            let device = rank_device(device, rank);
+            let mut model = shard_model(moved(mlp(&DIMS, DType::F32), device), &config)?;
             let (x, y) = batch(0, DIMS[0], DIMS[3], DType::F32);
-            let out = model.forward(&local_rows(&x, rank, 3))?;
-            let loss = mse_loss(&out, &local_rows(&y, rank, 3))?;
+            let out = model.forward(&on(&local_rows(&x, rank, 3), device))?;
+            let loss = mse_loss(&out, &on(&local_rows(&y, rank, 3), device))?;
             model.backward(&loss.grad)?;
             let mut grads = Vec::new();
             model.visit_params("", &mut |_, p| {
                 grads.extend(
                     p.grad
                         .as_ref()
-                        .map(|g| g.to_f64_vec())
+                        .map(|g| g.to_host()?.to_f64_vec())
                         .transpose()?
                         .unwrap_or_default(),
                 );
@@ -105,8 +106,12 @@ fn sum_reduction_is_world_times_the_mean() {
         })
         .expect("run")
     };
-    let avg = grads(GradReduceOp::Avg);
-    let sum = grads(GradReduceOp::Sum);
+    let avg = grads(GradReduceOp::Avg, Device::Cpu);
+    let sum = grads(GradReduceOp::Sum, Device::Cpu);
+    // The emulated device reduces the same values.
+    let emulated = Device::Emulated { ordinal: 0 };
+    assert_eq!(avg, grads(GradReduceOp::Avg, emulated));
+    assert_eq!(sum, grads(GradReduceOp::Sum, emulated));
     for (a, s) in avg.iter().zip(&sum) {
         assert_eq!(a.len(), s.len());
         assert!(!a.is_empty());
@@ -121,30 +126,38 @@ fn sum_reduction_is_world_times_the_mean() {
 
 #[test]
 fn manual_unshard_shows_full_params_and_reshard_frees_them() {
-    let comms = hypershard_collectives::local::spawn_world(3).expect("world");
-    let want = params_of(&mlp(&DIMS, DType::F32));
-    hypershard_testkit::run_ranks(3, move |rank| {
-        let mesh = dp_mesh(&[3], comms[rank].clone())?;
-        let config = FullyShardConfig::new(mesh);
-        let mut unit = fully_shard(Box::new(mlp(&DIMS, DType::F32)), config)?;
-        assert!(unit.is_in_state(ShardedState::Sharded));
-        unit.unshard()?;
-        assert!(unit.handle().is_unsharded());
-        let full = params_of(&unit);
-        assert_eq!(full, want, "rank {rank}");
-        unit.reshard()?;
-        assert!(unit.is_in_state(ShardedState::Sharded));
-        let shards = params_of(&unit);
-        assert_eq!(shards["0.weight"].0, vec![1, 5]);
-        // An async unshard is consumed by the next unshard.
-        unit.unshard_async()?;
-        assert!(unit.handle().gather_in_flight());
-        unit.unshard()?;
-        assert!(!unit.handle().gather_in_flight());
-        assert_eq!(params_of(&unit), want);
-        Ok::<_, hypershard_fsdp::FsdpError>(())
-    })
-    .expect("run");
+    for device in DEVICES {
+        let comms = hypershard_collectives::local::spawn_world(3).expect("world");
+        let want = params_of(&mlp(&DIMS, DType::F32));
+        hypershard_testkit::run_ranks(3, move |rank| {
+            let mesh = dp_mesh(&[3], comms[rank].clone())?;
+            let config = FullyShardConfig::new(mesh);
+            let device = rank_device(device, rank);
+            let mut unit = fully_shard(Box::new(moved(mlp(&DIMS, DType::F32), device)), config)?;
+            assert!(unit.is_in_state(ShardedState::Sharded));
+            unit.unshard()?;
+            assert!(unit.handle().is_unsharded());
+            let full = params_of(&unit);
+            assert_eq!(full, want, "rank {rank}");
+            unit.reshard()?;
+            assert!(unit.is_in_state(ShardedState::Sharded));
+            let shards = params_of(&unit);
+            assert_eq!(shards["0.weight"].0, vec![1, 5]);
+            // An async unshard is consumed by the next unshard.
+            unit.unshard_async()?;
+            assert!(unit.handle().gather_in_flight());
+            unit.unshard()?;
+            assert!(!unit.handle().gather_in_flight());
+            assert_eq!(params_of(&unit), want);
+            // Shards and unsharded parameters alike stay on the unit's device.
+            unit.visit_params("", &mut |name, p| {
+                assert_eq!(p.data()?.device(), device, "{name}");
+                Ok(())
+            })?;
+            Ok::<_, hypershard_fsdp::FsdpError>(())
+        })
+        .expect("run");
+    }
 }
 
 #[test]

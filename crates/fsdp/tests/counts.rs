@@ -30,10 +30,27 @@ fn counts_of(counter: &CommCounter) -> Counts {
 }
 
 /// Runs `steps` steps and returns, per rank, the counts on the world communicator and on each
-/// communicator split from it (in split order).
+/// communicator split from it (in split order): on the host and on the emulated device,
+/// whose counts must be the same (staging adds copies, never collectives).
 fn count(
     mesh_shape: &[usize],
     steps: usize,
+    configure: Arc<Configure>,
+) -> Vec<(Counts, Vec<Counts>)> {
+    let mut both = on_both(|device| count_on(mesh_shape, steps, device, configure.clone()));
+    let on_device = both.pop().expect("invariant: two runs");
+    let on_host = both.pop().expect("invariant: two runs");
+    assert_eq!(
+        on_host, on_device,
+        "mesh {mesh_shape:?}: host and emulated counts"
+    );
+    on_host
+}
+
+fn count_on(
+    mesh_shape: &[usize],
+    steps: usize,
+    device: hypershard_tensor::Device,
     configure: Arc<Configure>,
 ) -> Vec<(Counts, Vec<Counts>)> {
     let world: usize = mesh_shape.iter().product();
@@ -49,9 +66,10 @@ fn count(
             mesh_shape: mesh_shape.clone(),
         };
         let comm: Arc<dyn Communicator> = counters[rank].clone();
-        train_rank(
+        train_rank_on(
             &run,
             comm,
+            device,
             configure.as_ref(),
             &|_: &mut FsdpModule, _, _| {},
         )?;

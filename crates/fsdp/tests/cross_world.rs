@@ -12,7 +12,7 @@ use hypershard_collectives::Communicator;
 use hypershard_fsdp::{FsdpError, FsdpModule, FullyShardConfig, SavedShard};
 use hypershard_nn::optim::{Sgd, SgdConfig};
 use hypershard_nn::{Module, mse_loss};
-use hypershard_tensor::{DType, Tensor};
+use hypershard_tensor::{DType, Device, Tensor};
 
 /// Uneven layers, so the saved and loaded shards cut rows at different places.
 const DIMS: [usize; 4] = [5, 7, 3, 2];
@@ -50,13 +50,17 @@ fn train_steps(
     model: &mut FsdpModule,
     comm: &Arc<dyn Communicator>,
     steps: std::ops::Range<usize>,
+    device: Device,
 ) -> Result<Vec<f64>, FsdpError> {
     let mut opt = sgd();
     let (rank, world) = (comm.rank(), comm.size());
     let mut losses = Vec::new();
     for step in steps {
         let (x, y) = batch(step, DIMS[0], DIMS[3], DType::F32);
-        let (x, y) = (local_rows(&x, rank, world), local_rows(&y, rank, world));
+        let (x, y) = (
+            on(&local_rows(&x, rank, world), device),
+            on(&local_rows(&y, rank, world), device),
+        );
         let out = model.forward(&x)?;
         let loss = mse_loss(&out, &y)?;
         model.backward(&loss.grad)?;
@@ -80,15 +84,23 @@ struct Saved {
     losses: Vec<f64>,
 }
 
-fn first_job(comms: Vec<Arc<dyn Communicator>>) -> Saved {
+fn first_job(comms: Vec<Arc<dyn Communicator>>, device: Device) -> Saved {
     let world = comms.len();
     let per_rank = hypershard_testkit::run_ranks(world, move |rank| {
         let comm = comms[rank].clone();
         let config = FullyShardConfig::new(dp_mesh(&[world], comm.clone())?);
-        let mut model = shard_model(mlp(&DIMS, DType::F32), &config)?;
-        let losses = train_steps(&mut model, &comm, 0..SAVED_AT)?;
+        let device = rank_device(device, rank);
+        let mut model = shard_model(moved(mlp(&DIMS, DType::F32), device), &config)?;
+        let losses = train_steps(&mut model, &comm, 0..SAVED_AT, device)?;
         let pieces = model.saved_shards()?;
         let full = model.full_state_dict()?;
+        // What a checkpoint writes is host memory, whatever the module's device.
+        for piece in pieces.values() {
+            assert_eq!(piece.tensor.device(), Device::Cpu);
+        }
+        for tensor in full.values() {
+            assert_eq!(tensor.device(), Device::Cpu);
+        }
         Ok::<_, FsdpError>((pieces, full, losses))
     })
     .unwrap_or_else(|e| panic!("first job: {e}"));
@@ -114,7 +126,7 @@ enum Form {
 
 /// The second job on a local world of `mesh_shape`, loading `form`; checks it against the
 /// reference.
-fn second_job(saved: &Arc<Saved>, mesh_shape: &[usize], form: Form) {
+fn second_job(saved: &Arc<Saved>, mesh_shape: &[usize], form: Form, device: Device) -> Vec<f64> {
     let (want_params, want_losses) = reference_run();
     for (got, want) in saved.losses.iter().zip(&want_losses) {
         assert!((got - want).abs() <= 1e-5 * want.abs(), "{got} vs {want}");
@@ -127,13 +139,14 @@ fn second_job(saved: &Arc<Saved>, mesh_shape: &[usize], form: Form) {
         let comm = comms[rank].clone();
         let mesh = dp_mesh(&shape, comm.clone())?;
         let config = FullyShardConfig::new(mesh.clone());
-        let mut model = shard_model(mlp(&DIMS, DType::F32), &config)?;
+        let device = rank_device(device, rank);
+        let mut model = shard_model(moved(mlp(&DIMS, DType::F32), device), &config)?;
         match form {
             Form::Pieces => model.load_saved_shards(&saved.pieces)?,
             // Every rank reads the full file (rank 0 of the first job wrote it).
             Form::Full => model.load_state_dict(&saved.full)?,
         }
-        let losses = train_steps(&mut model, &comm, SAVED_AT..TOTAL)?;
+        let losses = train_steps(&mut model, &comm, SAVED_AT..TOTAL, device)?;
         Ok::<_, FsdpError>((
             RankResult {
                 params: params_of(&model),
@@ -144,7 +157,8 @@ fn second_job(saved: &Arc<Saved>, mesh_shape: &[usize], form: Form) {
             losses,
         ))
     })
-    .unwrap_or_else(|e| panic!("second job {mesh_shape:?} {form:?}: {e}"));
+    .unwrap_or_else(|e| panic!("second job {mesh_shape:?} {form:?} {device:?}: {e}"));
+    let losses = results[0].1.clone();
     for (got, want) in results[0].1.iter().zip(&want_losses[SAVED_AT..]) {
         let rel = (got - want).abs() / want.abs();
         assert!(rel <= 1e-5, "{mesh_shape:?} {form:?}: loss {got} vs {want}");
@@ -153,67 +167,89 @@ fn second_job(saved: &Arc<Saved>, mesh_shape: &[usize], form: Form) {
     let got = assemble(&ranks, &dim0, &none);
     let err = max_rel_err(&got, &want_params);
     assert!(err <= 1e-5, "{mesh_shape:?} {form:?}: max rel err {err}");
+    losses
+}
+
+/// A checkpoint saved on `saved_on` and resumed at `mesh_shape` on both devices: the same
+/// losses bit for bit.
+fn resume_on_both(saved: &Arc<Saved>, mesh_shape: &[usize], form: Form) {
+    let losses = on_both(|device| second_job(saved, mesh_shape, form, device));
+    let bits = |l: &[f64]| l.iter().map(|v| v.to_bits()).collect::<Vec<_>>();
+    assert_eq!(
+        bits(&losses[0]),
+        bits(&losses[1]),
+        "{mesh_shape:?} {form:?}"
+    );
 }
 
 #[test]
 fn saved_at_world_2_loads_at_worlds_1_3_4_and_2x2() {
-    let comms = hypershard_collectives::local::spawn_world(2).expect("local world");
-    let saved = Arc::new(first_job(comms));
-    for shape in [vec![3], vec![4], vec![1], vec![2, 2]] {
-        for form in [Form::Pieces, Form::Full] {
-            second_job(&saved, &shape, form);
+    // Saved on either device, resumed on either: one checkpoint format.
+    for saved_on in DEVICES {
+        let comms = hypershard_collectives::local::spawn_world(2).expect("local world");
+        let saved = Arc::new(first_job(comms, saved_on));
+        for shape in [vec![3], vec![4], vec![1], vec![2, 2]] {
+            for form in [Form::Pieces, Form::Full] {
+                resume_on_both(&saved, &shape, form);
+            }
         }
     }
 }
 
 #[test]
 fn saved_on_tcp_at_world_3_loads_at_world_2() {
-    let saved = Arc::new(first_job(tcp_world(3)));
-    second_job(&saved, &[2], Form::Pieces);
+    for device in DEVICES {
+        let saved = Arc::new(first_job(tcp_world(3), device));
+        resume_on_both(&saved, &[2], Form::Pieces);
+    }
 }
 
 #[test]
 fn incomplete_or_mismatched_pieces_are_typed_errors_and_change_nothing() {
     let comms = hypershard_collectives::local::spawn_world(2).expect("local world");
-    let saved = first_job(comms);
+    let saved = first_job(comms, Device::Cpu);
     let comms = hypershard_collectives::local::spawn_world(3).expect("local world");
     let saved = Arc::new(saved);
     hypershard_testkit::run_ranks(3, move |rank| {
-        let config = FullyShardConfig::new(dp_mesh(&[3], comms[rank].clone())?);
-        let mut model = shard_model(mlp(&DIMS, DType::F32), &config)?;
-        let before = params_of(&model);
-        // Only the first job's rank-0 pieces: ranks whose box reaches past them fail.
-        let mut partial = saved.pieces.clone();
-        for pieces in partial.values_mut() {
-            pieces.truncate(1);
-        }
-        let result = model.load_saved_shards(&partial);
-        // Rank 0's box of `0.weight` (rows 0..3 of 7) lies in saved rank 0's rows 0..4, but
-        // rank 2's (rows 6..7) does not.
-        if rank == 2 {
+        // The same refusals for a module on the host and on the emulated device.
+        for device in DEVICES {
+            let config = FullyShardConfig::new(dp_mesh(&[3], comms[rank].clone())?);
+            let device = rank_device(device, rank);
+            let mut model = shard_model(moved(mlp(&DIMS, DType::F32), device), &config)?;
+            let before = params_of(&model);
+            // Only the first job's rank-0 pieces: ranks whose box reaches past them fail.
+            let mut partial = saved.pieces.clone();
+            for pieces in partial.values_mut() {
+                pieces.truncate(1);
+            }
+            let result = model.load_saved_shards(&partial);
+            // Rank 0's box of `0.weight` (rows 0..3 of 7) lies in saved rank 0's rows 0..4, but
+            // rank 2's (rows 6..7) does not.
+            if rank == 2 {
+                assert!(
+                    matches!(&result, Err(FsdpError::SavedShardsIncomplete { .. })),
+                    "{result:?}"
+                );
+                assert_eq!(params_of(&model), before);
+            }
+            // A piece of another global shape.
+            let mut wrong = saved.pieces.clone();
+            if let Some(pieces) = wrong.get_mut("0.weight") {
+                pieces[0].global_shape = vec![8, 5];
+            }
+            let result = model.load_saved_shards(&wrong);
             assert!(
-                matches!(&result, Err(FsdpError::SavedShardsIncomplete { .. })),
+                matches!(&result, Err(FsdpError::StateDictShape { name, .. }) if name == "0.weight"),
                 "{result:?}"
             );
-            assert_eq!(params_of(&model), before);
+            let mut missing = saved.pieces.clone();
+            missing.remove("2.bias");
+            let result = model.load_saved_shards(&missing);
+            assert!(
+                matches!(&result, Err(FsdpError::StateDictMissing { name }) if name == "2.bias"),
+                "{result:?}"
+            );
         }
-        // A piece of another global shape.
-        let mut wrong = saved.pieces.clone();
-        if let Some(pieces) = wrong.get_mut("0.weight") {
-            pieces[0].global_shape = vec![8, 5];
-        }
-        let result = model.load_saved_shards(&wrong);
-        assert!(
-            matches!(&result, Err(FsdpError::StateDictShape { name, .. }) if name == "0.weight"),
-            "{result:?}"
-        );
-        let mut missing = saved.pieces.clone();
-        missing.remove("2.bias");
-        let result = model.load_saved_shards(&missing);
-        assert!(
-            matches!(&result, Err(FsdpError::StateDictMissing { name }) if name == "2.bias"),
-            "{result:?}"
-        );
         Ok::<_, FsdpError>(())
     })
     .unwrap_or_else(|e| panic!("{e}"));

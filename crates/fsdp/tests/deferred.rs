@@ -5,7 +5,7 @@ mod common;
 
 use std::sync::Arc;
 
-use common::dp_mesh;
+use common::{DEVICES, dp_mesh, moved, on, rank_device};
 use hypershard_collectives::Communicator;
 use hypershard_fsdp::{
     FsdpError, FsdpModule, FullyShardConfig, fully_shard, fully_shard_children, has_params,
@@ -13,7 +13,7 @@ use hypershard_fsdp::{
 use hypershard_nn::optim::{AdamW, AdamWConfig};
 use hypershard_nn::{DEFAULT_IGNORE_INDEX, Gpt, GptConfig, Module, cross_entropy};
 use hypershard_tensor::memory::MemoryTracker;
-use hypershard_tensor::{DType, Tensor};
+use hypershard_tensor::{DType, Device, Tensor};
 
 /// Shapes that no world of 2, 3 or 4 divides: 67 vocabulary rows, 13 positions, 3·10 = 30
 /// rows of c_attn, 40 of c_fc.
@@ -53,7 +53,7 @@ fn local_bytes(model: &dyn Module) -> Vec<(String, Vec<usize>, Vec<u8>)> {
     let mut out = Vec::new();
     model
         .visit_params("", &mut |name, param| {
-            let data = param.data()?;
+            let data = param.data()?.to_host()?;
             out.push((name.to_string(), data.shape().to_vec(), data.to_bytes()?));
             Ok(())
         })
@@ -73,13 +73,27 @@ fn run_world<T: Send + 'static>(
 
 #[test]
 fn deferred_shards_equal_the_eager_shards_for_every_gpt_parameter() {
-    for mesh_shape in [vec![1], vec![2], vec![3], vec![4], vec![2, 2]] {
+    // Deferred shards materialised on the unit's device (`FullyShardConfig::device`) equal
+    // the eager host model's shards.
+    for (mesh_shape, device) in [vec![1], vec![2], vec![3], vec![4], vec![2, 2]]
+        .into_iter()
+        .flat_map(|shape| DEVICES.map(|device| (shape.clone(), device)))
+    {
         let shape = mesh_shape.clone();
-        let results = run_world(&mesh_shape, move |_rank, comm| {
+        let results = run_world(&mesh_shape, move |rank, comm| {
             let mesh = dp_mesh(&shape, comm)?;
-            let config = FullyShardConfig::new(mesh);
+            let eager = shard_gpt(
+                build(uneven_gpt(), false),
+                &FullyShardConfig::new(mesh.clone()),
+            )?;
+            let mut config = FullyShardConfig::new(mesh);
+            let device = rank_device(device, rank);
+            config.device = Some(device);
             let deferred = shard_gpt(build(uneven_gpt(), true), &config)?;
-            let eager = shard_gpt(build(uneven_gpt(), false), &config)?;
+            deferred.visit_params("", &mut |name, param| {
+                assert_eq!(param.data()?.device(), device, "{name}");
+                Ok(())
+            })?;
             Ok((local_bytes(&deferred), local_bytes(&eager)))
         });
         for (rank, (deferred, eager)) in results.iter().enumerate() {
@@ -105,13 +119,21 @@ fn deferred_shards_equal_the_eager_shards_for_every_gpt_parameter() {
     }
 }
 
-/// Three AdamW steps of the uneven GPT on `mesh_shape`; every rank's losses.
-fn train_losses(mesh_shape: &[usize], deferred: bool) -> Vec<Vec<f64>> {
+/// Three AdamW steps of the uneven GPT on `mesh_shape` with every rank's model on `device`
+/// (materialised there when deferred, moved there when eager); every rank's losses.
+fn train_losses(mesh_shape: &[usize], deferred: bool, device: Device) -> Vec<Vec<f64>> {
     let shape = mesh_shape.to_vec();
-    run_world(mesh_shape, move |_rank, comm| {
+    run_world(mesh_shape, move |rank, comm| {
         let mesh = dp_mesh(&shape, comm)?;
-        let config = FullyShardConfig::new(mesh.clone());
-        let mut model = shard_gpt(build(uneven_gpt(), deferred), &config)?;
+        let mut config = FullyShardConfig::new(mesh.clone());
+        let device = rank_device(device, rank);
+        let gpt = if deferred {
+            config.device = Some(device);
+            build(uneven_gpt(), true)
+        } else {
+            moved(build(uneven_gpt(), false), device)
+        };
+        let mut model = shard_gpt(gpt, &config)?;
         let mut optimizer = AdamW::new(AdamWConfig {
             lr: 1e-2,
             ..AdamWConfig::default()
@@ -125,8 +147,8 @@ fn train_losses(mesh_shape: &[usize], deferred: bool) -> Vec<Vec<f64>> {
                 .map(|k| ((step * 31 + (dp_rank * rows * seq + k) * 7) % 67) as i64)
                 .collect();
             let targets: Vec<i64> = ids.iter().map(|t| (t * 5 + 1) % 67).collect();
-            let ids = Tensor::from_vec(ids, &[rows, seq])?;
-            let targets = Tensor::from_vec(targets, &[rows * seq])?;
+            let ids = on(&Tensor::from_vec(ids, &[rows, seq])?, device);
+            let targets = on(&Tensor::from_vec(targets, &[rows * seq])?, device);
             let logits = model.forward(&ids)?;
             let loss = cross_entropy(
                 &logits.view(&[rows * seq, 67])?,
@@ -150,17 +172,26 @@ fn train_losses(mesh_shape: &[usize], deferred: bool) -> Vec<Vec<f64>> {
 #[test]
 fn training_from_deferred_init_gives_the_eager_losses_bitwise() {
     for mesh_shape in [vec![3], vec![2, 2]] {
-        let deferred = train_losses(&mesh_shape, true);
-        let eager = train_losses(&mesh_shape, false);
-        assert_eq!(deferred.len(), eager.len());
-        for (d, e) in deferred.iter().zip(&eager) {
-            assert_eq!(d.len(), 3);
-            assert!(d.iter().all(|l| l.is_finite()));
-            let (db, eb): (Vec<u64>, Vec<u64>) = (
-                d.iter().map(|l| l.to_bits()).collect(),
-                e.iter().map(|l| l.to_bits()).collect(),
-            );
-            assert_eq!(db, eb, "mesh {mesh_shape:?}: {d:?} vs {e:?}");
+        let eager = train_losses(&mesh_shape, false, Device::Cpu);
+        let runs = DEVICES.into_iter().flat_map(|device| {
+            [true, false]
+                .into_iter()
+                .filter(move |&deferred| deferred || device != Device::Cpu)
+                .map(move |deferred| (device, deferred))
+        });
+        for (device, deferred_init) in runs {
+            let deferred = train_losses(&mesh_shape, deferred_init, device);
+            let mesh_shape = format!("{mesh_shape:?}, {device:?}, deferred {deferred_init}");
+            assert_eq!(deferred.len(), eager.len());
+            for (d, e) in deferred.iter().zip(&eager) {
+                assert_eq!(d.len(), 3);
+                assert!(d.iter().all(|l| l.is_finite()));
+                let (db, eb): (Vec<u64>, Vec<u64>) = (
+                    d.iter().map(|l| l.to_bits()).collect(),
+                    e.iter().map(|l| l.to_bits()).collect(),
+                );
+                assert_eq!(db, eb, "mesh {mesh_shape}: {d:?} vs {e:?}");
+            }
         }
     }
 }
@@ -192,18 +223,39 @@ fn the_full_model_is_never_allocated_at_world_4() {
     let block = (12 * c * c + 13 * c) * 4;
     let root = (config.vocab_size * c + config.block_size * c + 2 * c) * 4;
     let largest_unit = block.max(root);
-    let peaks = run_world(&[4], move |_rank, comm| {
+    let peaks = run_world(&[4], move |rank, comm| {
         let tracker = MemoryTracker::new();
         let _scope = tracker.enter();
-        let mesh = dp_mesh(&[4], comm)?;
+        let mesh = dp_mesh(&[4], comm.clone())?;
         let model = shard_gpt(build(config, true), &FullyShardConfig::new(mesh))?;
         let held = tracker.live_bytes();
+        let peak = tracker.peak_bytes();
         drop(model);
-        Ok((tracker.peak_bytes(), held))
+        // Materialised on a device, the device holds the shards and the host at most one
+        // block at a time on its way there.
+        let device = Device::Emulated { ordinal: rank };
+        tracker.reset_peak();
+        let mut on_device = FullyShardConfig::new(dp_mesh(&[4], comm)?);
+        on_device.device = Some(device);
+        let model = shard_gpt(build(config, true), &on_device)?;
+        let device_stats = tracker.device_stats(&device);
+        drop(model);
+        Ok((peak, held, tracker.peak_bytes(), device_stats))
     });
     // 64 KiB covers the per-unit bookkeeping tensors; activations do not exist yet.
     let slack = 64 << 10;
-    for (rank, &(peak, held)) in peaks.iter().enumerate() {
+    for (rank, &(peak, held, staging_peak, device)) in peaks.iter().enumerate() {
+        // On the device: the shards and nothing more, there and on the host on the way.
+        assert!(
+            device.peak_bytes <= total / 4 + slack,
+            "rank {rank}: device peak {}",
+            device.peak_bytes
+        );
+        assert!(device.live_bytes >= total / 4 - 4 * 1024, "{device:?}");
+        assert!(
+            staging_peak <= largest_unit / 4 + slack,
+            "rank {rank}: host peak {staging_peak} while materialising on the device"
+        );
         assert!(
             peak <= total / 4 + largest_unit + slack,
             "rank {rank}: peak {peak} B at start-up, model {total} B, largest unit {largest_unit} B"

@@ -11,7 +11,7 @@ use hypershard_fsdp::{
 };
 use hypershard_mesh::DeviceMesh;
 use hypershard_nn::{Linear, LinearConfig, Module};
-use hypershard_tensor::{DType, Tensor};
+use hypershard_tensor::{DType, Device, Tensor};
 
 fn one_rank_mesh() -> Arc<DataParallelMesh> {
     let comm = hypershard_collectives::local::spawn_world(1)
@@ -197,4 +197,92 @@ fn calling_the_wrapped_module_directly_sees_shards_and_fails_typed() {
         }
     })
     .expect("typed error");
+}
+
+#[test]
+fn a_module_with_parameters_on_two_devices_is_refused_naming_both() {
+    let emulated = Device::Emulated { ordinal: 0 };
+    // The weight on the emulated device, the bias on the host.
+    let mixed = || {
+        let mut layer = linear();
+        layer
+            .visit_params_mut("", &mut |name, p| {
+                if name == "weight" {
+                    p.data = Some(p.data()?.to_device(&emulated)?);
+                }
+                Ok(())
+            })
+            .expect("move the weight");
+        layer
+    };
+    let before = params_of(mixed().as_ref());
+    let rejected =
+        fully_shard(mixed(), FullyShardConfig::new(one_rank_mesh())).expect_err("two devices");
+    assert!(
+        matches!(
+            &rejected.error,
+            FsdpError::ParamDevice { param, expected, actual }
+                if param == "bias" && *expected == emulated && *actual == Device::Cpu
+        ),
+        "{:?}",
+        rejected.error
+    );
+    let message = rejected.error.to_string();
+    assert!(message.contains("bias") && message.contains("Emulated") && message.contains("Cpu"));
+    // Nothing changed: the weight is still on the device, the bias on the host.
+    assert_eq!(params_of(rejected.module.as_ref()), before);
+    let mut devices = Vec::new();
+    rejected
+        .module
+        .visit_params("", &mut |_, p| {
+            devices.push(p.data()?.device());
+            Ok(())
+        })
+        .expect("visit");
+    assert_eq!(devices, vec![emulated, Device::Cpu]);
+
+    // A module on one device but not the configured one is refused the same way.
+    let mut config = FullyShardConfig::new(one_rank_mesh());
+    config.device = Some(emulated);
+    let rejected = fully_shard(linear(), config).expect_err("host parameters");
+    assert!(matches!(
+        &rejected.error,
+        FsdpError::ParamDevice { param, expected, actual }
+            if param == "weight" && *expected == emulated && *actual == Device::Cpu
+    ));
+    // Ignored parameters may live anywhere.
+    let mut config = FullyShardConfig::new(one_rank_mesh());
+    config.ignored_params = names(&["bias"]);
+    let unit = fully_shard(mixed(), config).expect("the bias is not managed");
+    assert_eq!(unit.params().len(), 1);
+}
+
+#[test]
+fn inputs_on_another_device_than_the_unit_are_typed_errors() {
+    for (unit_device, input_device) in [
+        (Device::Cpu, Device::Emulated { ordinal: 0 }),
+        (Device::Emulated { ordinal: 0 }, Device::Cpu),
+    ] {
+        let mut unit = fully_shard(
+            Box::new(moved(mlp(&[3, 2, 2], DType::F32), unit_device)),
+            FullyShardConfig::new(one_rank_mesh()),
+        )
+        .expect("wrap");
+        let x = on(&Tensor::ones(&[1, 3], DType::F32).expect("t"), input_device);
+        let error = unit.forward(&x).expect_err("input on another device");
+        assert!(
+            matches!(
+                &error,
+                FsdpError::Nn(hypershard_nn::Error::Tensor(
+                    hypershard_tensor::Error::DeviceMismatch { .. }
+                )) | FsdpError::Tensor(hypershard_tensor::Error::DeviceMismatch { .. })
+            ),
+            "{unit_device:?} unit, {input_device:?} input: {error:?}"
+        );
+        // The unit is still usable with an input where it is.
+        let x = on(&Tensor::ones(&[1, 3], DType::F32).expect("t"), unit_device);
+        unit.reshard().expect("reshard after the failed forward");
+        let y = unit.forward(&x).expect("forward on the unit's device");
+        assert_eq!(y.device(), unit_device);
+    }
 }

@@ -12,7 +12,7 @@ use hypershard_fsdp::{
     fully_shard_children, fully_shard_group,
 };
 use hypershard_nn::{Identity, Linear, LinearConfig, Module, Relu, Sequential, mse_loss};
-use hypershard_tensor::{DType, Tensor};
+use hypershard_tensor::{DType, Device, Tensor};
 
 /// Uneven layers: children "0" = Linear(5,3), "2" = Linear(3,7), "4" = Linear(7,2).
 const DIMS: [usize; 4] = [5, 3, 7, 2];
@@ -49,21 +49,23 @@ fn shard_with_group(
     Ok(fully_shard(Box::new(model), config.clone())?)
 }
 
-/// Trains `STEPS` steps of `micro` micro-batches (all but the last without gradient sync)
+/// Trains `STEPS` steps of `micro` micro-batches (all but the last without gradient sync,
+/// and kept unsharded between them with `keep_between_micro`)
 /// on this rank; returns its local parameters, and checks the full state dict on rank 0.
 fn train_grouped(
     comm: Arc<dyn Communicator>,
     mesh_shape: &[usize],
     members: &[&str],
     configure: &(dyn Fn(&mut FullyShardConfig) + Send + Sync),
-    micro: usize,
-    keep_between_micro: bool,
+    (micro, keep_between_micro): (usize, bool),
     want: &Params,
+    device: Device,
 ) -> Result<RankResult, FsdpError> {
     let mesh = dp_mesh(mesh_shape, comm)?;
     let mut config = FullyShardConfig::new(mesh.clone());
     configure(&mut config);
-    let mut model = shard_with_group(mlp(&DIMS, DType::F32), members, &config)?;
+    let device = rank_device(device, mesh.rank());
+    let mut model = shard_with_group(moved(mlp(&DIMS, DType::F32), device), members, &config)?;
     let mut optimizer = Optimizer::new(Opt::Sgd);
     let dp_world = mesh.world().size();
     let dp_rank = mesh.rank();
@@ -75,8 +77,8 @@ fn train_grouped(
             }
             let (x, y) = batch(step * micro + m, DIMS[0], DIMS[3], DType::F32);
             let (x, y) = (
-                local_rows(&x, dp_rank, dp_world),
-                local_rows(&y, dp_rank, dp_world),
+                on(&local_rows(&x, dp_rank, dp_world), device),
+                on(&local_rows(&y, dp_rank, dp_world), device),
             );
             let out = model.forward(&x)?;
             let loss = mse_loss(&out, &y)?;
@@ -117,21 +119,27 @@ fn check(
 ) {
     let want = Arc::new(reference(&DIMS, DType::F32, Opt::Sgd, STEPS, micro));
     let world: usize = mesh_shape.iter().product();
-    let comms = hypershard_collectives::local::spawn_world(world).expect("local world");
-    let shape = mesh_shape.to_vec();
-    let want_ranks = want.clone();
-    let results = hypershard_testkit::run_ranks(world, move |rank| {
-        train_grouped(
-            comms[rank].clone(),
-            &shape,
-            members,
-            configure.as_ref(),
-            micro,
-            keep_between_micro,
-            &want_ranks,
-        )
-    })
-    .unwrap_or_else(|e| panic!("grouped run failed: {e}"));
+    let mut runs = on_both(|device| {
+        let comms = hypershard_collectives::local::spawn_world(world).expect("local world");
+        let shape = mesh_shape.to_vec();
+        let want_ranks = want.clone();
+        let configure = configure.clone();
+        hypershard_testkit::run_ranks(world, move |rank| {
+            train_grouped(
+                comms[rank].clone(),
+                &shape,
+                members,
+                configure.as_ref(),
+                (micro, keep_between_micro),
+                &want_ranks,
+                device,
+            )
+        })
+        .unwrap_or_else(|e| panic!("grouped run on {device:?} failed: {e}"))
+    });
+    let on_device = runs.pop().expect("invariant: two runs");
+    let results = runs.pop().expect("invariant: two runs");
+    assert_same_results(&results, &on_device);
     check_shard_shapes(&results, &want, &dim0, &none);
     let got = assemble(&results, &dim0, &none);
     let err = max_rel_err(&got, &want);
@@ -218,7 +226,15 @@ fn count(mesh_shape: &[usize], members: &'static [&'static str]) -> Vec<(Counts,
     let want = Arc::new(reference(&DIMS, DType::F32, Opt::Sgd, STEPS, 1));
     hypershard_testkit::run_ranks(world, move |rank| {
         let comm: Arc<dyn Communicator> = counters[rank].clone();
-        train_grouped(comm, &shape, members, &|_| {}, 1, false, &want)?;
+        train_grouped(
+            comm,
+            &shape,
+            members,
+            &|_| {},
+            (1, false),
+            &want,
+            Device::Cpu,
+        )?;
         let counts = counts_of(&counters[rank]);
         let children = counters[rank]
             .children()

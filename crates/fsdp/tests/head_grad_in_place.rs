@@ -8,11 +8,11 @@ mod common;
 
 use std::collections::BTreeMap;
 
-use common::dp_mesh;
+use common::{dp_mesh, on, rank_device};
 use hypershard_fsdp::{FsdpError, FullyShardConfig, fully_shard, fully_shard_children, has_params};
 use hypershard_nn::optim::{AdamW, AdamWConfig};
 use hypershard_nn::{DEFAULT_IGNORE_INDEX, Gpt, GptConfig, Module};
-use hypershard_tensor::{DType, Tensor};
+use hypershard_tensor::{DType, Device, Tensor};
 
 const VOCAB: usize = 2053;
 const WIDTH: usize = 16;
@@ -39,14 +39,16 @@ struct Run {
     pool_peak: usize,
 }
 
-fn train(mesh_shape: &[usize], in_weight: bool) -> Vec<Run> {
+fn train(mesh_shape: &[usize], in_weight: bool, device: Device) -> Vec<Run> {
     let world: usize = mesh_shape.iter().product();
     let comms = hypershard_collectives::local::spawn_world(world).expect("local world");
     let mesh_shape = mesh_shape.to_vec();
     hypershard_testkit::run_ranks(world, move |rank| {
         let mesh = dp_mesh(&mesh_shape, comms[rank].clone())?;
         let config = FullyShardConfig::new(mesh.clone());
+        let device = rank_device(device, rank);
         let mut gpt = Gpt::new(self::config())?;
+        hypershard_nn::to_device(&mut gpt, &device)?;
         let targets_handle = gpt.fused_loss(DEFAULT_IGNORE_INDEX);
         gpt.keep_head_grad_in_gathered_weight(in_weight);
         fully_shard_children(&mut gpt, &config, &mut |name, block| {
@@ -67,13 +69,18 @@ fn train(mesh_shape: &[usize], in_weight: bool) -> Vec<Run> {
                 Tensor::from_vec((0..16).map(token).collect::<Vec<_>>(), &[2, 8]).expect("ids");
             let targets =
                 Tensor::from_vec((1..17).map(token).collect::<Vec<_>>(), &[2, 8]).expect("targets");
-            targets_handle.for_backward(targets);
-            let loss = model.forward(&ids)?;
-            model.backward(&Tensor::from_vec(vec![1.0f32], &[1])?)?;
+            targets_handle.for_backward(on(&targets, device));
+            let loss = model.forward(&on(&ids, device))?.to_host()?;
+            model.backward(&on(&Tensor::from_vec(vec![1.0f32], &[1])?, device))?;
             let mut grads = BTreeMap::new();
             model.visit_params("", &mut |name, p| {
                 let grad = p.grad.as_ref().expect("every parameter gets a gradient");
-                let bits = grad.to_vec::<f32>()?.iter().map(|g| g.to_bits()).collect();
+                let bits = grad
+                    .to_host()?
+                    .to_vec::<f32>()?
+                    .iter()
+                    .map(|g| g.to_bits())
+                    .collect();
                 grads.insert(name.to_string(), bits);
                 Ok(())
             })?;
@@ -88,24 +95,32 @@ fn train(mesh_shape: &[usize], in_weight: bool) -> Vec<Run> {
 }
 
 fn check(mesh_shape: &[usize]) {
-    let default = train(mesh_shape, false);
-    let in_place = train(mesh_shape, true);
+    let default = train(mesh_shape, false, Device::Cpu);
+    let in_place = train(mesh_shape, true, Device::Cpu);
+    // On the emulated device the gathered head weight is device memory, which the host's
+    // in-place input cannot take: both settings take the copy-in, with the same bits.
+    let emulated = Device::Emulated { ordinal: 0 };
+    let device_runs = [false, true].map(|in_weight| train(mesh_shape, in_weight, emulated));
     let head_bytes = VOCAB * WIDTH * 4;
-    for (rank, (want, got)) in default.iter().zip(&in_place).enumerate() {
-        for (step, ((loss_a, grads_a), (loss_b, grads_b))) in
-            want.steps.iter().zip(&got.steps).enumerate()
-        {
-            let at = format!("mesh {mesh_shape:?}, rank {rank}, step {step}");
-            assert_eq!(loss_a, loss_b, "loss bits, {at}");
-            assert_eq!(
-                grads_a.keys().collect::<Vec<_>>(),
-                grads_b.keys().collect::<Vec<_>>(),
-                "{at}"
-            );
-            for (name, bits) in grads_a {
-                assert!(grads_b.get(name) == Some(bits), "gradient of {name}, {at}");
+    for got in device_runs.iter().chain([&in_place]) {
+        for (rank, (want, got)) in default.iter().zip(got).enumerate() {
+            for (step, ((loss_a, grads_a), (loss_b, grads_b))) in
+                want.steps.iter().zip(&got.steps).enumerate()
+            {
+                let at = format!("mesh {mesh_shape:?}, rank {rank}, step {step}");
+                assert_eq!(loss_a, loss_b, "loss bits, {at}");
+                assert_eq!(
+                    grads_a.keys().collect::<Vec<_>>(),
+                    grads_b.keys().collect::<Vec<_>>(),
+                    "{at}"
+                );
+                for (name, bits) in grads_a {
+                    assert!(grads_b.get(name) == Some(bits), "gradient of {name}, {at}");
+                }
             }
         }
+    }
+    for (rank, got) in in_place.iter().enumerate() {
         // Without the in-place input the pool lends the root's gathered buffer (holding the
         // head's gradient) and a reduce-scatter input of the same size at once: at least twice
         // the head weight. (The default run's pool peak is no yardstick: its head gradient is

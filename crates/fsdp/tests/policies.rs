@@ -183,31 +183,37 @@ fn ignored_params_stay_whole_and_untouched() {
         hypershard_nn::zero_grad(&mut reference_model).expect("zero");
     }
     let want = params_of(&reference_model);
-    let comms = hypershard_collectives::local::spawn_world(3).expect("world");
-    let results = hypershard_testkit::run_ranks(3, move |rank| {
-        let mesh = dp_mesh(&[3], comms[rank].clone())?;
-        let mut config = FullyShardConfig::new(mesh.clone());
-        config.ignored_params = BTreeSet::from(["weight".to_string()]);
-        let mut model = mlp(&DIMS, DType::F32);
-        freeze_weights(&mut model);
-        let mut model = shard_model(model, &config)?;
-        let mut optimizer = Optimizer::new(Opt::Sgd);
-        for step in 0..2 {
-            let (x, y) = batch(step, DIMS[0], DIMS[3], DType::F32);
-            let out = model.forward(&local_rows(&x, rank, 3))?;
-            let loss = mse_loss(&out, &local_rows(&y, rank, 3))?;
-            model.backward(&loss.grad)?;
-            optimizer.step(&mut model)?;
-            model.zero_grad()?;
-        }
-        Ok::<_, FsdpError>(RankResult {
-            params: params_of(&model),
-            shard_rank: mesh.shard_rank(),
-            replicate_rank: 0,
-            extra: Vec::new(),
+    let mut runs = on_both(|device| {
+        let comms = hypershard_collectives::local::spawn_world(3).expect("world");
+        hypershard_testkit::run_ranks(3, move |rank| {
+            let mesh = dp_mesh(&[3], comms[rank].clone())?;
+            let mut config = FullyShardConfig::new(mesh.clone());
+            config.ignored_params = BTreeSet::from(["weight".to_string()]);
+            let device = rank_device(device, rank);
+            let mut model = moved(mlp(&DIMS, DType::F32), device);
+            freeze_weights(&mut model);
+            let mut model = shard_model(model, &config)?;
+            let mut optimizer = Optimizer::new(Opt::Sgd);
+            for step in 0..2 {
+                let (x, y) = batch(step, DIMS[0], DIMS[3], DType::F32);
+                let out = model.forward(&on(&local_rows(&x, rank, 3), device))?;
+                let loss = mse_loss(&out, &on(&local_rows(&y, rank, 3), device))?;
+                model.backward(&loss.grad)?;
+                optimizer.step(&mut model)?;
+                model.zero_grad()?;
+            }
+            Ok::<_, FsdpError>(RankResult {
+                params: params_of(&model),
+                shard_rank: mesh.shard_rank(),
+                replicate_rank: 0,
+                extra: Vec::new(),
+            })
         })
-    })
-    .expect("run");
+        .expect("run")
+    });
+    let on_device = runs.pop().expect("invariant: two runs");
+    let results = runs.pop().expect("invariant: two runs");
+    assert_same_results(&results, &on_device);
     let is_weight = |name: &str| name.ends_with("weight");
     let got = assemble(&results, &dim0, &is_weight);
     assert!(max_rel_err(&got, &want) <= 1e-5);

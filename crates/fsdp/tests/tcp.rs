@@ -11,26 +11,32 @@ const DIMS: [usize; 4] = [5, 3, 7, 2];
 fn check_tcp(mesh_shape: &[usize]) {
     let want = reference(&DIMS, DType::F32, Opt::AdamW, 2, 1);
     let world: usize = mesh_shape.iter().product();
-    let comms = tcp_world(world);
-    let shape = mesh_shape.to_vec();
-    let results = hypershard_testkit::run_ranks(world, move |rank| {
-        let run = Run {
-            dims: DIMS.to_vec(),
-            dtype: DType::F32,
-            opt: Opt::AdamW,
-            steps: 2,
-            micro: 1,
-            mesh_shape: shape.clone(),
-        };
-        train_rank(
-            &run,
-            comms[rank].clone(),
-            &|_: &mut FullyShardConfig| {},
-            &|_: &mut FsdpModule, _, _| {},
-        )
-    })
-    .unwrap_or_else(|e| panic!("{e}"));
-    let got = assemble(&results, &dim0, &none);
+    // The same body on the host and on the emulated device (staged through host buffers for
+    // the tcp backend): both match the unsharded run, and each other exactly.
+    let runs = on_both(|device| {
+        let comms = tcp_world(world);
+        let shape = mesh_shape.to_vec();
+        hypershard_testkit::run_ranks(world, move |rank| {
+            let run = Run {
+                dims: DIMS.to_vec(),
+                dtype: DType::F32,
+                opt: Opt::AdamW,
+                steps: 2,
+                micro: 1,
+                mesh_shape: shape.clone(),
+            };
+            train_rank_on(
+                &run,
+                comms[rank].clone(),
+                device,
+                &|_: &mut FullyShardConfig| {},
+                &|_: &mut FsdpModule, _, _| {},
+            )
+        })
+        .unwrap_or_else(|e| panic!("{device:?}: {e}"))
+    });
+    assert_same_results(&runs[0], &runs[1]);
+    let got = assemble(&runs[0], &dim0, &none);
     let err = max_rel_err(&got, &want);
     assert!(err <= 1e-5, "tcp {mesh_shape:?}: {err}");
 }

@@ -246,6 +246,15 @@ pub enum Error {
         /// Why it is rejected.
         reason: String,
     },
+    /// The device `--device` names cannot be used: a build without its support, or no such
+    /// device on this machine.
+    #[error("--device {device}: {reason}")]
+    DeviceUnavailable {
+        /// The device kind asked for (`cuda`).
+        device: &'static str,
+        /// Why it cannot be used.
+        reason: String,
+    },
     /// A command-line value is out of range, not finite, or overflows what it sizes.
     #[error("invalid {flag} {value}: {reason}")]
     InvalidFlag {

@@ -16,7 +16,7 @@ use crate::bucket::{BucketPlan, SlotWriter};
 use crate::config::GradReduceOp;
 use crate::error::Result;
 use crate::param::ParamRole;
-use hypershard_dtensor::bridge::{fill_zero, reclaim_buffer};
+use hypershard_dtensor::bridge::reclaim_buffer;
 
 impl ParamGroup {
     fn reduce_scatter_op(&self) -> ReduceOp {
@@ -134,22 +134,29 @@ impl ParamGroup {
     /// caller copies the reduced shard over every element), stale pooled memory, which saves
     /// the zero-fill and the read of the add.
     fn grad_target(&mut self, index: usize, fresh_ok: bool) -> Result<(Tensor, bool)> {
-        let pool = self.mesh.pool().clone();
-        let param = &mut self.params[index];
-        let shape = param.sharded.shape().to_vec();
-        let (existing, dtype) = if self.mp.fp32_main_grad {
-            (&mut param.main_grad, DType::F32)
-        } else {
-            (&mut param.sharded_grad, param.orig_dtype)
-        };
-        if let Some(t) = existing {
+        let fp32_main_grad = self.mp.fp32_main_grad;
+        fn existing(param: &mut crate::param::FsdpParam, main: bool) -> &mut Option<Tensor> {
+            if main {
+                &mut param.main_grad
+            } else {
+                &mut param.sharded_grad
+            }
+        }
+        if let Some(t) = existing(&mut self.params[index], fp32_main_grad) {
             return Ok((t.clone(), false));
         }
-        let (target, fresh) = if fresh_ok {
-            (pool.tensor(&shape, dtype)?, true)
+        let shape = self.params[index].sharded.shape().to_vec();
+        let dtype = if fp32_main_grad {
+            DType::F32
         } else {
-            (Tensor::zeros(&shape, dtype)?, false)
+            self.params[index].orig_dtype
         };
+        let (target, fresh) = if fresh_ok {
+            (self.scratch(&shape, dtype)?, true)
+        } else {
+            (Tensor::zeros_on(&shape, dtype, &self.device)?, false)
+        };
+        let existing = existing(&mut self.params[index], fp32_main_grad);
         *existing = Some(target.clone());
         Ok((target, fresh))
     }
@@ -172,13 +179,15 @@ impl ParamGroup {
         };
         let layout = &self.params[first].layout;
         let size = bucket.dtype.size_of();
-        let fits = grad.as_ref().is_some_and(|g| {
-            g.dtype() == bucket.dtype
-                && g.shape() == layout.shape.as_slice()
-                && layout.dim == 0
-                && layout.world == shard_world
-                && g.storage().read().len() == bucket.per_rank * shard_world * size
-        });
+        // The in-place expansion moves host bytes: a device unit takes the copy-in.
+        let fits = self.device.is_cpu()
+            && grad.as_ref().is_some_and(|g| {
+                g.dtype() == bucket.dtype
+                    && g.shape() == layout.shape.as_slice()
+                    && layout.dim == 0
+                    && layout.world == shard_world
+                    && g.storage().read().len() == bucket.per_rank * shard_world * size
+            });
         if !fits {
             return Ok(None);
         }
@@ -224,7 +233,6 @@ impl ParamGroup {
         for bucket_index in 0..self.reduce_plan.len() {
             let bucket = self.reduce_plan[bucket_index].clone();
             let dtype = buffer_dtype(bucket.dtype, &self.unit)?;
-            let size = bucket.dtype.size_of();
             // The gradient of the bucket's first member may already live in a buffer of the
             // input's size: the gathered buffer its parameter was a prefix of, when the model
             // accumulated the gradient there (nn's `Gpt::keep_head_grad_in_gathered_weight`).
@@ -237,9 +245,12 @@ impl ParamGroup {
             };
             let in_place = gathered.is_some();
             let cached = pool.stats().cached_bytes;
-            let mut input = match gathered {
-                Some(buffer) => buffer,
-                None => pool.take(dtype, bucket.per_rank * shard_world),
+            let input = match gathered {
+                Some(buffer) => {
+                    let len = buffer.len();
+                    hypershard_dtensor::bridge::buffer_to_tensor(buffer, &[len], bucket.dtype)?
+                }
+                None => self.bucket(bucket.dtype, bucket.per_rank * shard_world)?,
             };
             if !in_place && cached > 0 && pool.stats().cached_bytes == cached {
                 // The pool had no buffer of this size, so this one is new memory whose pages
@@ -254,18 +265,17 @@ impl ParamGroup {
             {
                 // Rank-major order, so the regions come in increasing order; slots of
                 // parameters without a gradient are zeroed by the writer.
-                let mut writer =
-                    SlotWriter::new(host_bytes_mut(&mut input, "reduce-scatter copy-in")?);
+                let mut writer = SlotWriter::new(&input);
                 for rank in 0..shard_world {
                     for (position, (&member, &offset)) in
                         bucket.members.iter().zip(&bucket.offsets).enumerate()
                     {
                         let param = &self.params[member];
-                        let slot_len = param.layout.slot_numel()? * size;
-                        let start = (rank * bucket.per_rank + offset) * size;
+                        let slot_numel = param.layout.slot_numel()?;
+                        let start = rank * bucket.per_rank + offset;
                         if in_place && position == 0 {
                             // Already in its place: claim the region so it is not zeroed.
-                            writer.region(start, slot_len, "reduce-scatter copy-in")?;
+                            writer.region(start, slot_numel, "reduce-scatter copy-in")?;
                             continue;
                         }
                         let Some(grad) = &grads[member] else {
@@ -274,13 +284,13 @@ impl ParamGroup {
                         param.layout.pack_from_full(
                             grad,
                             rank,
-                            bucket.dtype,
-                            writer.region(start, slot_len, "reduce-scatter copy-in")?,
+                            &writer.region(start, slot_numel, "reduce-scatter copy-in")?,
                         )?;
                     }
                 }
-                writer.finish();
+                writer.finish()?;
             }
+            let input = self.stage_out(input, "reduce-scatter copy-in")?;
             for &member in &bucket.members {
                 let target = match self.targets.remove(&member) {
                     Some(target) => target,
@@ -299,27 +309,23 @@ impl ParamGroup {
         };
         for bucket_index in 0..self.replicate_plan.len() {
             let bucket = self.replicate_plan[bucket_index].clone();
-            let dtype = buffer_dtype(bucket.dtype, &self.unit)?;
-            let size = bucket.dtype.size_of();
-            let mut buffer = pool.take(dtype, bucket.per_rank);
+            let flat = self.bucket(bucket.dtype, bucket.per_rank)?;
             {
-                let mut writer =
-                    SlotWriter::new(host_bytes_mut(&mut buffer, "all-reduce copy-in")?);
+                let mut writer = SlotWriter::new(&flat);
                 for (&member, &offset) in bucket.members.iter().zip(&bucket.offsets) {
                     let param = &self.params[member];
                     let Some(grad) = &grads[member] else {
                         continue;
                     };
-                    let slot_len = param.layout.slot_numel()? * size;
-                    let start = offset * size;
+                    let slot_numel = param.layout.slot_numel()?;
                     param.layout.pack(
                         grad,
-                        bucket.dtype,
-                        writer.region(start, slot_len, "all-reduce copy-in")?,
+                        &writer.region(offset, slot_numel, "all-reduce copy-in")?,
                     )?;
                 }
-                writer.finish();
+                writer.finish()?;
             }
+            let buffer = self.stage_out(flat, "all-reduce copy-in")?;
             for &member in &bucket.members {
                 let target = match self.targets.remove(&member) {
                     Some(target) => target,
@@ -367,7 +373,7 @@ impl ParamGroup {
                     // Nothing lands in the gradients this time; new ones must read as zeros.
                     for member in &bucket.members {
                         if let Some((target, true)) = targets.get(member) {
-                            fill_zero(target)?;
+                            target.zero_()?;
                         }
                     }
                     self.partial_outputs[bucket_index] = Some(output);
@@ -380,45 +386,39 @@ impl ParamGroup {
                 let _span = tracing::debug_span!("fsdp.tp_all_reduce", unit = %self.unit).entered();
                 tp_all_reduce_tail(&mut output, tail, &bucket, tp, &pool)?;
             }
-            let bytes = host_bytes(&output, "reduce-scatter copy-out")?;
-            let size = bucket.dtype.size_of();
+            // The reduced shards on the unit's device (one host → device copy from a
+            // device), then copied or added into the gradients there.
+            let reduced = self.stage_in(output, bucket.dtype, "reduce-scatter copy-out")?;
             for (&member, &offset) in bucket.members.iter().zip(&bucket.offsets) {
                 let param = &self.params[member];
-                let slot_len = param.layout.slot_numel()? * size;
-                let start = offset * size;
+                let slot_numel = param.layout.slot_numel()?;
                 if let Some((target, fresh)) = targets.get(&member) {
                     param.layout.unpack_shard_into(
-                        &bytes[start..start + slot_len],
+                        &reduced.narrow(0, offset, slot_numel)?,
                         shard_rank,
-                        bucket.dtype,
                         target,
                         !fresh,
                     )?;
                 }
             }
-            pool.give(output);
         }
         for (bucket_index, work) in replicate_all_reduces.into_iter().enumerate() {
             let buffer = work.wait()?;
             let bucket = &self.replicate_plan[bucket_index];
             check_len(&buffer, bucket.per_rank, "all-reduce copy-out")?;
-            let bytes = host_bytes(&buffer, "all-reduce copy-out")?;
-            let size = bucket.dtype.size_of();
+            let reduced = self.stage_in(buffer, bucket.dtype, "all-reduce copy-out")?;
             for (&member, &offset) in bucket.members.iter().zip(&bucket.offsets) {
                 let param = &self.params[member];
-                let slot_len = param.layout.slot_numel()? * size;
-                let start = offset * size;
+                let slot_numel = param.layout.slot_numel()?;
                 if let Some((target, fresh)) = targets.get(&member) {
                     param.layout.unpack_shard_into(
-                        &bytes[start..start + slot_len],
+                        &reduced.narrow(0, offset, slot_numel)?,
                         0,
-                        bucket.dtype,
                         target,
                         !fresh,
                     )?;
                 }
             }
-            pool.give(buffer);
         }
         Ok(())
     }

@@ -2,7 +2,7 @@
 //! into one all-gather input, the all-gathers issued (async, so the next unit's can overlap
 //! this one's compute), and on wait the outputs adopted as the unsharded parameters' storage.
 
-use super::{ParamGroup, PendingGather, buffer_dtype, check_len, host_bytes, host_bytes_mut};
+use super::{ParamGroup, PendingGather, check_len, host_bytes_mut};
 use crate::bucket::SlotWriter;
 use crate::error::{FsdpError, Result};
 use crate::param::ParamRole;
@@ -36,19 +36,16 @@ impl ParamGroup {
         };
         let _span = tracing::debug_span!("fsdp.unshard", unit = %self.unit, post_forward).entered();
         let world = comm.size();
-        let pool = self.mesh.pool();
         let mut works = Vec::with_capacity(plan.len());
         for bucket in plan {
-            let dtype = buffer_dtype(bucket.dtype, &self.unit)?;
-            let mut input = pool.take(dtype, bucket.per_rank);
-            let mut writer = SlotWriter::new(host_bytes_mut(&mut input, "unshard copy-in")?);
-            let size = bucket.dtype.size_of();
+            // Copy-in on the unit's device, then the one staging copy the backend needs.
+            let flat = self.bucket(bucket.dtype, bucket.per_rank)?;
+            let mut writer = SlotWriter::new(&flat);
             for (&member, &offset) in bucket.members.iter().zip(&bucket.offsets) {
                 let param = &self.params[member];
-                let start = offset * size;
                 if post_forward {
                     let layout = param.post_layout.as_ref().unwrap_or(&param.layout);
-                    let slot_len = layout.slot_numel()? * size;
+                    let slot_numel = layout.slot_numel()?;
                     let saved =
                         param
                             .post_forward
@@ -61,21 +58,22 @@ impl ParamGroup {
                                 actual: param.state,
                             })?;
                     writer
-                        .region(start, slot_len, "unshard copy-in")?
-                        .copy_from_slice(&saved[..slot_len]);
+                        .region(offset, slot_numel, "unshard copy-in")?
+                        .copy_from(&saved.narrow(0, 0, slot_numel)?)?;
                 } else {
                     param.assert_state(&self.unit, "unshard", &[ShardedState::Sharded])?;
-                    let slot_len = param.layout.slot_numel()? * size;
+                    let slot_numel = param.layout.slot_numel()?;
                     param.layout.pack(
                         &param.sharded,
-                        bucket.dtype,
-                        writer.region(start, slot_len, "unshard copy-in")?,
+                        &writer.region(offset, slot_numel, "unshard copy-in")?,
                     )?;
                 }
             }
-            writer.finish();
+            writer.finish()?;
+            let input = self.stage_out(flat, "unshard copy-in")?;
             // The output is overwritten in full by the all-gather.
-            let output = pool.take(dtype, bucket.per_rank * world);
+            let wire = super::buffer_dtype(bucket.dtype, &self.unit)?;
+            let output = self.mesh.pool().take(wire, bucket.per_rank * world);
             works.push(comm.all_gather_async(input, output));
         }
         self.pending_gather = Some(PendingGather {
@@ -116,62 +114,80 @@ impl ParamGroup {
         for (bucket, work) in plan.iter().zip(pending.works) {
             let pair = work.wait()?;
             pool.give(pair.input);
-            let output = pair.output;
+            let mut output = pair.output;
             let size = bucket.dtype.size_of();
             let numels: Vec<usize> = bucket
                 .members
                 .iter()
                 .map(|&m| self.params[m].layout.shape.iter().product())
                 .collect();
+            let layouts: Vec<_> = bucket
+                .members
+                .iter()
+                .map(|&m| {
+                    let param = &self.params[m];
+                    match (pending.post_forward, &param.post_layout) {
+                        (true, Some(layout)) => layout.clone(),
+                        _ => param.layout.clone(),
+                    }
+                })
+                .collect();
+            for layout in &layouts {
+                check_len(&output, bucket.per_rank * layout.world, "unshard copy-out")?;
+            }
+            // A bucket of one dim-0 parameter holds exactly the padded parameter in rank
+            // order, so with zero_copy the parameter is a view straight into the output.
+            let single_view = self.fusion.zero_copy
+                && bucket.members.len() == 1
+                && layouts[0].dim == 0
+                && bucket.offsets[0] == 0;
+            // A large dim-0 parameter at the start of every rank block need not be copied on
+            // the host: after the other members are copied out, it is compacted in place and
+            // becomes a view into the output (see `ShardLayout::compact_in_place`). The
+            // compaction moves host bytes, so a device unit copies that member out instead.
+            let flat_members = self.fusion.zero_copy && bucket.members.len() > 1;
+            let compact = self.device.is_cpu()
+                && !single_view
+                && !flat_members
+                && bucket.offsets[0] == 0
+                && layouts[0].dim == 0
+                && numels[0] * size >= crate::bucket::COMPACT_MIN_BYTES;
+            // With more than one member, the compacting one is copied out after the others
+            // (they sit in its way) and then compacted; until then the output is viewed
+            // without a way home, so taking it back keeps its loan. A lone member is
+            // compacted at once.
+            let defer_first = compact && bucket.members.len() > 1;
+            let compacted = compact
+                && !defer_first
+                && layouts[0].compact_in_place(
+                    host_bytes_mut(&mut output, "unshard copy-out")?,
+                    bucket.per_rank * size,
+                    size,
+                )?;
+            // The gather output on the unit's device: adopted on the host, one host → device
+            // copy onto a device.
+            let gathered = if defer_first {
+                let len = output.len();
+                hypershard_dtensor::bridge::buffer_to_tensor(output, &[len], bucket.dtype)?
+            } else {
+                self.stage_in(output, bucket.dtype, "unshard copy-out")?
+            };
+            if single_view || compacted {
+                let param = &mut self.params[bucket.members[0]];
+                param.unsharded = Some(gathered.narrow(0, 0, numels[0])?.view(&layouts[0].shape)?);
+                param.post_forward = None;
+                param.state = ShardedState::Unsharded;
+                continue;
+            }
             // With zero_copy the bucket's parameters are views into one flat storage, freed
             // together on reshard; otherwise each parameter owns its storage.
             // Every element of the unsharded storage is written by the copy-out below, so it
             // comes from the pool without a zero-fill; it returns there on reshard.
-            let flat = if self.fusion.zero_copy && bucket.members.len() > 1 {
-                Some(pool.tensor(&[numels.iter().sum::<usize>()], bucket.dtype)?)
+            let flat = if flat_members {
+                Some(self.scratch(&[numels.iter().sum::<usize>()], bucket.dtype)?)
             } else {
                 None
             };
-            // A bucket of one dim-0 parameter holds exactly the padded parameter in rank
-            // order, so with zero_copy the parameter is a view straight into the output.
-            if self.fusion.zero_copy && bucket.members.len() == 1 {
-                let member = bucket.members[0];
-                let layout = if pending.post_forward {
-                    self.params[member]
-                        .post_layout
-                        .clone()
-                        .unwrap_or_else(|| self.params[member].layout.clone())
-                } else {
-                    self.params[member].layout.clone()
-                };
-                if layout.dim == 0 && bucket.offsets[0] == 0 {
-                    check_len(&output, bucket.per_rank * layout.world, "unshard copy-out")?;
-                    let flat = pool.adopt(output, bucket.dtype)?;
-                    let param = &mut self.params[member];
-                    param.unsharded = Some(flat.narrow(0, 0, numels[0])?.view(&layout.shape)?);
-                    param.post_forward = None;
-                    param.state = ShardedState::Unsharded;
-                    continue;
-                }
-            }
-            // A large dim-0 parameter at the start of every rank block need not be copied:
-            // after the other members are copied out, it is compacted in place and becomes a
-            // view into the output (see `ShardLayout::compact_in_place`).
-            let first = bucket.members[0];
-            let first_layout = if pending.post_forward {
-                self.params[first]
-                    .post_layout
-                    .clone()
-                    .unwrap_or_else(|| self.params[first].layout.clone())
-            } else {
-                self.params[first].layout.clone()
-            };
-            let compact = flat.is_none()
-                && bucket.offsets[0] == 0
-                && first_layout.dim == 0
-                && numels[0] * size >= crate::bucket::COMPACT_MIN_BYTES;
-            let mut output = output;
-            let bytes = host_bytes(&output, "unshard copy-out")?;
             let mut flat_offset = 0;
             for (position, ((&member, &offset), &numel)) in bucket
                 .members
@@ -180,64 +196,64 @@ impl ParamGroup {
                 .zip(&numels)
                 .enumerate()
             {
-                if compact && position == 0 {
+                if defer_first && position == 0 {
                     continue;
                 }
-                let param = &mut self.params[member];
-                let layout = if pending.post_forward {
-                    param
-                        .post_layout
-                        .clone()
-                        .unwrap_or_else(|| param.layout.clone())
-                } else {
-                    param.layout.clone()
-                };
-                let world = layout.world;
-                check_len(&output, bucket.per_rank * world, "unshard copy-out")?;
+                let layout = &layouts[position];
                 let full = match &flat {
                     Some(flat) => flat.narrow(0, flat_offset, numel)?.view(&layout.shape)?,
-                    None => pool.tensor(&layout.shape, bucket.dtype)?,
+                    None => self.scratch(&layout.shape, bucket.dtype)?,
                 };
                 flat_offset += numel;
-                let slot_len = layout.slot_numel()? * size;
-                for rank in 0..world {
-                    let start = (rank * bucket.per_rank + offset) * size;
-                    layout.unpack_into_full(&bytes[start..start + slot_len], rank, &full)?;
+                let slot_numel = layout.slot_numel()?;
+                for rank in 0..layout.world {
+                    let start = rank * bucket.per_rank + offset;
+                    layout.unpack_into_full(
+                        &gathered.narrow(0, start, slot_numel)?,
+                        rank,
+                        &full,
+                    )?;
                 }
+                let param = &mut self.params[member];
                 param.unsharded = Some(full);
                 param.post_forward = None;
                 param.state = ShardedState::Unsharded;
             }
-            if compact {
-                check_len(
-                    &output,
-                    bucket.per_rank * first_layout.world,
-                    "unshard copy-out",
-                )?;
+            if defer_first {
+                let first = bucket.members[0];
+                let layout = &layouts[0];
+                // The output is the pool's buffer again (nothing else holds it now).
+                let mut output = match hypershard_dtensor::bridge::reclaim_buffer(gathered)? {
+                    Ok(buffer) => buffer,
+                    Err(tensor) => hypershard_dtensor::bridge::tensor_to_buffer(&tensor)?,
+                };
                 let bytes = host_bytes_mut(&mut output, "unshard copy-out")?;
-                if first_layout.compact_in_place(bytes, bucket.per_rank * size, size)? {
-                    let flat = pool.adopt(output, bucket.dtype)?;
+                let gathered = if layout.compact_in_place(bytes, bucket.per_rank * size, size)? {
+                    let gathered = pool.adopt(output, bucket.dtype)?;
                     let param = &mut self.params[first];
-                    param.unsharded =
-                        Some(flat.narrow(0, 0, numels[0])?.view(&first_layout.shape)?);
+                    param.unsharded = Some(gathered.narrow(0, 0, numels[0])?.view(&layout.shape)?);
                     param.post_forward = None;
                     param.state = ShardedState::Unsharded;
                     continue;
-                }
+                } else {
+                    pool.adopt(output, bucket.dtype)?
+                };
                 // Not a prefix layout: copy it out like the others.
-                let full = pool.tensor(&first_layout.shape, bucket.dtype)?;
-                let slot_len = first_layout.slot_numel()? * size;
-                let bytes = host_bytes(&output, "unshard copy-out")?;
-                for rank in 0..first_layout.world {
-                    let start = rank * bucket.per_rank * size;
-                    first_layout.unpack_into_full(&bytes[start..start + slot_len], rank, &full)?;
+                let full = self.scratch(&layout.shape, bucket.dtype)?;
+                let slot_numel = layout.slot_numel()?;
+                for rank in 0..layout.world {
+                    let start = rank * bucket.per_rank;
+                    layout.unpack_into_full(
+                        &gathered.narrow(0, start, slot_numel)?,
+                        rank,
+                        &full,
+                    )?;
                 }
                 let param = &mut self.params[first];
                 param.unsharded = Some(full);
                 param.post_forward = None;
                 param.state = ShardedState::Unsharded;
             }
-            pool.give(output);
         }
         Ok(())
     }

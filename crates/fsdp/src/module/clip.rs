@@ -64,7 +64,12 @@ impl FsdpModule {
         let mut tp_only = 0.0f64;
         self.inner.visit_params("", &mut |name, param| {
             if let Some(grad) = &param.grad {
-                let sq: f64 = grad.to_f64_vec()?.iter().map(|g| g * g).sum();
+                // Summed where the gradient lives (a kernel on the device's memory); only the
+                // scalar crosses to the host.
+                let wide = grad.to_dtype(hypershard_tensor::DType::F64)?.contiguous()?;
+                let sq: f64 = wide.with_kernel_data::<f64, _>("fsdp clip_grad_norm", |gs| {
+                    gs.iter().map(|g| g * g).sum()
+                })?;
                 match sharded.get(name) {
                     Some(&(index, tp_sharded)) => sums[index][usize::from(tp_sharded)] += sq,
                     None => match layouts.get(name) {

@@ -16,7 +16,39 @@ use hypershard_fsdp::{
 use hypershard_mesh::{DeviceMesh, shard_span};
 use hypershard_nn::optim::{AdamW, AdamWConfig, Sgd, SgdConfig};
 use hypershard_nn::{Linear, LinearConfig, Module, Relu, Sequential, mse_loss};
-use hypershard_tensor::{DType, RandomInit, Tensor};
+use hypershard_tensor::{DType, Device, RandomInit, Tensor};
+
+/// The devices every test body runs on: the host, and the emulated device (host memory
+/// reachable only through the device API, stream order checked), where the same values must
+/// come out.
+pub const DEVICES: [Device; 2] = [Device::Cpu, Device::Emulated { ordinal: 0 }];
+
+/// The device rank `rank` uses when the run is on `device`: the host, or an emulated device
+/// of its own (ordinal = rank), as one GPU per rank.
+pub fn rank_device(device: Device, rank: usize) -> Device {
+    match device {
+        Device::Cpu => Device::Cpu,
+        _ => Device::Emulated { ordinal: rank },
+    }
+}
+
+/// Runs `body` once on the host and once on the emulated device and returns both results
+/// (host first).
+pub fn on_both<R>(body: impl Fn(Device) -> R) -> Vec<R> {
+    DEVICES.iter().map(|&device| body(device)).collect()
+}
+
+/// `t` on `device` (no copy when it is there already).
+pub fn on(t: &Tensor, device: Device) -> Tensor {
+    t.to_device(&device)
+        .expect("invariant: a host tensor moves to any device")
+}
+
+/// A module's parameters moved to `device`.
+pub fn moved<M: Module>(mut module: M, device: Device) -> M {
+    hypershard_nn::to_device(&mut module, &device).expect("invariant: the module moves");
+    module
+}
 
 /// The global batch: divisible by 1, 2, 3 and 4 ranks.
 pub const BATCH: usize = 12;
@@ -112,7 +144,8 @@ pub fn params_of(module: &dyn Module) -> Params {
     let mut out = Params::new();
     module
         .visit_params("", &mut |name, p| {
-            let data = p.data()?;
+            // Read on the host whatever the device (one explicit copy).
+            let data = p.data()?.to_host()?;
             out.insert(
                 name.to_string(),
                 (data.shape().to_vec(), data.to_f64_vec()?),
@@ -283,17 +316,31 @@ pub type Configure = dyn Fn(&mut FullyShardConfig) + Send + Sync;
 /// Called before each micro-batch with (model, micro index, is last micro).
 pub type MicroHook = dyn Fn(&mut FsdpModule, usize, bool) + Send + Sync;
 
-/// Trains `run` on `comm` (this rank's world communicator); returns the local parameters.
+/// Trains `run` on `comm` (this rank's world communicator) on the host; returns the local
+/// parameters.
 pub fn train_rank(
     run: &Run,
     comm: Arc<dyn Communicator>,
     configure: &Configure,
     micro_hook: &MicroHook,
 ) -> Result<RankResult, FsdpError> {
+    train_rank_on(run, comm, Device::Cpu, configure, micro_hook)
+}
+
+/// [`train_rank`] with the model, the data and therefore every shard, gradient and bucket on
+/// `device` (moved there before sharding, as a user would).
+pub fn train_rank_on(
+    run: &Run,
+    comm: Arc<dyn Communicator>,
+    device: Device,
+    configure: &Configure,
+    micro_hook: &MicroHook,
+) -> Result<RankResult, FsdpError> {
     let mesh = dp_mesh(&run.mesh_shape, comm)?;
     let mut config = FullyShardConfig::new(mesh.clone());
     configure(&mut config);
-    let mut model = shard_model(mlp(&run.dims, run.dtype), &config)?;
+    let device = rank_device(device, mesh.rank());
+    let mut model = shard_model(moved(mlp(&run.dims, run.dtype), device), &config)?;
     let mut optimizer = Optimizer::new(run.opt);
     let dp_world = mesh.world().size();
     let dp_rank = mesh.rank();
@@ -303,8 +350,8 @@ pub fn train_rank(
             micro_hook(&mut model, m, m + 1 == run.micro);
             let (x, y) = batch(step * run.micro + m, run.dims[0], out_dim, run.dtype);
             let (x, y) = (
-                local_rows(&x, dp_rank, dp_world),
-                local_rows(&y, dp_rank, dp_world),
+                on(&local_rows(&x, dp_rank, dp_world), device),
+                on(&local_rows(&y, dp_rank, dp_world), device),
             );
             let out = model.forward(&x)?;
             let loss = mse_loss(&out, &y)?;
@@ -322,24 +369,53 @@ pub fn train_rank(
     })
 }
 
-/// Runs `run` on a local world of the mesh's size and returns every rank's result.
+/// Runs `run` on a local world of the mesh's size and returns every rank's result: on the
+/// host and again on the emulated device, whose parameters must equal the host run's
+/// exactly (the same values in the same order of operations); the host results come back.
 pub fn train_world(
     run: Run,
     configure: Arc<Configure>,
     micro_hook: Arc<MicroHook>,
 ) -> Vec<RankResult> {
+    let run = Arc::new(run);
+    let mut both = on_both(|device| train_world_on(&run, device, &configure, &micro_hook));
+    let device_run = both.pop().expect("invariant: two runs");
+    let host_run = both.pop().expect("invariant: two runs");
+    assert_same_results(&host_run, &device_run);
+    host_run
+}
+
+/// Fails unless two runs left every rank with equal parameters.
+pub fn assert_same_results(host: &[RankResult], device: &[RankResult]) {
+    assert_eq!(host.len(), device.len());
+    for (rank, (h, d)) in host.iter().zip(device).enumerate() {
+        assert_eq!(
+            h.params, d.params,
+            "rank {rank}: the emulated device's run differs from the host's"
+        );
+    }
+}
+
+/// Runs `run` on a local world with every rank's model on `device` (see [`rank_device`]).
+pub fn train_world_on(
+    run: &Arc<Run>,
+    device: Device,
+    configure: &Arc<Configure>,
+    micro_hook: &Arc<MicroHook>,
+) -> Vec<RankResult> {
     let world: usize = run.mesh_shape.iter().product();
     let comms = hypershard_collectives::local::spawn_world(world).expect("local world");
-    let run = Arc::new(run);
+    let (run, configure, micro_hook) = (run.clone(), configure.clone(), micro_hook.clone());
     hypershard_testkit::run_ranks(world, move |rank| {
-        train_rank(
+        train_rank_on(
             &run,
             comms[rank].clone(),
+            device,
             configure.as_ref(),
             micro_hook.as_ref(),
         )
     })
-    .unwrap_or_else(|e| panic!("sharded run failed: {e}"))
+    .unwrap_or_else(|e| panic!("sharded run on {device:?} failed: {e}"))
 }
 
 pub fn dim0(_: &str) -> usize {

@@ -17,7 +17,7 @@ use hypershard::launch::{LaunchConfig, launch, rank_limits};
 use hypershard::tensor::DType;
 use hypershard::train::{
     HF_CONFIG_FILE, HF_WEIGHTS_FILE, HfGpt2Config, LrSchedule, MeshSpec, ModelShape, OptimConfig,
-    TrainConfig, check_fits, checkpoint_root, estimate, print_summary, run_rank,
+    TrainConfig, TrainDevice, check_fits, checkpoint_root, estimate, print_summary, run_rank,
 };
 use hypershard::{Error, collectives};
 
@@ -159,6 +159,13 @@ pub struct TrainArgs {
     /// optimizer step. The memory check counts them.
     #[arg(long)]
     keep_step_buffers: bool,
+    /// Where each rank keeps its model shards, gradients and activations: cpu, emulated (the
+    /// test device: host memory behind the device API, what CI runs the device path on), or
+    /// cuda (one GPU per rank on a node, by local rank; needs a build with `--features cuda`).
+    /// The model is materialised (or, with --eager-init, moved) there and trained under
+    /// FSDP/HSDP there; collectives stage through host memory.
+    #[arg(long, value_enum, default_value_t = TrainDevice::Cpu)]
+    device: TrainDevice,
     /// Output directory (default: a new runs/train-NNN).
     #[arg(long)]
     out: Option<PathBuf>,
@@ -258,6 +265,10 @@ fn check_losses(path: &Path, explicit: bool, resume: bool) -> Result<(), Error> 
 
 /// Range checks of every numeric flag (see `checks`), before anything is read or written.
 fn check_flags(args: &TrainArgs) -> Result<(), Error> {
+    // A device this build or machine cannot use fails here, before any rank starts.
+    if args.device == TrainDevice::Cuda {
+        args.device.resolve(0)?;
+    }
     checks::at_least("--nproc", args.nproc as u64, 1)?;
     checks::at_least("--nnodes", args.nnodes as u64, 1)?;
     if args.node_rank >= args.nnodes {
@@ -425,6 +436,7 @@ fn build_config(args: &TrainArgs, out: PathBuf) -> Result<TrainConfig, Error> {
         eager_init: args.eager_init,
         activation_checkpointing: args.activation_checkpointing,
         keep_step_buffers: args.keep_step_buffers,
+        device: args.device,
         out,
         resume: args.resume,
         reset_optimizer: args.reset_optimizer,

@@ -281,6 +281,68 @@ impl ModelConfig {
     }
 }
 
+/// Where `hypershard train` keeps the model (`--device`): the host, the emulated device (host
+/// memory behind the device API, stream order checked: what CI runs the device path on), or
+/// a CUDA GPU (one per rank, by local rank; needs the `cuda` feature).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, clap::ValueEnum, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum TrainDevice {
+    /// Host memory.
+    #[default]
+    Cpu,
+    /// The emulated device, one per rank.
+    Emulated,
+    /// A CUDA GPU, one per rank on a node (its local rank).
+    Cuda,
+}
+
+impl TrainDevice {
+    /// The name `--device` takes.
+    pub fn name(self) -> &'static str {
+        match self {
+            TrainDevice::Cpu => "cpu",
+            TrainDevice::Emulated => "emulated",
+            TrainDevice::Cuda => "cuda",
+        }
+    }
+
+    /// The device of the rank whose rank on its node is `local_rank`; for CUDA, an
+    /// [`Error::DeviceUnavailable`] when this build has no CUDA support or the GPU cannot be
+    /// opened.
+    pub fn resolve(self, local_rank: usize) -> Result<hypershard_tensor::Device> {
+        match self {
+            TrainDevice::Cpu => Ok(hypershard_tensor::Device::Cpu),
+            TrainDevice::Emulated => Ok(hypershard_tensor::Device::Emulated {
+                ordinal: local_rank,
+            }),
+            TrainDevice::Cuda => cuda_device(local_rank),
+        }
+    }
+}
+
+#[cfg(feature = "cuda")]
+fn cuda_device(ordinal: usize) -> Result<hypershard_tensor::Device> {
+    let device = hypershard_tensor::Device::Cuda { ordinal };
+    // Opening the backend probes the driver and the GPU: a typed error here, not a failure
+    // in the middle of building the model.
+    device
+        .backend("hypershard train --device cuda")
+        .map_err(|source| Error::DeviceUnavailable {
+            device: "cuda",
+            reason: format!("GPU {ordinal} cannot be used: {source}"),
+        })?;
+    Ok(device)
+}
+
+#[cfg(not(feature = "cuda"))]
+fn cuda_device(_ordinal: usize) -> Result<hypershard_tensor::Device> {
+    Err(Error::DeviceUnavailable {
+        device: "cuda",
+        reason: "this build has no CUDA support (build hypershard with `--features cuda`)"
+            .to_string(),
+    })
+}
+
 /// The learning-rate schedule (`--lr-schedule`).
 #[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum, Serialize, Deserialize)]
 #[serde(rename_all = "lowercase")]
@@ -379,6 +441,8 @@ pub struct TrainConfig {
     /// Keep the step's idle communication buffers and kernel outputs cached across steps
     /// (`--keep-step-buffers`) instead of freeing them after each backward.
     pub keep_step_buffers: bool,
+    /// Where each rank keeps its shards, gradients and activations (`--device`).
+    pub device: TrainDevice,
     /// Output directory.
     pub out: PathBuf,
     /// Continue from `OUT/checkpoints`.

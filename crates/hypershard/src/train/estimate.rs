@@ -425,6 +425,7 @@ mod tests {
             eager_init: false,
             activation_checkpointing: false,
             keep_step_buffers: false,
+            device: crate::train::TrainDevice::Cpu,
             out: PathBuf::from("out"),
             resume: false,
             reset_optimizer: false,

@@ -16,9 +16,11 @@ pub(super) fn nonfinite_values(model: &dyn Module) -> Result<u64> {
         count += if data.dtype() == DType::F32 && data.is_contiguous() {
             // The common case, read in place: an f64 copy of every shard would add twice
             // the model's local bytes to the peak at each save.
-            data.with_data::<f32, _>(|values| values.iter().filter(|v| !v.is_finite()).count())?
+            data.with_kernel_data::<f32, _>("count non-finite", |values| {
+                values.iter().filter(|v| !v.is_finite()).count()
+            })?
         } else {
-            let values = data.to_f64_vec()?;
+            let values = data.to_host()?.to_f64_vec()?;
             values.iter().filter(|v| !v.is_finite()).count()
         } as u64;
         Ok(())

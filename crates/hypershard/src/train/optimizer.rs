@@ -132,8 +132,9 @@ fn step_one(
     if in_place {
         // The common case (f32 master shards and gradients): one pass over the shard, with
         // no copy of the values or the gradient, spread over the rank's kernel threads.
-        let nested = grad.with_data::<f32, _>(|g| {
-            data.with_data_mut::<f32, _>(|p| {
+        // Kernels where the shard lives (on the host, exactly `with_data`).
+        let nested = grad.with_kernel_data::<f32, _>("adamw", |g| {
+            data.with_kernel_data_mut::<f32, _>("adamw", |p| {
                 update.apply_f32(p, &mut state.exp_avg, &mut state.exp_avg_sq, g)
             })
         });
@@ -144,8 +145,14 @@ fn step_one(
     }
     // Any other dtype or layout: the same arithmetic through f64 copies, so both paths give
     // the same bits for f32.
-    let grad = grad.to_f64_vec().map_err(tensor_error(name))?;
-    let mut values = data.to_f64_vec().map_err(tensor_error(name))?;
+    let grad = grad
+        .to_host()
+        .and_then(|g| g.to_f64_vec())
+        .map_err(tensor_error(name))?;
+    let mut values = data
+        .to_host()
+        .and_then(|d| d.to_f64_vec())
+        .map_err(tensor_error(name))?;
     for (((p, m), v), &g) in values
         .iter_mut()
         .zip(state.exp_avg.iter_mut())
@@ -157,7 +164,8 @@ fn step_one(
         *m = m64 as f32;
         *v = v64 as f32;
     }
-    let updated = Tensor::from_vec(values, data.shape()).map_err(tensor_error(name))?;
+    let updated =
+        Tensor::from_vec_on(values, data.shape(), &data.device()).map_err(tensor_error(name))?;
     data.copy_from(&updated).map_err(tensor_error(name))
 }
 

@@ -142,6 +142,11 @@ pub fn save(
                 format!("Shard(0) over {}", ctx.mesh.shard_world())
             };
             let key = model_key(name);
+            // Written from host memory: a device shard is copied once, a host one is itself.
+            let host = data.to_host().map_err(|source| Error::Tensor {
+                name: name.to_string(),
+                source,
+            })?;
             writer.add(
                 BlockSpec {
                     name: &key,
@@ -149,7 +154,7 @@ pub fn save(
                     offset: &placed.block.offset,
                     placement: Some(&placement),
                 },
-                data,
+                &host,
             )?;
             if let Some(moments) = optimizer.moments.get(name) {
                 for (which, values) in [
@@ -206,7 +211,14 @@ pub fn load(
             let data = param.data()?;
             let global = global_shape(ctx, name)?;
             let placed = place(name, global, data.shape(), ctx.mesh)?;
-            let saved = checkpoint.read_block(&model_key(name), &placed.block)?;
+            let saved = checkpoint
+                .read_block(&model_key(name), &placed.block)?
+                .to_device(&data.device())
+                .map_err(|source| Error::Tensor {
+                    name: name.to_string(),
+                    source,
+                })?;
+            // Read into host memory; onto the shard's device (no copy when that is the host).
             data.copy_from(&saved).map_err(|source| Error::Tensor {
                 name: name.to_string(),
                 source,

@@ -11,7 +11,7 @@ use hypershard_fsdp::{
     fully_shard_children, has_params,
 };
 use hypershard_nn::{Checkpointed, DEFAULT_IGNORE_INDEX, Gpt, LossTargets, Module, replace_module};
-use hypershard_tensor::{DType, Tensor};
+use hypershard_tensor::{DType, Device, Tensor};
 use serde_json::json;
 
 use super::config::TrainConfig;
@@ -56,11 +56,13 @@ struct Trainer {
     step: u64,
     /// Where this rank's memory goes.
     meter: MemoryMeter,
+    /// Where the model, the batches and the activations live (`--device`).
+    device: Device,
 }
 
-fn ids_tensor(name: &str, ids: &[u32], shape: &[usize]) -> Result<Tensor> {
+fn ids_tensor(name: &str, ids: &[u32], shape: &[usize], device: &Device) -> Result<Tensor> {
     let values: Vec<i64> = ids.iter().map(|t| i64::from(*t)).collect();
-    Tensor::from_vec(values, shape).map_err(|source| Error::Tensor {
+    Tensor::from_vec_on(values, shape, device).map_err(|source| Error::Tensor {
         name: name.to_string(),
         source,
     })
@@ -87,6 +89,13 @@ fn corpus(config: &TrainConfig) -> Result<(TokenData, Option<TokenData>)> {
 impl Trainer {
     fn new(config: TrainConfig, world: Arc<dyn Communicator>) -> Result<Trainer> {
         let meter = MemoryMeter::start();
+        // One device per rank on a node: the launcher's LOCAL_RANK (torchrun's), else the
+        // rank (a single process).
+        let local_rank = std::env::var("LOCAL_RANK")
+            .ok()
+            .and_then(|v| v.parse().ok())
+            .unwrap_or_else(|| world.rank());
+        let device = config.device.resolve(local_rank)?;
         let counter = CommCounter::new(Arc::clone(&world));
         let counted: Arc<dyn Communicator> = counter.clone();
         let (train, eval) = corpus(&config)?;
@@ -126,6 +135,11 @@ impl Trainer {
         if let Some(dir) = &config.init_from_hf {
             attach_hf_init(&mut gpt, dir)?;
         }
+        if config.eager_init {
+            // Built whole on the host, then moved: deferred models are materialised on the
+            // device by fully_shard below instead.
+            hypershard_nn::to_device(&mut gpt, &device)?;
+        }
         let shapes = global_shapes(&gpt)?;
         // The lm_head and the loss run fused, in blocks of tokens: the [B, T, V] logits and
         // their gradient are never held whole (docs/fsdp.md, "How memory per rank scales").
@@ -140,6 +154,7 @@ impl Trainer {
             DataParallelMesh::hsdp(counted, config.mesh.replicas)?
         };
         let mut fsdp = FullyShardConfig::new(Arc::clone(&mesh));
+        fsdp.device = Some(device);
         fsdp.mp_policy = MixedPrecisionPolicy {
             param_dtype: (config.param_dtype != DType::F32).then_some(config.param_dtype),
             reduce_dtype: (config.reduce_dtype != DType::F32).then_some(config.reduce_dtype),
@@ -175,6 +190,7 @@ impl Trainer {
             fault: Fault::from_env(),
             step: 0,
             meter,
+            device,
         })
     }
 
@@ -209,8 +225,19 @@ impl Trainer {
     }
 
     fn micro_loss(&mut self, batch: &MicroBatch, scale: f64, backward: bool) -> Result<f64> {
-        let ids = ids_tensor("input ids", &batch.inputs, &[batch.rows, batch.cols])?;
-        let targets = ids_tensor("targets", &batch.targets, &[batch.rows * batch.cols])?;
+        let device = self.device;
+        let ids = ids_tensor(
+            "input ids",
+            &batch.inputs,
+            &[batch.rows, batch.cols],
+            &device,
+        )?;
+        let targets = ids_tensor(
+            "targets",
+            &batch.targets,
+            &[batch.rows * batch.cols],
+            &device,
+        )?;
         let (fault, rank) = (self.fault.as_ref(), self.world.rank());
         if backward {
             Fault::maybe_fire(fault, FaultPoint::Forward, self.step, rank);
@@ -226,7 +253,8 @@ impl Trainer {
             Fault::maybe_fire(fault, FaultPoint::Backward, self.step, rank);
             set_phase(Phase::Backward, self.step);
         }
-        let loss = match loss.to_f64_vec() {
+        // The one scalar comes back to the host (no copy when it is there).
+        let loss = match loss.to_host().and_then(|loss| loss.to_f64_vec()) {
             Ok(values) if values.len() == 1 => values[0],
             _ => {
                 return Err(Error::Tensor {
@@ -240,9 +268,11 @@ impl Trainer {
             }
         };
         if backward {
-            let scale = Tensor::from_vec(vec![scale], &[1]).map_err(|source| Error::Tensor {
-                name: "loss scale".to_string(),
-                source,
+            let scale = Tensor::from_vec_on(vec![scale], &[1], &device).map_err(|source| {
+                Error::Tensor {
+                    name: "loss scale".to_string(),
+                    source,
+                }
             })?;
             self.model.backward(&scale)?;
         }
