@@ -74,28 +74,98 @@ pub struct FmaPeak {
 /// the 16 AVX registers beside the two operands.
 const ACCUMULATORS: usize = 12;
 
-/// f32 lanes of one AVX register.
+/// f32 lanes of one AVX2 register.
 const LANES: usize = 8;
+/// f32 lanes of one AVX-512 register.
+const LANES_512: usize = 16;
 
-/// FLOPs of one iteration of the FMA kernel.
-pub const FLOPS_PER_ITERATION: u64 = (2 * ACCUMULATORS * LANES) as u64;
-
-/// Runs `iterations` rounds of `ACCUMULATORS` independent AVX2 fused multiply-adds
-/// (`acc = acc·a + b` on 8 lanes each, `a` and `b` the given constants, every accumulator
-/// starting at 0) and returns the sum of all lanes of all accumulators, or `None` when the
-/// CPU has no AVX2 and FMA.
-pub fn fma_kernel(iterations: u64, a: f32, b: f32) -> Option<f32> {
+/// The widest f32 FMA this CPU has: `"AVX-512"` (16 lanes), `"AVX2"` (8 lanes), or `None`.
+pub fn fma_isa() -> Option<&'static str> {
     #[cfg(target_arch = "x86_64")]
     {
+        if is_x86_feature_detected!("avx512f") {
+            return Some("AVX-512");
+        }
+        if is_x86_feature_detected!("avx2") && is_x86_feature_detected!("fma") {
+            return Some("AVX2");
+        }
+    }
+    None
+}
+
+/// What one run of [`fma_kernel`] did.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct FmaRun {
+    /// The sum of every lane of every accumulator.
+    pub sum: f32,
+    /// FLOPs of one iteration: an FMA counted as two, over all accumulators and lanes.
+    pub flops_per_iteration: u64,
+}
+
+/// Runs `iterations` rounds of `ACCUMULATORS` independent fused multiply-adds on the widest
+/// vectors the CPU has ([`fma_isa`]) (`acc = acc·a + b` on every lane, `a` and `b` the given
+/// constants, every accumulator starting at 0) and returns the sum of all lanes of all
+/// accumulators, or `None` when the CPU has neither AVX-512 nor AVX2 and FMA. A machine's
+/// peak is its widest FMA's: a GEMM kernel for AVX-512 retires twice the FLOPs of AVX2's.
+pub fn fma_kernel(iterations: u64, a: f32, b: f32) -> Option<FmaRun> {
+    #[cfg(target_arch = "x86_64")]
+    {
+        if is_x86_feature_detected!("avx512f") {
+            // SAFETY: the CPU has AVX-512F (checked just above), which is all the function's
+            // target features require; it reads and writes only its own locals. Tested by
+            // `fma_kernel_matches_the_scalar_recurrence`.
+            let sum = unsafe { fma_kernel_avx512(iterations, a, b) };
+            return Some(FmaRun {
+                sum,
+                flops_per_iteration: (2 * ACCUMULATORS * LANES_512) as u64,
+            });
+        }
         if is_x86_feature_detected!("avx2") && is_x86_feature_detected!("fma") {
             // SAFETY: the CPU has AVX2 and FMA (checked just above), which is all the
             // function's target features require; it reads and writes only its own locals.
             // Tested by `fma_kernel_matches_the_scalar_recurrence`.
-            return Some(unsafe { fma_kernel_avx2(iterations, a, b) });
+            let sum = unsafe { fma_kernel_avx2(iterations, a, b) };
+            return Some(FmaRun {
+                sum,
+                flops_per_iteration: (2 * ACCUMULATORS * LANES) as u64,
+            });
         }
     }
     let _ = (iterations, a, b);
     None
+}
+
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f")]
+fn fma_kernel_avx512(iterations: u64, a: f32, b: f32) -> f32 {
+    use std::arch::x86_64::{
+        _mm512_fmadd_ps, _mm512_reduce_add_ps, _mm512_set1_ps, _mm512_setzero_ps,
+    };
+    let va = _mm512_set1_ps(a);
+    let vb = _mm512_set1_ps(b);
+    // As in the AVX2 kernel: twelve named, independent accumulators (32 registers here).
+    let z = _mm512_setzero_ps();
+    let (mut a0, mut a1, mut a2, mut a3, mut a4, mut a5) = (z, z, z, z, z, z);
+    let (mut a6, mut a7, mut a8, mut a9, mut a10, mut a11) = (z, z, z, z, z, z);
+    for _ in 0..iterations {
+        a0 = _mm512_fmadd_ps(a0, va, vb);
+        a1 = _mm512_fmadd_ps(a1, va, vb);
+        a2 = _mm512_fmadd_ps(a2, va, vb);
+        a3 = _mm512_fmadd_ps(a3, va, vb);
+        a4 = _mm512_fmadd_ps(a4, va, vb);
+        a5 = _mm512_fmadd_ps(a5, va, vb);
+        a6 = _mm512_fmadd_ps(a6, va, vb);
+        a7 = _mm512_fmadd_ps(a7, va, vb);
+        a8 = _mm512_fmadd_ps(a8, va, vb);
+        a9 = _mm512_fmadd_ps(a9, va, vb);
+        a10 = _mm512_fmadd_ps(a10, va, vb);
+        a11 = _mm512_fmadd_ps(a11, va, vb);
+    }
+    let mut sum = 0.0f32;
+    for slot in [a0, a1, a2, a3, a4, a5, a6, a7, a8, a9, a10, a11] {
+        sum += _mm512_reduce_add_ps(slot);
+    }
+    sum
 }
 
 #[cfg(target_arch = "x86_64")]
@@ -158,7 +228,8 @@ pub fn measure_fma_peak(threads: usize, iterations: u64, reps: usize) -> Option<
                         let out = fma_kernel(iterations, std::hint::black_box(0.999_999), 1e-3);
                         std::hint::black_box(out);
                         let seconds = started.elapsed().as_secs_f64().max(1e-9);
-                        best = best.max((iterations * FLOPS_PER_ITERATION) as f64 / seconds);
+                        let flops = out.map_or(0, |run| run.flops_per_iteration);
+                        best = best.max((iterations * flops) as f64 / seconds);
                     }
                     best
                 })
@@ -436,19 +507,24 @@ mod tests {
 
     #[test]
     fn fma_kernel_matches_the_scalar_recurrence() {
-        let Some(sum) = fma_kernel(37, 0.5, 1.0) else {
+        let Some(run) = fma_kernel(37, 0.5, 1.0) else {
             // Without AVX2/FMA the kernel says so, and no peak is made up.
             assert!(measure_fma_peak(1, 10, 1).is_none());
             return;
         };
         // Each lane: x ← 0.5·x + 1 from 0, 37 times: 2 − 2^(1−37), then summed over
-        // 12 accumulators × 8 lanes.
+        // 12 accumulators × the lanes of the widest vector (8 for AVX2, 16 for AVX-512).
         let mut x = 0.0f32;
         for _ in 0..37 {
             x = x.mul_add(0.5, 1.0);
         }
-        assert_eq!(sum, x * (ACCUMULATORS * LANES) as f32);
-        assert!((sum - 192.0).abs() < 1e-3);
+        let lanes = match fma_isa() {
+            Some("AVX-512") => LANES_512,
+            _ => LANES,
+        };
+        assert_eq!(run.flops_per_iteration, (2 * ACCUMULATORS * lanes) as u64);
+        assert_eq!(run.sum, x * (ACCUMULATORS * lanes) as f32);
+        assert!((run.sum - 2.0 * (ACCUMULATORS * lanes) as f32).abs() < 1e-3);
         let peak = measure_fma_peak(1, 1000, 1).expect("the kernel ran above");
         assert!(peak.per_thread_gflops > 0.0 && peak.total_gflops >= peak.per_thread_gflops);
     }

@@ -35,7 +35,10 @@ pub fn append_history(
     };
     if let Some(peak) = fma_peak {
         rows.push(row(
-            "f32 FMA peak per core (AVX2, 12 chains, all cores at once)".into(),
+            format!(
+                "f32 FMA peak per core ({}, 12 chains, all cores at once)",
+                crate::train::fma_isa().unwrap_or("no FMA")
+            ),
             None,
             None,
             None,
