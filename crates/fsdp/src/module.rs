@@ -450,8 +450,9 @@ impl FsdpModule {
     /// `true`), so the next step finds every buffer it needs without allocating, as PyTorch's
     /// caching allocator does on a GPU. A step then costs no page faults for them, at the
     /// price of those idle buffers staying resident through the optimizer step (the tracker's
-    /// peak of live tensors is the same either way). [`release_cached_buffers`]
-    /// (Self::release_cached_buffers) frees them on demand (torch's `empty_cache`).
+    /// peak of live tensors is the same either way).
+    /// [`release_cached_buffers`](Self::release_cached_buffers) frees them on demand (torch's
+    /// `empty_cache`).
     pub fn set_release_buffers_after_backward(&mut self, release: bool) {
         self.for_each_group(&mut |g| g.controls.release_buffers_after_backward = release);
     }
