@@ -118,12 +118,11 @@ RELU(f16, u16)
 RELU(f64, double)
 
 // ---------------------------------------------------------------------------------------------
-// GPT layers for hypershard-nn's `DeviceGpt` (f32 only). They follow the CPU code of
-// crates/nn (norm.rs, activation.rs, attention.rs, embedding.rs, gpt.rs, loss.rs) operation by
+// The CUDA side of hypershard-nn's layers (f32 only). They follow the CPU code of crates/nn
+// (norm.rs, activation.rs, attention.rs, embedding.rs, gpt.rs, loss.rs) operation by
 // operation, in the same order, so that with `--fmad=false` each element rounds as on the
-// CPU; only the order of the row sums differs (a tree across the block here, left to right
-// there), and where the sum order is kept (the embedding and layer-norm parameter gradients)
-// the result is the CPU's bit for bit given the same inputs.
+// CPU; only the order of the sums differs (a tree across the block here; on the CPU, lanes
+// and blocks of rows), so sums agree to rounding, not bit for bit.
 //
 // Row kernels run one block of exactly ROW_THREADS threads per row (a grid-stride loop over
 // rows, so every thread of a block runs the same number of iterations and every
