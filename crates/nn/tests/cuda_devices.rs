@@ -28,6 +28,9 @@ use hypershard_tensor::cuda::CudaDevice;
 use hypershard_tensor::{DType, Device, RandomInit, Tensor};
 use hypershard_testkit::device::{GPU_ENV, Outcome, Tally, contained, fail, gpu_asked};
 
+mod common;
+use common::params_and_grads;
+
 const EMULATED: Device = Device::Emulated { ordinal: 0 };
 const GPU: Device = Device::Cuda { ordinal: 0 };
 
@@ -70,17 +73,6 @@ fn random(shape: &[usize], dtype: DType, seed: u64) -> Result<Tensor> {
         dtype,
         RandomInit::normal(seed, 0.0, 1.0),
     )?)
-}
-
-/// Every parameter's value and gradient, in visiting order.
-fn params_and_grads(module: &dyn Module) -> Result<Vec<Tensor>> {
-    let mut out = Vec::new();
-    module.visit_params("", &mut |_, p| {
-        out.push(p.data()?.clone());
-        out.extend(p.grad.clone());
-        Ok(())
-    })?;
-    Ok(out)
 }
 
 /// Moves `module` to `device`, runs forward on `input` and backward on a random output

@@ -14,7 +14,7 @@ use hypershard_nn::{
 use hypershard_tensor::{DType, Device, RandomInit, Tensor};
 
 mod common;
-use common::Opaque;
+use common::{Opaque, params_and_grads};
 
 const EMULATED: Device = Device::Emulated { ordinal: 0 };
 
@@ -63,16 +63,6 @@ fn forward_backward(
     let gx = module.backward(&g)?;
     let mut out = vec![y, gx];
     out.extend(params_and_grads(module)?);
-    Ok(out)
-}
-
-fn params_and_grads(module: &dyn Module) -> Result<Vec<Tensor>> {
-    let mut out = Vec::new();
-    module.visit_params("", &mut |_, p| {
-        out.push(p.data()?.clone());
-        out.extend(p.grad.clone());
-        Ok(())
-    })?;
     Ok(out)
 }
 

@@ -416,41 +416,19 @@ pub(crate) fn store<F: Float>(
     }
 }
 
-/// A new tensor of `dtype` and `shape` on `device` whose values `fill` writes in the compute
-/// type `F`, where the tensor lives ([`Tensor::with_kernel_data_mut`]).
-///
-/// When `dtype` is `F`'s own, `fill` writes straight into the new tensor's storage, saving the
-/// allocation and copy of building a `Vec` first; otherwise the values are rounded to `dtype`
-/// once afterwards.
-pub(crate) fn build<F: Float>(
-    shape: &[usize],
-    dtype: DType,
-    device: &Device,
-    fill: impl FnOnce(&mut [F]) -> Result<()>,
-) -> Result<Tensor> {
-    let t = Tensor::zeros_on(shape, F::COMPUTE_DTYPE, device)?;
-    t.with_kernel_data_mut::<F, _>("build", fill)??;
-    if dtype == F::COMPUTE_DTYPE {
-        Ok(t)
-    } else {
-        Ok(t.to_dtype(dtype)?)
-    }
-}
-
-/// [`build`] for a `fill` that writes every element: large host outputs of `F`'s own dtype
-/// get recycled storage (see [`recycle`]) instead of a fresh zeroed allocation.
+/// A new tensor of `dtype` and `shape` on `device` whose every element `fill` writes in the
+/// compute type `F`, where the tensor lives ([`Tensor::with_kernel_data_mut`]). On the host,
+/// large outputs are written into recycled storage (see [`recycle`]) instead of a fresh zeroed
+/// allocation; the values are rounded once to `dtype` afterwards when it is narrower than `F`.
 pub(crate) fn build_overwrite<F: Float>(
     shape: &[usize],
     dtype: DType,
     device: &Device,
     fill: impl FnOnce(&mut [F]) -> Result<()>,
 ) -> Result<Tensor> {
-    if dtype != F::COMPUTE_DTYPE || !device.is_cpu() {
-        return build::<F>(shape, dtype, device, fill);
-    }
-    let t = recycle::tensor(shape, dtype)?;
-    t.with_data_mut::<F, _>(fill)??;
-    Ok(t)
+    let t = overwrite_target::<F>(shape, device)?;
+    t.with_kernel_data_mut::<F, _>("build_overwrite", fill)??;
+    in_dtype(t, dtype)
 }
 
 /// A new compute-dtype (`F`) tensor of `shape` on `device` for a kernel that writes every

@@ -128,24 +128,22 @@ impl AdamW {
         let _device = same_device(OP, &[data, grad, &state.exp_avg, &state.exp_avg_sq])?;
         let step = state.step + 1;
         #[cfg(feature = "cuda")]
-        if _device.is_cuda() {
-            let tensors = [data, &state.exp_avg, &state.exp_avg_sq, grad];
-            crate::kernels::cuda::adamw(tensors, &self.config, step)?;
-            self.state.insert(
-                name.to_string(),
-                AdamWState {
-                    step,
-                    exp_avg: state.exp_avg,
-                    exp_avg_sq: state.exp_avg_sq,
-                },
-            );
-            return Ok(());
-        }
+        let on_cuda = _device.is_cuda();
+        #[cfg(not(feature = "cuda"))]
+        let on_cuda = false;
         let update = AdamWUpdate::new(&self.config, step);
         let all_f32_and_contiguous = [data, grad, &state.exp_avg, &state.exp_avg_sq]
             .iter()
             .all(|t| t.dtype() == DType::F32 && t.is_contiguous());
-        if all_f32_and_contiguous && !grad.shares_storage(data) {
+        if on_cuda {
+            // The same update on the GPU, in place on the four arrays.
+            #[cfg(feature = "cuda")]
+            crate::kernels::cuda::adamw(
+                [data, &state.exp_avg, &state.exp_avg_sq, grad],
+                &self.config,
+                step,
+            )?;
+        } else if all_f32_and_contiguous && !grad.shares_storage(data) {
             // The common case: one pass over the four arrays in place, no copies. The
             // arithmetic is the general path's, so both give the same bits. The state was
             // made with the parameter, so it never shares the parameter's or gradient's storage.

@@ -5,6 +5,17 @@
 use hypershard_nn::{Module, ParamVisitor, ParamVisitorMut, Result, zero_grad};
 use hypershard_tensor::{DType, RandomInit, Tensor};
 
+/// Every parameter's value and gradient of `module`, in visiting order.
+pub fn params_and_grads(module: &dyn Module) -> Result<Vec<Tensor>> {
+    let mut out = Vec::new();
+    module.visit_params("", &mut |_, p| {
+        out.push(p.data()?.clone());
+        out.extend(p.grad.clone());
+        Ok(())
+    })?;
+    Ok(out)
+}
+
 /// A uniform random tensor on `[-1, 1)`.
 pub fn random(shape: &[usize], dtype: DType, seed: u64) -> Tensor {
     // invariant: float dtype and small shapes, so creation cannot fail.
