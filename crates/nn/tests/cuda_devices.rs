@@ -25,11 +25,11 @@ use hypershard_nn::{
     Sequential, Silu, cross_entropy, mse_loss, to_device, zero_grad,
 };
 use hypershard_tensor::cuda::CudaDevice;
-use hypershard_tensor::{DType, Device, RandomInit, Tensor};
+use hypershard_tensor::{DType, Device, Tensor};
 use hypershard_testkit::device::{GPU_ENV, Outcome, Tally, contained, fail, gpu_asked};
 
 mod common;
-use common::params_and_grads;
+use common::{forward_backward, normal, params_and_grads};
 
 const EMULATED: Device = Device::Emulated { ordinal: 0 };
 const GPU: Device = Device::Cuda { ordinal: 0 };
@@ -67,31 +67,6 @@ const HALF_TRAINING: Tolerance = Tolerance {
     atol: 3e-2,
 };
 
-fn random(shape: &[usize], dtype: DType, seed: u64) -> Result<Tensor> {
-    Ok(Tensor::random(
-        shape,
-        dtype,
-        RandomInit::normal(seed, 0.0, 1.0),
-    )?)
-}
-
-/// Moves `module` to `device`, runs forward on `input` and backward on a random output
-/// gradient there; returns the output, the input gradient and the parameters and gradients.
-fn forward_backward(
-    module: &mut dyn Module,
-    device: &Device,
-    input: &Tensor,
-    seed: u64,
-) -> Result<Vec<Tensor>> {
-    to_device(module, device)?;
-    let y = module.forward(&input.to_device(device)?)?;
-    let g = random(y.shape(), y.dtype(), seed)?.to_device(device)?;
-    let gx = module.backward(&g)?;
-    let mut out = vec![y, gx];
-    out.extend(params_and_grads(module)?);
-    Ok(out)
-}
-
 fn linear(dtype: DType, bias: bool, [i, o]: [usize; 2], seed: u64) -> Result<Linear> {
     Linear::new(LinearConfig {
         in_features: i,
@@ -103,7 +78,7 @@ fn linear(dtype: DType, bias: bool, [i, o]: [usize; 2], seed: u64) -> Result<Lin
 }
 
 fn linear_f32(d: &Device) -> Result<Vec<Tensor>> {
-    let x = random(&[2, 3, 6], DType::F32, 1)?;
+    let x = normal(&[2, 3, 6], DType::F32, 1)?;
     let mut out = forward_backward(&mut linear(DType::F32, true, [6, 5], 4)?, d, &x, 2)?;
     out.extend(forward_backward(
         &mut linear(DType::F32, false, [6, 5], 6)?,
@@ -115,7 +90,7 @@ fn linear_f32(d: &Device) -> Result<Vec<Tensor>> {
 }
 
 fn linear_bf16(d: &Device) -> Result<Vec<Tensor>> {
-    let x = random(&[4, 6], DType::BF16, 1)?;
+    let x = normal(&[4, 6], DType::BF16, 1)?;
     forward_backward(&mut linear(DType::BF16, true, [6, 5], 4)?, d, &x, 2)
 }
 
@@ -131,7 +106,7 @@ fn embedding(d: &Device) -> Result<Vec<Tensor>> {
 }
 
 fn layer_norm(d: &Device) -> Result<Vec<Tensor>> {
-    let x = random(&[3, 2, 8], DType::F32, 6)?;
+    let x = normal(&[3, 2, 8], DType::F32, 6)?;
     let mut out = Vec::new();
     for bias in [true, false] {
         let mut ln = LayerNorm::new(LayerNormConfig {
@@ -141,14 +116,14 @@ fn layer_norm(d: &Device) -> Result<Vec<Tensor>> {
             dtype: DType::F32,
         })?;
         // Non-trivial parameters, so that their gradients matter.
-        ln.weight.data = Some(random(&[8], DType::F32, 7)?);
+        ln.weight.data = Some(normal(&[8], DType::F32, 7)?);
         out.extend(forward_backward(&mut ln, d, &x, 8)?);
     }
     Ok(out)
 }
 
 fn activations(d: &Device) -> Result<Vec<Tensor>> {
-    let x = random(&[3, 700], DType::F32, 10)?;
+    let x = normal(&[3, 700], DType::F32, 10)?;
     let mut out = forward_backward(&mut Gelu::new(GeluApproximation::None), d, &x, 12)?;
     out.extend(forward_backward(&mut Relu::new(), d, &x, 14)?);
     Ok(out)
@@ -166,7 +141,7 @@ fn attention_config() -> CausalSelfAttentionConfig {
 }
 
 fn attention(d: &Device) -> Result<Vec<Tensor>> {
-    let x = random(&[2, 5, 8], DType::F32, 22)?;
+    let x = normal(&[2, 5, 8], DType::F32, 22)?;
     forward_backward(
         &mut CausalSelfAttention::new(attention_config())?,
         d,
@@ -187,7 +162,7 @@ fn block_config() -> BlockConfig {
 }
 
 fn blocks(d: &Device) -> Result<Vec<Tensor>> {
-    let x = random(&[2, 4, 8], DType::F32, 32)?;
+    let x = normal(&[2, 4, 8], DType::F32, 32)?;
     let mut out = forward_backward(&mut Mlp::new(block_config())?, d, &x, 33)?;
     out.extend(forward_backward(
         &mut Block::new(block_config())?,
@@ -199,12 +174,12 @@ fn blocks(d: &Device) -> Result<Vec<Tensor>> {
 }
 
 fn losses_and_matmul(d: &Device) -> Result<Vec<Tensor>> {
-    let logits = random(&[4, 5], DType::F32, 40)?;
+    let logits = normal(&[4, 5], DType::F32, 40)?;
     let targets = Tensor::from_vec(vec![1i64, DEFAULT_IGNORE_INDEX, 4, 0], &[4])?;
-    let prediction = random(&[3, 2], DType::F32, 41)?;
-    let target = random(&[3, 2], DType::F32, 42)?;
-    let a = random(&[3, 4], DType::F32, 43)?;
-    let b = random(&[5, 4], DType::F32, 44)?;
+    let prediction = normal(&[3, 2], DType::F32, 41)?;
+    let target = normal(&[3, 2], DType::F32, 42)?;
+    let a = normal(&[3, 4], DType::F32, 43)?;
+    let b = normal(&[5, 4], DType::F32, 44)?;
     let ce = cross_entropy(&logits.to_device(d)?, &targets.to_device(d)?, -100)?;
     let mse = mse_loss(&prediction.to_device(d)?, &target.to_device(d)?)?;
     let nt = MatmulOptions {
@@ -227,7 +202,7 @@ fn losses_and_matmul(d: &Device) -> Result<Vec<Tensor>> {
 
 /// Three AdamW steps and two plain SGD steps of a Linear.
 fn optimizers(d: &Device) -> Result<Vec<Tensor>> {
-    let x = random(&[3, 6], DType::F32, 50)?;
+    let x = normal(&[3, 6], DType::F32, 50)?;
     let mut layer = linear(DType::F32, true, [6, 5], 4)?;
     let mut adamw = AdamW::new(AdamWConfig::default())?;
     let mut out = Vec::new();
@@ -275,8 +250,8 @@ fn train_mlp(d: &Device, dtype: DType) -> Result<Vec<Tensor>> {
         lr: 0.05,
         ..SgdConfig::default()
     })?;
-    let x = random(&[8, 16], dtype, 90)?.to_device(d)?;
-    let y = random(&[8, 4], dtype, 91)?.to_device(d)?;
+    let x = normal(&[8, 16], dtype, 90)?.to_device(d)?;
+    let y = normal(&[8, 4], dtype, 91)?.to_device(d)?;
     let mut losses = Vec::new();
     for _ in 0..5 {
         let out = mlp.forward(&x)?;
@@ -419,7 +394,7 @@ fn unsupported<T: std::fmt::Debug>(result: Result<T>, op: &str) -> Outcome {
 /// The ops without a CUDA kernel refuse CUDA tensors, naming themselves.
 fn ops_without_a_kernel_say_so() -> Outcome {
     let run = || -> Result<Vec<Outcome>> {
-        let x = random(&[2, 4, 8], DType::F32, 1)?.to_device(&GPU)?;
+        let x = normal(&[2, 4, 8], DType::F32, 1)?.to_device(&GPU)?;
         let mut rms = RmsNorm::new(RmsNormConfig {
             normalized_shape: 8,
             eps: None,
@@ -493,8 +468,8 @@ fn bench(name: &str) -> Outcome {
                 lr: LR,
                 ..SgdConfig::default()
             })?;
-            let x = random(&[BATCH, WIDTH], dtype, 10)?.to_device(&device)?;
-            let t = random(&[BATCH, WIDTH], dtype, 20)?.to_device(&device)?;
+            let x = normal(&[BATCH, WIDTH], dtype, 10)?.to_device(&device)?;
+            let t = normal(&[BATCH, WIDTH], dtype, 20)?.to_device(&device)?;
             let (mut times, mut losses) = (Vec::new(), Vec::new());
             for step in 0..warmup + steps {
                 let started = Instant::now();

@@ -11,10 +11,10 @@ use hypershard_nn::{
     GptConfig, LayerNorm, LayerNormConfig, Linear, LinearConfig, Mlp, Module, Relu, Result,
     RmsNorm, RmsNormConfig, Silu, cross_entropy, mse_loss, replace_module, to_device, zero_grad,
 };
-use hypershard_tensor::{DType, Device, RandomInit, Tensor};
+use hypershard_tensor::{DType, Device, Tensor};
 
 mod common;
-use common::{Opaque, params_and_grads};
+use common::{Opaque, forward_backward, normal, params_and_grads};
 
 const EMULATED: Device = Device::Emulated { ordinal: 0 };
 
@@ -39,33 +39,6 @@ fn on_both(body: impl Fn(&Device) -> Result<Vec<Tensor>>) -> Result<Vec<Tensor>>
     Ok(host)
 }
 
-fn random(shape: &[usize], dtype: DType, seed: u64) -> Result<Tensor> {
-    Ok(Tensor::random(
-        shape,
-        dtype,
-        RandomInit::normal(seed, 0.0, 1.0),
-    )?)
-}
-
-/// Moves `module` to `device`, runs forward on `input` and backward on a random output
-/// gradient there; returns the output, the input gradient and every parameter's value and
-/// gradient.
-fn forward_backward(
-    module: &mut dyn Module,
-    device: &Device,
-    input: &Tensor,
-    seed: u64,
-) -> Result<Vec<Tensor>> {
-    to_device(module, device)?;
-    let x = input.to_device(device)?;
-    let y = module.forward(&x)?;
-    let g = random(y.shape(), y.dtype(), seed)?.to_device(device)?;
-    let gx = module.backward(&g)?;
-    let mut out = vec![y, gx];
-    out.extend(params_and_grads(module)?);
-    Ok(out)
-}
-
 fn linear(dtype: DType, bias: bool) -> Result<Linear> {
     Linear::new(LinearConfig {
         in_features: 6,
@@ -79,12 +52,12 @@ fn linear(dtype: DType, bias: bool) -> Result<Linear> {
 #[test]
 fn linear_runs_on_its_inputs_device() -> Result<()> {
     for (dtype, bias) in [(DType::F32, true), (DType::F64, false), (DType::BF16, true)] {
-        let x = random(&[2, 3, 6], dtype, 1)?;
+        let x = normal(&[2, 3, 6], dtype, 1)?;
         let out = on_both(|d| forward_backward(&mut linear(dtype, bias)?, d, &x, 2))?;
         assert_eq!(out[0].shape(), &[2, 3, 5]);
     }
     // A strided input is gathered where it lives.
-    let x = random(&[6, 4], DType::F32, 3)?;
+    let x = normal(&[6, 4], DType::F32, 3)?;
     on_both(|d| forward_backward(&mut linear(DType::F32, true)?, d, &x.transpose(0, 1)?, 4))?;
     Ok(())
 }
@@ -102,7 +75,7 @@ fn embedding_and_norms_run_on_their_inputs_device() -> Result<()> {
         forward_backward(&mut emb, d, &ids, 5)
     })?;
     for dtype in [DType::F32, DType::F64, DType::BF16] {
-        let x = random(&[3, 2, 8], dtype, 6)?;
+        let x = normal(&[3, 2, 8], dtype, 6)?;
         on_both(|d| {
             let mut ln = LayerNorm::new(LayerNormConfig {
                 normalized_shape: 8,
@@ -111,7 +84,7 @@ fn embedding_and_norms_run_on_their_inputs_device() -> Result<()> {
                 dtype,
             })?;
             // Non-trivial parameters, so that their gradients matter.
-            ln.weight.data = Some(random(&[8], dtype, 7)?);
+            ln.weight.data = Some(normal(&[8], dtype, 7)?);
             forward_backward(&mut ln, d, &x, 8)
         })?;
         on_both(|d| {
@@ -129,8 +102,8 @@ fn embedding_and_norms_run_on_their_inputs_device() -> Result<()> {
 #[test]
 fn activations_and_dropout_run_on_their_inputs_device() -> Result<()> {
     // Large enough for the activations' parallel chunks.
-    let x = random(&[3, 20_000], DType::F32, 10)?;
-    let small = random(&[4, 7], DType::F64, 11)?;
+    let x = normal(&[3, 20_000], DType::F32, 10)?;
+    let small = normal(&[4, 7], DType::F64, 11)?;
     for input in [&x, &small] {
         on_both(|d| forward_backward(&mut Gelu::new(GeluApproximation::None), d, input, 12))?;
         on_both(|d| forward_backward(&mut Gelu::new(GeluApproximation::Tanh), d, input, 13))?;
@@ -167,7 +140,7 @@ fn attention(dtype: DType, dropout: f64, dense: bool) -> Result<CausalSelfAttent
 #[test]
 fn attention_runs_on_its_inputs_device_tiled_and_dense() -> Result<()> {
     for dtype in [DType::F32, DType::F64, DType::BF16] {
-        let x = random(&[2, 5, 8], dtype, 22)?;
+        let x = normal(&[2, 5, 8], dtype, 22)?;
         for dense in [false, true] {
             for dropout in [0.0, 0.2] {
                 on_both(|d| forward_backward(&mut attention(dtype, dropout, dense)?, d, &x, 23))?;
@@ -190,7 +163,7 @@ fn block_config(dropout: f64) -> BlockConfig {
 
 #[test]
 fn blocks_mlps_and_checkpointed_blocks_run_on_their_inputs_device() -> Result<()> {
-    let x = random(&[2, 4, 8], DType::F32, 32)?;
+    let x = normal(&[2, 4, 8], DType::F32, 32)?;
     on_both(|d| forward_backward(&mut Mlp::new(block_config(0.1))?, d, &x, 33))?;
     on_both(|d| forward_backward(&mut Block::new(block_config(0.1))?, d, &x, 34))?;
     let plain = on_both(|d| forward_backward(&mut Block::new(block_config(0.0))?, d, &x, 35))?;
@@ -208,13 +181,13 @@ fn blocks_mlps_and_checkpointed_blocks_run_on_their_inputs_device() -> Result<()
 
 #[test]
 fn losses_and_matmul_run_on_their_inputs_device() -> Result<()> {
-    let logits = random(&[4, 5], DType::F32, 40)?;
+    let logits = normal(&[4, 5], DType::F32, 40)?;
     let targets = Tensor::from_vec(vec![1i64, DEFAULT_IGNORE_INDEX, 4, 0], &[4])?;
-    let prediction = random(&[3, 2], DType::F64, 41)?;
-    let target = random(&[3, 2], DType::F64, 42)?;
-    let a = random(&[3, 4], DType::BF16, 43)?;
-    let b = random(&[5, 4], DType::BF16, 44)?;
-    let c = random(&[4, 2], DType::F64, 45)?;
+    let prediction = normal(&[3, 2], DType::F64, 41)?;
+    let target = normal(&[3, 2], DType::F64, 42)?;
+    let a = normal(&[3, 4], DType::BF16, 43)?;
+    let b = normal(&[5, 4], DType::BF16, 44)?;
+    let c = normal(&[4, 2], DType::F64, 45)?;
     let out = on_both(|d| {
         let ce = cross_entropy(&logits.to_device(d)?, &targets.to_device(d)?, -100)?;
         let mse = mse_loss(&prediction.to_device(d)?, &target.to_device(d)?)?;
@@ -244,7 +217,7 @@ fn losses_and_matmul_run_on_their_inputs_device() -> Result<()> {
 
 #[test]
 fn optimizers_step_on_the_parameters_device() -> Result<()> {
-    let x = random(&[3, 6], DType::F32, 50)?;
+    let x = normal(&[3, 6], DType::F32, 50)?;
     // AdamW: the f32 in-place path and the f64 general path; SGD plain and with momentum.
     for dtype in [DType::F32, DType::F64] {
         let x = x.to_dtype(dtype)?;
@@ -379,7 +352,7 @@ fn mismatch(result: Result<Tensor>) -> (&'static str, Device, Device) {
 fn a_host_input_to_a_device_layer_is_a_typed_mismatch() -> Result<()> {
     let mut layer = linear(DType::F32, true)?;
     to_device(&mut layer, &EMULATED)?;
-    let x = random(&[2, 6], DType::F32, 80)?;
+    let x = normal(&[2, 6], DType::F32, 80)?;
     assert_eq!(
         mismatch(layer.forward(&x)),
         ("Linear::forward", EMULATED, Device::Cpu)
@@ -411,7 +384,7 @@ fn a_host_input_to_a_device_layer_is_a_typed_mismatch() -> Result<()> {
     );
 
     // Losses and matmul compare their operands' devices too.
-    let host_logits = random(&[2, 3], DType::F32, 81)?;
+    let host_logits = normal(&[2, 3], DType::F32, 81)?;
     let device_targets = Tensor::from_vec(vec![0i64, 1], &[2])?.to_device(&EMULATED)?;
     assert!(matches!(
         cross_entropy(&host_logits, &device_targets, -100),

@@ -2,8 +2,8 @@
 
 #![allow(dead_code)]
 
-use hypershard_nn::{Module, ParamVisitor, ParamVisitorMut, Result, zero_grad};
-use hypershard_tensor::{DType, RandomInit, Tensor};
+use hypershard_nn::{Module, ParamVisitor, ParamVisitorMut, Result, to_device, zero_grad};
+use hypershard_tensor::{DType, Device, RandomInit, Tensor};
 
 /// Every parameter's value and gradient of `module`, in visiting order.
 pub fn params_and_grads(module: &dyn Module) -> Result<Vec<Tensor>> {
@@ -13,6 +13,33 @@ pub fn params_and_grads(module: &dyn Module) -> Result<Vec<Tensor>> {
         out.extend(p.grad.clone());
         Ok(())
     })?;
+    Ok(out)
+}
+
+/// A standard normal random tensor.
+pub fn normal(shape: &[usize], dtype: DType, seed: u64) -> Result<Tensor> {
+    Ok(Tensor::random(
+        shape,
+        dtype,
+        RandomInit::normal(seed, 0.0, 1.0),
+    )?)
+}
+
+/// Moves `module` to `device`, runs forward on `input` and backward on a random output
+/// gradient there; returns the output, the input gradient and every parameter's value and
+/// gradient.
+pub fn forward_backward(
+    module: &mut dyn Module,
+    device: &Device,
+    input: &Tensor,
+    seed: u64,
+) -> Result<Vec<Tensor>> {
+    to_device(module, device)?;
+    let y = module.forward(&input.to_device(device)?)?;
+    let g = normal(y.shape(), y.dtype(), seed)?.to_device(device)?;
+    let gx = module.backward(&g)?;
+    let mut out = vec![y, gx];
+    out.extend(params_and_grads(module)?);
     Ok(out)
 }
 
