@@ -190,6 +190,9 @@ fn train_command(
         "0",
     ]);
     command.arg("--out").arg(out.join("run"));
+    // The memory-lean setting at every world size (one rank would keep them by default), so
+    // the ratios compare like with like.
+    command.arg("--keep-step-buffers=false");
     if init == Init::Eager {
         command.arg("--eager-init");
     }

@@ -201,3 +201,49 @@ fn a_run_that_fits_is_not_refused() {
     );
     assert!(out.join("checkpoints").exists());
 }
+
+/// The estimate's communication-buffer term of `hypershard train ARGS --max-rank-memory 16MiB`
+/// (a refusal, so nothing starts), in MiB.
+fn comm_estimate_mib(args: &[&str]) -> f64 {
+    let dir = scratch(&format!("keep-{}", args.join("-").replace('=', "_")));
+    let output = Command::new(env!("CARGO_BIN_EXE_hypershard"))
+        .args(["train", "--model", "medium", "--max-rank-memory", "16MiB"])
+        .args(args)
+        .arg("--out")
+        .arg(dir.join("run"))
+        .env("HYPERSHARD_TIMEOUT", "60")
+        .stdin(Stdio::null())
+        .output()
+        .expect("hypershard runs");
+    let stderr = String::from_utf8_lossy(&output.stderr);
+    assert!(!output.status.success(), "refused: {stderr}");
+    let term = stderr
+        .split("communication buffers ")
+        .nth(1)
+        .and_then(|rest| rest.split(" MiB").next())
+        .unwrap_or_else(|| panic!("no communication term in {stderr}"));
+    term.parse()
+        .unwrap_or_else(|_| panic!("{term:?} in {stderr}"))
+}
+
+#[test]
+fn one_rank_keeps_step_buffers_by_default_and_more_ranks_free_them() {
+    let one = ["--nproc", "1", "--mesh", "1"];
+    let kept = comm_estimate_mib(&one);
+    let freed = comm_estimate_mib(&[&one[..], &["--keep-step-buffers=false"]].concat());
+    let forced = comm_estimate_mib(&[&one[..], &["--keep-step-buffers"]].concat());
+    assert!(
+        kept > freed,
+        "one rank: default {kept} MiB, freed {freed} MiB"
+    );
+    assert_eq!(kept, forced, "one rank: the default is --keep-step-buffers");
+    let two = ["--nproc", "2", "--mesh", "2"];
+    let default_two = comm_estimate_mib(&two);
+    let freed_two = comm_estimate_mib(&[&two[..], &["--keep-step-buffers=false"]].concat());
+    let kept_two = comm_estimate_mib(&[&two[..], &["--keep-step-buffers=true"]].concat());
+    assert_eq!(default_two, freed_two, "two ranks free them by default");
+    assert!(
+        kept_two > freed_two,
+        "two ranks: kept {kept_two}, freed {freed_two}"
+    );
+}

@@ -4,6 +4,7 @@ use std::f64::consts::{FRAC_1_SQRT_2, PI};
 
 use hypershard_tensor::Tensor;
 
+use crate::kernels::vector_isa::vectorized;
 use crate::kernels::{
     Float, build_overwrite, in_parallel_chunks, same_device, with_float, with_values, with_values2,
 };
@@ -83,6 +84,7 @@ trait Pointwise: Sync {
     /// `out = f(xs)` over slices of one length. A formula chosen by a runtime field (GELU's
     /// approximation) is chosen once here, outside the loop, so the loop body is branch-free
     /// and vectorises.
+    #[inline(always)]
     fn values<F: Float>(&self, xs: &[F], out: &mut [F]) {
         for (o, &x) in out.iter_mut().zip(xs) {
             *o = self.value(x);
@@ -102,6 +104,7 @@ trait Pointwise: Sync {
     }
 
     /// `out = gs · f'(xs)` over slices of one length (see [`values`](Pointwise::values)).
+    #[inline(always)]
     fn grads<F: Float>(&self, xs: &[F], gs: &[F], out: &mut [F]) {
         for ((o, &x), &g) in out.iter_mut().zip(xs).zip(gs) {
             *o = g * self.derivative(x);
@@ -109,13 +112,13 @@ trait Pointwise: Sync {
     }
 }
 
-#[inline]
+#[inline(always)]
 fn gelu_exact<F: Float>(x: F) -> F {
     let half = F::of(0.5);
     half * x * (F::ONE + (x * F::of(FRAC_1_SQRT_2)).erf())
 }
 
-#[inline]
+#[inline(always)]
 fn gelu_exact_grad<F: Float>(x: F) -> F {
     let half = F::of(0.5);
     let cdf = half * (F::ONE + (x * F::of(FRAC_1_SQRT_2)).erf());
@@ -123,13 +126,13 @@ fn gelu_exact_grad<F: Float>(x: F) -> F {
     cdf + x * pdf
 }
 
-#[inline]
+#[inline(always)]
 fn gelu_tanh<F: Float>(x: F) -> F {
     let inner = F::of(sqrt_2_over_pi()) * (x + F::of(GELU_TANH_COEFF) * x * x * x);
     F::of(0.5) * x * (F::ONE + inner.tanh())
 }
 
-#[inline]
+#[inline(always)]
 fn gelu_tanh_grad<F: Float>(x: F) -> F {
     let c = F::of(sqrt_2_over_pi());
     let coeff = F::of(GELU_TANH_COEFF);
@@ -174,21 +177,37 @@ impl Pointwise for Gelu {
         })
     }
 
+    #[inline(always)]
     fn values<F: Float>(&self, xs: &[F], out: &mut [F]) {
-        let pairs = out.iter_mut().zip(xs);
+        // `for` loops rather than `for_each` closures: a closure would be one function shared
+        // by the vector trampolines, compiled for none of them (`kernels::vector_isa`).
         match self.approximation {
-            GeluApproximation::None => pairs.for_each(|(o, &x)| *o = gelu_exact(x)),
-            GeluApproximation::Tanh => pairs.for_each(|(o, &x)| *o = gelu_tanh(x)),
+            GeluApproximation::None => {
+                for (o, &x) in out.iter_mut().zip(xs) {
+                    *o = gelu_exact(x);
+                }
+            }
+            GeluApproximation::Tanh => {
+                for (o, &x) in out.iter_mut().zip(xs) {
+                    *o = gelu_tanh(x);
+                }
+            }
         }
     }
 
+    #[inline(always)]
     fn grads<F: Float>(&self, xs: &[F], gs: &[F], out: &mut [F]) {
-        let triples = out.iter_mut().zip(xs).zip(gs);
         match self.approximation {
             GeluApproximation::None => {
-                triples.for_each(|((o, &x), &g)| *o = g * gelu_exact_grad(x))
+                for ((o, &x), &g) in out.iter_mut().zip(xs).zip(gs) {
+                    *o = g * gelu_exact_grad(x);
+                }
             }
-            GeluApproximation::Tanh => triples.for_each(|((o, &x), &g)| *o = g * gelu_tanh_grad(x)),
+            GeluApproximation::Tanh => {
+                for ((o, &x), &g) in out.iter_mut().zip(xs).zip(gs) {
+                    *o = g * gelu_tanh_grad(x);
+                }
+            }
         }
     }
 
@@ -226,7 +245,9 @@ fn apply<P: Pointwise>(op: &'static str, f: &P, input: &Tensor) -> Result<Tensor
     with_float!(op, input.dtype(), F => {
         build_overwrite::<F>(input.shape(), input.dtype(), &device, |out| {
             with_values::<F, _>(input, |xs| {
-                in_parallel_chunks(out, |start, out| f.values(&xs[start..start + out.len()], out))
+                in_parallel_chunks(out, |start, out| {
+                    vectorized!(|| f.values(&xs[start..start + out.len()], out))
+                })
             })
         })
     })
@@ -263,7 +284,7 @@ fn apply_grad<P: Pointwise>(
             with_values2::<F, _>(input, grad, |xs, gs| {
                 in_parallel_chunks(out, |start, out| {
                     let end = start + out.len();
-                    f.grads(&xs[start..end], &gs[start..end], out)
+                    vectorized!(|| f.grads(&xs[start..end], &gs[start..end], out))
                 })
             })
         })

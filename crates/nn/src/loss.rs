@@ -3,6 +3,7 @@
 use hypershard_tensor::{DType, Tensor};
 
 use crate::elementwise::{check_float, from_f64};
+use crate::kernels::vector_isa::vectorized;
 use crate::kernels::{Float, load, load_f64, read_all, same_device, store, with_float};
 use crate::{Error, Result};
 
@@ -181,7 +182,7 @@ pub(crate) fn cross_entropy_rows_in_place<F: Float>(
     let rows = x.len() / classes;
     let mut losses = vec![0.0f64; rows];
     let one_row = |(row, (class, loss)): (&mut [F], (&Option<usize>, &mut f64))| {
-        *loss = cross_entropy_row(row, *class, scale);
+        *loss = vectorized!(|| cross_entropy_row(row, *class, scale));
     };
     if x.len() < PARALLEL_ELEMENTS {
         x.chunks_exact_mut(classes)
@@ -205,6 +206,7 @@ const LANES: usize = 16;
 
 /// One row of [`cross_entropy_rows_in_place`]: the row becomes its gradient; returns its loss
 /// (0 for an ignored row).
+#[inline(always)]
 fn cross_entropy_row<F: Float>(row: &mut [F], class: Option<usize>, scale: F) -> f64 {
     let Some(class) = class else {
         row.fill(F::ZERO);

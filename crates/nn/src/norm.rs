@@ -3,6 +3,7 @@
 use hypershard_tensor::{DType, Tensor};
 
 use crate::elementwise::check_float;
+use crate::kernels::vector_isa::vectorized;
 use crate::kernels::{
     Float, in_dtype, load, overwrite_target, same_device, store, with_float, with_values,
     with_values2,
@@ -91,6 +92,11 @@ struct ForwardRows<'a, F> {
 
 impl<F: Float> ForwardRows<'_, F> {
     fn run(&self, x: &[F], out: &mut [F], normalized: &mut [F], inv_std: &mut [F]) {
+        vectorized!(|| self.run_rows(x, out, normalized, inv_std))
+    }
+
+    #[inline(always)]
+    fn run_rows(&self, x: &[F], out: &mut [F], normalized: &mut [F], inv_std: &mut [F]) {
         let d = self.weight.len();
         let inv_d = F::of(1.0 / d as f64);
         for (((row, norm_row), out_row), r_out) in x
@@ -161,6 +167,17 @@ struct BackwardRows<'a, F> {
 
 impl<F: Float> BackwardRows<'_, F> {
     fn run(
+        &self,
+        grad: &[F],
+        normalized: &[F],
+        inv_std: &[F],
+        grad_input: &mut [F],
+    ) -> NormParamGrads<F> {
+        vectorized!(|| self.run_rows(grad, normalized, inv_std, grad_input))
+    }
+
+    #[inline(always)]
+    fn run_rows(
         &self,
         grad: &[F],
         normalized: &[F],

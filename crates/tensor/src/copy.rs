@@ -153,7 +153,10 @@ impl Tensor {
                 let d = dst_host.typed_mut::<T>();
                 if contiguous_pair {
                     let n = self.numel();
-                    d[self.offset..self.offset + n].copy_from_slice(&s[src.offset..src.offset + n]);
+                    copy_elements(
+                        &mut d[self.offset..self.offset + n],
+                        &s[src.offset..src.offset + n],
+                    );
                 } else {
                     for (di, si) in self.indices().zip(src_idx) {
                         d[di] = s[si];
@@ -279,11 +282,68 @@ impl Tensor {
     }
 }
 
+/// Contiguous copies of at least this many bytes are split over the current rayon pool.
+/// FSDP's copy-in and copy-out move whole layers' parameters and gradients this way, often
+/// into memory touched for the first time: split, both the bytes and the page faults of the
+/// fresh destination are spread over the rank's threads instead of one.
+const PARALLEL_COPY_BYTES: usize = 4 << 20;
+/// Bytes per task of a split copy.
+const COPY_CHUNK_BYTES: usize = 1 << 20;
+
+/// `dst.copy_from_slice(src)`, in parallel chunks when large (the same bytes either way).
+fn copy_elements<T: Copy + Send + Sync>(dst: &mut [T], src: &[T]) {
+    use rayon::prelude::*;
+    let bytes = std::mem::size_of_val(src);
+    // Only off the pool's own threads: a worker waiting on its chunks may run other tasks
+    // meanwhile, and one of those could want the storage lock this copy holds.
+    let split = bytes >= PARALLEL_COPY_BYTES
+        && rayon::current_thread_index().is_none()
+        && rayon::current_num_threads() >= 2
+        && dst.len() == src.len();
+    if !split {
+        // (A length mismatch panics here, as `copy_from_slice` always has.)
+        dst.copy_from_slice(src);
+        return;
+    }
+    let chunk = (COPY_CHUNK_BYTES / std::mem::size_of::<T>().max(1)).max(1);
+    dst.par_chunks_mut(chunk)
+        .zip(src.par_chunks(chunk))
+        .for_each(|(d, s)| d.copy_from_slice(s));
+}
+
 #[cfg(test)]
 mod tests {
     use half::{bf16, f16};
 
     use crate::{DType, Error, Result, Tensor};
+
+    #[test]
+    fn large_copies_split_over_threads_keep_every_element() -> Result<()> {
+        // 6 MiB of f32 plus a ragged tail: several 1 MiB chunks and a short last one, copied
+        // from the main test thread (the split path) into an offset view, and from inside a
+        // pool (the one-thread path).
+        let n = (6 << 20) / 4 + 77;
+        let src = Tensor::from_vec((0..n).map(|i| i as f32 * 0.5 - 3.0).collect(), &[n])?;
+        let whole = Tensor::zeros(&[n + 10], DType::F32)?;
+        whole.narrow(0, 5, n)?.copy_from(&src)?;
+        let got = whole.to_vec::<f32>()?;
+        for (i, &v) in got.iter().enumerate() {
+            let want = if (5..n + 5).contains(&i) {
+                (i - 5) as f32 * 0.5 - 3.0
+            } else {
+                0.0
+            };
+            assert_eq!(v.to_bits(), want.to_bits(), "element {i}");
+        }
+        let pool = rayon::ThreadPoolBuilder::new()
+            .num_threads(2)
+            .build()
+            .map_err(|_| Error::EmptyInput { op: "thread pool" })?;
+        let inside = Tensor::zeros(&[n], DType::F32)?;
+        pool.install(|| inside.copy_from(&src))?;
+        assert_eq!(inside.to_vec::<f32>()?, src.to_vec::<f32>()?);
+        Ok(())
+    }
 
     #[test]
     fn casts_between_all_dtypes() -> Result<()> {

@@ -156,9 +156,11 @@ pub struct TrainArgs {
     /// Keep each step's communication buffers and large kernel outputs cached for the next
     /// step instead of freeing them after backward (as PyTorch's caching allocator does on a
     /// GPU): faster, since no step faults them in again, but they stay resident through the
-    /// optimizer step. The memory check counts them.
-    #[arg(long)]
-    keep_step_buffers: bool,
+    /// optimizer step. The memory check counts them. Default: on for a world of one rank
+    /// (nothing is sharded, so they cost what an unsharded run holds anyway), off otherwise;
+    /// `--keep-step-buffers=false` frees them at one rank too.
+    #[arg(long, num_args = 0..=1, default_missing_value = "true", value_name = "BOOL")]
+    keep_step_buffers: Option<bool>,
     /// Where each rank keeps its model shards, gradients and activations: cpu, emulated (the
     /// test device: host memory behind the device API, what CI runs the device path on), or
     /// cuda (one GPU per rank on a node, by local rank; needs a build with `--features cuda`).
@@ -435,7 +437,9 @@ fn build_config(args: &TrainArgs, out: PathBuf) -> Result<TrainConfig, Error> {
         init_from_hf: args.init_from_hf.clone(),
         eager_init: args.eager_init,
         activation_checkpointing: args.activation_checkpointing,
-        keep_step_buffers: args.keep_step_buffers,
+        keep_step_buffers: args
+            .keep_step_buffers
+            .unwrap_or(args.nproc * args.nnodes == 1),
         device: args.device,
         out,
         resume: args.resume,

@@ -27,6 +27,7 @@ use rayon::prelude::*;
 use super::Dims;
 use crate::Result;
 use crate::dropout::DropMask;
+use crate::kernels::vector_isa::vectorized;
 use crate::kernels::{Float, add_assign, small_gemm};
 use crate::linalg::{GemmShape, MatmulOptions, gemm_into};
 
@@ -148,6 +149,7 @@ struct ForwardScratch<F> {
 }
 
 /// One head's forward: `o[T, D]` and `lse[T]` from `q, k, v` `[T, D]`.
+#[inline(always)]
 fn forward_head<F: Float>(
     (q, k, v): (&[F], &[F], &[F]),
     (seq, d, tile): (usize, usize, usize),
@@ -255,7 +257,7 @@ pub(super) fn forward<F: Float>(
             });
             let mut o = vec![F::ZERO; t * d];
             let mut lse = vec![F::ZERO; t];
-            forward_head((&q, &k, &v), (t, d, tile), head_mask, &mut o, &mut lse)?;
+            vectorized!(|| forward_head((&q, &k, &v), (t, d, tile), head_mask, &mut o, &mut lse))?;
             Ok((o, lse))
         })
         .collect::<Result<_>>()?;
@@ -296,6 +298,7 @@ struct HeadOperands<'a, F> {
 
 /// One head's backward: `dq, dk, dv` `[T, D]` from `q, k, v`, the output `o` and its gradient
 /// `dout`, and the forward's log-sum-exp.
+#[inline(always)]
 fn backward_head<F: Float>(
     head: &HeadOperands<'_, F>,
     (seq, d, tile): (usize, usize, usize),
@@ -438,7 +441,7 @@ pub(super) fn backward<F: Float>(
                 dout: &dout,
                 lse: &lse[bh * t..(bh + 1) * t],
             };
-            backward_head(&head, (t, d, tile), head_mask, (dq, dk, dv))?;
+            vectorized!(|| backward_head(&head, (t, d, tile), head_mask, (dq, dk, dv)))?;
             Ok(grads)
         })
         .collect::<Result<_>>()?;

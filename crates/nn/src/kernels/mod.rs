@@ -12,6 +12,7 @@ pub(crate) mod cuda;
 pub(crate) mod math;
 pub(crate) mod recycle;
 pub(crate) mod small_gemm;
+pub(crate) mod vector_isa;
 
 use std::iter::Sum;
 use std::ops::{Add, AddAssign, Div, Mul, MulAssign, Neg, Sub, SubAssign};

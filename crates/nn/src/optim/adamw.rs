@@ -5,6 +5,7 @@ use std::collections::BTreeMap;
 use hypershard_tensor::{DType, Tensor};
 
 use super::{check_non_negative, write_f64};
+use crate::kernels::vector_isa::vectorized;
 use crate::kernels::{load_f64, same_device};
 use crate::{Error, Module, Parameter, Result};
 
@@ -264,12 +265,14 @@ impl AdamWUpdate {
             }
         }
         let chunk = |((p, m), v): ((&mut [f32], &mut [f32]), &mut [f32]), g: &[f32]| {
-            for (((p, m), v), &g) in p.iter_mut().zip(m).zip(v).zip(g) {
-                let (mut m64, mut v64) = (f64::from(*m), f64::from(*v));
-                *p = self.apply(f64::from(*p), &mut m64, &mut v64, f64::from(g)) as f32;
-                *m = m64 as f32;
-                *v = v64 as f32;
-            }
+            vectorized!(|| {
+                for (((p, m), v), &g) in p.iter_mut().zip(m).zip(v).zip(g) {
+                    let (mut m64, mut v64) = (f64::from(*m), f64::from(*v));
+                    *p = self.apply(f64::from(*p), &mut m64, &mut v64, f64::from(g)) as f32;
+                    *m = m64 as f32;
+                    *v = v64 as f32;
+                }
+            })
         };
         if len <= UPDATE_CHUNK {
             chunk(((values, exp_avg), exp_avg_sq), grad);
