@@ -282,15 +282,18 @@ impl Tensor {
     }
 }
 
+#[cfg(feature = "parallel")]
 /// Contiguous copies of at least this many bytes are split over the current rayon pool.
 /// FSDP's copy-in and copy-out move whole layers' parameters and gradients this way, often
 /// into memory touched for the first time: split, both the bytes and the page faults of the
 /// fresh destination are spread over the rank's threads instead of one.
 const PARALLEL_COPY_BYTES: usize = 4 << 20;
+#[cfg(feature = "parallel")]
 /// Bytes per task of a split copy.
 const COPY_CHUNK_BYTES: usize = 1 << 20;
 
 /// `dst.copy_from_slice(src)`, in parallel chunks when large (the same bytes either way).
+#[cfg(feature = "parallel")]
 fn copy_elements<T: Copy + Send + Sync>(dst: &mut [T], src: &[T]) {
     use rayon::prelude::*;
     let bytes = std::mem::size_of_val(src);
@@ -311,12 +314,19 @@ fn copy_elements<T: Copy + Send + Sync>(dst: &mut [T], src: &[T]) {
         .for_each(|(d, s)| d.copy_from_slice(s));
 }
 
+/// Without the `parallel` feature: the plain copy.
+#[cfg(not(feature = "parallel"))]
+fn copy_elements<T: Copy>(dst: &mut [T], src: &[T]) {
+    dst.copy_from_slice(src);
+}
+
 #[cfg(test)]
 mod tests {
     use half::{bf16, f16};
 
     use crate::{DType, Error, Result, Tensor};
 
+    #[cfg(feature = "parallel")]
     #[test]
     fn large_copies_split_over_threads_keep_every_element() -> Result<()> {
         // 6 MiB of f32 plus a ragged tail: several 1 MiB chunks and a short last one, copied
