@@ -83,8 +83,10 @@ pub fn mesh_acceptor(input: &[u8]) -> bool {
         job_token: 7,
         world_size: 4,
         acceptor_rank: 0,
-        // invariant: a non-empty secret is always accepted.
-        secret: Some(crate::auth::JobSecret::from_bytes(b"fuzz".to_vec()).expect("non-empty")),
+        secret: Some(
+            crate::auth::JobSecret::from_bytes(b"fuzz".to_vec())
+                .expect("invariant: a non-empty secret is always accepted"),
+        ),
         frame_checksum: false,
     };
     let admitted = crate::transport::tcp::handshake::accept_hello(&mut peer, &expect).is_ok();

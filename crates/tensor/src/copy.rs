@@ -282,33 +282,32 @@ impl Tensor {
     }
 }
 
-#[cfg(feature = "parallel")]
-/// Contiguous copies of at least this many bytes are split over the current rayon pool.
-/// FSDP's copy-in and copy-out move whole layers' parameters and gradients this way, often
-/// into memory touched for the first time: split, both the bytes and the page faults of the
-/// fresh destination are spread over the rank's threads instead of one.
-const PARALLEL_COPY_BYTES: usize = 4 << 20;
-#[cfg(feature = "parallel")]
-/// Bytes per task of a split copy.
-const COPY_CHUNK_BYTES: usize = 1 << 20;
-
-/// `dst.copy_from_slice(src)`, in parallel chunks when large (the same bytes either way).
+/// `dst.copy_from_slice(src)` (slices of one length), split over the current rayon pool when
+/// at least 4 MiB. FSDP's copy-in and copy-out move whole layers' parameters and gradients
+/// this way, often into memory touched for the first time: split, both the bytes and the page
+/// faults of the fresh destination are spread over the rank's threads instead of one.
 #[cfg(feature = "parallel")]
 fn copy_elements<T: Copy + Send + Sync>(dst: &mut [T], src: &[T]) {
     use rayon::prelude::*;
-    let bytes = std::mem::size_of_val(src);
+    const PARALLEL_COPY_BYTES: usize = 4 << 20;
+    const CHUNK_BYTES: usize = 1 << 20;
     // Only off the pool's own threads: a worker waiting on its chunks may run other tasks
     // meanwhile, and one of those could want the storage lock this copy holds.
-    let split = bytes >= PARALLEL_COPY_BYTES
+    let split = std::mem::size_of_val(src) >= PARALLEL_COPY_BYTES
         && rayon::current_thread_index().is_none()
-        && rayon::current_num_threads() >= 2
-        && dst.len() == src.len();
+        && rayon::current_num_threads() >= 2;
     if !split {
-        // (A length mismatch panics here, as `copy_from_slice` always has.)
         dst.copy_from_slice(src);
         return;
     }
-    let chunk = (COPY_CHUNK_BYTES / std::mem::size_of::<T>().max(1)).max(1);
+    // invariant: the one caller slices both to the view's `n` elements (as `copy_from_slice`
+    // needs too); zipped chunks of unequal slices would drop the tail silently.
+    assert_eq!(
+        dst.len(),
+        src.len(),
+        "invariant: copy_elements takes slices of one length"
+    );
+    let chunk = (CHUNK_BYTES / std::mem::size_of::<T>().max(1)).max(1);
     dst.par_chunks_mut(chunk)
         .zip(src.par_chunks(chunk))
         .for_each(|(d, s)| d.copy_from_slice(s));
@@ -348,7 +347,7 @@ mod tests {
         let pool = rayon::ThreadPoolBuilder::new()
             .num_threads(2)
             .build()
-            .map_err(|_| Error::EmptyInput { op: "thread pool" })?;
+            .expect("a 2-thread pool builds");
         let inside = Tensor::zeros(&[n], DType::F32)?;
         pool.install(|| inside.copy_from(&src))?;
         assert_eq!(inside.to_vec::<f32>()?, src.to_vec::<f32>()?);

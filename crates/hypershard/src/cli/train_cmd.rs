@@ -437,9 +437,7 @@ fn build_config(args: &TrainArgs, out: PathBuf) -> Result<TrainConfig, Error> {
         init_from_hf: args.init_from_hf.clone(),
         eager_init: args.eager_init,
         activation_checkpointing: args.activation_checkpointing,
-        keep_step_buffers: args
-            .keep_step_buffers
-            .unwrap_or(args.nproc * args.nnodes == 1),
+        keep_step_buffers: args.keep_step_buffers.unwrap_or(mesh.ranks() == 1),
         device: args.device,
         out,
         resume: args.resume,

@@ -23,8 +23,8 @@ pub(crate) enum VectorIsa {
 }
 
 impl VectorIsa {
-    /// The widest this CPU runs (detected once; `std` caches the CPUID query).
-    pub(crate) fn detect() -> Self {
+    /// The widest this CPU runs.
+    fn detect() -> Self {
         #[cfg(target_arch = "x86_64")]
         {
             use std::arch::is_x86_feature_detected as has;
@@ -46,7 +46,7 @@ impl VectorIsa {
 }
 
 /// The widest instruction set this CPU has, detected on first use and then read from a
-/// static: the dispatch costs one relaxed load per kernel call.
+/// static: the dispatch costs one atomic load per kernel call.
 pub(crate) fn widest() -> VectorIsa {
     use std::sync::OnceLock;
     static WIDEST: OnceLock<VectorIsa> = OnceLock::new();
@@ -90,7 +90,7 @@ pub(crate) use vectorized;
 /// The AVX-512 trampoline: `f` inlined here is compiled with these features.
 ///
 /// # Safety
-/// The CPU must have every enabled feature ([`VectorIsa::detect`] returned `Avx512`).
+/// The CPU must have every enabled feature ([`widest`] returned `Avx512`).
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx512f,avx512bw,avx512dq,avx512vl,avx2,fma")]
 pub(crate) unsafe fn avx512<R>(f: impl FnOnce() -> R) -> R {
