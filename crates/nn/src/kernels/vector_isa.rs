@@ -45,12 +45,10 @@ impl VectorIsa {
     }
 }
 
-/// The widest instruction set this CPU has, detected on first use and then read from a
-/// static: the dispatch costs one atomic load per kernel call.
+/// The widest instruction set this CPU has. `std` caches the CPUID query, so a dispatch
+/// costs a few atomic loads per kernel call (per chunk or row, never per element).
 pub(crate) fn widest() -> VectorIsa {
-    use std::sync::OnceLock;
-    static WIDEST: OnceLock<VectorIsa> = OnceLock::new();
-    *WIDEST.get_or_init(VectorIsa::detect)
+    VectorIsa::detect()
 }
 
 /// Runs a closure `|| body`, compiled for the widest vector instruction set this CPU has (see
