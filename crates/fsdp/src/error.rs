@@ -103,6 +103,20 @@ pub enum FsdpError {
         /// The state found.
         actual: ShardedState,
     },
+    /// At a data-parallel world of one rank the unsharded parameter is the shard itself, and
+    /// the model wrote a gradient into its memory (an in-place trick meant for all-gathered
+    /// copies, such as nn's `Gpt::keep_head_grad_in_gathered_weight`): the parameter is lost.
+    #[error(
+        "unit `{unit}`, parameter `{param}`: its gradient was written into the parameter's own \
+         memory; at a data-parallel world of one rank the unsharded parameter is the shard \
+         itself, so in-place gradient tricks for gathered weights must be off"
+    )]
+    GradAliasesParam {
+        /// The unit (the kind of the wrapped module and its id).
+        unit: String,
+        /// The parameter.
+        param: String,
+    },
     /// A unit's hook ran in a training state that does not allow it (a forward recomputed
     /// during backward and then a new forward instead of the unit's backward, or a hook
     /// re-entered).

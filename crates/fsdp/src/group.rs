@@ -2,7 +2,8 @@
 //!
 //! Unshard = copy-in (each shard cast to `param_dtype` into its slot of one flat buffer per
 //! bucket) → one all-gather per bucket → copy-out (every rank's slot into the unsharded
-//! parameter). Post-backward = copy-in (each unsharded gradient cast to `reduce_dtype`, cut
+//! parameter). A unit whose data-parallel world is one rank skips all three (`local`).
+//! Post-backward = copy-in (each unsharded gradient cast to `reduce_dtype`, cut
 //! into one padded slot per rank) → one reduce-scatter per bucket → (HSDP) one all-reduce per
 //! bucket over the replicate group → accumulate into the sharded gradient.
 
@@ -22,6 +23,7 @@ use crate::mesh::DataParallelMesh;
 use crate::param::{FsdpParam, ParamRole};
 use crate::state::{ShardedState, TrainingState};
 
+mod local;
 mod reduce;
 mod unshard;
 

@@ -2,7 +2,8 @@
 //! lives in (nn's `Gpt::keep_head_grad_in_gathered_weight`, as `hypershard train` runs): the
 //! losses and every sharded gradient are bitwise those of the default run, at a world that
 //! does not divide the vocabulary and under HSDP, and the pool never lends a second buffer of
-//! the root's size.
+//! the root's size. At a world of one rank, where the unsharded weight is the shard itself,
+//! the in-place head gradient is refused with a typed error instead of overwriting the weight.
 
 mod common;
 
@@ -142,4 +143,32 @@ fn in_place_root_reduce_is_bitwise_the_default_at_world_3() {
 #[test]
 fn in_place_root_reduce_is_bitwise_the_default_under_hsdp_2x2() {
     check(&[2, 2]);
+}
+
+#[test]
+fn one_rank_refuses_the_head_gradient_in_its_own_weight() {
+    for device in [Device::Cpu, Device::Emulated { ordinal: 0 }] {
+        let comms = hypershard_collectives::local::spawn_world(1).expect("local world");
+        let mesh = dp_mesh(&[1], comms[0].clone()).expect("mesh");
+        let config = FullyShardConfig::new(mesh);
+        let mut gpt = Gpt::new(self::config()).expect("gpt");
+        hypershard_nn::to_device(&mut gpt, &device).expect("to device");
+        let targets_handle = gpt.fused_loss(DEFAULT_IGNORE_INDEX);
+        gpt.keep_head_grad_in_gathered_weight(true);
+        let mut model = fully_shard(Box::new(gpt), config).expect("fully_shard");
+        let tokens = |first: i64| (first..first + 16).collect::<Vec<_>>();
+        let ids = Tensor::from_vec(tokens(0), &[2, 8]).expect("ids");
+        targets_handle.for_backward(on(
+            &Tensor::from_vec(tokens(1), &[2, 8]).expect("t"),
+            device,
+        ));
+        model.forward(&on(&ids, device)).expect("forward");
+        let one = Tensor::from_vec(vec![1.0f32], &[1]).expect("seed");
+        match model.backward(&on(&one, device)) {
+            Err(FsdpError::GradAliasesParam { param, .. }) => {
+                assert_eq!(param, "transformer.wte.weight", "{device:?}")
+            }
+            other => panic!("{device:?}: expected GradAliasesParam, got {other:?}"),
+        }
+    }
 }

@@ -217,26 +217,46 @@ fn comm_estimate_mib(args: &[&str]) -> f64 {
         .expect("hypershard runs");
     let stderr = String::from_utf8_lossy(&output.stderr);
     assert!(!output.status.success(), "refused: {stderr}");
+    // "communication buffers 17.2 MiB," or "communication buffers 0 B,".
     let term = stderr
         .split("communication buffers ")
         .nth(1)
-        .and_then(|rest| rest.split(" MiB").next())
+        .and_then(|rest| rest.split(',').next())
         .unwrap_or_else(|| panic!("no communication term in {stderr}"));
-    term.parse()
-        .unwrap_or_else(|_| panic!("{term:?} in {stderr}"))
+    let (value, unit) = term
+        .split_once(' ')
+        .unwrap_or_else(|| panic!("{term:?} in {stderr}"));
+    let value: f64 = value
+        .parse()
+        .unwrap_or_else(|_| panic!("{term:?} in {stderr}"));
+    let scale = match unit {
+        "B" => 1.0 / (1024.0 * 1024.0),
+        "KiB" => 1.0 / 1024.0,
+        "MiB" => 1.0,
+        "GiB" => 1024.0,
+        other => panic!("unit {other:?} in {stderr}"),
+    };
+    value * scale
 }
 
 #[test]
-fn one_rank_keeps_step_buffers_by_default_and_more_ranks_free_them() {
+fn one_rank_gathers_nothing_and_more_ranks_free_their_step_buffers_by_default() {
+    // One rank's unsharded parameters are its shards: no communication buffers, kept or not;
+    // only bf16 compute copies of the parameters remain.
     let one = ["--nproc", "1", "--mesh", "1"];
-    let kept = comm_estimate_mib(&one);
-    let freed = comm_estimate_mib(&[&one[..], &["--keep-step-buffers=false"]].concat());
-    let forced = comm_estimate_mib(&[&one[..], &["--keep-step-buffers"]].concat());
+    for flag in [
+        &[][..],
+        &["--keep-step-buffers=false"],
+        &["--keep-step-buffers"],
+    ] {
+        let mib = comm_estimate_mib(&[&one[..], flag].concat());
+        assert_eq!(mib, 0.0, "one rank, {flag:?}");
+    }
+    let bf16 = comm_estimate_mib(&[&one[..], &["--param-dtype", "bf16"]].concat());
     assert!(
-        kept > freed,
-        "one rank: default {kept} MiB, freed {freed} MiB"
+        bf16 > 0.0,
+        "one rank with bf16 parameters holds their casts"
     );
-    assert_eq!(kept, forced, "one rank: the default is --keep-step-buffers");
     let two = ["--nproc", "2", "--mesh", "2"];
     let default_two = comm_estimate_mib(&two);
     let freed_two = comm_estimate_mib(&[&two[..], &["--keep-step-buffers=false"]].concat());
@@ -245,5 +265,9 @@ fn one_rank_keeps_step_buffers_by_default_and_more_ranks_free_them() {
     assert!(
         kept_two > freed_two,
         "two ranks: kept {kept_two}, freed {freed_two}"
+    );
+    assert!(
+        freed_two > bf16,
+        "two ranks gather f32 parameters: {freed_two} MiB against one rank's bf16 casts {bf16}"
     );
 }

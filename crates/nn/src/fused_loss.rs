@@ -66,57 +66,59 @@ impl LossTargets {
 }
 
 /// What the fused head computed for one forward.
-pub(crate) struct FusedHead<F> {
+pub(crate) struct FusedHead {
     /// `Σ −log softmax(logits)[target]` over the counted targets, in f64.
     pub(crate) loss_sum: f64,
     /// How many targets were not ignored (the mean's denominator).
     pub(crate) counted: usize,
-    /// With gradients: `∂mean/∂hidden` `[tokens, C]` and `∂mean/∂W` `[V, C]`.
-    pub(crate) grads: Option<HeadGrads<F>>,
 }
 
-/// The gradients of the mean loss with respect to the head's two inputs.
-pub(crate) struct HeadGrads<F> {
-    pub(crate) hidden: Vec<F>,
-    pub(crate) weight: WeightGrad<F>,
+/// Where [`fused_head`] writes the gradients of the mean loss, when it computes them. The
+/// caller makes the tensors they live in, so no gradient is built in a buffer of its own and
+/// copied: at GPT-2's vocabulary the weight's is 154 MiB.
+pub(crate) struct HeadGradTargets<'a, F> {
+    /// `∂mean/∂hidden` `[tokens, C]`, overwritten.
+    pub(crate) hidden: &'a mut [F],
+    pub(crate) weight: WeightGradTarget<'a, F>,
 }
 
-/// The head weight's gradient, or what it is made of when the caller asked to form it later.
-pub(crate) enum WeightGrad<F> {
-    /// `∂mean/∂W` `[V, C]`.
-    Done(Vec<F>),
-    /// The logits' gradients of every token `[tokens, V]`, block by block as the head computed
-    /// them, for [`weight_grad_into`] once the weight is no longer read (its memory may then
-    /// take the gradient).
-    Deferred {
-        logit_grads: Vec<F>,
-        rows_per_block: usize,
-    },
+/// Where the head weight's gradient goes.
+pub(crate) enum WeightGradTarget<'a, F> {
+    /// `∂mean/∂W` `[V, C]`, overwritten.
+    Into(&'a mut [F]),
+    /// Formed later by [`weight_grad_into`], once the weight is no longer read (its memory may
+    /// then take the gradient): the vector receives every token's logit gradients
+    /// `[tokens, V]`, block by block as the head computed them.
+    Defer(&'a mut Vec<F>),
 }
 
-/// Writes `∂mean/∂W = Σ_blocks gᵀ · h` `[V, C]` into `out` from a [`WeightGrad::Deferred`]'s
-/// logit gradients and the head's `hidden` input: zeros, then the same products accumulated in
-/// the same blocks and order as [`fused_head`] does, so bit for bit its `Done` gradient.
+/// Token rows per block of the fused head: as many as keep a block's logits within
+/// `BLOCK_ELEMENTS`, at least one.
+pub(crate) fn rows_per_block(tokens: usize, v: usize) -> usize {
+    (BLOCK_ELEMENTS / v.max(1)).clamp(1, tokens.max(1))
+}
+
+/// Writes `∂mean/∂W = Σ_blocks gᵀ · h` `[V, C]` into `out` from the logit gradients a
+/// [`WeightGradTarget::Defer`] received and the head's `hidden` input: the same products in
+/// the same blocks and order as [`fused_head`] forms it directly, so bit for bit that gradient.
 pub(crate) fn weight_grad_into<F: Float>(
     logit_grads: &[F],
-    rows_per_block: usize,
     hidden: &[F],
     [tokens, c, v]: [usize; 3],
     out: &mut [F],
 ) -> Result<()> {
-    out.fill(F::ZERO);
-    let rows_per_block = rows_per_block.max(1);
+    if tokens == 0 {
+        out.fill(F::ZERO);
+    }
+    let rows_per_block = rows_per_block(tokens, v);
     let mut first = 0;
     while first < tokens {
         let rows = rows_per_block.min(tokens - first);
-        let dw = MatmulOptions {
-            transpose_a: true,
-            transpose_b: false,
-        };
-        gemm_accumulate_into(
+        weight_grad_block(
+            first,
             &logit_grads[first * v..(first + rows) * v],
             &hidden[first * c..(first + rows) * c],
-            GemmShape::new(v, rows, c, dw)?,
+            [rows, c, v],
             out,
         )?;
         first += rows;
@@ -124,20 +126,45 @@ pub(crate) fn weight_grad_into<F: Float>(
     Ok(())
 }
 
+/// `∂W (+)= gᵀ · h` for the block of token rows starting at `first`, `[V, rows]·[rows, C]`:
+/// the first block overwrites `out` (no zero-fill of a fresh `[V, C]` buffer, whose pages it
+/// would fault in on one thread), the later ones add into it.
+fn weight_grad_block<F: Float>(
+    first: usize,
+    logit_grads: &[F],
+    hidden: &[F],
+    [rows, c, v]: [usize; 3],
+    out: &mut [F],
+) -> Result<()> {
+    let shape = GemmShape::new(
+        v,
+        rows,
+        c,
+        MatmulOptions {
+            transpose_a: true,
+            transpose_b: false,
+        },
+    )?;
+    if first == 0 {
+        gemm_into(logit_grads, hidden, shape, out)
+    } else {
+        gemm_accumulate_into(logit_grads, hidden, shape, out)
+    }
+}
+
 /// The fused head over `hidden` `[tokens, C]` and the head weight `weight` `[V, C]`
-/// (logits = hidden · weightᵀ), against `targets`, in blocks of token rows. With
-/// `defer_weight_grad` the weight's gradient is left as [`WeightGrad::Deferred`]: every
-/// block's logit gradients are kept (`tokens·V` elements instead of one block's) and no
-/// `[V, C]` buffer is made here.
+/// (logits = hidden · weightᵀ), against `targets`, in blocks of token rows; with `grads`, the
+/// gradients written there. A deferred weight gradient ([`WeightGradTarget::Defer`]) keeps
+/// every block's logit gradients (`tokens·V` elements instead of one block's) and writes no
+/// `[V, C]` buffer here.
 pub(crate) fn fused_head<F: Float>(
     op: &'static str,
     hidden: &[F],
     weight: &[F],
     targets: &TargetClasses,
     [tokens, c, v]: [usize; 3],
-    with_grads: bool,
-    defer_weight_grad: bool,
-) -> Result<FusedHead<F>> {
+    grads: Option<HeadGradTargets<'_, F>>,
+) -> Result<FusedHead> {
     if hidden.len() != tokens * c {
         return Err(Error::ShapeMismatch {
             op,
@@ -159,20 +186,34 @@ pub(crate) fn fused_head<F: Float>(
     } else {
         0.0
     };
-    let rows_per_block = (BLOCK_ELEMENTS / v.max(1)).clamp(1, tokens.max(1));
-    let defer = with_grads && defer_weight_grad;
+    let rows_per_block = rows_per_block(tokens, v);
+    let (mut hidden_grad, mut weight_grad, deferred) = match grads {
+        Some(HeadGradTargets { hidden, weight }) => match weight {
+            WeightGradTarget::Into(out) => (Some(hidden), Some(out), None),
+            WeightGradTarget::Defer(logit_grads) => (Some(hidden), None, Some(logit_grads)),
+        },
+        None => (None, None, None),
+    };
+    for (target, shape) in [
+        (hidden_grad.as_deref(), [tokens, c]),
+        (weight_grad.as_deref(), [v, c]),
+    ] {
+        if let Some(target) = target.filter(|t| t.len() != shape[0] * shape[1]) {
+            return Err(Error::ShapeMismatch {
+                op,
+                lhs: shape.to_vec(),
+                rhs: vec![target.len()],
+            });
+        }
+    }
+    let defer = deferred.is_some();
     // Deferred, each block's logits (then their gradients) stay where they were computed.
     let mut block = vec![F::ZERO; if defer { tokens } else { rows_per_block } * v];
-    let mut hidden_grad = if with_grads {
-        vec![F::ZERO; tokens * c]
-    } else {
-        Vec::new()
-    };
-    let mut weight_grad = if with_grads && !defer {
-        vec![F::ZERO; v * c]
-    } else {
-        Vec::new()
-    };
+    if tokens == 0 {
+        if let Some(out) = weight_grad.as_deref_mut() {
+            out.fill(F::ZERO);
+        }
+    }
     let mut loss_sum = 0.0;
     let mut first = 0;
     while first < tokens {
@@ -192,7 +233,7 @@ pub(crate) fn fused_head<F: Float>(
             F::of(scale),
             &mut loss_sum,
         );
-        if with_grads {
+        if let Some(hidden_grad) = hidden_grad.as_deref_mut() {
             // ∂hidden = g · W for these rows, [rows, V]·[V, C].
             let dh = &mut hidden_grad[first * c..(first + rows) * c];
             gemm_into(
@@ -202,30 +243,14 @@ pub(crate) fn fused_head<F: Float>(
                 dh,
             )?;
         }
-        if with_grads && !defer {
-            // ∂W += gᵀ · h, [V, rows]·[rows, C] (what `weight_grad_into` does when deferred).
-            let dw = MatmulOptions {
-                transpose_a: true,
-                transpose_b: false,
-            };
-            gemm_accumulate_into(logits, h, GemmShape::new(v, rows, c, dw)?, &mut weight_grad)?;
+        if let Some(out) = weight_grad.as_deref_mut() {
+            // ∂W += gᵀ · h (what `weight_grad_into` does when deferred).
+            weight_grad_block(first, logits, h, [rows, c, v], out)?;
         }
         first += rows;
     }
-    let grads = with_grads.then_some(HeadGrads {
-        hidden: hidden_grad,
-        weight: if defer {
-            WeightGrad::Deferred {
-                logit_grads: block,
-                rows_per_block,
-            }
-        } else {
-            WeightGrad::Done(weight_grad)
-        },
-    });
-    Ok(FusedHead {
-        loss_sum,
-        counted,
-        grads,
-    })
+    if let Some(logit_grads) = deferred {
+        *logit_grads = block;
+    }
+    Ok(FusedHead { loss_sum, counted })
 }

@@ -9,9 +9,12 @@ use hypershard_tensor::{DType, RandomInit, Tensor};
 use crate::checkpoint::{load_state_dict, save_safetensors};
 use crate::elementwise::check_float;
 use crate::embedding::{Embedding, gather_rows};
-use crate::fused_loss::{LossTargets, WeightGrad, fused_head, weight_grad_into};
+use crate::fused_loss::{
+    FusedHead, HeadGradTargets, LossTargets, WeightGradTarget, fused_head, weight_grad_into,
+};
 use crate::kernels::{
-    Float, add_assign, load, load_f64, same_device, store, with_float, with_values, with_values2,
+    Float, add_assign, load, load_f64, overwrite_target, same_device, store, with_float,
+    with_values, with_values2,
 };
 use crate::linalg::{GemmShape, MatmulOptions, gemm};
 use crate::loss::TargetClasses;
@@ -555,49 +558,60 @@ impl Module for Gpt {
                 // next to the weight, when they are no larger: the gradient is then formed in
                 // the weight's memory once the head has read it for the last time.
                 let defer = in_weight && tokens <= c;
-                let head = with_values::<F, _>(wte, |w| {
-                    fused_head(
-                        OP,
-                        &hidden,
-                        w,
-                        &classes,
-                        [tokens, c, v],
-                        pending.backward,
-                        defer,
-                    )
+                // The gradients' tensors, made before the head writes them: stale recycled
+                // memory on the host, since every element is overwritten.
+                let targets = if pending.backward {
+                    let hidden_grad = overwrite_target::<F>(&[tokens, c], &device)?;
+                    let weight_grad = if defer {
+                        None
+                    } else {
+                        Some(overwrite_target::<F>(&[v, c], &device)?)
+                    };
+                    Some((hidden_grad, weight_grad))
+                } else {
+                    None
+                };
+                let mut logit_grads = Vec::new();
+                let dims = [tokens, c, v];
+                let head = with_values::<F, _>(wte, |w| -> Result<FusedHead> {
+                    let Some((hidden_grad, weight_grad)) = &targets else {
+                        return fused_head(OP, &hidden, w, &classes, dims, None);
+                    };
+                    hidden_grad.with_kernel_data_mut::<F, _>(OP, |hidden_out| {
+                        let Some(weight_grad) = weight_grad else {
+                            let weight = WeightGradTarget::Defer(&mut logit_grads);
+                            let grads = HeadGradTargets { hidden: hidden_out, weight };
+                            return fused_head(OP, &hidden, w, &classes, dims, Some(grads));
+                        };
+                        weight_grad.with_kernel_data_mut::<F, _>(OP, |weight_out| {
+                            let weight = WeightGradTarget::Into(weight_out);
+                            let grads = HeadGradTargets { hidden: hidden_out, weight };
+                            fused_head(OP, &hidden, w, &classes, dims, Some(grads))
+                        })?
+                    })?
                 })??;
                 let loss = head.loss_sum / head.counted as f64;
-                let grads = match head.grads {
-                    Some(grads) => {
-                        let head_grad = match grads.weight {
-                            WeightGrad::Deferred {
-                                logit_grads,
-                                rows_per_block,
-                            } => {
+                let grads = match targets {
+                    Some((hidden_grad, weight_grad)) => {
+                        let head_grad = match weight_grad {
+                            None => {
                                 wte.with_kernel_data_mut::<F, _>(OP, |w| {
-                                    weight_grad_into(
-                                        &logit_grads,
-                                        rows_per_block,
-                                        &hidden,
-                                        [tokens, c, v],
-                                        w,
-                                    )
+                                    weight_grad_into(&logit_grads, &hidden, dims, w)
                                 })??;
                                 wte.clone()
                             }
-                            WeightGrad::Done(weight) if in_weight => {
+                            Some(weight_grad) if in_weight => {
                                 // The weight is dead from here on: its memory takes the
                                 // gradient, and the gradient's own buffer is freed now.
-                                wte.with_kernel_data_mut::<F, _>(OP, |w| {
-                                    w.copy_from_slice(&weight)
-                                })?;
+                                weight_grad.with_kernel_data::<F, _>(OP, |g| {
+                                    wte.with_kernel_data_mut::<F, _>(OP, |w| {
+                                        w.copy_from_slice(g)
+                                    })
+                                })??;
                                 wte.clone()
                             }
-                            WeightGrad::Done(weight) => {
-                                Tensor::from_vec_on(weight, &[v, c], &device)?
-                            }
+                            Some(weight_grad) => weight_grad,
                         };
-                        let hidden_grad = Tensor::from_vec_on(grads.hidden, &[tokens, c], &device)?;
                         Some((hidden_grad, head_grad))
                     }
                     None => None,

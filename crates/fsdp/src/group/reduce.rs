@@ -19,7 +19,7 @@ use crate::param::ParamRole;
 use hypershard_dtensor::bridge::reclaim_buffer;
 
 impl ParamGroup {
-    fn reduce_scatter_op(&self) -> ReduceOp {
+    pub(super) fn reduce_scatter_op(&self) -> ReduceOp {
         match (self.controls.gradient_scaling_factor, self.reduce_op) {
             (Some(factor), _) => ReduceOp::PreMulSum(factor),
             (None, GradReduceOp::Avg) => ReduceOp::Avg,
@@ -89,7 +89,16 @@ impl ParamGroup {
                 Ok(())
             })?;
         }
-        if sync {
+        let single_rank = self.is_single_rank();
+        if sync && single_rank {
+            // Nothing to reduce over one rank: each gradient becomes the sharded gradient now,
+            // before resharding hands that to the module.
+            for index in taken {
+                if let Some(grad) = grads[index].take() {
+                    self.land_single_rank_grad(index, grad)?;
+                }
+            }
+        } else if sync {
             // The tensors the reduced shards land in are made now, while this member's
             // module still holds the unsharded parameters, so that resharding hands them to
             // the module as its `grad` (a group's earlier members cannot be reached later).
@@ -114,7 +123,9 @@ impl ParamGroup {
         if reshard && !self.any_installed() {
             self.release(false)?;
         }
-        let pending = if sync {
+        let pending = if sync && single_rank {
+            None
+        } else if sync {
             self.reduce_in_flight = true;
             Some(self.issue_reductions(&mut grads)?)
         } else {

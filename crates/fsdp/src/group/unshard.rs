@@ -12,7 +12,8 @@ impl ParamGroup {
     /// Issues this unit's all-gathers without waiting (a no-op when they are in flight or the
     /// parameters are already unsharded).
     pub fn issue_unshard(&mut self) -> Result<()> {
-        if self.pending_gather.is_some() || self.is_unsharded() {
+        // A one-rank unit has nothing to gather: its unshard happens on wait.
+        if self.pending_gather.is_some() || self.is_unsharded() || self.is_single_rank() {
             return Ok(());
         }
         let post_forward = self
@@ -86,6 +87,9 @@ impl ParamGroup {
     /// Waits for (or issues and waits for) the all-gathers and builds the unsharded
     /// parameters. Replicated parameters are unsharded locally.
     pub fn wait_unshard(&mut self) -> Result<()> {
+        if self.is_single_rank() {
+            return self.unshard_single_rank();
+        }
         for param in &mut self.params {
             if param.role == ParamRole::Replicated && param.state != ShardedState::Unsharded {
                 let full = if param.param_dtype == param.orig_dtype {

@@ -32,6 +32,10 @@
 //! - data: 4 bytes per corpus token (ids in memory);
 //! - runtime: 64 MiB (code, thread stacks, allocator), and against an address-space limit
 //!   (`ulimit -v`) 1 GiB, which counts reserved rather than used memory.
+//!
+//! At one rank nothing is gathered or reduced: the communication terms keep only the cast
+//! copies of the parameters (`p`-byte copies of what is gathered above, none with f32
+//! parameters), and the head's gradient lives in a buffer of its own.
 
 use crate::error::{Error, Result};
 use crate::launch::{MemoryLimit, human_bytes};
@@ -200,20 +204,36 @@ pub fn estimate(config: &TrainConfig, data_tokens: u64) -> Result<MemoryEstimate
             .collect::<Result<Vec<u64>>>()?;
         sum("communication buffers", comm_drivers, &bytes)
     };
+    // At one rank nothing is gathered or reduced: the unsharded parameters are the shards
+    // themselves (cast copies with a narrower --param-dtype, the only term left) and the
+    // gradients land as the shards' gradients, counted in the state.
+    let single_rank = config.mesh.ranks() == 1;
+    let cast = config.param_dtype != DType::F32;
     // Forward: the root gathered all along, a block gathered and the next one prefetched.
-    let comm_forward = comm_term(&[(root, p), (block, 2 * p)])?;
+    let comm_forward = match (single_rank, cast) {
+        (true, false) => 0,
+        _ => comm_term(&[(root, p), (block, 2 * p)])?,
+    };
     // Backward, in a block: the root (less the head weight once it holds the gradient), this
     // block and the next gathered, this block's f32 gradients, and the previous block's
     // reduce-scatter input and output still in flight.
-    let comm_backward = comm_term(&[
-        (root - head_in_weight, p),
-        (block, 2 * p + 4),
-        (block, r),
-        (block.div_ceil(s), r),
-    ])?;
+    let comm_backward = match (single_rank, cast) {
+        (true, false) => 0,
+        (true, true) => comm_term(&[(root, p), (block, 2 * p)])?,
+        _ => comm_term(&[
+            (root - head_in_weight, p),
+            (block, 2 * p + 4),
+            (block, r),
+            (block.div_ceil(s), r),
+        ])?,
+    };
     // The root's post-backward: its gradients besides the head's (a term of its own), its
     // reduce-scatter input and output; its parameters were freed just before.
-    let comm_root_reduce = comm_term(&[(root - head, 4), (root, r), (root.div_ceil(s), r)])?;
+    let comm_root_reduce = if single_rank {
+        0
+    } else {
+        comm_term(&[(root - head, 4), (root, r), (root.div_ceil(s), r)])?
+    };
 
     let tokens = product("activations", batch_drivers, &[b, t])?;
     let per_token_block = sum(
@@ -271,7 +291,15 @@ pub fn estimate(config: &TrainConfig, data_tokens: u64) -> Result<MemoryEstimate
         // In forward, before the head.
         (comm_forward, kept, embeddings),
         // The fused head: every block resharded, nothing prefetched.
-        (comm_term(&[(root, p)])?, kept, logits_head),
+        (
+            if single_rank && !cast {
+                0
+            } else {
+                comm_term(&[(root, p)])?
+            },
+            kept,
+            logits_head,
+        ),
         (comm_backward, activations_backward, logits_backward),
         (comm_root_reduce, 0, head_grads),
     ];
@@ -283,7 +311,7 @@ pub fn estimate(config: &TrainConfig, data_tokens: u64) -> Result<MemoryEstimate
         }
     }
     let (mut comm, activations, logits) = peak;
-    if config.keep_step_buffers {
+    if config.keep_step_buffers && !single_rank {
         // Kept, the idle buffers of the last step stay beside this step's own: the pool holds
         // at most the larger of 4 x its largest request (the root's gather) and the most it
         // lent at once (dtensor's pool.rs), which is at most the largest phase.

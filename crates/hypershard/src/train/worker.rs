@@ -144,15 +144,16 @@ impl Trainer {
         // The lm_head and the loss run fused, in blocks of tokens: the [B, T, V] logits and
         // their gradient are never held whole (docs/fsdp.md, "How memory per rank scales").
         let loss_targets = gpt.fused_loss(DEFAULT_IGNORE_INDEX);
-        // The root's wte is an all-gathered copy, freed at the root's post-backward and read by
-        // nothing after the fused head: the head's weight gradient can live in its memory, so a
-        // rank holds one `[V, C]` buffer through backward, not two (docs/fsdp.md).
-        gpt.keep_head_grad_in_gathered_weight(true);
         let mesh = if config.mesh.replicas == 1 {
             DataParallelMesh::fsdp(counted)?
         } else {
             DataParallelMesh::hsdp(counted, config.mesh.replicas)?
         };
+        // Over several ranks the root's wte is an all-gathered copy, freed at the root's
+        // post-backward and read by nothing after the fused head: the head's weight gradient
+        // can live in its memory, so a rank holds one `[V, C]` buffer through backward, not two
+        // (docs/fsdp.md). At one rank the unsharded wte is the parameter itself.
+        gpt.keep_head_grad_in_gathered_weight(mesh.world().size() > 1);
         let mut fsdp = FullyShardConfig::new(Arc::clone(&mesh));
         fsdp.device = Some(device);
         fsdp.mp_policy = MixedPrecisionPolicy {
