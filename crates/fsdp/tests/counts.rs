@@ -87,7 +87,7 @@ fn count_on(
 fn fused_fsdp_issues_one_gather_per_unit_per_pass_and_one_reduce_scatter() {
     for world in [1, 2, 3] {
         // One rank has nothing to gather or reduce: its units issue no collective at all.
-        let collectives = usize::from(world > 1);
+        let collectives = u64::from(world > 1);
         for (world_counts, children) in count(&[world], 2, Arc::new(|_: &mut FullyShardConfig| {}))
         {
             assert_eq!(

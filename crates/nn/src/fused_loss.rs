@@ -209,10 +209,10 @@ pub(crate) fn fused_head<F: Float>(
     let defer = deferred.is_some();
     // Deferred, each block's logits (then their gradients) stay where they were computed.
     let mut block = vec![F::ZERO; if defer { tokens } else { rows_per_block } * v];
-    if tokens == 0 {
-        if let Some(out) = weight_grad.as_deref_mut() {
-            out.fill(F::ZERO);
-        }
+    if tokens == 0
+        && let Some(out) = weight_grad.as_deref_mut()
+    {
+        out.fill(F::ZERO);
     }
     let mut loss_sum = 0.0;
     let mut first = 0;

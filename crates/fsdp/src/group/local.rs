@@ -52,7 +52,7 @@ impl ParamGroup {
     pub(super) fn land_single_rank_grad(&mut self, index: usize, grad: Tensor) -> Result<()> {
         let op = self.reduce_scatter_op();
         let fp32_main_grad = self.mp.fp32_main_grad;
-        let device = self.device.clone();
+        let device = self.device;
         let param = &mut self.params[index];
         if grad.shares_storage(&param.sharded) {
             return Err(FsdpError::GradAliasesParam {

@@ -397,6 +397,11 @@ impl Trainer {
 /// Runs one rank of `hypershard train` over `world` (every rank calls it alike). Rank 0
 /// returns the summary; the others return `None`.
 pub fn run_rank(config: TrainConfig, world: Arc<dyn Communicator>) -> Result<Option<TrainSummary>> {
+    if config.mesh.ranks() == 1 {
+        // One rank shards nothing and owns the machine's memory: its activation-sized blocks
+        // stay in the heap for reuse instead of being mapped afresh each layer (allocator.rs).
+        crate::allocator::pin_mmap_threshold(crate::allocator::SINGLE_RANK_MMAP_THRESHOLD_BYTES);
+    }
     let mut trainer = Trainer::new(config, world)?;
     let start = if trainer.config.resume {
         trainer.resume()?

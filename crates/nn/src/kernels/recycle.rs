@@ -23,7 +23,7 @@ use crate::Result;
 /// Outputs smaller than this are allocated normally.
 pub(crate) const MIN_BYTES: usize = 64 << 10;
 /// The most buffers the free list keeps.
-pub(crate) const MAX_BUFFERS: usize = 64;
+pub(crate) const MAX_BUFFERS: usize = 512;
 
 /// One 64-byte, 64-aligned block: a `Vec` of these is aligned storage without `unsafe`.
 #[derive(Clone, Copy, bytemuck::Pod, bytemuck::Zeroable)]
