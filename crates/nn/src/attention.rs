@@ -12,7 +12,9 @@ use hypershard_tensor::{DType, Tensor};
 
 use crate::dropout::DropMask;
 use crate::elementwise::check_float;
-use crate::kernels::{Float, load, same_device, store, with_float, with_values, with_values2};
+use crate::kernels::{
+    Float, build_overwrite, load, same_device, store, with_float, with_values, with_values2,
+};
 use crate::module::{ChildVisitorMut, ParamVisitor, ParamVisitorMut, join_name};
 use crate::{Dropout, Error, Linear, LinearConfig, Module, Result};
 
@@ -223,14 +225,15 @@ impl CausalSelfAttention {
         let device = qkv.device();
         let (qkv, out, lse) = with_float!(OP, dtype, F => {
             let qkv = compute_tensor::<F>(qkv)?;
-            let flash = with_values::<F, _>(&qkv, |values| {
-                flash::forward(values, dims, TILE, mask.as_ref())
-            })??;
-            (
-                qkv,
-                Tensor::from_vec_on(flash.y, &y_shape, &device)?,
-                Tensor::from_vec_on(flash.lse, &lse_shape, &device)?,
-            )
+            // The heads' outputs go straight into the output's (recycled) storage.
+            let mut row_lse = Vec::new();
+            let out = build_overwrite::<F>(&y_shape, F::COMPUTE_DTYPE, &device, |y| {
+                row_lse = with_values::<F, _>(&qkv, |values| {
+                    flash::forward_into(values, dims, TILE, mask.as_ref(), y)
+                })??;
+                Ok(())
+            })?;
+            (qkv, out, Tensor::from_vec_on(row_lse, &lse_shape, &device)?)
         });
         let y = if dtype == out.dtype() {
             out.clone()
@@ -417,15 +420,16 @@ impl Module for CausalSelfAttention {
                     None
                 };
                 let dy_tensor = dy_copy.as_ref().unwrap_or(&grad_y);
-                let g = with_values::<F, _>(&qkv, |qkv| {
-                    with_values2::<F, _>(dy_tensor, &out, |dy, o| {
-                        flash::backward((qkv, o, &row_lse), dy, dims, TILE, mask.as_ref())
-                    })
-                })???;
-                drop(out);
-                // The cache goes before the gradient is stored, lowering the peak.
-                drop(qkv);
-                store(g, &shape, dtype, &device)?
+                // The heads' gradients go straight into the gradient's (recycled) storage.
+                build_overwrite::<F>(&shape, dtype, &device, |g| {
+                    with_values::<F, _>(&qkv, |qkv| {
+                        with_values2::<F, _>(dy_tensor, &out, |dy, o| {
+                            let operands = (qkv, o, &row_lse[..]);
+                            flash::backward_into(operands, dy, dims, TILE, mask.as_ref(), g)
+                        })
+                    })???;
+                    Ok(())
+                })?
             }),
             AttentionCache::Dense {
                 qkv,

@@ -25,14 +25,15 @@ use hypershard_tensor::DType;
 use rayon::prelude::*;
 
 use super::Dims;
-use crate::Result;
 use crate::dropout::DropMask;
+use crate::{Error, Result};
 use crate::kernels::vector_isa::vectorized;
 use crate::kernels::{Float, add_assign, small_gemm};
 use crate::linalg::{GemmShape, MatmulOptions, gemm_into};
 
 /// What the forward returns: the attention output `[B, T, C]` (heads side by side, before
 /// `c_proj`) and every row's log-sum-exp of its scaled scores, `[B, H, T]`.
+#[cfg(test)]
 pub(super) struct FlashOutput<F> {
     pub(super) y: Vec<F>,
     pub(super) lse: Vec<F>,
@@ -236,14 +237,28 @@ fn forward_head<F: Float>(
 
 /// The forward of every head: `y` `[B, T, C]` and the log-sum-exp `[B, H, T]` from the fused
 /// projection `qkv` `[B, T, 3C]`, in blocks of `tile` rows and columns.
+#[cfg(test)]
 pub(super) fn forward<F: Float>(
     qkv: &[F],
     dims: Dims,
     tile: usize,
     mask: Option<&DropMask>,
 ) -> Result<FlashOutput<F>> {
+    let heads = forward_heads(qkv, dims, tile, mask)?;
+    let mut y = vec![F::ZERO; dims.batch * dims.seq * dims.n_embd];
+    let lse = scatter_forward(&heads, dims, &mut y);
+    Ok(FlashOutput { y, lse })
+}
+
+/// Every head's output `[T, D]` and log-sum-exps `[T]`, in `b · H + h` order.
+fn forward_heads<F: Float>(
+    qkv: &[F],
+    dims: Dims,
+    tile: usize,
+    mask: Option<&DropMask>,
+) -> Result<Vec<(Vec<F>, Vec<F>)>> {
     let (t, d, tile) = (dims.seq, dims.head_dim(), tile.max(1));
-    let heads: Vec<(Vec<F>, Vec<F>)> = (0..dims.batch * dims.n_head)
+    (0..dims.batch * dims.n_head)
         .into_par_iter()
         .map(|bh| {
             let (b, h) = (bh / dims.n_head, bh % dims.n_head);
@@ -260,18 +275,49 @@ pub(super) fn forward<F: Float>(
             vectorized!(|| forward_head((&q, &k, &v), (t, d, tile), head_mask, &mut o, &mut lse))?;
             Ok((o, lse))
         })
-        .collect::<Result<_>>()?;
-    let mut y = vec![F::ZERO; dims.batch * t * dims.n_embd];
-    let mut lse = Vec::with_capacity(dims.batch * dims.n_head * t);
-    for (bh, (o, head_lse)) in heads.iter().enumerate() {
-        let (b, h) = (bh / dims.n_head, bh % dims.n_head);
-        for (ti, src) in o.chunks_exact(d).enumerate() {
-            let start = (b * t + ti) * dims.n_embd + h * d;
-            y[start..start + d].copy_from_slice(src);
-        }
-        lse.extend_from_slice(head_lse);
+        .collect()
+}
+
+/// [`forward`] writing the attention output into `y` `[B, T, C]` (every element
+/// overwritten); returns the log-sum-exps `[B, H, T]`.
+pub(super) fn forward_into<F: Float>(
+    qkv: &[F],
+    dims: Dims,
+    tile: usize,
+    mask: Option<&DropMask>,
+    y: &mut [F],
+) -> Result<Vec<F>> {
+    check_len("attention forward output", y.len(), dims.batch * dims.seq * dims.n_embd)?;
+    let heads = forward_heads(qkv, dims, tile, mask)?;
+    Ok(scatter_forward(&heads, dims, y))
+}
+
+/// Puts every head's output rows side by side in `y` `[B, T, C]`, one token row per task so
+/// the copy runs on every thread, and returns the heads' log-sum-exps in `[B, H, T]` order.
+fn scatter_forward<F: Float>(heads: &[(Vec<F>, Vec<F>)], dims: Dims, y: &mut [F]) -> Vec<F> {
+    let (t, d) = (dims.seq, dims.head_dim());
+    y.par_chunks_mut(dims.n_embd.max(1))
+        .enumerate()
+        .for_each(|(row, dst)| {
+            let (b, ti) = (row / t, row % t);
+            for (h, part) in dst.chunks_exact_mut(d).enumerate() {
+                part.copy_from_slice(&heads[b * dims.n_head + h].0[ti * d..(ti + 1) * d]);
+            }
+        });
+    heads.iter().flat_map(|(_, lse)| lse.iter().copied()).collect()
+}
+
+/// Fails unless an output slice has the length its shape needs.
+fn check_len(what: &'static str, len: usize, expected: usize) -> Result<()> {
+    if len == expected {
+        Ok(())
+    } else {
+        Err(Error::ShapeMismatch {
+            op: what,
+            lhs: vec![expected],
+            rhs: vec![len],
+        })
     }
-    Ok(FlashOutput { y, lse })
 }
 
 /// Scratch buffers of one running head task in backward.
@@ -405,6 +451,7 @@ fn backward_head<F: Float>(
 
 /// The backward of every head: the gradient of the fused projection `[B, T, 3C]` from `qkv`,
 /// the forward's output `y` `[B, T, C]` and log-sum-exp `[B, H, T]`, and the gradient of `y`.
+#[cfg(test)]
 pub(super) fn backward<F: Float>(
     (qkv, y, lse): (&[F], &[F], &[F]),
     grad_y: &[F],
@@ -412,6 +459,20 @@ pub(super) fn backward<F: Float>(
     tile: usize,
     mask: Option<&DropMask>,
 ) -> Result<Vec<F>> {
+    let per_head = backward_heads((qkv, y, lse), grad_y, dims, tile, mask)?;
+    let mut grad_qkv = vec![F::ZERO; dims.batch * dims.seq * 3 * dims.n_embd];
+    scatter_backward(&per_head, dims, &mut grad_qkv);
+    Ok(grad_qkv)
+}
+
+/// Every head's `[dq, dk, dv]`, each `[T, D]`, in `b · H + h` order.
+fn backward_heads<F: Float>(
+    (qkv, y, lse): (&[F], &[F], &[F]),
+    grad_y: &[F],
+    dims: Dims,
+    tile: usize,
+    mask: Option<&DropMask>,
+) -> Result<Vec<[Vec<F>; 3]>> {
     let (t, d, tile) = (dims.seq, dims.head_dim(), tile.max(1));
     let per_head: Vec<[Vec<F>; 3]> = (0..dims.batch * dims.n_head)
         .into_par_iter()
@@ -445,18 +506,41 @@ pub(super) fn backward<F: Float>(
             Ok(grads)
         })
         .collect::<Result<_>>()?;
-    let row_len = 3 * dims.n_embd;
-    let mut grad_qkv = vec![F::ZERO; dims.batch * t * row_len];
-    for (bh, grads) in per_head.iter().enumerate() {
-        let (b, h) = (bh / dims.n_head, bh % dims.n_head);
-        for (part, src) in grads.iter().enumerate() {
-            for (ti, row) in src.chunks_exact(d).enumerate() {
-                let start = (b * t + ti) * row_len + part * dims.n_embd + h * d;
-                grad_qkv[start..start + d].copy_from_slice(row);
+    Ok(per_head)
+}
+
+/// [`backward`] writing the gradient of the fused projection into `grad_qkv` `[B, T, 3C]`
+/// (every element overwritten).
+pub(super) fn backward_into<F: Float>(
+    operands: (&[F], &[F], &[F]),
+    grad_y: &[F],
+    dims: Dims,
+    tile: usize,
+    mask: Option<&DropMask>,
+    grad_qkv: &mut [F],
+) -> Result<()> {
+    check_len("attention backward output", grad_qkv.len(), dims.batch * dims.seq * 3 * dims.n_embd)?;
+    let per_head = backward_heads(operands, grad_y, dims, tile, mask)?;
+    scatter_backward(&per_head, dims, grad_qkv);
+    Ok(())
+}
+
+/// Puts every head's `dq, dk, dv` rows into their places in `grad_qkv` `[B, T, 3C]`, one
+/// token row per task so the copy runs on every thread.
+fn scatter_backward<F: Float>(per_head: &[[Vec<F>; 3]], dims: Dims, grad_qkv: &mut [F]) {
+    let (t, d) = (dims.seq, dims.head_dim());
+    grad_qkv
+        .par_chunks_mut((3 * dims.n_embd).max(1))
+        .enumerate()
+        .for_each(|(row, dst)| {
+            let (b, ti) = (row / t, row % t);
+            for (part, section) in dst.chunks_exact_mut(dims.n_embd).enumerate() {
+                for (h, slot) in section.chunks_exact_mut(d).enumerate() {
+                    let src = &per_head[b * dims.n_head + h][part];
+                    slot.copy_from_slice(&src[ti * d..(ti + 1) * d]);
+                }
             }
-        }
-    }
-    Ok(grad_qkv)
+        });
 }
 
 #[cfg(test)]

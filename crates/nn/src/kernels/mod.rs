@@ -483,8 +483,20 @@ pub(crate) fn add_row<F: Float>(matrix: &mut [F], row: &[F]) {
     if row.is_empty() {
         return;
     }
-    for chunk in matrix.chunks_exact_mut(row.len()) {
-        add_assign(chunk, row);
+    let add_rows = |block: &mut [F]| {
+        for chunk in block.chunks_exact_mut(row.len()) {
+            add_assign(chunk, row);
+        }
+    };
+    // A layer's bias add is a pass over its whole output: on every thread, whole rows each.
+    if matrix.len() <= POINTWISE_CHUNK {
+        add_rows(matrix);
+    } else {
+        use rayon::prelude::*;
+        let rows_per_task = (POINTWISE_CHUNK / row.len()).max(1);
+        matrix
+            .par_chunks_mut(rows_per_task * row.len())
+            .for_each(add_rows);
     }
 }
 
