@@ -22,7 +22,8 @@
 //! price wins: a model of width 192 allocates and frees its 0.75–3 MiB activations on every
 //! layer, and with each of them on `mmap` the step spent a tenth of its time faulting pages in
 //! and shooting down the other threads' TLBs on `munmap`. Such a run raises the threshold to
-//! [`SINGLE_RANK_MMAP_THRESHOLD_BYTES`]: `--model medium` on one process of two threads went
+//! [`SINGLE_RANK_MMAP_THRESHOLD_BYTES`] and keeps up to [`SINGLE_RANK_TRIM_THRESHOLD_BYTES`]
+//! free at the heap's top (a further 6–9 %): `--model medium` on one process of two threads went
 //! from 6 085 to 7 068 tokens/s for a resident peak of 155 → 179 MiB (PyTorch: 869 MiB), and
 //! `--model gpt2` gained 2 % for 3.54 → 3.74 GB (PyTorch: 4.0 GB).
 //! Ranks that share a machine keep the lower threshold: at gpt2 over 4 ranks the higher one
@@ -33,6 +34,29 @@ pub const MMAP_THRESHOLD_BYTES: libc::c_int = 1024 * 1024;
 
 /// The threshold of a run of one rank (see the module's docs).
 pub const SINGLE_RANK_MMAP_THRESHOLD_BYTES: libc::c_int = 4 * 1024 * 1024;
+
+/// How much free memory at the top of the heap a run of one rank keeps instead of giving it
+/// back (glibc's default is 128 KiB): freeing a step's gradients otherwise shrank the heap
+/// with `brk` each step, and the next step faulted the same pages in again.
+pub const SINGLE_RANK_TRIM_THRESHOLD_BYTES: libc::c_int = 16 * 1024 * 1024;
+
+/// A run of one rank's allocator settings: [`SINGLE_RANK_MMAP_THRESHOLD_BYTES`] and
+/// [`SINGLE_RANK_TRIM_THRESHOLD_BYTES`]. Returns whether glibc took both (`false` elsewhere).
+pub fn use_single_rank_thresholds() -> bool {
+    let mmap = pin_mmap_threshold(SINGLE_RANK_MMAP_THRESHOLD_BYTES);
+    #[cfg(all(target_os = "linux", target_env = "gnu"))]
+    {
+        // SAFETY: as in `pin_mmap_threshold`: two integers, the allocator's own setting.
+        // Tested by tests/allocator_single_rank.rs.
+        let trim =
+            unsafe { libc::mallopt(libc::M_TRIM_THRESHOLD, SINGLE_RANK_TRIM_THRESHOLD_BYTES) };
+        mmap && trim == 1
+    }
+    #[cfg(not(all(target_os = "linux", target_env = "gnu")))]
+    {
+        mmap
+    }
+}
 
 /// Pins glibc's mmap threshold at [`MMAP_THRESHOLD_BYTES`] (which also stops it from moving),
 /// so that large freed blocks leave the resident set at once. Call it once, early in `main`.

@@ -400,7 +400,7 @@ pub fn run_rank(config: TrainConfig, world: Arc<dyn Communicator>) -> Result<Opt
     if config.mesh.ranks() == 1 {
         // One rank shards nothing and owns the machine's memory: its activation-sized blocks
         // stay in the heap for reuse instead of being mapped afresh each layer (allocator.rs).
-        crate::allocator::pin_mmap_threshold(crate::allocator::SINGLE_RANK_MMAP_THRESHOLD_BYTES);
+        crate::allocator::use_single_rank_thresholds();
     }
     let mut trainer = Trainer::new(config, world)?;
     let start = if trainer.config.resume {

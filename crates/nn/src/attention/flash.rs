@@ -26,10 +26,10 @@ use rayon::prelude::*;
 
 use super::Dims;
 use crate::dropout::DropMask;
-use crate::{Error, Result};
 use crate::kernels::vector_isa::vectorized;
 use crate::kernels::{Float, add_assign, small_gemm};
 use crate::linalg::{GemmShape, MatmulOptions, gemm_into};
+use crate::{Error, Result};
 
 /// What the forward returns: the attention output `[B, T, C]` (heads side by side, before
 /// `c_proj`) and every row's log-sum-exp of its scaled scores, `[B, H, T]`.
@@ -287,7 +287,11 @@ pub(super) fn forward_into<F: Float>(
     mask: Option<&DropMask>,
     y: &mut [F],
 ) -> Result<Vec<F>> {
-    check_len("attention forward output", y.len(), dims.batch * dims.seq * dims.n_embd)?;
+    check_len(
+        "attention forward output",
+        y.len(),
+        dims.batch * dims.seq * dims.n_embd,
+    )?;
     let heads = forward_heads(qkv, dims, tile, mask)?;
     Ok(scatter_forward(&heads, dims, y))
 }
@@ -304,7 +308,10 @@ fn scatter_forward<F: Float>(heads: &[(Vec<F>, Vec<F>)], dims: Dims, y: &mut [F]
                 part.copy_from_slice(&heads[b * dims.n_head + h].0[ti * d..(ti + 1) * d]);
             }
         });
-    heads.iter().flat_map(|(_, lse)| lse.iter().copied()).collect()
+    heads
+        .iter()
+        .flat_map(|(_, lse)| lse.iter().copied())
+        .collect()
 }
 
 /// Fails unless an output slice has the length its shape needs.
@@ -519,7 +526,11 @@ pub(super) fn backward_into<F: Float>(
     mask: Option<&DropMask>,
     grad_qkv: &mut [F],
 ) -> Result<()> {
-    check_len("attention backward output", grad_qkv.len(), dims.batch * dims.seq * 3 * dims.n_embd)?;
+    check_len(
+        "attention backward output",
+        grad_qkv.len(),
+        dims.batch * dims.seq * 3 * dims.n_embd,
+    )?;
     let per_head = backward_heads(operands, grad_y, dims, tile, mask)?;
     scatter_backward(&per_head, dims, grad_qkv);
     Ok(())
