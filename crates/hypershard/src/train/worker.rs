@@ -397,6 +397,19 @@ impl Trainer {
 /// Runs one rank of `hypershard train` over `world` (every rank calls it alike). Rank 0
 /// returns the summary; the others return `None`.
 pub fn run_rank(config: TrainConfig, world: Arc<dyn Communicator>) -> Result<Option<TrainSummary>> {
+    // With one kernel thread the loop runs on a pool's one thread itself: every parallel
+    // kernel then runs inline, where from outside the pool each one would be handed to the
+    // pool's thread and waited for (a wake-up and a sleep per kernel, on cores the other ranks
+    // share). With more threads the loop stays outside, one thread beside the pool's, so that
+    // large copies may still split over the pool (tensor's `copy_from`).
+    if rayon::current_num_threads() == 1 && rayon::current_thread_index().is_none() {
+        return hypershard_nn::with_num_threads(1, move || train_rank(config, world))?;
+    }
+    train_rank(config, world)
+}
+
+/// [`run_rank`] on the calling thread.
+fn train_rank(config: TrainConfig, world: Arc<dyn Communicator>) -> Result<Option<TrainSummary>> {
     if config.mesh.ranks() == 1 {
         // One rank shards nothing and owns the machine's memory: its activation-sized blocks
         // stay in the heap for reuse instead of being mapped afresh each layer (allocator.rs).
