@@ -397,13 +397,15 @@ impl Trainer {
 /// Runs one rank of `hypershard train` over `world` (every rank calls it alike). Rank 0
 /// returns the summary; the others return `None`.
 pub fn run_rank(config: TrainConfig, world: Arc<dyn Communicator>) -> Result<Option<TrainSummary>> {
-    // With one kernel thread the loop runs on a pool's one thread itself: every parallel
-    // kernel then runs inline, where from outside the pool each one would be handed to the
-    // pool's thread and waited for (a wake-up and a sleep per kernel, on cores the other ranks
-    // share). With more threads the loop stays outside, one thread beside the pool's, so that
-    // large copies may still split over the pool (tensor's `copy_from`).
-    if rayon::current_num_threads() == 1 && rayon::current_thread_index().is_none() {
-        return hypershard_nn::with_num_threads(1, move || train_rank(config, world))?;
+    // The loop runs on a thread of the kernels' pool itself when it can: every parallel kernel
+    // then starts on the calling thread, where from outside the pool each one is handed to a
+    // pool thread and waited for (a wake-up and a sleep per kernel, on cores other ranks may
+    // share). It can with one kernel thread, and at one rank, which gathers nothing; a rank of
+    // several with more threads stays outside, so that FSDP's large copy-in and copy-out may
+    // split over the pool (tensor's `copy_from` splits only off the pool's threads).
+    let threads = rayon::current_num_threads();
+    if (threads == 1 || config.mesh.ranks() == 1) && rayon::current_thread_index().is_none() {
+        return hypershard_nn::with_num_threads(threads, move || train_rank(config, world))?;
     }
     train_rank(config, world)
 }
