@@ -1,4 +1,4 @@
-//! Matrix multiplication through the `matrixmultiply` GEMM kernels, row blocks spread over
+//! Matrix multiplication through the `matrixmultiply` GEMM kernels, row or column blocks spread over
 //! rayon's threads.
 //!
 //! `matrixmultiply` was measured against the `gemm` crate at 1024³ f32 on this project's
@@ -6,7 +6,8 @@
 //! extra dependency. Its own threading is fixed per process by an environment variable, so
 //! instead the rows of the output are split into one block per rayon thread, each block a
 //! single-threaded GEMM: the caller's rayon pool (`ThreadPool::install`) decides the thread
-//! count per call, as `torch.set_num_threads` does.
+//! count per call, as `torch.set_num_threads` does. Wide products of few rows split their
+//! columns instead (`splits_columns`: whichever packs fewer operand elements).
 
 use hypershard_tensor::Tensor;
 use rayon::prelude::*;
@@ -210,7 +211,9 @@ fn gemm_beta_into<F: Float>(
     }
     let threads = rayon::current_num_threads();
     let muladds = m.saturating_mul(k).saturating_mul(n);
-    if threads > 1 && muladds >= PARALLEL_MIN_MULADDS && m >= 2 * MIN_BLOCK_ROWS {
+    if threads > 1 && muladds >= PARALLEL_MIN_MULADDS && splits_columns(shape, threads) {
+        gemm_column_blocks(a, b, shape, beta, c, threads)
+    } else if threads > 1 && muladds >= PARALLEL_MIN_MULADDS && m >= 2 * MIN_BLOCK_ROWS {
         let block_rows = m.div_ceil(threads).max(MIN_BLOCK_ROWS);
         c.par_chunks_mut(block_rows * n)
             .enumerate()
@@ -218,6 +221,119 @@ fn gemm_beta_into<F: Float>(
     } else {
         gemm_rows(a, b, shape, 0, beta, c)
     }
+}
+
+/// Columns of `B` in one block of the kernel's packing (matrixmultiply's f32 `NC`): a thread
+/// packs its share of `A` once per such block of its columns.
+const PACK_COLUMNS: usize = 1024;
+/// Each thread's column block is a multiple of this (the widest micro-tile's columns), so
+/// blocks do not end in ragged tiles.
+const COLUMN_ALIGN: usize = 16;
+
+/// Whether splitting the columns of `C` over `threads` packs fewer operand elements than
+/// splitting its rows. Every thread packs the whole of the operand it does not split: split
+/// by rows, each packs all of `B` (`k·n`) and `A`'s rows once per column block; split by
+/// columns, each packs all of `A` once per block of its columns and `B` is packed once in
+/// total. A product of few rows and many columns (the fused loss head's logits, `[166, 768]`
+/// by a `[768, 50 304]` weight) packs its whole weight once per thread when split by rows.
+fn splits_columns(shape: GemmShape, threads: usize) -> bool {
+    let GemmShape { m, k, n, .. } = shape;
+    if n < threads * COLUMN_ALIGN * 2 {
+        return false;
+    }
+    let rows_split = threads
+        .saturating_mul(k)
+        .saturating_mul(n)
+        .saturating_add(m.saturating_mul(k).saturating_mul(n.div_ceil(PACK_COLUMNS)));
+    let columns_split = k.saturating_mul(n).saturating_add(
+        threads
+            .saturating_mul(m)
+            .saturating_mul(k)
+            .saturating_mul(n.div_ceil(threads).div_ceil(PACK_COLUMNS)),
+    );
+    columns_split < rows_split || m < 2 * MIN_BLOCK_ROWS
+}
+
+/// The raw start of `C` shared by the column blocks of one product.
+#[derive(Clone, Copy)]
+struct SharedOutput<F>(*mut F);
+
+// SAFETY: the pointer is only dereferenced by `gemm_column_blocks`' tasks, each within its own
+// column range of `C` (disjoint from every other task's), while the `&mut [F]` it came from is
+// borrowed for the whole parallel loop; `F` is a plain float, so sending a pointer to it is
+// sending access to those elements only.
+unsafe impl<F: Send> Send for SharedOutput<F> {}
+// SAFETY: as for `Send`: the tasks share the pointer but write disjoint elements through it.
+unsafe impl<F: Send> Sync for SharedOutput<F> {}
+
+impl<F> SharedOutput<F> {
+    /// The address of column `first` of `C`'s first row (a method, so that a closure using
+    /// it captures the whole `Send` wrapper, not its raw pointer field).
+    ///
+    /// # Safety
+    /// `first` must be at most the number of elements `C` holds.
+    unsafe fn column(self, first: usize) -> *mut F {
+        // SAFETY: the caller keeps `first` within `C`'s allocation.
+        unsafe { self.0.add(first) }
+    }
+}
+
+/// `C = op(A) · op(B) + beta · C` with the columns of `C` split into one block per thread
+/// (a multiple of [`COLUMN_ALIGN`] wide, the last block the remainder).
+fn gemm_column_blocks<F: Float>(
+    a: &[F],
+    b: &[F],
+    shape: GemmShape,
+    beta: F,
+    c: &mut [F],
+    threads: usize,
+) -> Result<()> {
+    check_lengths(a.len(), b.len(), shape)?;
+    let GemmShape { m, k, n, .. } = shape;
+    if c.len() != m * n {
+        return Err(Error::ShapeMismatch {
+            op: "matmul",
+            lhs: vec![m, n],
+            rhs: vec![c.len()],
+        });
+    }
+    let overflow = |size| Error::SizeOverflow { op: "matmul", size };
+    let c_row_stride = isize::try_from(n).map_err(|_| overflow(n))?;
+    let width = n.div_ceil(threads).div_ceil(COLUMN_ALIGN) * COLUMN_ALIGN;
+    let blocks = n.div_ceil(width);
+    // The blocks' column offsets into `B` are `first · b_col_stride` with `first < n`, inside
+    // `B` by `check_lengths`.
+    let b_col_stride = usize::try_from(shape.b_col_stride).map_err(|_| overflow(n))?;
+    let output = SharedOutput(c.as_mut_ptr());
+    (0..blocks).into_par_iter().for_each(|block| {
+        let first = block * width;
+        let cols = width.min(n - first);
+        // SAFETY: `check_lengths` proved `a.len() == m·k` and `b.len() == k·n` for the
+        // strides of row-major `[m, k]` / `[k, m]` and `[k, n]` / `[n, k]` buffers, so the
+        // element `(p, j)` of `op(B)` is at `p·rs + j·cs < k·n`; starting at column `first`
+        // (`first < n`, offset `first · b_col_stride`), the kernel addresses `(p, first + j)`
+        // for `j < cols`, `first + cols ≤ n`: elements of `B`. `A` is addressed from its start
+        // with its own strides. `C` holds `m·n` elements (checked above); this block writes
+        // (and with `beta ≠ 0` reads) `(i, first + j)` for `i < m`, `j < cols` through row
+        // stride `n`: inside `C`, and in no other block's columns, while the loop holds the
+        // only borrow of `c`. `C` cannot alias `A` or `B` (a `&mut` beside two `&`). Tested by
+        // `column_blocks_are_bitwise_the_single_thread_product`.
+        unsafe {
+            F::gemm_raw(
+                m,
+                k,
+                cols,
+                a.as_ptr(),
+                [shape.a_row_stride, shape.a_col_stride],
+                b.as_ptr().add(first * b_col_stride),
+                [shape.b_row_stride, shape.b_col_stride],
+                beta,
+                output.column(first),
+                c_row_stride,
+            );
+        }
+    });
+    Ok(())
 }
 
 /// Computes rows `first_row .. first_row + c_block.len() / n` of `C` into `c_block`.
@@ -429,6 +545,105 @@ mod tests {
         let empty = GemmShape::new(2, 0, 3, MatmulOptions::default()).expect("shape");
         gemm_accumulate_into::<f64>(&[], &[], empty, &mut same).expect("gemm");
         assert_eq!(same, start[..6]);
+    }
+
+    #[test]
+    fn column_blocks_are_bitwise_the_single_thread_product() {
+        // Few rows and many columns: split by columns at 2 and 3 threads (ragged last block),
+        // for every layout of the operands, overwriting and accumulating.
+        for (m, k, n, threads) in [(40, 70, 1000, 2), (9, 300, 1030, 3), (90, 20, 3000, 2)] {
+            for (transpose_a, transpose_b) in
+                [(false, false), (false, true), (true, false), (true, true)]
+            {
+                let options = MatmulOptions {
+                    transpose_a,
+                    transpose_b,
+                };
+                let shape = GemmShape::new(m, k, n, options).expect("shape");
+                assert!(splits_columns(shape, threads), "{m}×{k}×{n}");
+                assert!(
+                    m * k * n >= PARALLEL_MIN_MULADDS,
+                    "{m}×{k}×{n} runs in parallel"
+                );
+                let a: Vec<f32> = (0..m * k)
+                    .map(|i| ((i * 37 % 101) as f32 - 50.0) / 7.0)
+                    .collect();
+                let b: Vec<f32> = (0..k * n)
+                    .map(|i| ((i * 53 % 97) as f32 - 48.0) / 9.0)
+                    .collect();
+                let start: Vec<f32> = (0..m * n).map(|i| (i % 11) as f32 - 5.0).collect();
+                for accumulate in [false, true] {
+                    let run = |threads: usize| {
+                        let pool = rayon::ThreadPoolBuilder::new()
+                            .num_threads(threads)
+                            .build()
+                            .expect("pool");
+                        let mut c = start.clone();
+                        pool.install(|| {
+                            if accumulate {
+                                gemm_accumulate_into(&a, &b, shape, &mut c)
+                            } else {
+                                gemm_into(&a, &b, shape, &mut c)
+                            }
+                        })
+                        .expect("gemm");
+                        c
+                    };
+                    let split = run(threads);
+                    let whole = run(1);
+                    assert!(
+                        split
+                            .iter()
+                            .zip(&whole)
+                            .all(|(x, y)| x.to_bits() == y.to_bits()),
+                        "{m}×{k}×{n}, {options:?}, accumulate {accumulate}"
+                    );
+                    let at = |i: usize, p: usize| {
+                        if transpose_a {
+                            a[p * m + i]
+                        } else {
+                            a[i * k + p]
+                        }
+                    };
+                    let bt = |p: usize, j: usize| {
+                        if transpose_b {
+                            b[j * k + p]
+                        } else {
+                            b[p * n + j]
+                        }
+                    };
+                    for (i, j) in [(0, 0), (m - 1, n - 1), (m / 2, n / 2 + 1)] {
+                        let dot: f64 = (0..k)
+                            .map(|p| f64::from(at(i, p)) * f64::from(bt(p, j)))
+                            .sum();
+                        let want = dot
+                            + if accumulate {
+                                f64::from(start[i * n + j])
+                            } else {
+                                0.0
+                            };
+                        let got = f64::from(split[i * n + j]);
+                        assert!(
+                            (got - want).abs() <= 1e-4 * (1.0 + want.abs()),
+                            "{got} vs {want}"
+                        );
+                    }
+                }
+            }
+        }
+        // The fused head's logits split by columns; a square layer's product by rows.
+        let nt = MatmulOptions {
+            transpose_a: false,
+            transpose_b: true,
+        };
+        assert!(splits_columns(
+            GemmShape::new(166, 768, 50_304, nt).expect("shape"),
+            2
+        ));
+        assert!(!splits_columns(
+            GemmShape::new(1024, 768, 768, nt).expect("shape"),
+            2
+        ));
     }
 
     #[test]
