@@ -1,5 +1,5 @@
-//! Matrix multiplication through the `matrixmultiply` GEMM kernels, row or column blocks spread over
-//! rayon's threads.
+//! Matrix multiplication through the `matrixmultiply` GEMM kernels, in row or column blocks
+//! spread over rayon's threads.
 //!
 //! `matrixmultiply` was measured against the `gemm` crate at 1024³ f32 on this project's
 //! machine (docs/nn.md has the numbers) and was as fast or faster at 1 and 2 threads, with no
