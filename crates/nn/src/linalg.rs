@@ -151,6 +151,18 @@ fn check_lengths(a_len: usize, b_len: usize, shape: GemmShape) -> Result<()> {
     Ok(())
 }
 
+/// Checks that `C` holds exactly the `m · n` elements of `shape`'s product.
+fn check_output(c_len: usize, shape: GemmShape) -> Result<()> {
+    if c_len != shape.m * shape.n {
+        return Err(Error::ShapeMismatch {
+            op: "matmul",
+            lhs: vec![shape.m, shape.n],
+            rhs: vec![c_len],
+        });
+    }
+    Ok(())
+}
+
 /// Below this many multiply-adds a GEMM runs on the calling thread: spreading a small
 /// product costs more in task hand-off and repeated packing of `B` than it saves.
 const PARALLEL_MIN_MULADDS: usize = 1 << 21;
@@ -195,14 +207,8 @@ fn gemm_beta_into<F: Float>(
     c: &mut [F],
 ) -> Result<()> {
     check_lengths(a.len(), b.len(), shape)?;
+    check_output(c.len(), shape)?;
     let GemmShape { m, k, n, .. } = shape;
-    if c.len() != m * n {
-        return Err(Error::ShapeMismatch {
-            op: "matmul",
-            lhs: vec![m, n],
-            rhs: vec![c.len()],
-        });
-    }
     if m == 0 || n == 0 || k == 0 {
         if beta == F::ZERO {
             c.fill(F::ZERO);
@@ -289,14 +295,8 @@ fn gemm_column_blocks<F: Float>(
     threads: usize,
 ) -> Result<()> {
     check_lengths(a.len(), b.len(), shape)?;
+    check_output(c.len(), shape)?;
     let GemmShape { m, k, n, .. } = shape;
-    if c.len() != m * n {
-        return Err(Error::ShapeMismatch {
-            op: "matmul",
-            lhs: vec![m, n],
-            rhs: vec![c.len()],
-        });
-    }
     let overflow = |size| Error::SizeOverflow { op: "matmul", size };
     let c_row_stride = isize::try_from(n).map_err(|_| overflow(n))?;
     let width = n.div_ceil(threads).div_ceil(COLUMN_ALIGN) * COLUMN_ALIGN;
