@@ -16,7 +16,6 @@
 //! 256 KiB threshold took 4.0 M page faults and 24 CPU-seconds, 1 MiB 1.4 M and 19.6 (an
 //! unpinned glibc 0.4 M and 19.3), for a resident peak of 126, 146 and 154 MiB per rank; at
 //! gpt2 the resident peak is the same at either threshold, its blocks being far larger.
-
 //!
 //! A run of one rank shards nothing and has the machine's memory to itself, and there the
 //! price wins: a model of width 192 allocates and frees its 0.75–3 MiB activations on every
@@ -44,18 +43,8 @@ pub const SINGLE_RANK_TRIM_THRESHOLD_BYTES: libc::c_int = 16 * 1024 * 1024;
 /// [`SINGLE_RANK_TRIM_THRESHOLD_BYTES`]. Returns whether glibc took both (`false` elsewhere).
 pub fn use_single_rank_thresholds() -> bool {
     let mmap = pin_mmap_threshold(SINGLE_RANK_MMAP_THRESHOLD_BYTES);
-    #[cfg(all(target_os = "linux", target_env = "gnu"))]
-    {
-        // SAFETY: as in `pin_mmap_threshold`: two integers, the allocator's own setting.
-        // Tested by tests/allocator_single_rank.rs.
-        let trim =
-            unsafe { libc::mallopt(libc::M_TRIM_THRESHOLD, SINGLE_RANK_TRIM_THRESHOLD_BYTES) };
-        mmap && trim == 1
-    }
-    #[cfg(not(all(target_os = "linux", target_env = "gnu")))]
-    {
-        mmap
-    }
+    let trim = set_option(Tunable::TrimThreshold, SINGLE_RANK_TRIM_THRESHOLD_BYTES);
+    mmap && trim
 }
 
 /// Pins glibc's mmap threshold at [`MMAP_THRESHOLD_BYTES`] (which also stops it from moving),
@@ -70,17 +59,32 @@ pub fn return_large_blocks_to_the_kernel() -> bool {
 /// allocated keep where they came from). Returns whether the allocator took the setting, as
 /// [`return_large_blocks_to_the_kernel`].
 pub fn pin_mmap_threshold(bytes: libc::c_int) -> bool {
+    set_option(Tunable::MmapThreshold, bytes)
+}
+
+/// The glibc `malloc` settings this module changes.
+#[derive(Clone, Copy)]
+enum Tunable {
+    MmapThreshold,
+    TrimThreshold,
+}
+
+/// Sets one of glibc's `malloc` options; whether glibc took it (`false` without glibc).
+fn set_option(tunable: Tunable, value: libc::c_int) -> bool {
     #[cfg(all(target_os = "linux", target_env = "gnu"))]
     {
+        let option = match tunable {
+            Tunable::MmapThreshold => libc::M_MMAP_THRESHOLD,
+            Tunable::TrimThreshold => libc::M_TRIM_THRESHOLD,
+        };
         // SAFETY: `mallopt` takes two integers and touches only the allocator's own settings,
         // under the allocator's lock; no pointer crosses. Tested by tests/allocator.rs
         // (`freed_large_blocks_leave_the_resident_set`) and tests/allocator_single_rank.rs.
-        let accepted = unsafe { libc::mallopt(libc::M_MMAP_THRESHOLD, bytes) };
-        accepted == 1
+        unsafe { libc::mallopt(option, value) == 1 }
     }
     #[cfg(not(all(target_os = "linux", target_env = "gnu")))]
     {
-        let _ = bytes;
+        let _ = (tunable, value);
         false
     }
 }

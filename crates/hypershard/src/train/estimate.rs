@@ -204,35 +204,37 @@ pub fn estimate(config: &TrainConfig, data_tokens: u64) -> Result<MemoryEstimate
             .collect::<Result<Vec<u64>>>()?;
         sum("communication buffers", comm_drivers, &bytes)
     };
-    // At one rank nothing is gathered or reduced: the unsharded parameters are the shards
-    // themselves (cast copies with a narrower --param-dtype, the only term left) and the
-    // gradients land as the shards' gradients, counted in the state.
+    // The communication term at each moment: forward (the root gathered all along, a block
+    // gathered and the next one prefetched), the fused head (every block resharded, nothing
+    // prefetched), backward in a block, and the root's post-backward.
     let single_rank = config.mesh.ranks() == 1;
-    let cast = config.param_dtype != DType::F32;
-    // Forward: the root gathered all along, a block gathered and the next one prefetched.
-    let comm_forward = match (single_rank, cast) {
-        (true, false) => 0,
-        _ => comm_term(&[(root, p), (block, 2 * p)])?,
-    };
-    // Backward, in a block: the root (less the head weight once it holds the gradient), this
-    // block and the next gathered, this block's f32 gradients, and the previous block's
-    // reduce-scatter input and output still in flight.
-    let comm_backward = match (single_rank, cast) {
-        (true, false) => 0,
-        (true, true) => comm_term(&[(root, p), (block, 2 * p)])?,
-        _ => comm_term(&[
-            (root - head_in_weight, p),
-            (block, 2 * p + 4),
-            (block, r),
-            (block.div_ceil(s), r),
-        ])?,
-    };
-    // The root's post-backward: its gradients besides the head's (a term of its own), its
-    // reduce-scatter input and output; its parameters were freed just before.
-    let comm_root_reduce = if single_rank {
-        0
+    let (comm_forward, comm_head, comm_backward, comm_root_reduce) = if single_rank {
+        // Nothing is gathered or reduced: the unsharded parameters are the shards themselves,
+        // cast copies with a narrower --param-dtype the only term left, and the gradients
+        // land as the shards' gradients, counted in the state.
+        if config.param_dtype == DType::F32 {
+            (0, 0, 0, 0)
+        } else {
+            let in_use = comm_term(&[(root, p), (block, 2 * p)])?;
+            (in_use, comm_term(&[(root, p)])?, in_use, 0)
+        }
     } else {
-        comm_term(&[(root - head, 4), (root, r), (root.div_ceil(s), r)])?
+        (
+            comm_term(&[(root, p), (block, 2 * p)])?,
+            comm_term(&[(root, p)])?,
+            // The root (less the head weight once it holds the gradient), this block and the
+            // next gathered, this block's f32 gradients, and the previous block's
+            // reduce-scatter input and output still in flight.
+            comm_term(&[
+                (root - head_in_weight, p),
+                (block, 2 * p + 4),
+                (block, r),
+                (block.div_ceil(s), r),
+            ])?,
+            // Its gradients besides the head's (a term of its own), its reduce-scatter input
+            // and output; its parameters were freed just before.
+            comm_term(&[(root - head, 4), (root, r), (root.div_ceil(s), r)])?,
+        )
     };
 
     let tokens = product("activations", batch_drivers, &[b, t])?;
@@ -290,16 +292,8 @@ pub fn estimate(config: &TrainConfig, data_tokens: u64) -> Result<MemoryEstimate
     let phases = [
         // In forward, before the head.
         (comm_forward, kept, embeddings),
-        // The fused head: every block resharded, nothing prefetched.
-        (
-            if single_rank && !cast {
-                0
-            } else {
-                comm_term(&[(root, p)])?
-            },
-            kept,
-            logits_head,
-        ),
+        // The fused head.
+        (comm_head, kept, logits_head),
         (comm_backward, activations_backward, logits_backward),
         (comm_root_reduce, 0, head_grads),
     ];

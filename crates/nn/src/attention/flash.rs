@@ -244,9 +244,8 @@ pub(super) fn forward<F: Float>(
     tile: usize,
     mask: Option<&DropMask>,
 ) -> Result<FlashOutput<F>> {
-    let heads = forward_heads(qkv, dims, tile, mask)?;
     let mut y = vec![F::ZERO; dims.batch * dims.seq * dims.n_embd];
-    let lse = scatter_forward(&heads, dims, &mut y);
+    let lse = forward_into(qkv, dims, tile, mask, &mut y)?;
     Ok(FlashOutput { y, lse })
 }
 
@@ -466,9 +465,8 @@ pub(super) fn backward<F: Float>(
     tile: usize,
     mask: Option<&DropMask>,
 ) -> Result<Vec<F>> {
-    let per_head = backward_heads((qkv, y, lse), grad_y, dims, tile, mask)?;
     let mut grad_qkv = vec![F::ZERO; dims.batch * dims.seq * 3 * dims.n_embd];
-    scatter_backward(&per_head, dims, &mut grad_qkv);
+    backward_into((qkv, y, lse), grad_y, dims, tile, mask, &mut grad_qkv)?;
     Ok(grad_qkv)
 }
 

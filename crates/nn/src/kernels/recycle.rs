@@ -22,7 +22,9 @@ use crate::Result;
 
 /// Outputs smaller than this are allocated normally.
 pub(crate) const MIN_BYTES: usize = 64 << 10;
-/// The most buffers the free list keeps.
+/// The most buffers the free list keeps: enough for every large output of a step of a deep
+/// stack of layers (a dozen per layer, each kept for backward), so that the bound in bytes,
+/// not the count, is what limits the list.
 pub(crate) const MAX_BUFFERS: usize = 512;
 
 /// One 64-byte, 64-aligned block: a `Vec` of these is aligned storage without `unsafe`.
