@@ -70,15 +70,6 @@ pub enum Error {
         #[source]
         source: std::io::Error,
     },
-    /// A free port could not be found for the rendezvous.
-    #[error("could not find a free port on {addr}: {source}")]
-    NoFreePort {
-        /// The master address.
-        addr: String,
-        /// The bind error.
-        #[source]
-        source: std::io::Error,
-    },
     /// A launch option is invalid (for example `--node-rank` not below `--nnodes`).
     #[error("invalid launch option {option}: {reason}")]
     InvalidLaunchOption {

@@ -19,7 +19,6 @@
 mod limits;
 mod memory_limit;
 mod output;
-mod port;
 mod signal;
 mod stall;
 
@@ -34,7 +33,6 @@ pub use limits::{
 };
 pub use memory_limit::{RankCgroups, parse_size};
 pub use output::Sink;
-pub use port::{check_port_free, free_port};
 pub use signal::{SIGINT, SIGKILL, SIGTERM, SignalLatch, signal_group};
 
 use hypershard_collectives::auth::{JobSecret, SECRET_ENV, SECRET_FILE_ENV};
