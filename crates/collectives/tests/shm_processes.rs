@@ -18,7 +18,6 @@
 //! or reading out of it.
 
 use std::io::{BufRead, BufReader};
-use std::net::TcpListener;
 use std::path::Path;
 use std::process::{Child, Command, ExitCode, Stdio};
 use std::time::{Duration, Instant};
@@ -153,11 +152,8 @@ fn kill_child() -> ExitCode {
 /// Spawns `world` rank processes doing `mode`, lending segments of at least
 /// [`CMA_MIN_BYTES`] when `cma` is on.
 fn launch(world: usize, mode: &str, cma: bool) -> Vec<Child> {
-    // A free port for the store: bind port 0, read it, release it for rank 0 to take.
-    let port = TcpListener::bind("127.0.0.1:0")
-        .and_then(|l| l.local_addr())
-        .expect("free port")
-        .port();
+    // A port for the store that rank 0 binds; see `unused_port` for why not port 0's.
+    let port = hypershard_testkit::unused_port();
     let exe = std::env::current_exe().expect("own path");
     (0..world)
         .map(|rank| {

@@ -9,7 +9,7 @@
 //!    within their deadline, and no process may hang.
 
 use std::io::{BufRead, BufReader, Write};
-use std::net::{TcpListener, TcpStream};
+use std::net::TcpStream;
 use std::process::{Child, Command, ExitCode, Stdio};
 use std::time::{Duration, Instant};
 
@@ -99,11 +99,8 @@ fn kill_child() -> ExitCode {
 
 /// Spawns `world` rank processes doing `mode`; returns them and the store's port.
 fn launch(world: usize, mode: &str) -> (Vec<Child>, u16) {
-    // A free port for the store: bind port 0, read it, release it for rank 0 to take.
-    let port = TcpListener::bind("127.0.0.1:0")
-        .and_then(|l| l.local_addr())
-        .expect("free port")
-        .port();
+    // A port for the store that rank 0 binds; see `unused_port` for why not port 0's.
+    let port = hypershard_testkit::unused_port();
     let exe = std::env::current_exe().expect("own path");
     let children = (0..world)
         .map(|rank| {

@@ -2,7 +2,6 @@
 //! and the job's Store refuses a client without it (or with a wrong one) while the job
 //! carries on; and when the launcher (the Store's host) dies, its ranks die with it.
 
-use std::net::TcpListener;
 use std::path::PathBuf;
 use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
@@ -27,11 +26,7 @@ fn strangers_are_refused_by_the_store_and_the_job_carries_on() {
     let dir = std::env::temp_dir().join(format!("hypershard-security-{}", std::process::id()));
     let _ = std::fs::remove_dir_all(&dir);
     std::fs::create_dir_all(&dir).unwrap();
-    let port = TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port();
+    let port = hypershard_testkit::unused_port();
     let child = Command::new(hypershard())
         .args(["launch", "--nproc-per-node", "2", "--master-port"])
         .arg(port.to_string())

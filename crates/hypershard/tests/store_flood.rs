@@ -2,7 +2,7 @@
 //! hosts the store) keeps a bounded number of threads, refuses the excess, and the run's
 //! losses are those of an undisturbed run.
 
-use std::net::{TcpListener, TcpStream};
+use std::net::TcpStream;
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
@@ -14,14 +14,6 @@ const IDLE_CONNECTIONS: usize = 3000;
 
 fn hypershard() -> PathBuf {
     PathBuf::from(env!("CARGO_BIN_EXE_hypershard"))
-}
-
-fn free_port() -> u16 {
-    TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port()
 }
 
 fn start(out: &Path, port: u16) -> Child {
@@ -76,11 +68,13 @@ fn idle_connections_to_the_store_leave_threads_bounded_and_losses_unchanged() {
     std::fs::create_dir_all(&base).unwrap();
 
     let quiet = base.join("quiet");
-    let output = start(&quiet, free_port()).wait_with_output().unwrap();
+    let output = start(&quiet, hypershard_testkit::unused_port())
+        .wait_with_output()
+        .unwrap();
     assert!(output.status.success(), "{output:?}");
 
     let flooded = base.join("flooded");
-    let port = free_port();
+    let port = hypershard_testkit::unused_port();
     let mut child = start(&flooded, port);
     let pid = child.id();
     // Connect as soon as the store listens; keep every connection open and silent.

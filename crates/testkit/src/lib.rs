@@ -5,6 +5,9 @@
 //! copied from a previous run.
 
 pub mod device;
+pub mod port;
+
+pub use port::unused_port;
 
 use std::fmt;
 use std::sync::mpsc;

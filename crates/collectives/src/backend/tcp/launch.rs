@@ -113,7 +113,6 @@ fn mesh_bind_ip(master: (&str, u16), config: &TcpConfig) -> IpAddr {
 mod tests {
     use super::*;
     use std::io::{Read, Write};
-    use std::net::TcpListener;
     use std::thread;
     use std::time::Duration;
 
@@ -150,12 +149,8 @@ mod tests {
 
     #[test]
     fn three_ranks_meet_through_the_master_port() {
-        // Ask the OS for a free port, then release it for rank 0's server.
-        let port = TcpListener::bind("127.0.0.1:0")
-            .unwrap()
-            .local_addr()
-            .unwrap()
-            .port();
+        // A port for rank 0's server; see `unused_port` for why not port 0's.
+        let port = hypershard_testkit::unused_port();
         let world = 3;
         let config = TcpConfig::default().with_rendezvous_timeout(Duration::from_secs(10));
         let handles: Vec<_> = (0..world)
