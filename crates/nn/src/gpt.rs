@@ -131,6 +131,14 @@ enum HeadCache {
         final_hidden: Tensor,
         tokens: hypershard_tensor::cuda::TokenIndex,
     },
+    /// The fused loss was returned on a CUDA device: its gradients (as in `Loss`, the hidden
+    /// one shaped `[B, T, C]`) and the token ids indexed for the embeddings' backward.
+    #[cfg(feature = "cuda")]
+    CudaLoss {
+        hidden_grad: Tensor,
+        head_grad: Tensor,
+        tokens: hypershard_tensor::cuda::TokenIndex,
+    },
 }
 
 /// The standard deviation of nanoGPT's initialisation.
@@ -342,16 +350,20 @@ impl Gpt {
 
     /// The batch and sequence sizes of an id tensor, checked.
     /// The forward on a CUDA device: the embeddings by their kernel, the blocks and `ln_f`
-    /// as on any device, the lm_head through cuBLAS. The fused loss head has no kernel.
+    /// as on any device, the lm_head through cuBLAS.
+    ///
+    /// With the fused loss (see [`Gpt::fused_loss`]) there is no tiled head kernel: the
+    /// logits are formed whole, the cross-entropy kernel turns them into the mean loss and its
+    /// gradient, and when a backward follows the head's two backward GEMMs run at once, so the
+    /// logits and their gradient are freed before the blocks' backward. The peak holds
+    /// `[B·T, V]` twice for that moment, which a GPU's memory affords where a host rank's
+    /// budget does not.
     #[cfg(feature = "cuda")]
     fn forward_cuda(&mut self, input: &Tensor, dims: [usize; 4]) -> Result<Tensor> {
         use crate::kernels::cuda;
         const OP: &str = "Gpt::forward";
         let [batch, seq, _, v] = dims;
         let device = input.device();
-        if self.fused.is_some() {
-            crate::kernels::host_only("Gpt::fused_loss", &device)?;
-        }
         let tokens = cuda::token_index(OP, &device, input, v)?;
         let x = cuda::gpt_embed(self.wte.data()?, self.wpe.data()?, &tokens)?;
         let mut x = self.drop.forward(&x)?;
@@ -360,6 +372,31 @@ impl Gpt {
         }
         let final_hidden = self.ln_f.forward(&x)?.contiguous()?;
         let logits = cuda::gpt_head(&final_hidden, self.wte.data()?, dims)?;
+        if let Some(fused) = &self.fused {
+            let pending = fused.targets.take("GPT")?;
+            same_device(OP, &[&final_hidden, &pending.targets])?;
+            let rows = logits.reshape(&[batch * seq, v])?;
+            let targets = pending.targets.reshape(&[batch * seq])?;
+            let (loss, grad_logits) = cuda::cross_entropy(OP, &rows, &targets, fused.ignore_index)?;
+            drop((logits, rows));
+            self.cache = if pending.backward {
+                let (head_grad, hidden_grad) =
+                    cuda::gpt_head_backward(&grad_logits, &final_hidden, self.wte.data()?, dims)?;
+                Some(GptCache {
+                    rows: Vec::new(),
+                    batch,
+                    seq,
+                    head: HeadCache::CudaLoss {
+                        hidden_grad,
+                        head_grad,
+                        tokens,
+                    },
+                })
+            } else {
+                None
+            };
+            return Ok(Tensor::from_vec_on(vec![loss], &[1], &device)?);
+        }
         self.cache = Some(GptCache {
             rows: Vec::new(),
             batch,
@@ -504,6 +541,26 @@ fn position_grad<F: Float>(g: &[F], seq: usize, block_size: usize, c: usize) -> 
         add_assign(&mut grad[t * c..(t + 1) * c], g_row);
     }
     grad
+}
+
+/// The gradient of the fused loss given to [`Gpt`]'s backward (the loss scale): one value, on
+/// any device. The fused head computed its gradients for a loss gradient of one, and they are
+/// scaled by this.
+fn loss_gradient(op: &'static str, grad_output: &Tensor) -> Result<f64> {
+    let expected = [1];
+    let values = if grad_output.shape() == expected {
+        load_f64(&grad_output.to_host()?).ok()
+    } else {
+        None
+    };
+    match values.as_deref() {
+        Some(&[scale]) => Ok(scale),
+        _ => Err(Error::ShapeMismatch {
+            op,
+            lhs: expected.to_vec(),
+            rhs: grad_output.shape().to_vec(),
+        }),
+    }
 }
 
 impl Module for Gpt {
@@ -677,23 +734,23 @@ impl Module for Gpt {
                 cuda_tokens = Some(tokens);
                 head_backward(grad_output, &final_hidden, wte, [batch, seq, c, v])?
             }
+            #[cfg(feature = "cuda")]
+            HeadCache::CudaLoss {
+                hidden_grad,
+                head_grad,
+                tokens,
+            } => {
+                cuda_tokens = Some(tokens);
+                let scale = loss_gradient(OP, grad_output)?;
+                head_grad.scale_(scale)?;
+                hidden_grad.scale_(scale)?;
+                (head_grad, hidden_grad)
+            }
             HeadCache::Loss {
                 hidden_grad,
                 head_grad,
             } => {
-                // The gradients were computed for a loss gradient of one; scale them by the
-                // one given (the loss scale).
-                let expected = [1];
-                let scale = match load_f64(grad_output) {
-                    Ok(values) if grad_output.shape() == expected => values[0],
-                    _ => {
-                        return Err(Error::ShapeMismatch {
-                            op: OP,
-                            lhs: expected.to_vec(),
-                            rhs: grad_output.shape().to_vec(),
-                        });
-                    }
-                };
+                let scale = loss_gradient(OP, grad_output)?;
                 head_grad.scale_(scale)?;
                 let grad_hidden = hidden_grad.scale(scale)?.to_dtype(dtype)?;
                 (head_grad, grad_hidden.view(&[batch, seq, c])?)

@@ -292,7 +292,8 @@ pub enum TrainDevice {
     Cpu,
     /// The emulated device, one per rank.
     Emulated,
-    /// A CUDA GPU, one per rank on a node (its local rank).
+    /// A CUDA GPU per rank: local rank `r` of a node with `n` GPUs takes GPU `r mod n`, so
+    /// several ranks share a GPU when a node has fewer GPUs than ranks.
     Cuda,
 }
 
@@ -320,8 +321,27 @@ impl TrainDevice {
     }
 }
 
+/// The GPU of local rank `local_rank` on a node with `gpus` GPUs: `local_rank mod gpus`, so
+/// that ranks beyond the GPU count share them round-robin (the collectives of the tcp, shm and
+/// local backends stage through host memory and do not care which GPU a rank holds).
+#[cfg(any(feature = "cuda", test))]
+fn gpu_of_local_rank(local_rank: usize, gpus: usize) -> Result<usize> {
+    local_rank
+        .checked_rem(gpus)
+        .ok_or_else(|| Error::DeviceUnavailable {
+            device: "cuda",
+            reason: "no GPU is visible on this node".to_string(),
+        })
+}
+
 #[cfg(feature = "cuda")]
-fn cuda_device(ordinal: usize) -> Result<hypershard_tensor::Device> {
+fn cuda_device(local_rank: usize) -> Result<hypershard_tensor::Device> {
+    let gpus =
+        hypershard_tensor::cuda::device_count().map_err(|source| Error::DeviceUnavailable {
+            device: "cuda",
+            reason: format!("the GPUs cannot be counted: {source}"),
+        })?;
+    let ordinal = gpu_of_local_rank(local_rank, gpus)?;
     let device = hypershard_tensor::Device::Cuda { ordinal };
     // Opening the backend probes the driver and the GPU: a typed error here, not a failure
     // in the middle of building the model.
@@ -335,7 +355,7 @@ fn cuda_device(ordinal: usize) -> Result<hypershard_tensor::Device> {
 }
 
 #[cfg(not(feature = "cuda"))]
-fn cuda_device(_ordinal: usize) -> Result<hypershard_tensor::Device> {
+fn cuda_device(_local_rank: usize) -> Result<hypershard_tensor::Device> {
     Err(Error::DeviceUnavailable {
         device: "cuda",
         reason: "this build has no CUDA support (build hypershard with `--features cuda`)"
@@ -462,6 +482,22 @@ pub struct TrainConfig {
 
 #[cfg(test)]
 mod tests {
+    #[test]
+    fn ranks_beyond_the_gpu_count_share_gpus_round_robin() {
+        let gpus: Vec<usize> = (0..5).map(|r| gpu_of_local_rank(r, 2).unwrap()).collect();
+        assert_eq!(gpus, [0, 1, 0, 1, 0]);
+        assert_eq!(gpu_of_local_rank(3, 8).unwrap(), 3);
+        match gpu_of_local_rank(0, 0) {
+            Err(Error::DeviceUnavailable {
+                device: "cuda",
+                reason,
+            }) => {
+                assert!(reason.contains("no GPU"), "{reason}");
+            }
+            other => panic!("expected DeviceUnavailable, got {other:?}"),
+        }
+    }
+
     use super::*;
 
     #[test]

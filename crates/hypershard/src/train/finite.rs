@@ -12,7 +12,9 @@ use crate::error::{Error, Result};
 pub(super) fn nonfinite_values(model: &dyn Module) -> Result<u64> {
     let mut count = 0u64;
     model.visit_params("", &mut |_, param| {
-        let data = param.data()?;
+        // A device shard is copied to the host one parameter at a time (this runs only
+        // before a save); a host shard is read where it is.
+        let data = param.data()?.to_host()?;
         count += if data.dtype() == DType::F32 && data.is_contiguous() {
             // The common case, read in place: an f64 copy of every shard would add twice
             // the model's local bytes to the peak at each save.
@@ -20,7 +22,7 @@ pub(super) fn nonfinite_values(model: &dyn Module) -> Result<u64> {
                 values.iter().filter(|v| !v.is_finite()).count()
             })?
         } else {
-            let values = data.to_host()?.to_f64_vec()?;
+            let values = data.to_f64_vec()?;
             values.iter().filter(|v| !v.is_finite()).count()
         } as u64;
         Ok(())
@@ -108,6 +110,24 @@ mod tests {
         }
         for result in check_on_two_ranks(None) {
             result.unwrap();
+        }
+    }
+
+    /// Shards on a device are copied to the host to be counted (the emulated device refuses a
+    /// host read in place, as a GPU does).
+    #[test]
+    fn non_finite_values_on_a_device_are_counted() {
+        let device = hypershard_tensor::Device::Emulated { ordinal: 0 };
+        for (poison, want) in [(false, 0), (true, 2)] {
+            let mut model = linear(poison);
+            hypershard_nn::to_device(&mut model, &device).unwrap();
+            model
+                .visit_params("", &mut |_, param| {
+                    assert_eq!(param.data()?.device(), device);
+                    Ok(())
+                })
+                .unwrap();
+            assert_eq!(nonfinite_values(&model).unwrap(), want);
         }
     }
 }

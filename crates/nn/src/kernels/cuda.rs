@@ -337,18 +337,29 @@ pub(crate) fn cross_entropy(
     }
 }
 
+/// `Σ x²` over a contiguous tensor on a CUDA device, as the GEMM `x[1, n] · xᵀ` into an f32
+/// scalar (cuBLAS accumulates in f32, as torch's norms on a GPU do). An empty tensor (a
+/// rank's empty shard of an uneven split) sums to zero, as on the host.
+pub(crate) fn sum_of_squares(x: &Tensor) -> Result<f64> {
+    let n = x.numel();
+    if n == 0 {
+        return Ok(0.0);
+    }
+    let row = x.reshape(&[1, n])?;
+    let sum = Tensor::zeros_on(&[1, 1], DType::F32, &x.device())?;
+    gpu::gemm(1.0, &row, Transpose::No, &row, Transpose::Yes, 0.0, &sum)?;
+    let sum = sum.to_host()?.to_vec::<f32>()?;
+    Ok(f64::from(sum.first().copied().unwrap_or(f32::NAN)))
+}
+
 /// The mean squared error and its gradient: `d = p − t` (one `axpy` in the dtype's compute
-/// precision), `Σd²` as the GEMM `d[1, n] · dᵀ` into an f32 scalar, and `2d/n`.
+/// precision), `Σd²` by [`sum_of_squares`], and `2d/n`.
 pub(crate) fn mse_loss(prediction: &Tensor, target: &Tensor) -> Result<(f64, Tensor)> {
     let n = prediction.numel();
     let diff = prediction.deep_copy()?;
     diff.axpy(-1.0, target)?;
-    let row = diff.reshape(&[1, n])?;
-    let sum = Tensor::zeros_on(&[1, 1], DType::F32, &prediction.device())?;
-    gpu::gemm(1.0, &row, Transpose::No, &row, Transpose::Yes, 0.0, &sum)?;
-    let sum = sum.to_host()?.to_vec::<f32>()?;
     // torch gives NaN for an empty input (a mean over nothing); so does 0/0 here.
-    let loss = f64::from(sum.first().copied().unwrap_or(f32::NAN)) / n as f64;
+    let loss = sum_of_squares(&diff)? / n as f64;
     diff.scale_(2.0 / n as f64)?;
     Ok((loss, diff))
 }

@@ -2,11 +2,8 @@
 
 use hypershard_tensor::{DType, Tensor};
 
-use crate::kernels::{host_only, load_f64};
+use crate::kernels::load_f64;
 use crate::{Module, Parameter, Result};
-
-/// The op the clipping's errors name (it has no CUDA kernel).
-const OP: &str = "clip_grad_norm";
 
 /// Elements per task of [`sum_of_squares`]: fixed, so the sum's bits do not depend on the
 /// number of threads.
@@ -19,8 +16,12 @@ const SQUARES_LANES: usize = 8;
 ///
 /// A contiguous f32 tensor (every gradient of an f32 model) is read in place, in chunks spread
 /// over the kernel threads whose sums are added in order; other dtypes and layouts are widened
-/// to f64 first.
+/// to f64 first. On a CUDA device the sum is one cuBLAS product, accumulated in f32.
 pub fn sum_of_squares(t: &Tensor) -> Result<f64> {
+    #[cfg(feature = "cuda")]
+    if t.device().is_cuda() {
+        return crate::kernels::cuda::sum_of_squares(&t.contiguous()?);
+    }
     if t.dtype() != DType::F32 || !t.is_contiguous() {
         return Ok(load_f64(t)?.iter().map(|g| g * g).sum::<f64>());
     }
@@ -62,7 +63,6 @@ pub fn clip_grad_norm(module: &mut dyn Module, max_norm: f64) -> Result<f64> {
     let mut sum_sq = 0.0;
     module.visit_params("", &mut |_, param| {
         if let Some(grad) = &param.grad {
-            host_only(OP, &grad.device())?;
             sum_sq += sum_of_squares(grad)?;
         }
         Ok(())
@@ -85,7 +85,6 @@ pub fn clip_grad_norm_params(params: &mut [&mut Parameter], max_norm: f64) -> Re
     let mut sum_sq = 0.0;
     for param in params.iter() {
         if let Some(grad) = &param.grad {
-            host_only(OP, &grad.device())?;
             sum_sq += sum_of_squares(grad)?;
         }
     }
