@@ -377,3 +377,68 @@ fn plain_sgd_steps_in_place_in_f32_and_bf16() {
         ));
     }
 }
+
+/// The per-tensor update is AdamW's, aliased moments take the copying path with the same
+/// bits, and a moment of another shape is a typed error naming the op.
+#[test]
+fn adamw_update_on_tensors_is_adamws_step() {
+    use hypershard_nn::optim::{AdamWTensors, adamw_update};
+    let config = AdamWConfig {
+        lr: 0.1,
+        ..AdamWConfig::default()
+    };
+    let init = [0.5f32, -1.0, 2.0, 0.25];
+    let grads = [0.3f32, -0.2, 0.1, 0.05];
+    // The reference: AdamW's own step on a parameter.
+    let mut p = Parameter::new("p", Tensor::from_vec(init.to_vec(), &[4]).unwrap());
+    p.grad = Some(Tensor::from_vec(grads.to_vec(), &[4]).unwrap());
+    let mut opt = AdamW::new(config).unwrap();
+    opt.step_param("p", &mut p).unwrap();
+    let want: Vec<f32> = p.data().unwrap().to_vec().unwrap();
+
+    let param = Tensor::from_vec(init.to_vec(), &[4]).unwrap();
+    let grad = Tensor::from_vec(grads.to_vec(), &[4]).unwrap();
+    let (m, v) = (
+        Tensor::zeros(&[4], DType::F32).unwrap(),
+        Tensor::zeros(&[4], DType::F32).unwrap(),
+    );
+    let tensors = AdamWTensors {
+        param: &param,
+        grad: &grad,
+        exp_avg: &m,
+        exp_avg_sq: &v,
+    };
+    adamw_update(tensors, &config, 1).unwrap();
+    assert_eq!(param.to_vec::<f32>().unwrap(), want);
+    assert_eq!(
+        m.to_vec::<f32>().unwrap(),
+        opt.state("p").unwrap().exp_avg.to_vec::<f32>().unwrap()
+    );
+
+    // Both moments as halves of one buffer: they share a storage, so the update copies.
+    let param = Tensor::from_vec(init.to_vec(), &[4]).unwrap();
+    let both = Tensor::zeros(&[8], DType::F32).unwrap();
+    let (m, v) = (both.narrow(0, 0, 4).unwrap(), both.narrow(0, 4, 4).unwrap());
+    let tensors = AdamWTensors {
+        param: &param,
+        grad: &grad,
+        exp_avg: &m,
+        exp_avg_sq: &v,
+    };
+    adamw_update(tensors, &config, 1).unwrap();
+    assert_eq!(param.to_vec::<f32>().unwrap(), want);
+
+    let short = Tensor::zeros(&[3], DType::F32).unwrap();
+    let tensors = AdamWTensors {
+        param: &param,
+        grad: &grad,
+        exp_avg: &short,
+        exp_avg_sq: &v,
+    };
+    match adamw_update(tensors, &config, 2) {
+        Err(Error::ShapeMismatch { op, lhs, rhs }) => {
+            assert_eq!((op, lhs, rhs), ("adamw_update", vec![4], vec![3]));
+        }
+        other => panic!("expected ShapeMismatch, got {other:?}"),
+    }
+}

@@ -18,8 +18,9 @@ pub struct RankMemory {
     /// The most bytes FSDP's communication buffers had in use at once (all-gather outputs,
     /// which hold the unsharded parameters while a unit computes, and reduce-scatter inputs).
     pub comm_buffer_bytes: u64,
-    /// Activations and temporaries: the tracker's peak less the parameters and gradients and
-    /// the communication buffers. A lower bound, since the parts need not peak together.
+    /// Activations and temporaries: the tracker's peak less the training state (parameters,
+    /// gradients and AdamW moments) and the communication buffers. A lower bound, since the
+    /// parts need not peak together.
     pub activation_bytes: u64,
     /// The peak of all tensor storage the allocator tracker counted on this rank.
     pub tracker_peak_bytes: u64,
@@ -105,7 +106,8 @@ impl MemoryMeter {
             rank,
             state_bytes: self.params_and_grads + self.moments,
             comm_buffer_bytes: comm,
-            activation_bytes: tracker_peak.saturating_sub(self.params_and_grads + comm),
+            activation_bytes: tracker_peak
+                .saturating_sub(self.params_and_grads + self.moments + comm),
             tracker_peak_bytes: tracker_peak,
             startup_peak_rss_bytes: self.startup_peak_rss,
             peak_rss_bytes: proc_status_bytes("VmHWM"),

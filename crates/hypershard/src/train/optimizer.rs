@@ -5,23 +5,27 @@
 //! once into the parameter's dtype: `p *= 1 − lr·wd`; `m = β₁m + (1−β₁)g`;
 //! `v = β₂v + (1−β₂)g²`; `p −= lr/(1−β₁ᵗ) · m / (√v/√(1−β₂ᵗ) + ε)`. It is elementwise, so
 //! stepping each shard on its own rank is the same as stepping the whole tensor.
+//!
+//! The moments live beside their shard, on its device, and each shard's update is nn's
+//! [`adamw_update`]: one in-place pass on the host, the `adamw_f32` kernel on a GPU. A
+//! checkpoint copies them to the host.
 
 use std::collections::BTreeMap;
 
-use hypershard_nn::optim::{AdamWConfig, AdamWUpdate};
+use hypershard_nn::optim::{AdamWConfig, AdamWTensors, adamw_update};
 use hypershard_nn::{Module, Parameter};
-use hypershard_tensor::{DType, Tensor};
+use hypershard_tensor::{DType, Device, Tensor};
 
 use super::config::OptimConfig;
 use crate::error::{Error, Result};
 
-/// One parameter's moments (f32, the local shard's shape).
+/// One parameter's moments: f32, the local shard's shape, on the shard's device.
 #[derive(Clone, Debug)]
 pub struct Moments {
     /// First moment.
-    pub exp_avg: Vec<f32>,
+    pub exp_avg: Tensor,
     /// Second moment.
-    pub exp_avg_sq: Vec<f32>,
+    pub exp_avg_sq: Tensor,
 }
 
 /// AdamW state for every local shard, by parameter name.
@@ -55,7 +59,7 @@ impl ShardedAdamW {
     pub fn moment_bytes(&self) -> u64 {
         self.moments
             .values()
-            .map(|m| ((m.exp_avg.len() + m.exp_avg_sq.len()) * size_of::<f32>()) as u64)
+            .map(|m| ((m.exp_avg.numel() + m.exp_avg_sq.numel()) * size_of::<f32>()) as u64)
             .sum()
     }
 
@@ -97,16 +101,25 @@ fn step_one(
             reason: format!("gradient of {} elements for {len} values", grad.numel()),
         });
     }
-    let state = moments.entry(name.to_string()).or_insert_with(|| Moments {
-        exp_avg: vec![0.0; len],
-        exp_avg_sq: vec![0.0; len],
-    });
-    if state.exp_avg.len() != len {
+    let state = match moments.entry(name.to_string()) {
+        std::collections::btree_map::Entry::Occupied(entry) => entry.into_mut(),
+        std::collections::btree_map::Entry::Vacant(entry) => {
+            let zeros = || {
+                Tensor::zeros_on(data.shape(), DType::F32, &data.device())
+                    .map_err(tensor_error(name))
+            };
+            entry.insert(Moments {
+                exp_avg: zeros()?,
+                exp_avg_sq: zeros()?,
+            })
+        }
+    };
+    if state.exp_avg.numel() != len || state.exp_avg_sq.numel() != len {
         return Err(Error::InconsistentTensor {
             name: name.to_string(),
             reason: format!(
                 "optimizer state of {} elements for a shard of {len}",
-                state.exp_avg.len(),
+                state.exp_avg.numel(),
             ),
         });
     }
@@ -115,7 +128,25 @@ fn step_one(
     } else {
         0.0
     };
-    let update = AdamWUpdate::new(
+    // Moments restored from a checkpoint come flat or in the saved block's shape: viewed in
+    // the shard's (a view, no copy).
+    let (exp_avg, exp_avg_sq) = (
+        state
+            .exp_avg
+            .reshape(data.shape())
+            .map_err(tensor_error(name))?,
+        state
+            .exp_avg_sq
+            .reshape(data.shape())
+            .map_err(tensor_error(name))?,
+    );
+    adamw_update(
+        AdamWTensors {
+            param: data,
+            grad,
+            exp_avg: &exp_avg,
+            exp_avg_sq: &exp_avg_sq,
+        },
         &AdamWConfig {
             lr,
             betas: (config.beta1, config.beta2),
@@ -123,61 +154,16 @@ fn step_one(
             weight_decay,
         },
         step,
-    );
-    let in_place = data.dtype() == DType::F32
-        && grad.dtype() == DType::F32
-        && data.is_contiguous()
-        && grad.is_contiguous()
-        && !grad.shares_storage(data);
-    if in_place {
-        // The common case (f32 master shards and gradients): one pass over the shard, with
-        // no copy of the values or the gradient, spread over the rank's kernel threads.
-        // Kernels where the shard lives (on the host, exactly `with_data`).
-        let nested = grad.with_kernel_data::<f32, _>("adamw", |g| {
-            data.with_kernel_data_mut::<f32, _>("adamw", |p| {
-                update.apply_f32(p, &mut state.exp_avg, &mut state.exp_avg_sq, g)
-            })
-        });
-        return nested
-            .and_then(|inner| inner)
-            .map_err(tensor_error(name))?
-            .map_err(Error::from);
-    }
-    // Any other dtype or layout: the same arithmetic through f64 copies, so both paths give
-    // the same bits for f32.
-    let grad = grad
-        .to_host()
-        .and_then(|g| g.to_f64_vec())
-        .map_err(tensor_error(name))?;
-    let mut values = data
-        .to_host()
-        .and_then(|d| d.to_f64_vec())
-        .map_err(tensor_error(name))?;
-    for (((p, m), v), &g) in values
-        .iter_mut()
-        .zip(state.exp_avg.iter_mut())
-        .zip(state.exp_avg_sq.iter_mut())
-        .zip(&grad)
-    {
-        let (mut m64, mut v64) = (f64::from(*m), f64::from(*v));
-        *p = update.apply(*p, &mut m64, &mut v64, g);
-        *m = m64 as f32;
-        *v = v64 as f32;
-    }
-    let updated =
-        Tensor::from_vec_on(values, data.shape(), &data.device()).map_err(tensor_error(name))?;
-    data.copy_from(&updated).map_err(tensor_error(name))
+    )
+    .map_err(Error::from)
 }
 
-/// The f32 tensor of a moment vector in `shape`.
-pub fn moment_tensor(name: &str, values: &[f32], shape: &[usize]) -> Result<Tensor> {
-    Tensor::from_slice(values, shape).map_err(tensor_error(name))
-}
-
-/// Reads a moment tensor back (cast to f32 if saved otherwise).
-pub fn moment_values(name: &str, tensor: &Tensor) -> Result<Vec<f32>> {
-    let tensor = tensor.to_dtype(DType::F32).map_err(tensor_error(name))?;
-    tensor.to_vec::<f32>().map_err(tensor_error(name))
+/// A saved moment brought back as f32 onto `device`, the shard's.
+pub fn restored_moment(name: &str, saved: &Tensor, device: &Device) -> Result<Tensor> {
+    saved
+        .to_dtype(DType::F32)
+        .and_then(|t| t.to_device(device))
+        .map_err(tensor_error(name))
 }
 
 #[cfg(test)]
@@ -256,5 +242,66 @@ mod tests {
             assert!((a - b).abs() < 1e-6, "{a} vs {b}");
         }
         assert_eq!(ours.step, 3);
+    }
+
+    /// On a device the moments are made there and the update runs there, with the host's
+    /// bits (the emulated device runs the host kernels behind the device API).
+    #[test]
+    fn moments_live_on_the_shards_device_and_match_the_host_run() {
+        let config = OptimConfig {
+            lr: 0.05,
+            min_lr: 0.0,
+            warmup_steps: 0,
+            schedule: LrSchedule::Constant,
+            decay_steps: None,
+            beta1: 0.9,
+            beta2: 0.95,
+            eps: 1e-8,
+            weight_decay: 0.1,
+            grad_clip: 0.0,
+        };
+        let device = Device::Emulated { ordinal: 0 };
+        let run = |device: Option<&Device>| {
+            let mut model = Linear::new(LinearConfig {
+                in_features: 5,
+                out_features: 3,
+                bias: true,
+                dtype: DType::F32,
+                seed: 4,
+            })
+            .unwrap();
+            let mut x =
+                Tensor::from_vec((0..10).map(|i| i as f32 * 0.1 - 0.4).collect(), &[2, 5]).unwrap();
+            if let Some(device) = device {
+                hypershard_nn::to_device(&mut model, device).unwrap();
+                x = x.to_device(device).unwrap();
+            }
+            let mut optimizer = ShardedAdamW::new(config);
+            for _ in 0..3 {
+                hypershard_nn::zero_grad(&mut model).unwrap();
+                let y = model.forward(&x).unwrap();
+                model.backward(&y).unwrap();
+                optimizer.step(&mut model, 0.05).unwrap();
+            }
+            let mut values = Vec::new();
+            model
+                .visit_params("", &mut |_, p| {
+                    values.extend(p.data()?.to_host()?.to_vec::<f32>()?);
+                    Ok(())
+                })
+                .unwrap();
+            for moments in optimizer.moments.values() {
+                for m in [&moments.exp_avg, &moments.exp_avg_sq] {
+                    assert_eq!(m.device(), device.copied().unwrap_or(Device::Cpu));
+                    values.extend(m.to_host().unwrap().to_vec::<f32>().unwrap());
+                }
+            }
+            assert_eq!(optimizer.moment_bytes(), 2 * (15 + 3) * 4);
+            values
+        };
+        let (host, on_device) = (run(None), run(Some(&device)));
+        let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+        assert_eq!(bits(&host), bits(&on_device));
+        assert!(host.iter().any(|&v| v != 0.0));
     }
 }

@@ -9,7 +9,7 @@ use hypershard_mesh::shard_span;
 use hypershard_nn::Module;
 
 use super::fault::{Fault, FaultPoint};
-use super::optimizer::{Moments, ShardedAdamW, moment_tensor, moment_values};
+use super::optimizer::{Moments, ShardedAdamW, restored_moment};
 use crate::checkpoint::{Block, BlockSpec, Checkpoint, CheckpointDir, CommitInfo, ShardWriter};
 use crate::error::{Error, Result};
 
@@ -157,12 +157,19 @@ pub fn save(
                 &host,
             )?;
             if let Some(moments) = optimizer.moments.get(name) {
-                for (which, values) in [
+                for (which, moment) in [
                     ("exp_avg", &moments.exp_avg),
                     ("exp_avg_sq", &moments.exp_avg_sq),
                 ] {
                     let key = moment_key(which, name);
-                    let tensor = moment_tensor(&key, values, data.shape())?;
+                    // As the shard: copied from a device once, a host one is itself.
+                    let tensor = moment
+                        .reshape(data.shape())
+                        .and_then(|m| m.to_host())
+                        .map_err(|source| Error::Tensor {
+                            name: key.clone(),
+                            source,
+                        })?;
                     writer.add(
                         BlockSpec {
                             name: &key,
@@ -226,11 +233,18 @@ pub fn load(
             if let Some(optimizer) = optimizer.as_deref_mut() {
                 let key = moment_key("exp_avg", name);
                 if checkpoint.metadata().tensors.contains_key(&key) {
-                    let exp_avg =
-                        moment_values(&key, &checkpoint.read_block(&key, &placed.block)?)?;
+                    let device = data.device();
+                    let exp_avg = restored_moment(
+                        &key,
+                        &checkpoint.read_block(&key, &placed.block)?,
+                        &device,
+                    )?;
                     let key = moment_key("exp_avg_sq", name);
-                    let exp_avg_sq =
-                        moment_values(&key, &checkpoint.read_block(&key, &placed.block)?)?;
+                    let exp_avg_sq = restored_moment(
+                        &key,
+                        &checkpoint.read_block(&key, &placed.block)?,
+                        &device,
+                    )?;
                     optimizer.moments.insert(
                         name.to_string(),
                         Moments {

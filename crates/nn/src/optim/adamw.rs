@@ -126,58 +126,17 @@ impl AdamW {
                 rhs: state.exp_avg.shape().to_vec(),
             });
         }
-        let _device = same_device(OP, &[data, grad, &state.exp_avg, &state.exp_avg_sq])?;
         let step = state.step + 1;
-        #[cfg(feature = "cuda")]
-        let on_cuda = _device.is_cuda();
-        #[cfg(not(feature = "cuda"))]
-        let on_cuda = false;
-        let update = AdamWUpdate::new(&self.config, step);
-        let all_f32_and_contiguous = [data, grad, &state.exp_avg, &state.exp_avg_sq]
-            .iter()
-            .all(|t| t.dtype() == DType::F32 && t.is_contiguous());
-        if on_cuda {
-            // The same update on the GPU, in place on the four arrays.
-            #[cfg(feature = "cuda")]
-            crate::kernels::cuda::adamw(
-                [data, &state.exp_avg, &state.exp_avg_sq, grad],
-                &self.config,
-                step,
-            )?;
-        } else if all_f32_and_contiguous && !grad.shares_storage(data) {
-            // The common case: one pass over the four arrays in place, no copies. The
-            // arithmetic is the general path's, so both give the same bits. The state was
-            // made with the parameter, so it never shares the parameter's or gradient's storage.
-            let nested = grad.with_kernel_data::<f32, _>(OP, |g| {
-                data.with_kernel_data_mut::<f32, _>(OP, |p| {
-                    state.exp_avg.with_kernel_data_mut::<f32, _>(OP, |m| {
-                        state
-                            .exp_avg_sq
-                            .with_kernel_data_mut::<f32, _>(OP, |v| update.apply_f32(p, m, v, g))
-                    })
-                })
-            });
-            nested.and_then(|r| r).and_then(|r| r).and_then(|r| r)??;
-        } else {
-            // Any other dtype or layout: through f64 copies, rounded once into each tensor.
-            // The state tensors are cloned as views, so an error here leaves the stored state
-            // (and the parameter) untouched.
-            let mut values = load_f64(data)?;
-            let grad = load_f64(grad)?;
-            let mut exp_avg = load_f64(&state.exp_avg)?;
-            let mut exp_avg_sq = load_f64(&state.exp_avg_sq)?;
-            for (((p, m), v), &g) in values
-                .iter_mut()
-                .zip(exp_avg.iter_mut())
-                .zip(exp_avg_sq.iter_mut())
-                .zip(&grad)
-            {
-                *p = update.apply(*p, m, v, g);
-            }
-            write_f64(&state.exp_avg, exp_avg)?;
-            write_f64(&state.exp_avg_sq, exp_avg_sq)?;
-            write_f64(data, values)?;
-        }
+        adamw_update(
+            AdamWTensors {
+                param: data,
+                grad,
+                exp_avg: &state.exp_avg,
+                exp_avg_sq: &state.exp_avg_sq,
+            },
+            &self.config,
+            step,
+        )?;
         self.state.insert(
             name.to_string(),
             AdamWState {
@@ -188,6 +147,91 @@ impl AdamW {
         );
         Ok(())
     }
+}
+
+/// The four tensors of one AdamW update: the parameter, its gradient and its two moments,
+/// all of the parameter's shape and on one device.
+#[derive(Debug, Clone, Copy)]
+pub struct AdamWTensors<'a> {
+    /// The parameter, updated in place.
+    pub param: &'a Tensor,
+    /// Its gradient.
+    pub grad: &'a Tensor,
+    /// The first moment, updated in place.
+    pub exp_avg: &'a Tensor,
+    /// The second moment, updated in place.
+    pub exp_avg_sq: &'a Tensor,
+}
+
+/// Step `step` (1 for the first) of AdamW on one parameter, in place, wherever its tensors
+/// live: the `adamw_f32` kernel on a CUDA device; on the host (and the emulated device) one
+/// pass over the four f32 arrays spread over the kernel threads, or f64 copies rounded once
+/// into each tensor for other dtypes and layouts. Both host paths give the same bits for f32.
+/// What [`AdamW`] runs for each parameter, for optimizers that keep their state elsewhere.
+pub fn adamw_update(tensors: AdamWTensors<'_>, config: &AdamWConfig, step: u64) -> Result<()> {
+    const OP: &str = "adamw_update";
+    let AdamWTensors {
+        param,
+        grad,
+        exp_avg,
+        exp_avg_sq,
+    } = tensors;
+    for t in [grad, exp_avg, exp_avg_sq] {
+        if t.shape() != param.shape() {
+            return Err(Error::ShapeMismatch {
+                op: OP,
+                lhs: param.shape().to_vec(),
+                rhs: t.shape().to_vec(),
+            });
+        }
+    }
+    let _device = same_device(OP, &[param, grad, exp_avg, exp_avg_sq])?;
+    #[cfg(feature = "cuda")]
+    if _device.is_cuda() {
+        // The same update on the GPU, in place on the four arrays.
+        return crate::kernels::cuda::adamw([param, exp_avg, exp_avg_sq, grad], config, step);
+    }
+    let update = AdamWUpdate::new(config, step);
+    let all = [param, grad, exp_avg, exp_avg_sq];
+    let all_f32_and_contiguous = all
+        .iter()
+        .all(|t| t.dtype() == DType::F32 && t.is_contiguous());
+    // Four locks at once need four storages; aliased tensors take the copying path.
+    let apart = all
+        .iter()
+        .enumerate()
+        .all(|(i, a)| all[i + 1..].iter().all(|b| !a.shares_storage(b)));
+    if all_f32_and_contiguous && apart {
+        // The common case: one pass over the four arrays in place, no copies. The
+        // arithmetic is the general path's, so both give the same bits.
+        let nested = grad.with_kernel_data::<f32, _>(OP, |g| {
+            param.with_kernel_data_mut::<f32, _>(OP, |p| {
+                exp_avg.with_kernel_data_mut::<f32, _>(OP, |m| {
+                    exp_avg_sq.with_kernel_data_mut::<f32, _>(OP, |v| update.apply_f32(p, m, v, g))
+                })
+            })
+        });
+        nested.and_then(|r| r).and_then(|r| r).and_then(|r| r)??;
+    } else {
+        // Any other dtype or layout: through f64 copies, rounded once into each tensor. All
+        // are read before any is written, so an error leaves every tensor as it was.
+        let mut values = load_f64(param)?;
+        let grads = load_f64(grad)?;
+        let mut first = load_f64(exp_avg)?;
+        let mut second = load_f64(exp_avg_sq)?;
+        for (((p, m), v), &g) in values
+            .iter_mut()
+            .zip(first.iter_mut())
+            .zip(second.iter_mut())
+            .zip(&grads)
+        {
+            *p = update.apply(*p, m, v, g);
+        }
+        write_f64(exp_avg, first)?;
+        write_f64(exp_avg_sq, second)?;
+        write_f64(param, values)?;
+    }
+    Ok(())
 }
 
 /// One AdamW step's arithmetic for every element of a parameter: torch's update rule in f64,

@@ -12,7 +12,7 @@ mod clip;
 mod schedule;
 mod sgd;
 
-pub use adamw::{AdamW, AdamWConfig, AdamWState, AdamWUpdate};
+pub use adamw::{AdamW, AdamWConfig, AdamWState, AdamWTensors, AdamWUpdate, adamw_update};
 pub use clip::{clip_grad_norm, clip_grad_norm_params, sum_of_squares};
 pub use schedule::WarmupCosine;
 pub use sgd::{Sgd, SgdConfig};
