@@ -20,15 +20,18 @@
 //! 5. Runs the benches of [`BENCH_TESTS`]: `cuda_devices --bench`, the reference MLP's training
 //!    step (8 × Linear(1024, 1024) + ReLU, batch 32) timed on the device (f32, bf16) and on the
 //!    CPU, into `target/bench/nn-cuda-mlp.json`.
-//! 6. Runs `bench-nccl` (hypershard-benches, feature `nccl`): the NCCL busbw sweep on one rank
+//! 6. Trains `small` with `hypershard train --device cuda` at the world sizes of
+//!    [`TRAIN_RANKS`], each beside a `--device cpu` run of the same seed, and holds the
+//!    losses to the CPU's ([`TRAIN_LOSS_RTOL`]).
+//! 7. Runs `bench-nccl` (hypershard-benches, feature `nccl`): the NCCL busbw sweep on one rank
 //!    per GPU, interleaved with its torch.distributed peer (`bench_nccl.py`, run by `python3`
 //!    or `$HYPERSHARD_TORCH_PYTHON`), into `target/bench/nccl.json`.
-//! 7. Writes a summary to `target/bench/gpu-check.json`, with the benchmarks' figures in it.
+//! 8. Writes a summary to `target/bench/gpu-check.json`, with the benchmarks' figures in it.
 //!
 //! A lent GPU machine has no Rust toolchain and no network, so step 3 can also run here:
 //! `cargo xtask gpu-check --bundle DIR` builds the binaries and copies them, with this xtask
 //! binary and the torch peer's script, into `DIR`. On the GPU machine,
-//! `DIR/xtask gpu-check --prebuilt DIR` then runs steps 1, 2 and 4 to 7 with those binaries
+//! `DIR/xtask gpu-check --prebuilt DIR` then runs steps 1, 2 and 4 to 8 with those binaries
 //! (see docs/gpu.md).
 //!
 //! Every child gets a deadline, in its own process group (killed whole at the deadline, so
@@ -65,7 +68,24 @@ const DEVICE_TESTS: &[(&str, &str, &str)] = &[
 
 /// The device binaries other than tests: (package, feature, binary). Their features join the
 /// tests' in the one cargo call.
-const DEVICE_BINS: &[(&str, &str, &str)] = &[("hypershard-benches", "nccl", NCCL_BENCH)];
+const DEVICE_BINS: &[(&str, &str, &str)] = &[
+    ("hypershard-benches", "nccl", NCCL_BENCH),
+    ("hypershard", "cuda", TRAIN_BIN),
+];
+
+/// The CLI, built with CUDA, for the training runs of [`TRAIN_RANKS`].
+const TRAIN_BIN: &str = "hypershard";
+
+/// `hypershard train --device cuda` runs at these world sizes (FSDP over all ranks; ranks
+/// beyond the GPU count share a GPU), each beside a `--device cpu` run of the same seed.
+const TRAIN_RANKS: &[usize] = &[1, 2];
+/// Steps of each training run (the `small` preset: seconds on either device).
+const TRAIN_STEPS: u64 = 50;
+/// The most a step's loss on the GPU may differ from the CPU run's, relative: the two sum in
+/// different orders (cuBLAS, the kernels' reductions), and 50 steps of AdamW carry it on.
+const TRAIN_LOSS_RTOL: f64 = 1e-3;
+/// Where the training runs write (one folder per device and world size).
+const TRAIN_OUT: &str = "target/bench/gpu-train";
 
 /// The NCCL busbw sweep (`benches/src/bin/bench-nccl.rs`).
 const NCCL_BENCH: &str = "bench-nccl";
@@ -512,6 +532,96 @@ fn device_binary_names() -> Vec<&'static str> {
         .collect()
 }
 
+/// Trains `small` for [`TRAIN_STEPS`] steps on `ranks` ranks with `--device cuda` and with
+/// `--device cpu` (same seed and data), and compares the losses step by step.
+fn train_against_cpu(
+    hypershard: &Path,
+    ranks: usize,
+    library_path: &std::ffi::OsStr,
+    deadline: &dyn Fn(Duration) -> Duration,
+) -> serde_json::Value {
+    let mut losses = Vec::new();
+    for device in ["cuda", "cpu"] {
+        let out = Path::new(TRAIN_OUT).join(format!("{device}-{ranks}"));
+        // A folder left by an earlier check would make train refuse (or pass stale losses).
+        let _ = std::fs::remove_dir_all(&out);
+        let started = Instant::now();
+        let passed = run_with_deadline(
+            &format!("`hypershard train --device {device}` on {ranks} rank(s)"),
+            Command::new(hypershard)
+                .args(["train", "--model", "small", "--device", device])
+                .args(["--nproc", &ranks.to_string(), "--mesh", &ranks.to_string()])
+                .args(["--steps", &TRAIN_STEPS.to_string(), "--eval-every", "0"])
+                .arg("--out")
+                .arg(&out)
+                .env("LD_LIBRARY_PATH", library_path),
+            deadline(STEP_DEADLINE),
+        )
+        .unwrap_or_else(|e| {
+            eprintln!("{e}");
+            false
+        });
+        let seconds = started.elapsed().as_secs_f64();
+        if !passed {
+            return serde_json::json!({"ok": false, "why": format!("the {device} run failed"), "seconds": seconds});
+        }
+        match read_losses(&out.join("losses.jsonl")) {
+            Ok(read) => losses.push(read),
+            Err(why) => return serde_json::json!({"ok": false, "why": why}),
+        }
+    }
+    compare_losses(&losses[1], &losses[0], TRAIN_LOSS_RTOL)
+}
+
+/// `(step, loss)` of every line of a run's `losses.jsonl`.
+fn read_losses(path: &Path) -> Result<Vec<(u64, f64)>, String> {
+    let text = std::fs::read_to_string(path).map_err(|e| format!("{}: {e}", path.display()))?;
+    text.lines()
+        .filter(|line| !line.trim().is_empty())
+        .map(|line| {
+            let row: serde_json::Value = serde_json::from_str(line)
+                .map_err(|e| format!("{}: not JSON ({e}): {line}", path.display()))?;
+            match (row["step"].as_u64(), row["loss"].as_f64()) {
+                (Some(step), Some(loss)) => Ok((step, loss)),
+                _ => Err(format!("{}: no step and loss in {line}", path.display())),
+            }
+        })
+        .collect()
+}
+
+/// Whether `device`'s losses follow `reference`'s: the same steps, every loss finite and
+/// within `rtol` of the reference's, relative. Returns the verdict with the largest
+/// difference and where it was.
+fn compare_losses(reference: &[(u64, f64)], device: &[(u64, f64)], rtol: f64) -> serde_json::Value {
+    let steps = |losses: &[(u64, f64)]| losses.iter().map(|(s, _)| *s).collect::<Vec<_>>();
+    if reference.is_empty() || steps(reference) != steps(device) {
+        return serde_json::json!({
+            "ok": false,
+            "why": format!("steps differ: {} on the CPU, {} on the device", reference.len(), device.len()),
+        });
+    }
+    let (mut worst, mut at) = (0.0f64, reference[0].0);
+    for (&(step, want), &(_, got)) in reference.iter().zip(device) {
+        let diff = if got.is_finite() {
+            (got - want).abs() / want.abs().max(f64::MIN_POSITIVE)
+        } else {
+            f64::INFINITY
+        };
+        if diff > worst || diff.is_nan() {
+            (worst, at) = (diff, step);
+        }
+    }
+    serde_json::json!({
+        "ok": worst <= rtol,
+        "steps": reference.len(),
+        "max_rel_diff": if worst.is_finite() { serde_json::json!(worst) } else { serde_json::json!("inf") },
+        "at_step": at,
+        "rtol": rtol,
+        "first_loss": [reference[0].1, device[0].1],
+        "last_loss": [reference[reference.len() - 1].1, device[device.len() - 1].1],
+    })
+}
+
 /// Builds the device binaries in one cargo call; returns their executables.
 fn build_device_tests(deadline: Duration) -> Result<(Vec<(String, PathBuf)>, f64), String> {
     let cargo = std::env::var("CARGO").unwrap_or_else(|_| "cargo".to_string());
@@ -643,6 +753,23 @@ pub fn gpu_check(args: &[String]) -> Result<(), String> {
         benches.insert(format!("{}_ok", bench.key), serde_json::Value::Bool(ok));
         benches.insert(bench.key.to_string(), bench_figures(Path::new(bench.json)));
     }
+    // `hypershard train --device cuda` against the CPU run of the same seed.
+    let mut train_ok = true;
+    let mut train = serde_json::Map::new();
+    let hypershard = executables
+        .iter()
+        .find(|(name, _)| name == TRAIN_BIN)
+        .map(|(_, path)| path.clone());
+    for &ranks in TRAIN_RANKS {
+        let result = match &hypershard {
+            Some(executable) => {
+                train_against_cpu(executable, ranks, &library_path, &|own| deadline(own))
+            }
+            None => serde_json::json!({"ok": false, "why": "the CLI was not built"}),
+        };
+        train_ok &= result["ok"] == serde_json::Value::Bool(true);
+        train.insert(format!("world_{ranks}"), result);
+    }
     // The NCCL sweep with its torch peer, in what is left of the budget.
     let _ = std::fs::remove_file(NCCL_JSON);
     let nccl_ok = match executables.iter().find(|(name, _)| name == NCCL_BENCH) {
@@ -687,6 +814,7 @@ pub fn gpu_check(args: &[String]) -> Result<(), String> {
     };
     let all_passed = built
         && bench_ok
+        && train_ok
         && nccl_ok
         && results
             .values()
@@ -700,6 +828,8 @@ pub fn gpu_check(args: &[String]) -> Result<(), String> {
         "build_ok": built,
         "build_seconds": build_seconds,
         "device_tests": results,
+        "train_ok": train_ok,
+        "train": train,
         "nccl_bench_ok": nccl_ok,
         "nccl_bench": nccl_figures(Path::new(NCCL_JSON)),
         "device_tests_passed": all_passed,
@@ -816,6 +946,51 @@ mod tests {
     }
 
     #[test]
+    fn device_losses_are_held_to_the_cpu_run() {
+        let reference = [(0, 5.5), (1, 5.0), (2, 4.0)];
+        let close = [(0, 5.5), (1, 5.0 * (1.0 + 4e-4)), (2, 4.0 * (1.0 - 2e-4))];
+        let verdict = compare_losses(&reference, &close, 1e-3);
+        assert_eq!(verdict["ok"], true, "{verdict}");
+        assert_eq!(verdict["at_step"], 1);
+        assert!((verdict["max_rel_diff"].as_f64().unwrap() - 4e-4).abs() < 1e-12);
+
+        let drifted = [(0, 5.5), (1, 5.0), (2, 4.01)];
+        let verdict = compare_losses(&reference, &drifted, 1e-3);
+        assert_eq!(
+            (verdict["ok"].clone(), verdict["at_step"].clone()),
+            (false.into(), 2.into())
+        );
+
+        let nan = [(0, 5.5), (1, f64::NAN), (2, 4.0)];
+        let verdict = compare_losses(&reference, &nan, 1e-3);
+        assert_eq!(verdict["ok"], false, "{verdict}");
+        assert_eq!(verdict["max_rel_diff"], "inf");
+
+        let short = [(0, 5.5), (1, 5.0)];
+        let verdict = compare_losses(&reference, &short, 1e-3);
+        assert!(
+            verdict["why"].as_str().unwrap().contains("steps differ"),
+            "{verdict}"
+        );
+    }
+
+    #[test]
+    fn losses_are_read_from_the_runs_jsonl() {
+        let root = std::env::temp_dir().join(format!("xtask-gpu-losses-{}", std::process::id()));
+        std::fs::create_dir_all(&root).unwrap();
+        let file = root.join("losses.jsonl");
+        std::fs::write(
+            &file,
+            "{\"step\":0,\"loss\":5.5,\"lr\":0.001,\"tokens\":512}\n{\"step\":1,\"loss\":5.25,\"lr\":0.001,\"tokens\":1024}\n",
+        )
+        .unwrap();
+        assert_eq!(read_losses(&file).unwrap(), [(0, 5.5), (1, 5.25)]);
+        std::fs::write(&file, "{\"step\":0}\n").unwrap();
+        assert!(read_losses(&file).unwrap_err().contains("no step and loss"));
+        std::fs::remove_dir_all(&root).unwrap();
+    }
+
+    #[test]
     fn bench_figures_are_read_or_explained() {
         let root = std::env::temp_dir().join(format!("xtask-gpu-figures-{}", std::process::id()));
         std::fs::create_dir_all(&root).unwrap();
@@ -857,14 +1032,24 @@ mod tests {
             joined.contains("-p hypershard-benches --bin bench-nccl"),
             "{joined}"
         );
+        assert!(
+            joined.contains("-p hypershard --bin hypershard"),
+            "{joined}"
+        );
         let features = &args[args.iter().position(|a| a == "--features").unwrap() + 1];
         assert_eq!(
             features,
-            "hypershard-collectives/nccl,hypershard-tensor/cuda,hypershard-nn/cuda,hypershard-benches/nccl"
+            "hypershard-collectives/nccl,hypershard-tensor/cuda,hypershard-nn/cuda,hypershard-benches/nccl,hypershard/cuda"
         );
         assert_eq!(
             device_binary_names(),
-            ["nccl_gpu", "cuda", "cuda_devices", "bench-nccl"]
+            [
+                "nccl_gpu",
+                "cuda",
+                "cuda_devices",
+                "bench-nccl",
+                "hypershard"
+            ]
         );
     }
 

@@ -163,7 +163,8 @@ pub struct TrainArgs {
     keep_step_buffers: Option<bool>,
     /// Where each rank keeps its model shards, gradients and activations: cpu, emulated (the
     /// test device: host memory behind the device API, what CI runs the device path on), or
-    /// cuda (one GPU per rank on a node, by local rank; needs a build with `--features cuda`).
+    /// cuda (GPU `LOCAL_RANK mod GPUs` on a node, so ranks may share one; needs a build with
+    /// `--features cuda`).
     /// The model is materialised (or, with --eager-init, moved) there and trained under
     /// FSDP/HSDP there; collectives stage through host memory.
     #[arg(long, value_enum, default_value_t = TrainDevice::Cpu)]
