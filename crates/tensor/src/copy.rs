@@ -144,6 +144,15 @@ impl Tensor {
             let (at, from_at) = (self.offset * size, src.offset * size);
             return to.copy_from_device("copy_from", at, from, from_at, self.nbytes());
         }
+        if let (Storage::Device(_), Storage::Device(_)) = (&*guards.dst, &*guards.src)
+            && contiguous_pair
+        {
+            // A cast between devices' contiguous tensors: `to_dtype` (a cast kernel on a GPU)
+            // into a temporary, then the byte copy above, so no host kernel reads device
+            // memory (mixed precision's copy-in and copy-out on a GPU).
+            drop(guards);
+            return self.copy_from(&src.to_dtype(self.dtype)?);
+        }
         let src_host = guards.src.data("copy_from")?;
         let dst_host = guards.dst.data_mut("copy_from")?;
         let src_idx = StridedIndices::new(&self.shape, &src_strides, src.offset);

@@ -162,6 +162,13 @@ fn copies_and_casts_match_on_both_devices() -> Result<()> {
         flat.narrow(0, 6, 4)?.copy_from(&flat.narrow(0, 1, 4)?)?;
         flat.narrow(0, 2, 2)?.zero_()?;
         outs.push(flat);
+        // A contiguous copy with a cast into a slot of a flat buffer (mixed precision's
+        // copy-in): a cast kernel and a byte copy on a device.
+        let slots = Tensor::zeros_on(&[8], DType::BF16, d)?;
+        slots
+            .narrow(0, 2, 5)?
+            .copy_from(&on(d, values.to_dtype(DType::F32)?)?)?;
+        outs.push(slots);
         Ok(outs)
     })?;
     let n = DType::ALL.len();
@@ -178,6 +185,11 @@ fn copies_and_casts_match_on_both_devices() -> Result<()> {
     assert_eq!(
         out[n * n + 6].to_vec::<i64>()?,
         vec![0, 8, 0, 0, 11, 0, 8, 9, 10, 11]
+    );
+    assert_eq!(out[n * n + 7].dtype(), DType::BF16);
+    assert_eq!(
+        out[n * n + 7].to_f64_vec()?,
+        vec![0.0, 0.0, 0.0, 1.0, 2.5, -3.0, 100.0, 0.0]
     );
     Ok(())
 }
