@@ -133,6 +133,49 @@ fn transpose_blocks<F: Float>(x: &[F], seq: usize, d: usize, tile: usize) -> Vec
     out
 }
 
+/// Independent accumulators of the row reductions below: a single running maximum or sum
+/// would chain every element's operation on the previous one, which keeps the loop (and the
+/// `exp` in it) from being vectorised.
+const LANES: usize = 16;
+
+/// The maximum of a non-empty row.
+#[inline(always)]
+fn row_max<F: Float>(row: &[F]) -> F {
+    let mut maxes = [row[0]; LANES];
+    let mut chunks = row.chunks_exact(LANES);
+    for chunk in &mut chunks {
+        for (m, &x) in maxes.iter_mut().zip(chunk) {
+            *m = m.max(x);
+        }
+    }
+    chunks
+        .remainder()
+        .iter()
+        .chain(&maxes)
+        .fold(row[0], |acc, &x| acc.max(x))
+}
+
+/// Replaces every `x` of `row` by `exp(x·scale − shift)` and returns their sum.
+#[inline(always)]
+fn exp_in_place_and_sum<F: Float>(row: &mut [F], scale: F, shift: F) -> F {
+    let mut sums = [F::ZERO; LANES];
+    let mut chunks = row.chunks_exact_mut(LANES);
+    for chunk in &mut chunks {
+        for (sum, x) in sums.iter_mut().zip(chunk) {
+            let e = (*x * scale - shift).exp();
+            *x = e;
+            *sum += e;
+        }
+    }
+    let mut rest = F::ZERO;
+    for x in chunks.into_remainder() {
+        let e = (*x * scale - shift).exp();
+        *x = e;
+        rest += e;
+    }
+    sums.iter().fold(rest, |acc, &s| acc + s)
+}
+
 /// The number of columns of key block `c0 .. c0 + cols` that row `row` sees (`col ≤ row`).
 /// Key blocks start at or left of the query block's first row, so this is at least 1.
 fn visible(row: usize, c0: usize, cols: usize) -> usize {
@@ -193,18 +236,13 @@ fn forward_head<F: Float>(
                 let seen = visible(r0 + i, c0, cols);
                 let row = &mut scores[i * cols..(i + 1) * cols];
                 let (vis, hidden) = row.split_at_mut(seen);
-                let block_max = vis
-                    .iter()
-                    .fold(vis[0] * scale, |acc, &x| acc.max(x * scale));
+                // `scale` > 0, and rounding is monotonic: the maximum of the scaled scores is
+                // the scaled maximum.
+                let block_max = row_max(vis) * scale;
                 let new_max = s.row_max[i].max(block_max);
                 // exp(−∞) = 0 on a row's first block: nothing accumulated yet to rescale.
                 let correction = (s.row_max[i] - new_max).exp();
-                let mut sum = F::ZERO;
-                for x in vis.iter_mut() {
-                    let e = (*x * scale - new_max).exp();
-                    *x = e;
-                    sum += e;
-                }
+                let sum = exp_in_place_and_sum(vis, scale, new_max);
                 hidden.fill(F::ZERO);
                 s.row_sum[i] = s.row_sum[i] * correction + sum;
                 s.row_max[i] = new_max;
