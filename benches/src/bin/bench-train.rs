@@ -422,7 +422,8 @@ struct PriorReport {
     runs: Vec<RunRecord>,
 }
 
-/// Folds an earlier `train.json` into this run's figures (this run's cells win).
+/// Folds an earlier `train.json` into this run's figures: this run's cells, and its runs,
+/// replace the earlier ones of the same preset and mesh.
 fn merge_prior(
     fma_peak: &mut Option<FmaPeak>,
     torch_version: &mut Option<String>,
@@ -441,18 +442,20 @@ fn merge_prior(
         path: path.clone(),
         source: std::io::Error::other(format!("not a train report: {e}")),
     })?;
+    let measured_now =
+        |preset: &str, mesh: &str| cells.iter().any(|c| c.preset == preset && c.mesh == mesh);
+    let mut all_runs: Vec<RunRecord> = prior
+        .runs
+        .into_iter()
+        .filter(|old| !measured_now(&old.preset, &old.mesh))
+        .collect();
     let mut merged: Vec<TrainCell> = prior
         .cells
         .into_iter()
-        .filter(|old| {
-            !cells
-                .iter()
-                .any(|c| c.preset == old.preset && c.mesh == old.mesh)
-        })
+        .filter(|old| !measured_now(&old.preset, &old.mesh))
         .collect();
     merged.append(cells);
     *cells = merged;
-    let mut all_runs = prior.runs;
     all_runs.append(runs);
     *runs = all_runs;
     if let Some(old) = prior.fma_peak
@@ -624,6 +627,18 @@ fn run(args: &Args) -> Result<()> {
         (a, b) => a.or(b),
     };
     let mut fma_peak = fma_peak;
+    // This sitting's failures only: runs kept from an earlier report by --merge were
+    // reported when they ran.
+    let failed: Vec<String> = runs
+        .iter()
+        .filter(|r| r.status != "ok")
+        .map(|r| {
+            format!(
+                "{} {} mesh {} rep {}: {}",
+                r.library, r.preset, r.mesh, r.rep, r.status
+            )
+        })
+        .collect();
     if args.merge {
         merge_prior(&mut fma_peak, &mut torch_version, &mut cells, &mut runs)?;
     }
@@ -663,17 +678,6 @@ fn run(args: &Args) -> Result<()> {
         let history = append_history(report.fma_peak.as_ref(), &report.cells, command.trim_end())?;
         eprintln!("appended to {}", history.display());
     }
-    let failed: Vec<String> = report
-        .runs
-        .iter()
-        .filter(|r| r.status != "ok")
-        .map(|r| {
-            format!(
-                "{} {} mesh {} rep {}: {}",
-                r.library, r.preset, r.mesh, r.rep, r.status
-            )
-        })
-        .collect();
     if failed.is_empty() {
         Ok(())
     } else {

@@ -348,7 +348,6 @@ impl Gpt {
         self.load_tensors(hypershard_tensor::load_safetensors_file(path)?)
     }
 
-    /// The batch and sequence sizes of an id tensor, checked.
     /// The forward on a CUDA device: the embeddings by their kernel, the blocks and `ln_f`
     /// as on any device, the lm_head through cuBLAS.
     ///
@@ -409,6 +408,7 @@ impl Gpt {
         Ok(logits)
     }
 
+    /// The batch and sequence sizes of an id tensor, checked.
     fn input_dims(&self, ids: &Tensor) -> Result<[usize; 2]> {
         match ids.shape() {
             &[batch, seq] if seq <= self.config.block_size => Ok([batch, seq]),
