@@ -21,13 +21,12 @@
 //! backward, and per running task the head's gathered `[T, D]` operands (with block-wise
 //! transposed copies of k and v) and a few `tile × tile` and `tile × D` scratch buffers.
 
-use hypershard_tensor::DType;
 use rayon::prelude::*;
 
 use super::Dims;
 use crate::dropout::DropMask;
 use crate::kernels::vector_isa::vectorized;
-use crate::kernels::{Float, add_assign, small_gemm};
+use crate::kernels::{Float, add_assign};
 use crate::linalg::{GemmShape, MatmulOptions, gemm_into};
 use crate::{Error, Result};
 
@@ -82,27 +81,11 @@ fn mm_nn<F: Float>(a: &[F], b: &[F], (m, k, n): (usize, usize, usize), c: &mut [
     gemm_into(a, b, GemmShape::new(m, k, n, MatmulOptions::default())?, c)
 }
 
-/// `c[m, n] = a[k, m]ᵀ · b[k, n]`: `a` is transposed into `scratch` (at least `m · k` long)
-/// so the packing-free kernel can take the product; the general GEMM reads `a` transposed
-/// in place when it does not.
-fn mm_tn<F: Float>(
-    a: &[F],
-    b: &[F],
-    (m, k, n): (usize, usize, usize),
-    c: &mut [F],
-    scratch: &mut [F],
-) -> Result<()> {
-    // Only f32 has the packing-free kernels; the transpose would be wasted on f64.
-    let small = F::COMPUTE_DTYPE == DType::F32 && m > 0 && small_gemm::available();
-    if let (true, Some(at), true) = (small, scratch.get_mut(..m * k), a.len() == m * k) {
-        for (p, row) in a.chunks_exact(m).enumerate() {
-            for (i, &x) in row.iter().enumerate() {
-                at[i * k + p] = x;
-            }
-        }
-        if small_nn(at, b, (m, k, n), c) {
-            return Ok(());
-        }
+/// `c[m, n] = a[k, m]ᵀ · b[k, n]`: the packing-free kernel reads `a` down its columns where
+/// it takes the product; the general GEMM reads `a` transposed in place otherwise.
+fn mm_tn<F: Float>(a: &[F], b: &[F], (m, k, n): (usize, usize, usize), c: &mut [F]) -> Result<()> {
+    if F::small_gemm_tn(a, b, m, k, n, c) {
+        return Ok(());
     }
     let options = MatmulOptions {
         transpose_a: true,
@@ -371,7 +354,6 @@ struct BackwardScratch<F> {
     mask: Vec<F>,
     grad: Vec<F>,
     tmp: Vec<F>,
-    transposed: Vec<F>,
     dk: Vec<F>,
     dv: Vec<F>,
 }
@@ -420,7 +402,6 @@ fn backward_head<F: Float>(
         mask: vec![F::ZERO; masked_len],
         grad: vec![F::ZERO; tile * tile],
         tmp: vec![F::ZERO; tile * d],
-        transposed: vec![F::ZERO; tile * tile],
         dk: vec![F::ZERO; tile * d],
         dv: vec![F::ZERO; tile * d],
     };
@@ -463,7 +444,7 @@ fn backward_head<F: Float>(
                 probs
             };
             let tmp = &mut s.tmp[..cols * d];
-            mm_tn(dropped, dout_block, (cols, rows, d), tmp, &mut s.transposed)?;
+            mm_tn(dropped, dout_block, (cols, rows, d), tmp)?;
             add_assign(dv_block, tmp);
             let grad = &mut s.grad[..n];
             mm_nn(dout_block, v_t_block, (rows, d, cols), grad)?;
@@ -484,7 +465,7 @@ fn backward_head<F: Float>(
             mm_nn(grad, k_block, (rows, cols, d), tmp)?;
             add_assign(&mut dq[r0 * d..(r0 + rows) * d], tmp);
             let tmp = &mut s.tmp[..cols * d];
-            mm_tn(grad, q_block, (cols, rows, d), tmp, &mut s.transposed)?;
+            mm_tn(grad, q_block, (cols, rows, d), tmp)?;
             add_assign(dk_block, tmp);
         }
         dk[c0 * d..(c0 + cols) * d].copy_from_slice(dk_block);

@@ -90,6 +90,19 @@ pub(crate) trait Float:
         false
     }
 
+    /// `C[m, n] = A[k, m]ᵀ · B[k, n]` by the same kernels, for any `m` (see
+    /// [`small_gemm::gemm_tn`]).
+    fn small_gemm_tn(
+        _a: &[Self],
+        _b: &[Self],
+        _m: usize,
+        _k: usize,
+        _n: usize,
+        _c: &mut [Self],
+    ) -> bool {
+        false
+    }
+
     /// `C = A · B + beta · C` through matrixmultiply's `sgemm` / `dgemm` with `alpha = 1`;
     /// `[row, col]` element strides for `A` and `B`, row stride for `C` (column stride 1).
     /// With `beta = 0` `C` is only written (its old contents may be anything).
@@ -154,6 +167,9 @@ impl Float for f32 {
     }
     fn small_gemm_nn(a: &[Self], b: &[Self], m: usize, k: usize, n: usize, c: &mut [Self]) -> bool {
         small_gemm::gemm_nn(a, b, m, k, n, c)
+    }
+    fn small_gemm_tn(a: &[Self], b: &[Self], m: usize, k: usize, n: usize, c: &mut [Self]) -> bool {
+        small_gemm::gemm_tn(a, b, m, k, n, c)
     }
     unsafe fn gemm_raw(
         m: usize,

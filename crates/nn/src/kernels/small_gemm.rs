@@ -11,7 +11,9 @@
 //! Two shapes, both over row-major, contiguous operands:
 //! - [`gemm_nt`]: `C[m, n] = A[m, k] · B[n, k]ᵀ` (forward: `x · Wᵀ`), dot products along `k`;
 //! - [`gemm_nn`]: `C[m, n] = A[m, k] · B[k, n]` (input gradient: `dy · W`), rows of `B` scaled
-//!   and summed.
+//!   and summed;
+//! - [`gemm_tn`]: `C[m, n] = A[k, m]ᵀ · B[k, n]`, the same kernel reading `A` down its columns
+//!   (each element of `A` is broadcast on its own, so no transposed copy is needed).
 //!
 //! Each entry point returns `false`, doing nothing, when the CPU lacks AVX-512F, the shape is
 //! outside the kernels' range (`m` ≥ [`MAX_ROWS`] or an empty dim) or a slice length does not
@@ -41,7 +43,13 @@ pub(crate) fn available() -> bool {
 
 /// Whether `(m, k, n)` with these slice lengths is a product the kernels take.
 fn fits(m: usize, k: usize, n: usize, a: usize, b: usize, c: usize) -> bool {
-    let sizes_ok = m > 0 && m < MAX_ROWS && k > 0 && n > 0;
+    m < MAX_ROWS && fits_any_rows(m, k, n, a, b, c)
+}
+
+/// [`fits`] without the bound on the rows (the kernels take any number; the bound is where
+/// the packing GEMM starts to pay for a `Linear`).
+fn fits_any_rows(m: usize, k: usize, n: usize, a: usize, b: usize, c: usize) -> bool {
+    let sizes_ok = m > 0 && k > 0 && n > 0;
     sizes_ok
         && m.checked_mul(k) == Some(a)
         && k.checked_mul(n) == Some(b)
@@ -77,13 +85,42 @@ pub(crate) fn gemm_nn(a: &[f32], b: &[f32], m: usize, k: usize, n: usize, c: &mu
     #[cfg(target_arch = "x86_64")]
     {
         // SAFETY: as in `gemm_nt`: AVX-512F is present and the lengths match the shape.
-        unsafe { nn_avx512(a, b, m, k, n, c) };
+        unsafe { nn_avx512(a, AStrides { row: k, col: 1 }, b, (m, k, n), c) };
         true
     }
     #[cfg(not(target_arch = "x86_64"))]
     {
         false
     }
+}
+
+/// `C = Aᵀ · B` for row-major `A[k, m]`, `B[k, n]`, `C[m, n]` (overwritten), for any `m`
+/// (the tiled attention's tiles: its caller knows the sizes). Returns whether it ran (see the
+/// module docs for when it declines).
+pub(crate) fn gemm_tn(a: &[f32], b: &[f32], m: usize, k: usize, n: usize, c: &mut [f32]) -> bool {
+    if !fits_any_rows(m, k, n, a.len(), b.len(), c.len()) {
+        return false;
+    }
+    #[cfg(target_arch = "x86_64")]
+    {
+        // SAFETY: as in `gemm_nt`: AVX-512F is present and the lengths match the shape
+        // (`fits` checked `a.len() == m · k`, which is `k · m`).
+        unsafe { nn_avx512(a, AStrides { row: 1, col: m }, b, (m, k, n), c) };
+        true
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    {
+        false
+    }
+}
+
+/// Where element `(i, p)` of the left operand lies in its slice: at `i · row + p · col`
+/// (`(k, 1)` for a row-major `A[m, k]`, `(1, m)` for `A` given as its transpose `[k, m]`).
+#[cfg(target_arch = "x86_64")]
+#[derive(Clone, Copy)]
+struct AStrides {
+    row: usize,
+    col: usize,
 }
 
 /// The mask of the first `len` (< 16 is the interesting case) lanes.
@@ -233,7 +270,13 @@ const KC: usize = 64;
 /// blocks of 4 rows of `A`; the partial sums of `C` are stored and reloaded between passes.
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx512f")]
-fn nn_avx512(a: &[f32], b: &[f32], m: usize, k: usize, n: usize, c: &mut [f32]) {
+fn nn_avx512(
+    a: &[f32],
+    a_strides: AStrides,
+    b: &[f32],
+    (m, k, n): (usize, usize, usize),
+    c: &mut [f32],
+) {
     let mut j = 0;
     while j < n {
         let width = if n - j >= 64 { 64 } else { (n - j).min(16) };
@@ -250,17 +293,18 @@ fn nn_avx512(a: &[f32], b: &[f32], m: usize, k: usize, n: usize, c: &mut [f32]) 
                     p0,
                     p1,
                 };
+                let a = (a, a_strides);
                 match (rows, width) {
-                    (4, 64) => nn_block::<4, 4>(a, b, k, n, block, c),
-                    (4, _) => nn_block::<4, 1>(a, b, k, n, block, c),
+                    (4, 64) => nn_block::<4, 4>(a, b, n, block, c),
+                    (4, _) => nn_block::<4, 1>(a, b, n, block, c),
                     (_, 64) => {
                         for ii in i..i + rows {
-                            nn_block::<1, 4>(a, b, k, n, NnBlock { i: ii, ..block }, c);
+                            nn_block::<1, 4>(a, b, n, NnBlock { i: ii, ..block }, c);
                         }
                     }
                     _ => {
                         for ii in i..i + rows {
-                            nn_block::<1, 1>(a, b, k, n, NnBlock { i: ii, ..block }, c);
+                            nn_block::<1, 1>(a, b, n, NnBlock { i: ii, ..block }, c);
                         }
                     }
                 }
@@ -289,9 +333,8 @@ struct NnBlock {
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx512f")]
 fn nn_block<const R: usize, const V: usize>(
-    a: &[f32],
+    (a, a_strides): (&[f32], AStrides),
     b: &[f32],
-    k: usize,
     n: usize,
     block: NnBlock,
     c: &mut [f32],
@@ -316,11 +359,17 @@ fn nn_block<const R: usize, const V: usize>(
             }
         }
     }
-    // One bounds check per block: rows `i..i+R` of `A` and rows `p0..p1` of the panel
-    // `[j, j+width)` of `B`, whose last element is at `(p1-1)·n + j + width - 1`.
-    let a_rows = &a[i * k..(i + R) * k];
+    // One bounds check per block: the elements `(i..i+R, p0..p1)` of `A`, the last of which
+    // (the largest offset, as both strides are non-negative) is `(i+R-1, p1-1)`, and rows
+    // `p0..p1` of the panel `[j, j+width)` of `B`, whose last element is at
+    // `(p1-1)·n + j + width - 1`.
+    let AStrides {
+        row: a_row,
+        col: a_col,
+    } = a_strides;
+    let a_block = &a[..=(i + R - 1) * a_row + (p1 - 1) * a_col];
     let b_panel = &b[p0 * n + j..(p1 - 1) * n + j + width];
-    let (ap, bp) = (a_rows.as_ptr(), b_panel.as_ptr());
+    let (ap, bp) = (a_block.as_ptr(), b_panel.as_ptr());
     let full_vectors = width == 16 * V;
     for p in p0..p1 {
         let mut bv = [_mm512_setzero_ps(); V];
@@ -337,8 +386,9 @@ fn nn_block<const R: usize, const V: usize>(
             };
         }
         for (r, row_acc) in acc.iter_mut().enumerate() {
-            // SAFETY: `r < R` and `p < p1 <= k`, so `r * k + p < a_rows.len()`.
-            let av = _mm512_set1_ps(unsafe { *ap.add(r * k + p) });
+            // SAFETY: `r < R` and `p < p1`, so the offset is at most that of `(i+R-1, p1-1)`,
+            // the last element of `a_block`.
+            let av = _mm512_set1_ps(unsafe { *ap.add((i + r) * a_row + p * a_col) });
             for (slot, &bvec) in row_acc.iter_mut().zip(&bv) {
                 *slot = _mm512_fmadd_ps(av, bvec, *slot);
             }
@@ -413,6 +463,7 @@ mod tests {
         // Row counts around the 4-row blocks, inner sizes around the 16-lane vectors, column
         // counts around the 4-column (nt) and 16/64-column (nn) panels.
         let shapes = [
+            (64, 64, 32),
             (1, 1, 1),
             (3, 17, 5),
             (4, 16, 4),
@@ -426,16 +477,35 @@ mod tests {
             let a = values(m * k, 1);
             let b = values(n * k, 2);
             let mut c = vec![f32::NAN; m * n];
+            // 64 rows and more are the packing GEMM's (the transposed product takes them).
+            let takes = available() && m < MAX_ROWS;
             let ran = gemm_nt(&a, &b, m, k, n, &mut c);
-            assert_eq!(ran, available(), "nt {m}x{k}x{n}");
+            assert_eq!(ran, takes, "nt {m}x{k}x{n}");
             if ran {
                 assert_close(&c, &reference(&a, &b, m, k, n, true), k, "nt");
             }
             let mut c = vec![f32::NAN; m * n];
-            let ran = gemm_nn(&a, &b, m, k, n, &mut c);
-            assert_eq!(ran, available(), "nn {m}x{k}x{n}");
-            if ran {
+            let nn_ran = gemm_nn(&a, &b, m, k, n, &mut c);
+            assert_eq!(nn_ran, takes, "nn {m}x{k}x{n}");
+            if nn_ran {
                 assert_close(&c, &reference(&a, &b, m, k, n, false), k, "nn");
+            }
+            // The same A given as its transpose `[k, m]`.
+            let mut a_t = vec![0.0f32; k * m];
+            for i in 0..m {
+                for p in 0..k {
+                    a_t[p * m + i] = a[i * k + p];
+                }
+            }
+            let mut c_t = vec![f32::NAN; m * n];
+            let ran = gemm_tn(&a_t, &b, m, k, n, &mut c_t);
+            assert_eq!(ran, available(), "tn {m}x{k}x{n}");
+            if ran {
+                assert_close(&c_t, &reference(&a, &b, m, k, n, false), k, "tn");
+                // The same products summed in the same order: the same bits as `nn`.
+                if nn_ran {
+                    assert_eq!(c_t, c, "tn vs nn {m}x{k}x{n}");
+                }
             }
         }
     }
@@ -448,6 +518,8 @@ mod tests {
         // 64 rows is the packing GEMM's job.
         assert!(!gemm_nt(&a, &b, 64, 2, 3, &mut c));
         assert!(!gemm_nn(&a, &b, 64, 2, 3, &mut c));
+        // The transposed product takes any number of rows, but not mismatched lengths.
+        assert!(!gemm_tn(&a[..10], &b[..5], 5, 2, 3, &mut c[..15]));
         // Lengths that do not match the shape, and an empty inner dim.
         assert!(!gemm_nt(&a[..10], &b[..5], 5, 2, 3, &mut c[..15]));
         assert!(!gemm_nn(&[], &[], 5, 0, 3, &mut c[..15]));
