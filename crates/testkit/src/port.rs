@@ -34,7 +34,7 @@ fn ephemeral_start() -> u16 {
 /// the process id spreads concurrent test processes apart.
 ///
 /// # Panics
-/// When none of [`ATTEMPTS`] ports could be bound: a test cannot run without one.
+/// When none of the 512 ports it tries can be bound: a test cannot run without one.
 pub fn unused_port() -> u16 {
     let span = ephemeral_start() - FIRST;
     // invariant: a pid modulo a u16 span fits in u16.
