@@ -23,15 +23,17 @@
 //! 6. Trains `small` with `hypershard train --device cuda` at the world sizes of
 //!    [`TRAIN_RANKS`], each beside a `--device cpu` run of the same seed, and holds the
 //!    losses to the CPU's ([`TRAIN_LOSS_RTOL`]).
-//! 7. Runs `bench-nccl` (hypershard-benches, feature `nccl`): the NCCL busbw sweep on one rank
+//! 7. Times the GPT step (`hypershard train --model gpt2`, one rank) against PyTorch's
+//!    (`bench_gpt_cuda.py`) on the same GPU.
+//! 8. Runs `bench-nccl` (hypershard-benches, feature `nccl`): the NCCL busbw sweep on one rank
 //!    per GPU, interleaved with its torch.distributed peer (`bench_nccl.py`, run by `python3`
 //!    or `$HYPERSHARD_TORCH_PYTHON`), into `target/bench/nccl.json`.
-//! 8. Writes a summary to `target/bench/gpu-check.json`, with the benchmarks' figures in it.
+//! 9. Writes a summary to `target/bench/gpu-check.json`, with the benchmarks' figures in it.
 //!
 //! A lent GPU machine has no Rust toolchain and no network, so step 3 can also run here:
 //! `cargo xtask gpu-check --bundle DIR` builds the binaries and copies them, with this xtask
 //! binary and the torch peer's script, into `DIR`. On the GPU machine,
-//! `DIR/xtask gpu-check --prebuilt DIR` then runs steps 1, 2 and 4 to 8 with those binaries
+//! `DIR/xtask gpu-check --prebuilt DIR` then runs steps 1, 2 and 4 to 9 with those binaries
 //! (see docs/gpu.md).
 //!
 //! Every child gets a deadline, in its own process group (killed whole at the deadline, so
@@ -86,6 +88,19 @@ const TRAIN_STEPS: u64 = 50;
 const TRAIN_LOSS_RTOL: f64 = 1e-3;
 /// Where the training runs write (one folder per device and world size).
 const TRAIN_OUT: &str = "target/bench/gpu-train";
+
+/// The GPT step timed against PyTorch on the same GPU, one rank: `hypershard train --model
+/// gpt2` and [`GPT_PEER_SCRIPT`] with these sequences per step and steps, each leaving out
+/// the first fifth of its steps (`hypershard train`'s steady state).
+const GPT_STEP_BATCH: usize = 8;
+const GPT_STEP_STEPS: u64 = 10;
+const GPT_STEP_WARMUP: u64 = 2;
+/// The most our step time may be over PyTorch's (issue target), reported, not enforced.
+const GPT_STEP_TARGET: f64 = 1.3;
+/// PyTorch's side of the GPT step, copied into the bundle beside the NCCL peer.
+const GPT_PEER_SCRIPT: &str = "benches/python/bench_gpt_cuda.py";
+/// Where the GPT step writes (our run's folder, PyTorch's JSON line).
+const GPT_STEP_OUT: &str = "target/bench/gpu-gpt-step";
 
 /// The NCCL busbw sweep (`benches/src/bin/bench-nccl.rs`).
 const NCCL_BENCH: &str = "bench-nccl";
@@ -427,12 +442,14 @@ fn bundle(dir: &Path, executables: &[(String, PathBuf)]) -> Result<(), String> {
     let me = std::env::current_exe().map_err(|e| format!("this executable: {e}"))?;
     std::fs::copy(&me, dir.join("xtask")).map_err(|e| format!("{}: {e}", me.display()))?;
     copied.push(dir.join("xtask"));
-    let script = Path::new(NCCL_PEER_SCRIPT);
-    let script_name = script
-        .file_name()
-        .ok_or("the peer script has no file name")?;
-    std::fs::copy(script, dir.join(script_name))
-        .map_err(|e| format!("{}: {e}", script.display()))?;
+    for script in [NCCL_PEER_SCRIPT, GPT_PEER_SCRIPT] {
+        let script = Path::new(script);
+        let script_name = script
+            .file_name()
+            .ok_or("the peer script has no file name")?;
+        std::fs::copy(script, dir.join(script_name))
+            .map_err(|e| format!("{}: {e}", script.display()))?;
+    }
     for file in &copied {
         match Command::new("strip")
             .arg("--strip-debug")
@@ -571,6 +588,118 @@ fn train_against_cpu(
         }
     }
     compare_losses(&losses[1], &losses[0], TRAIN_LOSS_RTOL)
+}
+
+/// `hypershard train --device cuda --model gpt2` and PyTorch's step on the same GPU, one rank
+/// each, run one after the other; their steady-state tokens per second and the step-time ratio.
+fn gpt_step_against_torch(
+    hypershard: &Path,
+    script: &Path,
+    library_path: &std::ffi::OsStr,
+    deadline: &dyn Fn(Duration) -> Duration,
+) -> serde_json::Value {
+    let out = Path::new(GPT_STEP_OUT);
+    let _ = std::fs::remove_dir_all(out);
+    if let Err(e) = std::fs::create_dir_all(out) {
+        return serde_json::json!({"ok": false, "why": format!("{}: {e}", out.display())});
+    }
+    let ours_dir = out.join("hypershard");
+    let ours_ran = run_with_deadline(
+        "`hypershard train --device cuda --model gpt2` (the GPT step)",
+        Command::new(hypershard)
+            .args([
+                "train", "--model", "gpt2", "--device", "cuda", "--nproc", "1",
+            ])
+            .args(["--mesh", "1", "--eval-every", "0"])
+            .args(["--batch-size", &GPT_STEP_BATCH.to_string()])
+            .args(["--steps", &GPT_STEP_STEPS.to_string()])
+            .arg("--out")
+            .arg(&ours_dir)
+            .env("LD_LIBRARY_PATH", library_path),
+        deadline(STEP_DEADLINE),
+    )
+    .unwrap_or_else(|e| {
+        eprintln!("{e}");
+        false
+    });
+    let ours = if ours_ran {
+        steady_tokens(&ours_dir.join("summary.json"))
+    } else {
+        Err("the hypershard run failed".to_string())
+    };
+    let torch_json = out.join("torch.json");
+    let torch_ran = run_with_deadline(
+        "PyTorch's GPT step (bench_gpt_cuda.py)",
+        Command::new(python())
+            .arg(script)
+            .args(["--preset", "gpt2", "--device", "cuda"])
+            .args(["--batch-size", &GPT_STEP_BATCH.to_string()])
+            .args(["--steps", &GPT_STEP_STEPS.to_string()])
+            .args(["--warmup", &GPT_STEP_WARMUP.to_string()])
+            .arg("--json")
+            .arg(&torch_json)
+            // PyTorch keeps the library path it was started with (its own wheels).
+            .env(
+                "LD_LIBRARY_PATH",
+                std::env::var_os("LD_LIBRARY_PATH").unwrap_or_default(),
+            ),
+        deadline(STEP_DEADLINE),
+    )
+    .unwrap_or_else(|e| {
+        eprintln!("{e}");
+        false
+    });
+    let torch = if torch_ran {
+        std::fs::read_to_string(&torch_json)
+            .map_err(|e| format!("{}: {e}", torch_json.display()))
+            .and_then(|line| {
+                serde_json::from_str::<serde_json::Value>(&line)
+                    .map_err(|e| format!("{}: not JSON ({e})", torch_json.display()))
+            })
+            .and_then(|row| {
+                row["tokens_per_s"]
+                    .as_f64()
+                    .ok_or_else(|| format!("{}: no tokens_per_s", torch_json.display()))
+            })
+    } else {
+        Err("the PyTorch run failed".to_string())
+    };
+    gpt_step_verdict(ours, torch)
+}
+
+/// The steady-state tokens per second of a `hypershard train` run's `summary.json`.
+fn steady_tokens(path: &Path) -> Result<f64, String> {
+    let text = std::fs::read_to_string(path).map_err(|e| format!("{}: {e}", path.display()))?;
+    let summary: serde_json::Value =
+        serde_json::from_str(&text).map_err(|e| format!("{}: not JSON ({e})", path.display()))?;
+    summary["steady_tokens_per_second"]
+        .as_f64()
+        .ok_or_else(|| format!("{}: no steady_tokens_per_second", path.display()))
+}
+
+/// Both sides' tokens per second, our step time over PyTorch's (the target is at most
+/// [`GPT_STEP_TARGET`]), or why a side has no figure.
+fn gpt_step_verdict(ours: Result<f64, String>, torch: Result<f64, String>) -> serde_json::Value {
+    match (ours, torch) {
+        (Ok(ours), Ok(torch)) if ours > 0.0 && torch > 0.0 => {
+            let step_time_ratio = torch / ours;
+            serde_json::json!({
+                "ok": true,
+                "hypershard_tokens_per_s": ours,
+                "torch_tokens_per_s": torch,
+                "step_time_over_torch": step_time_ratio,
+                "target": GPT_STEP_TARGET,
+                "target_met": step_time_ratio <= GPT_STEP_TARGET,
+                "batch_size": GPT_STEP_BATCH,
+                "steps": GPT_STEP_STEPS,
+            })
+        }
+        (ours, torch) => serde_json::json!({
+            "ok": false,
+            "hypershard": ours.map_or_else(serde_json::Value::from, serde_json::Value::from),
+            "torch": torch.map_or_else(serde_json::Value::from, serde_json::Value::from),
+        }),
+    }
 }
 
 /// `(step, loss)` of every line of a run's `losses.jsonl`.
@@ -770,6 +899,18 @@ pub fn gpu_check(args: &[String]) -> Result<(), String> {
         train_ok &= result["ok"] == serde_json::Value::Bool(true);
         train.insert(format!("world_{ranks}"), result);
     }
+    // The GPT step against PyTorch's on the same GPU.
+    let gpt_step = match &hypershard {
+        Some(executable) => {
+            let script = match &mode {
+                Mode::Prebuilt(dir) => dir.join("bench_gpt_cuda.py"),
+                _ => PathBuf::from(GPT_PEER_SCRIPT),
+            };
+            gpt_step_against_torch(executable, &script, &library_path, &|own| deadline(own))
+        }
+        None => serde_json::json!({"ok": false, "why": "the CLI was not built"}),
+    };
+    let gpt_step_ok = gpt_step["ok"] == serde_json::Value::Bool(true);
     // The NCCL sweep with its torch peer, in what is left of the budget.
     let _ = std::fs::remove_file(NCCL_JSON);
     let nccl_ok = match executables.iter().find(|(name, _)| name == NCCL_BENCH) {
@@ -815,6 +956,7 @@ pub fn gpu_check(args: &[String]) -> Result<(), String> {
     let all_passed = built
         && bench_ok
         && train_ok
+        && gpt_step_ok
         && nccl_ok
         && results
             .values()
@@ -830,6 +972,8 @@ pub fn gpu_check(args: &[String]) -> Result<(), String> {
         "device_tests": results,
         "train_ok": train_ok,
         "train": train,
+        "gpt_step_ok": gpt_step_ok,
+        "gpt_step": gpt_step,
         "nccl_bench_ok": nccl_ok,
         "nccl_bench": nccl_figures(Path::new(NCCL_JSON)),
         "device_tests_passed": all_passed,
@@ -972,6 +1116,34 @@ mod tests {
             verdict["why"].as_str().unwrap().contains("steps differ"),
             "{verdict}"
         );
+    }
+
+    #[test]
+    fn the_gpt_step_is_a_ratio_of_two_measured_sides() {
+        let verdict = gpt_step_verdict(Ok(100.0), Ok(120.0));
+        assert_eq!(verdict["ok"], true);
+        assert!((verdict["step_time_over_torch"].as_f64().unwrap() - 1.2).abs() < 1e-12);
+        assert_eq!(verdict["target_met"], true);
+        let verdict = gpt_step_verdict(Ok(100.0), Ok(140.0));
+        assert_eq!(verdict["target_met"], false);
+        let verdict = gpt_step_verdict(Err("the hypershard run failed".into()), Ok(140.0));
+        assert_eq!(verdict["ok"], false);
+        assert_eq!(verdict["hypershard"], "the hypershard run failed");
+        assert_eq!(verdict["torch"], 140.0);
+        assert_eq!(gpt_step_verdict(Ok(0.0), Ok(1.0))["ok"], false);
+
+        let root = std::env::temp_dir().join(format!("xtask-gpu-summary-{}", std::process::id()));
+        std::fs::create_dir_all(&root).unwrap();
+        let file = root.join("summary.json");
+        std::fs::write(&file, r#"{"steps":10,"steady_tokens_per_second":81234.5}"#).unwrap();
+        assert_eq!(steady_tokens(&file).unwrap(), 81234.5);
+        std::fs::write(&file, r#"{"steps":10}"#).unwrap();
+        assert!(
+            steady_tokens(&file)
+                .unwrap_err()
+                .contains("steady_tokens_per_second")
+        );
+        std::fs::remove_dir_all(&root).unwrap();
     }
 
     #[test]
