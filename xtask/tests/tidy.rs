@@ -102,6 +102,10 @@ const STATICS: &[(&str, &str)] = &[
         "unit ids unique across the process",
     ),
     (
+        "crates/testkit/src/port.rs",
+        "the test ports handed out in this process, so tests running in parallel get distinct ones",
+    ),
+    (
         "crates/nn/src/kernels/recycle.rs",
         "a bounded free list of kernel output storage",
     ),

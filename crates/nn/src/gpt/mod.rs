@@ -1,6 +1,10 @@
 //! nanoGPT's `GPT`: token and position embeddings, pre-LN blocks, a final LayerNorm and an
 //! lm_head tied to the token embedding.
 
+#[cfg(feature = "cuda")]
+mod cuda;
+mod embeddings;
+
 use std::collections::BTreeMap;
 use std::path::Path;
 
@@ -8,13 +12,13 @@ use hypershard_tensor::{DType, RandomInit, Tensor};
 
 use crate::checkpoint::{load_state_dict, save_safetensors};
 use crate::elementwise::check_float;
-use crate::embedding::{Embedding, gather_rows};
+use crate::embedding::Embedding;
 use crate::fused_loss::{
     FusedHead, HeadGradTargets, LossTargets, WeightGradTarget, fused_head, weight_grad_into,
 };
 use crate::kernels::{
-    Float, add_assign, load, load_f64, overwrite_target, same_device, store, with_float,
-    with_values, with_values2,
+    Float, load, load_f64, overwrite_target, same_device, store, with_float, with_values,
+    with_values2,
 };
 use crate::linalg::{GemmShape, MatmulOptions, gemm};
 use crate::loss::TargetClasses;
@@ -23,6 +27,7 @@ use crate::{
     Block, BlockConfig, Dropout, Error, LayerNorm, LayerNormConfig, Module, ModuleList, Parameter,
     Result, qualify_parameter_names,
 };
+use embeddings::{add_token_rows, embed, position_grad};
 
 /// The shape of a [`Gpt`] (nanoGPT's `GPTConfig`) plus the dtype and the seed.
 #[derive(Debug, Clone, Copy, PartialEq)]
@@ -348,66 +353,6 @@ impl Gpt {
         self.load_tensors(hypershard_tensor::load_safetensors_file(path)?)
     }
 
-    /// The forward on a CUDA device: the embeddings by their kernel, the blocks and `ln_f`
-    /// as on any device, the lm_head through cuBLAS.
-    ///
-    /// With the fused loss (see [`Gpt::fused_loss`]) there is no tiled head kernel: the
-    /// logits are formed whole, the cross-entropy kernel turns them into the mean loss and its
-    /// gradient, and when a backward follows the head's two backward GEMMs run at once, so the
-    /// logits and their gradient are freed before the blocks' backward. The peak holds
-    /// `[B·T, V]` twice for that moment, which a GPU's memory affords where a host rank's
-    /// budget does not.
-    #[cfg(feature = "cuda")]
-    fn forward_cuda(&mut self, input: &Tensor, dims: [usize; 4]) -> Result<Tensor> {
-        use crate::kernels::cuda;
-        const OP: &str = "Gpt::forward";
-        let [batch, seq, _, v] = dims;
-        let device = input.device();
-        let tokens = cuda::token_index(OP, &device, input, v)?;
-        let x = cuda::gpt_embed(self.wte.data()?, self.wpe.data()?, &tokens)?;
-        let mut x = self.drop.forward(&x)?;
-        for block in self.h.iter_mut() {
-            x = block.forward(&x)?;
-        }
-        let final_hidden = self.ln_f.forward(&x)?.contiguous()?;
-        let logits = cuda::gpt_head(&final_hidden, self.wte.data()?, dims)?;
-        if let Some(fused) = &self.fused {
-            let pending = fused.targets.take("GPT")?;
-            same_device(OP, &[&final_hidden, &pending.targets])?;
-            let rows = logits.reshape(&[batch * seq, v])?;
-            let targets = pending.targets.reshape(&[batch * seq])?;
-            let (loss, grad_logits) = cuda::cross_entropy(OP, &rows, &targets, fused.ignore_index)?;
-            drop((logits, rows));
-            self.cache = if pending.backward {
-                let (head_grad, hidden_grad) =
-                    cuda::gpt_head_backward(&grad_logits, &final_hidden, self.wte.data()?, dims)?;
-                Some(GptCache {
-                    rows: Vec::new(),
-                    batch,
-                    seq,
-                    head: HeadCache::CudaLoss {
-                        hidden_grad,
-                        head_grad,
-                        tokens,
-                    },
-                })
-            } else {
-                None
-            };
-            return Ok(Tensor::from_vec_on(vec![loss], &[1], &device)?);
-        }
-        self.cache = Some(GptCache {
-            rows: Vec::new(),
-            batch,
-            seq,
-            head: HeadCache::Cuda {
-                final_hidden,
-                tokens,
-            },
-        });
-        Ok(logits)
-    }
-
     /// The batch and sequence sizes of an id tensor, checked.
     fn input_dims(&self, ids: &Tensor) -> Result<[usize; 2]> {
         match ids.shape() {
@@ -477,70 +422,6 @@ fn head_backward(
             store(dh, &[batch, seq, c], dtype, &device)?,
         )
     }))
-}
-
-/// `wte[ids] + wpe[t]` for every position, `[B·T, C]`.
-fn embed<F: Float>(wte: &[F], wpe: &[F], rows: &[usize], seq: usize, c: usize) -> Vec<F> {
-    let mut x = gather_rows(wte, rows, c);
-    if c == 0 || seq == 0 {
-        return x;
-    }
-    for (position, x_row) in x.chunks_exact_mut(c).enumerate() {
-        let t = position % seq;
-        add_assign(x_row, &wpe[t * c..(t + 1) * c]);
-    }
-    x
-}
-
-/// Adds the token embedding's gradient into the head's, `head` `[V, C]`: row `r` becomes
-/// `(Σ g[t] over the tokens t of row r, in token order) + head[r]`, the sum starting from zero.
-/// That is bit for bit what scattering `g` into `[V, C]` zeros and adding `head` after gives
-/// (each element is one `a + b` of the same two values, and IEEE addition commutes), without
-/// the zeros: only the rows the tokens touch get a buffer. Rows no token touches get
-/// `0 + head[r]`, as there (it turns a `-0.0` into `+0.0`).
-fn add_token_rows<F: Float>(head: &mut [F], g: &[F], rows: &[usize], c: usize) {
-    if c == 0 {
-        return;
-    }
-    const UNTOUCHED: usize = usize::MAX;
-    let mut slot_of = vec![UNTOUCHED; head.len() / c];
-    let mut sums: Vec<F> = Vec::new();
-    for (&row, g_row) in rows.iter().zip(g.chunks_exact(c)) {
-        // `Embedding::rows` checked every id against the vocabulary.
-        let Some(slot) = slot_of.get_mut(row) else {
-            continue;
-        };
-        if *slot == UNTOUCHED {
-            *slot = sums.len() / c;
-            sums.resize(sums.len() + c, F::ZERO);
-        }
-        let start = *slot * c;
-        add_assign(&mut sums[start..start + c], g_row);
-    }
-    for (head_row, &slot) in head.chunks_exact_mut(c).zip(&slot_of) {
-        if slot == UNTOUCHED {
-            for h in head_row {
-                *h = F::ZERO + *h;
-            }
-        } else {
-            for (h, &sum) in head_row.iter_mut().zip(&sums[slot * c..(slot + 1) * c]) {
-                *h = sum + *h;
-            }
-        }
-    }
-}
-
-/// `dwpe[t] = Σ_b g[b, t]` for a `[block_size, C]` position table.
-fn position_grad<F: Float>(g: &[F], seq: usize, block_size: usize, c: usize) -> Vec<F> {
-    let mut grad = vec![F::ZERO; block_size * c];
-    if c == 0 || seq == 0 {
-        return grad;
-    }
-    for (position, g_row) in g.chunks_exact(c).enumerate() {
-        let t = position % seq;
-        add_assign(&mut grad[t * c..(t + 1) * c], g_row);
-    }
-    grad
 }
 
 /// The gradient of the fused loss given to [`Gpt`]'s backward (the loss scale): one value, on
