@@ -396,46 +396,35 @@ fn adamw_update_on_tensors_is_adamws_step() {
     opt.step_param("p", &mut p).unwrap();
     let want: Vec<f32> = p.data().unwrap().to_vec().unwrap();
 
-    let param = Tensor::from_vec(init.to_vec(), &[4]).unwrap();
     let grad = Tensor::from_vec(grads.to_vec(), &[4]).unwrap();
+    // One update from `init` with the moments `m` and `v`: the parameter after it.
+    let update = |m: &Tensor, v: &Tensor, step| {
+        let param = Tensor::from_vec(init.to_vec(), &[4]).unwrap();
+        let tensors = AdamWTensors {
+            param: &param,
+            grad: &grad,
+            exp_avg: m,
+            exp_avg_sq: v,
+        };
+        adamw_update(tensors, &config, step).map(|()| param.to_vec::<f32>().unwrap())
+    };
     let (m, v) = (
         Tensor::zeros(&[4], DType::F32).unwrap(),
         Tensor::zeros(&[4], DType::F32).unwrap(),
     );
-    let tensors = AdamWTensors {
-        param: &param,
-        grad: &grad,
-        exp_avg: &m,
-        exp_avg_sq: &v,
-    };
-    adamw_update(tensors, &config, 1).unwrap();
-    assert_eq!(param.to_vec::<f32>().unwrap(), want);
+    assert_eq!(update(&m, &v, 1).unwrap(), want);
     assert_eq!(
         m.to_vec::<f32>().unwrap(),
         opt.state("p").unwrap().exp_avg.to_vec::<f32>().unwrap()
     );
 
     // Both moments as halves of one buffer: they share a storage, so the update copies.
-    let param = Tensor::from_vec(init.to_vec(), &[4]).unwrap();
     let both = Tensor::zeros(&[8], DType::F32).unwrap();
     let (m, v) = (both.narrow(0, 0, 4).unwrap(), both.narrow(0, 4, 4).unwrap());
-    let tensors = AdamWTensors {
-        param: &param,
-        grad: &grad,
-        exp_avg: &m,
-        exp_avg_sq: &v,
-    };
-    adamw_update(tensors, &config, 1).unwrap();
-    assert_eq!(param.to_vec::<f32>().unwrap(), want);
+    assert_eq!(update(&m, &v, 1).unwrap(), want);
 
     let short = Tensor::zeros(&[3], DType::F32).unwrap();
-    let tensors = AdamWTensors {
-        param: &param,
-        grad: &grad,
-        exp_avg: &short,
-        exp_avg_sq: &v,
-    };
-    match adamw_update(tensors, &config, 2) {
+    match update(&short, &v, 2) {
         Err(Error::ShapeMismatch { op, lhs, rhs }) => {
             assert_eq!((op, lhs, rhs), ("adamw_update", vec![4], vec![3]));
         }

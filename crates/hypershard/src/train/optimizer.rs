@@ -173,10 +173,10 @@ mod tests {
     use hypershard_nn::optim::{AdamW, AdamWConfig};
     use hypershard_nn::{Linear, LinearConfig};
 
-    #[test]
-    fn matches_nn_adamw_with_decay_on_matrices_only() {
-        let config = OptimConfig {
-            lr: 0.1,
+    /// AdamW at a constant `lr`, β = (0.9, 0.95), weight decay 0.1, no clipping.
+    fn constant_lr(lr: f64) -> OptimConfig {
+        OptimConfig {
+            lr,
             min_lr: 0.0,
             warmup_steps: 0,
             schedule: LrSchedule::Constant,
@@ -186,7 +186,12 @@ mod tests {
             eps: 1e-8,
             weight_decay: 0.1,
             grad_clip: 0.0,
-        };
+        }
+    }
+
+    #[test]
+    fn matches_nn_adamw_with_decay_on_matrices_only() {
+        let config = constant_lr(0.1);
         let linear = |seed| {
             Linear::new(LinearConfig {
                 in_features: 3,
@@ -248,18 +253,7 @@ mod tests {
     /// bits (the emulated device runs the host kernels behind the device API).
     #[test]
     fn moments_live_on_the_shards_device_and_match_the_host_run() {
-        let config = OptimConfig {
-            lr: 0.05,
-            min_lr: 0.0,
-            warmup_steps: 0,
-            schedule: LrSchedule::Constant,
-            decay_steps: None,
-            beta1: 0.9,
-            beta2: 0.95,
-            eps: 1e-8,
-            weight_decay: 0.1,
-            grad_clip: 0.0,
-        };
+        let config = constant_lr(0.05);
         let device = Device::Emulated { ordinal: 0 };
         let run = |device: Option<&Device>| {
             let mut model = Linear::new(LinearConfig {
