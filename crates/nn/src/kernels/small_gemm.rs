@@ -8,7 +8,7 @@
 //! where they lie, keep a block of 4 × 4 (or 4 × 64) results in AVX-512 registers and touch
 //! every weight element once per block of 4 rows.
 //!
-//! Two shapes, both over row-major, contiguous operands:
+//! Three shapes, all over row-major, contiguous operands:
 //! - [`gemm_nt`]: `C[m, n] = A[m, k] · B[n, k]ᵀ` (forward: `x · Wᵀ`), dot products along `k`;
 //! - [`gemm_nn`]: `C[m, n] = A[m, k] · B[k, n]` (input gradient: `dy · W`), rows of `B` scaled
 //!   and summed;
@@ -16,8 +16,8 @@
 //!   (each element of `A` is broadcast on its own, so no transposed copy is needed).
 //!
 //! Each entry point returns `false`, doing nothing, when the CPU lacks AVX-512F, the shape is
-//! outside the kernels' range (`m` ≥ [`MAX_ROWS`] or an empty dim) or a slice length does not
-//! match the shape; the caller then uses the general GEMM.
+//! outside the kernels' range (an empty dim, or for `nt` and `nn` `m` ≥ [`MAX_ROWS`]) or a
+//! slice length does not match the shape; the caller then uses the general GEMM.
 
 #[cfg(target_arch = "x86_64")]
 use std::arch::x86_64::{
@@ -104,7 +104,7 @@ pub(crate) fn gemm_tn(a: &[f32], b: &[f32], m: usize, k: usize, n: usize, c: &mu
     #[cfg(target_arch = "x86_64")]
     {
         // SAFETY: as in `gemm_nt`: AVX-512F is present and the lengths match the shape
-        // (`fits` checked `a.len() == m · k`, which is `k · m`).
+        // (`fits_any_rows` checked `a.len() == m · k`, which is `k · m`).
         unsafe { nn_avx512(a, AStrides { row: 1, col: m }, b, (m, k, n), c) };
         true
     }
