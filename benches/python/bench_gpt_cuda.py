@@ -1,6 +1,6 @@
 """PyTorch's side of `cargo xtask gpu-check`'s GPT step: the model `hypershard train --model
-gpt2` trains (nanoGPT's shapes: tied token embedding and head, biases, exact GELU, causal
-attention), trained with AdamW on random tokens, one device per rank. One rank trains plainly;
+gpt2` trains (nanoGPT's GPT from `compare_nanogpt.py`: tied token embedding and head, biases,
+exact GELU, causal attention), trained with AdamW on random tokens, one device per rank. One rank trains plainly;
 several run FSDP2 (`fully_shard` on every block, then on the root) over NCCL, or gloo on the
 CPU.
 
@@ -14,13 +14,18 @@ step, with the device synchronised at each step's end. Rank 0 prints one JSON li
 """
 import argparse
 import json
-import math
 import os
+import sys
 import time
+from pathlib import Path
 
 import torch
-import torch.nn.functional as F
-from torch import nn
+
+# nanoGPT's GPT as `compare_nanogpt.py` builds it: beside this file in a gpu-check bundle,
+# under crates/hypershard/scripts in the repository.
+HERE = Path(__file__).resolve().parent
+sys.path[:0] = [str(HERE), str(HERE / ".." / ".." / "crates" / "hypershard" / "scripts")]
+from compare_nanogpt import GPT  # noqa: E402
 
 # (block_size, n_layer, n_head, n_embd, vocab_size): `hypershard train --model` presets.
 SHAPES = {
@@ -28,62 +33,6 @@ SHAPES = {
     "medium": (128, 6, 6, 192, 256),
     "gpt2": (1024, 12, 12, 768, 50304),
 }
-
-
-class SelfAttention(nn.Module):
-    def __init__(self, width, heads):
-        super().__init__()
-        self.heads = heads
-        self.c_attn = nn.Linear(width, 3 * width)
-        self.c_proj = nn.Linear(width, width)
-
-    def forward(self, x):
-        batch, seq, width = x.shape
-        split = self.c_attn(x).view(batch, seq, 3, self.heads, width // self.heads)
-        q, k, v = split.permute(2, 0, 3, 1, 4).unbind(0)
-        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-        return self.c_proj(y.transpose(1, 2).reshape(batch, seq, width))
-
-
-class TransformerBlock(nn.Module):
-    def __init__(self, width, heads):
-        super().__init__()
-        self.ln_1 = nn.LayerNorm(width)
-        self.attn = SelfAttention(width, heads)
-        self.ln_2 = nn.LayerNorm(width)
-        self.fc = nn.Linear(width, 4 * width)
-        self.proj = nn.Linear(4 * width, width)
-
-    def forward(self, x):
-        x = x + self.attn(self.ln_1(x))
-        return x + self.proj(F.gelu(self.fc(self.ln_2(x))))
-
-
-class Gpt(nn.Module):
-    def __init__(self, block_size, layers, heads, width, vocab):
-        super().__init__()
-        self.tokens = nn.Embedding(vocab, width)
-        self.positions = nn.Embedding(block_size, width)
-        self.blocks = nn.ModuleList(TransformerBlock(width, heads) for _ in range(layers))
-        self.ln_f = nn.LayerNorm(width)
-        # nanoGPT's init: N(0, 0.02), the residual projections scaled by 1/sqrt(2 L).
-        for name, p in self.named_parameters():
-            if p.dim() >= 2:
-                # `attn.c_proj` and the MLP's `proj` write into the residual stream.
-                std = 0.02 / math.sqrt(2 * layers) if name.endswith("proj.weight") else 0.02
-                nn.init.normal_(p, 0.0, std)
-            elif name.endswith("bias"):
-                nn.init.zeros_(p)
-
-    def forward(self, ids, targets):
-        seq = ids.shape[1]
-        where = torch.arange(seq, device=ids.device)
-        x = self.tokens(ids) + self.positions(where)
-        for block in self.blocks:
-            x = block(x)
-        # The head is the token embedding (tied, as in nanoGPT).
-        logits = self.ln_f(x) @ self.tokens.weight.t()
-        return F.cross_entropy(logits.flatten(0, 1), targets.flatten())
 
 
 def synchronise(device):
@@ -123,9 +72,9 @@ def main():
 
     block_size, layers, heads, width, vocab = SHAPES[args.preset]
     torch.manual_seed(1337)
-    model = Gpt(block_size, layers, heads, width, vocab).to(device)
+    model = GPT(vocab, block_size, layers, heads, width).to(device)
     if world > 1:
-        for block in model.blocks:
+        for block in model.transformer.h:
             fully_shard(block, mesh=mesh)
         fully_shard(model, mesh=mesh)
     optimizer = torch.optim.AdamW(model.parameters(), lr=6e-4, betas=(0.9, 0.99),
@@ -140,7 +89,7 @@ def main():
         window = window.to(device)
         synchronise(device)
         started = time.perf_counter()
-        loss = model(window[:, :-1], window[:, 1:])
+        loss = model(window[:, :-1].contiguous(), window[:, 1:].contiguous())
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         optimizer.step()

@@ -99,6 +99,8 @@ const GPT_STEP_WARMUP: u64 = 2;
 const GPT_STEP_TARGET: f64 = 1.3;
 /// PyTorch's side of the GPT step, copied into the bundle beside the NCCL peer.
 const GPT_PEER_SCRIPT: &str = "benches/python/bench_gpt_cuda.py";
+/// The nanoGPT model [`GPT_PEER_SCRIPT`] imports (bundled beside it).
+const GPT_MODEL_SCRIPT: &str = "crates/hypershard/scripts/compare_nanogpt.py";
 /// Where the GPT step writes (our run's folder, PyTorch's JSON line).
 const GPT_STEP_OUT: &str = "target/bench/gpu-gpt-step";
 
@@ -212,6 +214,15 @@ fn run_with_deadline(
             Err(e) => return Err(format!("{name}: {e}")),
         }
     }
+}
+
+/// [`run_with_deadline`], with a failure to start or a kill at the deadline printed and counted
+/// as not passed.
+fn passed(name: &str, command: &mut Command, deadline: Duration) -> bool {
+    run_with_deadline(name, command, deadline).unwrap_or_else(|e| {
+        eprintln!("{e}");
+        false
+    })
 }
 
 /// Runs `command` with its standard output captured (its diagnostics go to our standard error)
@@ -442,7 +453,7 @@ fn bundle(dir: &Path, executables: &[(String, PathBuf)]) -> Result<(), String> {
     let me = std::env::current_exe().map_err(|e| format!("this executable: {e}"))?;
     std::fs::copy(&me, dir.join("xtask")).map_err(|e| format!("{}: {e}", me.display()))?;
     copied.push(dir.join("xtask"));
-    for script in [NCCL_PEER_SCRIPT, GPT_PEER_SCRIPT] {
+    for script in [NCCL_PEER_SCRIPT, GPT_PEER_SCRIPT, GPT_MODEL_SCRIPT] {
         let script = Path::new(script);
         let script_name = script
             .file_name()
@@ -563,7 +574,7 @@ fn train_against_cpu(
         // A folder left by an earlier check would make train refuse (or pass stale losses).
         let _ = std::fs::remove_dir_all(&out);
         let started = Instant::now();
-        let passed = run_with_deadline(
+        let ran = passed(
             &format!("`hypershard train --device {device}` on {ranks} rank(s)"),
             Command::new(hypershard)
                 .args(["train", "--model", "small", "--device", device])
@@ -573,13 +584,9 @@ fn train_against_cpu(
                 .arg(&out)
                 .env("LD_LIBRARY_PATH", library_path),
             deadline(STEP_DEADLINE),
-        )
-        .unwrap_or_else(|e| {
-            eprintln!("{e}");
-            false
-        });
+        );
         let seconds = started.elapsed().as_secs_f64();
-        if !passed {
+        if !ran {
             return serde_json::json!({"ok": false, "why": format!("the {device} run failed"), "seconds": seconds});
         }
         match read_losses(&out.join("losses.jsonl")) {
@@ -604,7 +611,7 @@ fn gpt_step_against_torch(
         return serde_json::json!({"ok": false, "why": format!("{}: {e}", out.display())});
     }
     let ours_dir = out.join("hypershard");
-    let ours_ran = run_with_deadline(
+    let ours_ran = passed(
         "`hypershard train --device cuda --model gpt2` (the GPT step)",
         Command::new(hypershard)
             .args([
@@ -617,18 +624,14 @@ fn gpt_step_against_torch(
             .arg(&ours_dir)
             .env("LD_LIBRARY_PATH", library_path),
         deadline(STEP_DEADLINE),
-    )
-    .unwrap_or_else(|e| {
-        eprintln!("{e}");
-        false
-    });
+    );
     let ours = if ours_ran {
         steady_tokens(&ours_dir.join("summary.json"))
     } else {
         Err("the hypershard run failed".to_string())
     };
     let torch_json = out.join("torch.json");
-    let torch_ran = run_with_deadline(
+    let torch_ran = passed(
         "PyTorch's GPT step (bench_gpt_cuda.py)",
         Command::new(python())
             .arg(script)
@@ -644,11 +647,7 @@ fn gpt_step_against_torch(
                 std::env::var_os("LD_LIBRARY_PATH").unwrap_or_default(),
             ),
         deadline(STEP_DEADLINE),
-    )
-    .unwrap_or_else(|e| {
-        eprintln!("{e}");
-        false
-    });
+    );
     let torch = if torch_ran {
         std::fs::read_to_string(&torch_json)
             .map_err(|e| format!("{}: {e}", torch_json.display()))
@@ -820,15 +819,11 @@ pub fn gpu_check(args: &[String]) -> Result<(), String> {
     let budget_started = Instant::now();
     let deadline = |own: Duration| own.min(left(budget_started, TOTAL_BUDGET));
 
-    let smi = run_with_deadline(
+    let smi = passed(
         "nvidia-smi",
         &mut Command::new("nvidia-smi"),
         deadline(STEP_DEADLINE),
-    )
-    .unwrap_or_else(|e| {
-        eprintln!("{e}");
-        false
-    });
+    );
     let (library_dirs, libraries) = prepare_libraries()?;
     for dir in &library_dirs {
         eprintln!("library folder: {}", dir.display());
@@ -845,18 +840,14 @@ pub fn gpu_check(args: &[String]) -> Result<(), String> {
         .iter()
         .filter(|(name, _)| DEVICE_TESTS.iter().any(|(_, _, test)| test == name));
     for (name, executable) in tests {
-        let passed = run_with_deadline(
+        let ran = passed(
             &format!("device tests `{name}` (HYPERSHARD_TEST_GPU=1)"),
             Command::new(executable)
                 .env("HYPERSHARD_TEST_GPU", "1")
                 .env("LD_LIBRARY_PATH", &library_path),
             deadline(STEP_DEADLINE),
-        )
-        .unwrap_or_else(|e| {
-            eprintln!("{e}");
-            false
-        });
-        results.insert(name.clone(), serde_json::Value::Bool(passed));
+        );
+        results.insert(name.clone(), serde_json::Value::Bool(ran));
     }
     // The benches' steps on the device and on the CPU; a stale file from an earlier run must
     // not pass for this one's figures.
@@ -865,17 +856,13 @@ pub fn gpu_check(args: &[String]) -> Result<(), String> {
     for bench in BENCH_TESTS {
         let _ = std::fs::remove_file(bench.json);
         let ok = match executables.iter().find(|(name, _)| name == bench.test) {
-            Some((_, executable)) => run_with_deadline(
+            Some((_, executable)) => passed(
                 &format!("`{} --bench` ({})", bench.test, bench.what),
                 Command::new(executable)
                     .arg("--bench")
                     .env("LD_LIBRARY_PATH", &library_path),
                 deadline(STEP_DEADLINE),
-            )
-            .unwrap_or_else(|e| {
-                eprintln!("{e}");
-                false
-            }),
+            ),
             None => false,
         };
         bench_ok &= ok;
@@ -925,7 +912,7 @@ pub fn gpu_check(args: &[String]) -> Result<(), String> {
                     Mode::Prebuilt(dir) => dir.join("bench_nccl.py"),
                     _ => PathBuf::from(NCCL_PEER_SCRIPT),
                 };
-                run_with_deadline(
+                passed(
                     &format!(
                         "`{NCCL_BENCH}` (NCCL busbw sweep, interleaved with torch.distributed)"
                     ),
@@ -945,10 +932,6 @@ pub fn gpu_check(args: &[String]) -> Result<(), String> {
                         ),
                     deadline(own + NCCL_BENCH_MARGIN),
                 )
-                .unwrap_or_else(|e| {
-                    eprintln!("{e}");
-                    false
-                })
             }
         }
         None => false,

@@ -75,7 +75,7 @@ class GPT(nn.Module):
 
     def forward(self, idx, targets):
         t = idx.shape[1]
-        x = self.transformer.wte(idx) + self.transformer.wpe(torch.arange(t))
+        x = self.transformer.wte(idx) + self.transformer.wpe(torch.arange(t, device=idx.device))
         for block in self.transformer.h:
             x = block(x)
         logits = self.transformer.ln_f(x) @ self.transformer.wte.weight.T
