@@ -4,8 +4,8 @@ use hypershard_tensor::{DType, RandomInit, Tensor};
 
 use crate::elementwise::check_float;
 use crate::kernels::{
-    Float, add_row, build_overwrite, load, same_device, store, sum_rows, with_float, with_values,
-    with_values2,
+    Float, add_row, build_overwrite, load, same_device, small_nn_rows, store, sum_rows, with_float,
+    with_values, with_values2,
 };
 use crate::linalg::{GemmShape, MatmulOptions, gemm_into};
 use crate::module::{ParamVisitor, ParamVisitorMut, join_name};
@@ -342,38 +342,16 @@ impl Module for Linear {
 /// +10 % tok/s over three alternating pairs. At 192 columns (`medium`) it was 1–2 % slower.
 const SMALL_NN_MAX_COLUMNS: usize = 64;
 
-/// Rows of `dx` per task of [`small_nn_in_row_blocks`] (the packing-free kernel takes fewer
-/// than 64 rows at a time).
-const SMALL_NN_ROW_BLOCK: usize = 32;
-
-/// `dx[rows, n] = g[rows, k] · W[k, n]` by the packing-free kernel in blocks of
-/// [`SMALL_NN_ROW_BLOCK`] rows spread over the kernel threads, when `n` is at most
-/// [`SMALL_NN_MAX_COLUMNS`] and the kernel runs here (f32, AVX-512); returns whether it ran,
-/// else `dx` is untouched. Each row of `dx` is computed as the single-call kernel computes it.
+/// `dx[rows, n] = g[rows, k] · W[k, n]` by the packing-free kernel in row blocks spread over
+/// the kernel threads ([`small_nn_rows`]), when `n` is at most [`SMALL_NN_MAX_COLUMNS`];
+/// returns whether it ran, else `dx` is untouched.
 fn small_nn_in_row_blocks<F: Float>(
     g: &[F],
     ws: &[F],
     (rows, k, n): (usize, usize, usize),
     dx: &mut [F],
 ) -> bool {
-    use rayon::prelude::*;
-    let fits = rows > 0 && k > 0 && n > 0 && g.len() == rows * k && dx.len() == rows * n;
-    if !fits || n > SMALL_NN_MAX_COLUMNS {
-        return false;
-    }
-    // Every block takes the same path (the dtype and the CPU decide): the first block asks.
-    let first = SMALL_NN_ROW_BLOCK.min(rows);
-    if !F::small_gemm_nn(&g[..first * k], ws, first, k, n, &mut dx[..first * n]) {
-        return false;
-    }
-    dx[first * n..]
-        .par_chunks_mut(SMALL_NN_ROW_BLOCK * n)
-        .zip(g[first * k..].par_chunks(SMALL_NN_ROW_BLOCK * k))
-        .for_each(|(block, g_block)| {
-            // The first block ran, so every block (the same kernel, fewer rows) does.
-            F::small_gemm_nn(g_block, ws, g_block.len() / k, k, n, block);
-        });
-    true
+    n <= SMALL_NN_MAX_COLUMNS && small_nn_rows(g, ws, (rows, k, n), dx, true)
 }
 
 #[cfg(test)]

@@ -26,7 +26,7 @@ use rayon::prelude::*;
 use super::Dims;
 use crate::dropout::DropMask;
 use crate::kernels::vector_isa::vectorized;
-use crate::kernels::{Float, add_assign};
+use crate::kernels::{Float, add_assign, small_nn_rows};
 use crate::linalg::{GemmShape, MatmulOptions, gemm_into};
 use crate::{Error, Result};
 
@@ -60,22 +60,9 @@ impl HeadMask<'_> {
     }
 }
 
-/// `c[m, n] = a[m, k] · b[k, n]` by the packing-free kernel in pieces of [`SMALL_ROWS`] rows;
-/// returns whether it ran (f32 on a CPU with the kernels), else `c` is left to the caller.
-fn small_nn<F: Float>(a: &[F], b: &[F], (m, k, n): (usize, usize, usize), c: &mut [F]) -> bool {
-    let fits = m > 0 && k > 0 && n > 0 && a.len() == m * k && c.len() == m * n;
-    fits && a
-        .chunks(SMALL_ROWS * k)
-        .zip(c.chunks_mut(SMALL_ROWS * n))
-        .all(|(a_rows, c_rows)| F::small_gemm_nn(a_rows, b, a_rows.len() / k, k, n, c_rows))
-}
-
-/// Row pieces of the packing-free kernel, which takes fewer than 64 rows.
-const SMALL_ROWS: usize = 32;
-
 /// `c[m, n] = a[m, k] · b[k, n]`, by the packing-free kernel when it takes the shape.
 fn mm_nn<F: Float>(a: &[F], b: &[F], (m, k, n): (usize, usize, usize), c: &mut [F]) -> Result<()> {
-    if small_nn(a, b, (m, k, n), c) {
+    if small_nn_rows(a, b, (m, k, n), c, false) {
         return Ok(());
     }
     gemm_into(a, b, GemmShape::new(m, k, n, MatmulOptions::default())?, c)

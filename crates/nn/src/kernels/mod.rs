@@ -349,6 +349,46 @@ pub(crate) fn host_only(op: &'static str, device: &Device) -> Result<()> {
     Ok(())
 }
 
+/// Rows per piece of [`small_nn_rows`] (the packing-free kernel takes fewer than 64 rows).
+pub(crate) const SMALL_NN_ROWS: usize = 32;
+
+/// `c[m, n] = a[m, k] · b[k, n]` by the packing-free kernel in pieces of [`SMALL_NN_ROWS`] rows,
+/// on the calling thread or, with `parallel`, spread over the kernel threads. Returns whether
+/// it ran (f32 on a CPU with the kernels), else `c` is untouched. Every row is computed as one
+/// call of the kernel computes it.
+pub(crate) fn small_nn_rows<F: Float>(
+    a: &[F],
+    b: &[F],
+    (m, k, n): (usize, usize, usize),
+    c: &mut [F],
+    parallel: bool,
+) -> bool {
+    use rayon::prelude::*;
+    let fits = m > 0 && k > 0 && n > 0 && a.len() == m * k && c.len() == m * n;
+    // Every piece takes the same path (the dtype and the CPU decide): the first one asks.
+    let first = SMALL_NN_ROWS.min(m);
+    if !fits || !F::small_gemm_nn(&a[..first * k], b, first, k, n, &mut c[..first * n]) {
+        return false;
+    }
+    let pieces = |(a_rows, c_rows): (&[F], &mut [F])| {
+        // The first piece ran, so every piece (the same kernel, no more rows) does.
+        F::small_gemm_nn(a_rows, b, a_rows.len() / k, k, n, c_rows);
+    };
+    let (a_rest, c_rest) = (&a[first * k..], &mut c[first * n..]);
+    if parallel {
+        a_rest
+            .par_chunks(SMALL_NN_ROWS * k)
+            .zip(c_rest.par_chunks_mut(SMALL_NN_ROWS * n))
+            .for_each(pieces);
+    } else {
+        a_rest
+            .chunks(SMALL_NN_ROWS * k)
+            .zip(c_rest.chunks_mut(SMALL_NN_ROWS * n))
+            .for_each(pieces);
+    }
+    true
+}
+
 /// The elements of `t` (any float dtype, any layout) in the compute type `F`, row-major: a
 /// kernel's scratch copy, read where `t` lives (see [`Tensor::with_kernel_data`]).
 pub(crate) fn load<F: Float>(t: &Tensor) -> Result<Vec<F>> {
