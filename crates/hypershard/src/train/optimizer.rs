@@ -14,7 +14,7 @@ use std::collections::BTreeMap;
 
 use hypershard_nn::optim::{AdamWConfig, AdamWTensors, adamw_update};
 use hypershard_nn::{Module, Parameter};
-use hypershard_tensor::{DType, Device, Tensor};
+use hypershard_tensor::{DType, Tensor};
 
 use super::config::OptimConfig;
 use crate::error::{Error, Result};
@@ -114,7 +114,7 @@ fn step_one(
             })
         }
     };
-    if state.exp_avg.numel() != len || state.exp_avg_sq.numel() != len {
+    if state.exp_avg.shape() != data.shape() || state.exp_avg_sq.shape() != data.shape() {
         return Err(Error::InconsistentTensor {
             name: name.to_string(),
             reason: format!(
@@ -128,24 +128,12 @@ fn step_one(
     } else {
         0.0
     };
-    // Moments restored from a checkpoint come flat or in the saved block's shape: viewed in
-    // the shard's (a view, no copy).
-    let (exp_avg, exp_avg_sq) = (
-        state
-            .exp_avg
-            .reshape(data.shape())
-            .map_err(tensor_error(name))?,
-        state
-            .exp_avg_sq
-            .reshape(data.shape())
-            .map_err(tensor_error(name))?,
-    );
     adamw_update(
         AdamWTensors {
             param: data,
             grad,
-            exp_avg: &exp_avg,
-            exp_avg_sq: &exp_avg_sq,
+            exp_avg: &state.exp_avg,
+            exp_avg_sq: &state.exp_avg_sq,
         },
         &AdamWConfig {
             lr,
@@ -158,11 +146,12 @@ fn step_one(
     .map_err(Error::from)
 }
 
-/// A saved moment brought back as f32 onto `device`, the shard's.
-pub fn restored_moment(name: &str, saved: &Tensor, device: &Device) -> Result<Tensor> {
+/// A saved moment brought back as f32 in the shard's shape onto its device.
+pub fn restored_moment(name: &str, saved: &Tensor, shard: &Tensor) -> Result<Tensor> {
     saved
         .to_dtype(DType::F32)
-        .and_then(|t| t.to_device(device))
+        .and_then(|t| t.reshape(shard.shape()))
+        .and_then(|t| t.to_device(&shard.device()))
         .map_err(tensor_error(name))
 }
 
@@ -172,6 +161,7 @@ mod tests {
     use crate::train::config::LrSchedule;
     use hypershard_nn::optim::{AdamW, AdamWConfig};
     use hypershard_nn::{Linear, LinearConfig};
+    use hypershard_tensor::Device;
 
     /// AdamW at a constant `lr`, β = (0.9, 0.95), weight decay 0.1, no clipping.
     fn constant_lr(lr: f64) -> OptimConfig {

@@ -163,13 +163,10 @@ pub fn save(
                 ] {
                     let key = moment_key(which, name);
                     // As the shard: copied from a device once, a host one is itself.
-                    let tensor = moment
-                        .reshape(data.shape())
-                        .and_then(|m| m.to_host())
-                        .map_err(|source| Error::Tensor {
-                            name: key.clone(),
-                            source,
-                        })?;
+                    let tensor = moment.to_host().map_err(|source| Error::Tensor {
+                        name: key.clone(),
+                        source,
+                    })?;
                     writer.add(
                         BlockSpec {
                             name: &key,
@@ -233,18 +230,11 @@ pub fn load(
             if let Some(optimizer) = optimizer.as_deref_mut() {
                 let key = moment_key("exp_avg", name);
                 if checkpoint.metadata().tensors.contains_key(&key) {
-                    let device = data.device();
-                    let exp_avg = restored_moment(
-                        &key,
-                        &checkpoint.read_block(&key, &placed.block)?,
-                        &device,
-                    )?;
+                    let exp_avg =
+                        restored_moment(&key, &checkpoint.read_block(&key, &placed.block)?, data)?;
                     let key = moment_key("exp_avg_sq", name);
-                    let exp_avg_sq = restored_moment(
-                        &key,
-                        &checkpoint.read_block(&key, &placed.block)?,
-                        &device,
-                    )?;
+                    let exp_avg_sq =
+                        restored_moment(&key, &checkpoint.read_block(&key, &placed.block)?, data)?;
                     optimizer.moments.insert(
                         name.to_string(),
                         Moments {
