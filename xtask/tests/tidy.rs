@@ -98,6 +98,10 @@ const STATICS: &[(&str, &str)] = &[
         "the training phase and step of this rank process, read by the stall watchdog",
     ),
     (
+        "crates/nn/src/kernels/packed_gemm.rs",
+        "per-thread GEMM packing buffers reused across calls",
+    ),
+    (
         "crates/fsdp/src/module.rs",
         "unit ids unique across the process",
     ),

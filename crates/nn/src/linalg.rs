@@ -134,6 +134,21 @@ pub fn matmul_with(a: &Tensor, b: &Tensor, options: MatmulOptions) -> Result<Ten
     })
 }
 
+/// `out = op(a) · op(b)` for row-major f32 buffers, in place: `a` holds `[m, k]` (or `[k, m]`
+/// when `options.transpose_a`), `b` `[k, n]` (or `[n, k]`), `out` `[m, n]` (overwritten).
+/// The GEMM a `Linear` runs, without a tensor around it (over the current thread pool; see
+/// [`with_num_threads`](crate::with_num_threads)). A length that does not match `[m, k, n]`
+/// is [`Error::ShapeMismatch`].
+pub fn matmul_f32_into(
+    a: &[f32],
+    b: &[f32],
+    [m, k, n]: [usize; 3],
+    options: MatmulOptions,
+    out: &mut [f32],
+) -> Result<()> {
+    gemm_into(a, b, GemmShape::new(m, k, n, options)?, out)
+}
+
 /// Checks that row-major buffers hold exactly the operands `shape` describes, so every index
 /// the kernel forms from the strides is in bounds.
 fn check_lengths(a_len: usize, b_len: usize, shape: GemmShape) -> Result<()> {

@@ -10,6 +10,7 @@
 #[cfg(feature = "cuda")]
 pub(crate) mod cuda;
 pub(crate) mod math;
+pub(crate) mod packed_gemm;
 pub(crate) mod recycle;
 pub(crate) mod small_gemm;
 pub(crate) mod vector_isa;
@@ -103,7 +104,8 @@ pub(crate) trait Float:
         false
     }
 
-    /// `C = A · B + beta · C` through matrixmultiply's `sgemm` / `dgemm` with `alpha = 1`;
+    /// `C = A · B + beta · C` (f32: [`packed_gemm`] on AVX-512, else matrixmultiply's
+    /// `sgemm`; f64: matrixmultiply's `dgemm`);
     /// `[row, col]` element strides for `A` and `B`, row stride for `C` (column stride 1).
     /// With `beta = 0` `C` is only written (its old contents may be anything).
     ///
@@ -183,8 +185,24 @@ impl Float for f32 {
         c: *mut Self,
         c_row_stride: isize,
     ) {
+        let strided = |start, [row, col]: [isize; 2]| packed_gemm::Strided { start, row, col };
         // SAFETY: the caller guarantees every addressed element of `a`, `b` and `c` is valid
-        // (and initialised when `beta ≠ 0`) and that `c` does not overlap the inputs.
+        // (and initialised when `beta ≠ 0`) and that `c` does not overlap the inputs, which
+        // is `packed_gemm::gemm`'s contract too.
+        let packed = unsafe {
+            packed_gemm::gemm(
+                (m, k, n),
+                strided(a, a_strides),
+                strided(b, b_strides),
+                beta,
+                c,
+                c_row_stride,
+            )
+        };
+        if packed {
+            return;
+        }
+        // SAFETY: as above.
         unsafe {
             matrixmultiply::sgemm(
                 m,
