@@ -12,7 +12,7 @@
 //! says more about the others than about the phase, while the CPU time a phase takes is its
 //! own (rayon's threads spinning for work count, as they cost a core).
 
-use hypershard_nn::linalg::{MatmulOptions, matmul_with};
+use hypershard_nn::linalg::{MatmulOptions, matmul_f32_into};
 use hypershard_nn::optim::{AdamW, AdamWConfig};
 use hypershard_nn::{
     CausalSelfAttention, CausalSelfAttentionConfig, DEFAULT_IGNORE_INDEX, Gpt, GptConfig, Module,
@@ -117,10 +117,13 @@ fn linears(shape: &GptShape, batch: usize) -> Vec<(usize, usize, usize, usize)> 
 }
 
 /// Seconds of one `[rows, in] → [rows, out]` linear's forward GEMM and its two backward ones,
-/// with the operand layouts `Linear` uses.
+/// with the operand layouts `Linear` uses, each into a preallocated output as a `Linear`
+/// writes its products (so neither an operand copy nor a fresh output's page faults count).
 fn time_linear(rows: usize, n_in: usize, n_out: usize, seed: u64) -> Result<(f64, f64), String> {
-    let random = |shape: &[usize], s| {
-        Tensor::random(shape, DType::F32, RandomInit::uniform(seed + s, -1.0, 1.0)).map_err(err)
+    let random = |shape: &[usize], s| -> Result<Vec<f32>, String> {
+        Tensor::random(shape, DType::F32, RandomInit::uniform(seed + s, -1.0, 1.0))
+            .and_then(|t| t.to_vec::<f32>())
+            .map_err(err)
     };
     let x = random(&[rows, n_in], 0)?;
     let w = random(&[n_out, n_in], 1)?;
@@ -133,12 +136,16 @@ fn time_linear(rows: usize, n_in: usize, n_out: usize, seed: u64) -> Result<(f64
         transpose_a: true,
         transpose_b: false,
     };
+    let mut y = vec![0.0f32; rows * n_out];
+    let mut gx = vec![0.0f32; rows * n_in];
+    let mut gw = vec![0.0f32; n_out * n_in];
     let started = CpuClock::now()?;
-    matmul_with(&x, &w, nt).map_err(err)?;
+    matmul_f32_into(&x, &w, [rows, n_in, n_out], nt, &mut y).map_err(err)?;
     let forward = started.elapsed()?;
     let started = CpuClock::now()?;
-    matmul_with(&gy, &w, MatmulOptions::default()).map_err(err)?;
-    matmul_with(&gy, &x, tn).map_err(err)?;
+    let plain = MatmulOptions::default();
+    matmul_f32_into(&gy, &w, [rows, n_out, n_in], plain, &mut gx).map_err(err)?;
+    matmul_f32_into(&gy, &x, [n_out, rows, n_in], tn, &mut gw).map_err(err)?;
     Ok((forward, started.elapsed()?))
 }
 
