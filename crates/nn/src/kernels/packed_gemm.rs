@@ -187,12 +187,15 @@ unsafe fn blocked(
             let packed_rows = if in_place { mc % MR } else { mc };
             let packed_a = floats(&mut packs.a, packed_rows.div_ceil(MR) * MR * kc);
             let first_packed = if in_place { mc - packed_rows } else { 0 };
-            // SAFETY: rows `i0 + first_packed..i0 + mc` (< m) and depths `p0..p0 + kc` (≤ k)
-            // of `A`, all readable by the caller's contract.
-            unsafe {
-                let row = (i0 + first_packed) as isize;
-                let start = a.start.offset(row * a.row + p0 as isize * a.col);
-                pack::<MR>(Strided { start, ..a }, packed_rows, kc, packed_a);
+            if packed_rows > 0 {
+                // SAFETY: rows `i0 + first_packed..i0 + mc` (< m, at least one) and depths
+                // `p0..p0 + kc` (≤ k) of `A`, all readable by the caller's contract; the start
+                // is the first of them.
+                unsafe {
+                    let row = (i0 + first_packed) as isize;
+                    let start = a.start.offset(row * a.row + p0 as isize * a.col);
+                    pack::<MR>(Strided { start, ..a }, packed_rows, kc, packed_a);
+                }
             }
             let mut j0 = 0;
             while j0 < n {
@@ -214,8 +217,7 @@ unsafe fn blocked(
                     let rows = MR.min(mc - r * MR);
                     let i = i0 + r * MR;
                     let rows_of_a = if r * MR < first_packed {
-                        // SAFETY: row `i < m`, depth `p0 ≤ k`: an element of `A` (or one past
-                        // the row when `kc` is 0, which it is not).
+                        // SAFETY: row `i < m`, depth `p0 < k`: an element of `A`.
                         let start = unsafe { a.start.offset(i as isize * a.row + p0 as isize) };
                         RowsOfA::InPlace {
                             start,
@@ -288,10 +290,12 @@ unsafe fn pack<const WIDTH: usize>(src: Strided, rows: usize, kc: usize, dst: &m
                 }
             }
         } else if src.col == 1 {
-            // Each row is contiguous along `k`: a transpose, done [`TRANSPOSE_STEPS`] steps at
-            // a time so that the part of the panel being written (2 KiB at width 32) stays in
-            // L1 while every row adds its values to it. Row by row over all `kc` steps, each
-            // row's stores would sweep the whole panel (48 KiB) and evict it.
+            // Each row is contiguous along `k`, so this is a transpose. It runs over blocks of
+            // [`TRANSPOSE_STEPS`] steps: the block's piece of every row (one cache line) and
+            // its part of the panel (2 KiB at width 32) stay in L1 while the panel is filled
+            // step by step, with contiguous stores. Row by row over all `kc` steps, each row's
+            // stores would sweep the whole panel (48 KiB); stored down the panel, a row's
+            // values compile to a scatter, slower still.
             for (chunk, steps) in panel.chunks_mut(TRANSPOSE_STEPS * width).enumerate() {
                 let p0 = chunk * TRANSPOSE_STEPS;
                 let count = steps.len() / width;
@@ -304,9 +308,6 @@ unsafe fn pack<const WIDTH: usize>(src: Strided, rows: usize, kc: usize, dst: &m
                         std::slice::from_raw_parts(at, count)
                     };
                 }
-                // Step by step, each step's `height` values gathered from the rows' cache
-                // lines: contiguous stores (written column-wise, the compiler turns the
-                // stores into a scatter, which costs more than the product's packing saves).
                 for (s, step) in steps.chunks_exact_mut(width).enumerate() {
                     for (slot, row) in step[..height].iter_mut().zip(&rows) {
                         *slot = row[s];
@@ -393,11 +394,16 @@ unsafe fn micro_tile(a: RowsOfA<'_>, b_panel: &[f32], tile: Tile, epilogue: Epil
     let masks = [lanes(tile.cols, 0), lanes(tile.cols, 16)];
     for (i, row) in acc.iter().enumerate().take(tile.rows) {
         for (half, &value) in row.iter().enumerate() {
-            // SAFETY: row `i < rows` of the tile; the mask keeps lanes below `cols`, so every
-            // lane loaded or stored is an element of `C` (masked lanes are not touched).
+            let mask = masks[half];
+            if mask == 0 {
+                // No column of this half is in the tile (its start may lie past `C`'s end).
+                continue;
+            }
+            // SAFETY: row `i < rows` of the tile, and column `16·half < cols`; the mask keeps
+            // lanes below `cols`, so every lane loaded or stored is an element of `C`
+            // (masked lanes are not touched).
             unsafe {
                 let at = tile.c.offset(i as isize * tile.row_stride).add(16 * half);
-                let mask = masks[half];
                 let out = match epilogue {
                     Epilogue::Overwrite => value,
                     Epilogue::Accumulate => _mm512_add_ps(value, _mm512_maskz_loadu_ps(mask, at)),
@@ -547,13 +553,15 @@ mod tests {
     #[test]
     fn products_match_an_f64_reference_on_ragged_shapes_and_every_layout() {
         // Ragged against the tile (12 × 32), the k-block (384) and the packed column block
-        // (480); every stored layout of A and B; the three epilogues.
+        // (480), and whole tiles over several k-blocks (24 × 800: a row-major A then has no
+        // packed tail panel); every stored layout of A and B; the three epilogues.
         let shapes = [
             (1, 1, 1),
             (11, 7, 15),
             (12, 384, 32),
             (13, 385, 33),
             (25, 800, 481),
+            (24, 800, 64),
             (30, 3, 1000),
         ];
         for &(m, k, n) in &shapes {
