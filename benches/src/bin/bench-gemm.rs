@@ -171,11 +171,7 @@ fn measure(p: &Product, args: &Args) -> Result<Row, String> {
     // products of magnitude < 1 stays far below k · 1e-5).
     let mut ours = vec![0.0f32; m * n];
     let hypershard_gemm = |out: &mut [f32]| {
-        with_num_threads(1, || {
-            matmul_f32_into(&a_values, &b_values, [m, k, n], options, out)
-        })
-        .map_err(err)?
-        .map_err(err)
+        matmul_f32_into(&a_values, &b_values, [m, k, n], options, out).map_err(err)
     };
     hypershard_gemm(&mut ours)?;
     // SAFETY: `a_values` holds `m·k` and `b_values` `k·n` elements laid out as the strides
@@ -253,8 +249,9 @@ fn run() -> Result<(), String> {
             {
                 continue;
             }
-            // One pool for the whole run: a pool per call would add a thread's start, and
-            // fresh per-thread packing buffers, to every GEMM timed.
+            // One single-thread pool per product, around all its timings: a pool per call
+            // would add a thread's start, and fresh per-thread packing buffers, to every
+            // GEMM timed.
             let row = with_num_threads(1, || measure(&p, &args)).map_err(|e| e.to_string())??;
             println!(
                 "{:<8} {:<22} {:>5} {:>5} {:>5}  {:>10.1} {:>10.1}  {:>7.2}",
