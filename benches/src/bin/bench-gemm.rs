@@ -87,13 +87,13 @@ struct Product {
 fn products(model: &'static str, tokens: usize) -> Vec<Product> {
     let embd = if model == "gpt2" { 768 } else { 192 };
     let layers = [
-        ("qkv", embd, 3 * embd),
-        ("proj", embd, embd),
-        ("fc", embd, 4 * embd),
-        ("fc_proj", 4 * embd, embd),
+        ("qkv", tokens, embd, 3 * embd),
+        ("proj", tokens, embd, embd),
+        ("fc", tokens, embd, 4 * embd),
+        ("fc_proj", tokens, 4 * embd, embd),
     ];
     let mut out = Vec::new();
-    for (layer, input, output) in layers {
+    for (layer, rows, input, output) in layers.into_iter().chain(head(model, embd)) {
         let product = |pass: &str, m, k, n, transpose_a, transpose_b| Product {
             model,
             name: format!("{layer} {pass}"),
@@ -104,13 +104,19 @@ fn products(model: &'static str, tokens: usize) -> Vec<Product> {
             transpose_b,
         };
         // y[t, out] = x[t, in] · W[out, in]ᵀ
-        out.push(product("forward", tokens, input, output, false, true));
+        out.push(product("forward", rows, input, output, false, true));
         // dx[t, in] = dy[t, out] · W[out, in]
-        out.push(product("input grad", tokens, output, input, false, false));
+        out.push(product("input grad", rows, output, input, false, false));
         // dW[out, in] = dy[t, out]ᵀ · x[t, in]
-        out.push(product("weight grad", output, tokens, input, true, false));
+        out.push(product("weight grad", output, rows, input, true, false));
     }
     out
+}
+
+/// GPT-2's loss head as the fused head runs it: one block of 166 token rows (32 MiB of
+/// logits) against the `[50 304, 768]` embedding. Medium's vocabulary is too small to matter.
+fn head(model: &str, embd: usize) -> Option<(&'static str, usize, usize, usize)> {
+    (model == "gpt2").then_some(("head", (1 << 23) / 50_304, embd, 50_304))
 }
 
 #[derive(Debug, Clone, serde::Serialize)]
