@@ -52,6 +52,24 @@ impl TimingStats {
     }
 }
 
+/// Statistics of `f` over `reps` timed runs after 2 untimed ones (which fault in buffers and
+/// fill caches), stopping at the first error.
+pub fn time_runs(
+    reps: usize,
+    mut f: impl FnMut() -> Result<(), String>,
+) -> Result<TimingStats, String> {
+    for _ in 0..2 {
+        f()?;
+    }
+    let mut samples: Vec<Duration> = Vec::with_capacity(reps);
+    for _ in 0..reps {
+        let t0 = std::time::Instant::now();
+        f()?;
+        samples.push(t0.elapsed());
+    }
+    TimingStats::from_samples(&samples).ok_or_else(|| "no samples".to_string())
+}
+
 /// The directory benchmark results go to: `$CARGO_TARGET_DIR/bench` or `target/bench` at the
 /// workspace root, created if missing.
 pub fn bench_output_dir() -> std::io::Result<PathBuf> {

@@ -15,9 +15,8 @@
 //! JSON goes to `target/bench/gemm.json` (or PATH).
 
 use std::path::PathBuf;
-use std::time::{Duration, Instant};
 
-use hypershard_benches::{TimingStats, write_json};
+use hypershard_benches::{TimingStats, time_runs, write_json};
 use hypershard_nn::linalg::{MatmulOptions, matmul_f32_into};
 use hypershard_nn::with_num_threads;
 
@@ -129,19 +128,6 @@ struct Row {
     speedup: f64,
 }
 
-fn time_it(reps: usize, mut f: impl FnMut() -> Result<(), String>) -> Result<TimingStats, String> {
-    for _ in 0..2 {
-        f()?;
-    }
-    let mut samples: Vec<Duration> = Vec::with_capacity(reps);
-    for _ in 0..reps {
-        let t0 = Instant::now();
-        f()?;
-        samples.push(t0.elapsed());
-    }
-    TimingStats::from_samples(&samples).ok_or_else(|| "no samples".to_string())
-}
-
 /// Deterministic values in [-1, 1).
 fn values(len: usize, seed: u64) -> Vec<f32> {
     (0..len as u64)
@@ -213,8 +199,8 @@ fn measure(p: &Product, args: &Args) -> Result<Row, String> {
     let mut hypershard = Vec::new();
     let mut mm = Vec::new();
     for _ in 0..args.rounds {
-        hypershard.push(time_it(args.reps, || hypershard_gemm(&mut ours))?);
-        mm.push(time_it(args.reps, || {
+        hypershard.push(time_runs(args.reps, || hypershard_gemm(&mut ours))?);
+        mm.push(time_runs(args.reps, || {
             reference(&mut c);
             Ok(())
         })?);

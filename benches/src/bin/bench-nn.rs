@@ -23,9 +23,8 @@
 
 use std::path::PathBuf;
 use std::process::{Command, ExitCode};
-use std::time::{Duration, Instant};
 
-use hypershard_benches::{TimingStats, write_json};
+use hypershard_benches::{TimingStats, time_runs, write_json};
 use hypershard_nn::linalg::matmul;
 use hypershard_nn::{
     DEFAULT_IGNORE_INDEX, Gpt, GptConfig, Module, cross_entropy, with_num_threads, zero_grad,
@@ -112,20 +111,6 @@ fn parse_args() -> Result<Args, String> {
     Ok(args)
 }
 
-/// Median statistics of `f` over `reps` runs after 2 warm-up runs.
-fn time_it(reps: usize, mut f: impl FnMut() -> Result<(), String>) -> Result<TimingStats, String> {
-    for _ in 0..2 {
-        f()?;
-    }
-    let mut samples: Vec<Duration> = Vec::with_capacity(reps);
-    for _ in 0..reps {
-        let t0 = Instant::now();
-        f()?;
-        samples.push(t0.elapsed());
-    }
-    TimingStats::from_samples(&samples).ok_or_else(|| "no samples".to_string())
-}
-
 #[derive(Debug, Clone, serde::Serialize)]
 struct Row {
     threads: usize,
@@ -202,8 +187,8 @@ fn run_rust(args: &Args, threads: usize) -> Result<Row, String> {
     };
     let (inputs, targets) = (ids(3)?, ids(4)?);
     with_num_threads(threads, || {
-        let gemm = time_it(args.reps, || matmul(&a, &b).map(drop).map_err(err))?;
-        let gpt_step = time_it(args.reps, || {
+        let gemm = time_runs(args.reps, || matmul(&a, &b).map(drop).map_err(err))?;
+        let gpt_step = time_runs(args.reps, || {
             let logits = model.forward(&inputs).map_err(err)?;
             let loss = cross_entropy(&logits, &targets, DEFAULT_IGNORE_INDEX).map_err(err)?;
             model.backward(&loss.grad).map_err(err)?;

@@ -476,6 +476,42 @@ mod tests {
         (h as f32 - 1000.0) / 1000.0
     }
 
+    /// [`gemm`] on slices (dimensions at least 1, strides non-negative), after asserting that
+    /// the last element each operand's strides address lies inside its slice.
+    #[allow(clippy::too_many_arguments)]
+    fn gemm_on_slices(
+        (m, k, n): (usize, usize, usize),
+        a: &[f32],
+        (a_row, a_col): (usize, usize),
+        b: &[f32],
+        (b_row, b_col): (usize, usize),
+        beta: f32,
+        c: &mut [f32],
+        c_row: usize,
+    ) -> bool {
+        assert!((m - 1) * a_row + (k - 1) * a_col < a.len());
+        assert!((k - 1) * b_row + (n - 1) * b_col < b.len());
+        assert!((m - 1) * c_row + n <= c.len() && c_row >= n);
+        let strided = |x: &[f32], row: usize, col: usize| Strided {
+            start: x.as_ptr(),
+            row: row as isize,
+            col: col as isize,
+        };
+        // SAFETY: with non-negative strides the largest offset addressed in each operand is
+        // its last element's, checked above to lie inside the slice; rows of `C` of stride
+        // `c_row ≥ n` do not overlap, and `c` is a `&mut` apart from `a` and `b`.
+        unsafe {
+            gemm(
+                (m, k, n),
+                strided(a, a_row, a_col),
+                strided(b, b_row, b_col),
+                beta,
+                c.as_mut_ptr(),
+                c_row as isize,
+            )
+        }
+    }
+
     /// One product through [`gemm`], `A` and `B` stored transposed or not, `C` a window of
     /// a wider buffer whose other elements must stay untouched; checked against an f64 sum.
     fn check(m: usize, k: usize, n: usize, a_t: bool, b_t: bool, beta: f32) {
@@ -495,37 +531,18 @@ mod tests {
             })
             .collect();
         let old = c.clone();
-        let a_strides = if a_t {
-            (1, m as isize)
-        } else {
-            (k as isize, 1)
-        };
-        let b_strides = if b_t {
-            (1, k as isize)
-        } else {
-            (n as isize, 1)
-        };
-        // SAFETY: `a` is `[m, k]` (or `[k, m]`), `b` `[k, n]` (or `[n, k]`), and `c` holds
-        // `m` rows of stride `n + 3` ≥ n, so every addressed element exists; `c` is its own
-        // allocation.
-        let ran = unsafe {
-            gemm(
-                (m, k, n),
-                Strided {
-                    start: a.as_ptr(),
-                    row: a_strides.0,
-                    col: a_strides.1,
-                },
-                Strided {
-                    start: b.as_ptr(),
-                    row: b_strides.0,
-                    col: b_strides.1,
-                },
-                beta,
-                c.as_mut_ptr(),
-                stride as isize,
-            )
-        };
+        let a_strides = if a_t { (1, m) } else { (k, 1) };
+        let b_strides = if b_t { (1, k) } else { (n, 1) };
+        let ran = gemm_on_slices(
+            (m, k, n),
+            &a,
+            a_strides,
+            &b,
+            b_strides,
+            beta,
+            &mut c,
+            stride,
+        );
         assert_eq!(ran, available());
         if !ran {
             return;
@@ -587,26 +604,7 @@ mod tests {
         let a: Vec<f32> = (0..4 * m * k).map(|i| value(4, i)).collect();
         let b: Vec<f32> = (0..k * n).map(|i| value(5, i)).collect();
         let mut c = vec![0.0f32; m * n];
-        // SAFETY: element `(i, p)` of A is at `i·2k + 2p < 2mk ≤ a.len()`; B is `[k, n]`;
-        // C is `[m, n]`.
-        let ran = unsafe {
-            gemm(
-                (m, k, n),
-                Strided {
-                    start: a.as_ptr(),
-                    row: 2 * k as isize,
-                    col: 2,
-                },
-                Strided {
-                    start: b.as_ptr(),
-                    row: n as isize,
-                    col: 1,
-                },
-                0.0,
-                c.as_mut_ptr(),
-                n as isize,
-            )
-        };
+        let ran = gemm_on_slices((m, k, n), &a, (2 * k, 2), &b, (n, 1), 0.0, &mut c, n);
         assert_eq!(ran, available());
         if !ran {
             return;
