@@ -27,8 +27,11 @@ use std::cell::RefCell;
 
 #[cfg(target_arch = "x86_64")]
 use std::arch::x86_64::{
-    __m512, __mmask16, _MM_HINT_T0, _mm_prefetch, _mm512_add_ps, _mm512_fmadd_ps, _mm512_loadu_ps,
-    _mm512_mask_storeu_ps, _mm512_maskz_loadu_ps, _mm512_set1_ps, _mm512_setzero_ps,
+    __m512, __mmask16, _MM_HINT_T0, _mm_prefetch, _mm512_add_ps, _mm512_castpd_ps,
+    _mm512_castps_pd, _mm512_fmadd_ps, _mm512_loadu_ps, _mm512_mask_storeu_ps,
+    _mm512_maskz_loadu_ps, _mm512_set1_ps, _mm512_setzero_ps, _mm512_shuffle_f32x4,
+    _mm512_storeu_ps, _mm512_unpackhi_pd, _mm512_unpackhi_ps, _mm512_unpacklo_pd,
+    _mm512_unpacklo_ps,
 };
 
 /// Rows of a micro-tile (each a broadcast of one element of `A` per step along `k`).
@@ -308,8 +311,22 @@ unsafe fn pack<const WIDTH: usize>(src: Strided, rows: usize, kc: usize, dst: &m
                         std::slice::from_raw_parts(at, count)
                     };
                 }
+                // Whole 16 × 16 blocks go through the vector transpose; the ragged rest (rows
+                // past the last 16, the steps of a short last chunk) element by element.
+                let vector_rows = if count == TRANSPOSE_STEPS && available() {
+                    height / 16 * 16
+                } else {
+                    0
+                };
+                for group in (0..vector_rows).step_by(16) {
+                    // SAFETY: AVX-512F is present (checked above).
+                    unsafe { transpose_16x16(&rows[group..group + 16], steps, width, group) };
+                }
                 for (s, step) in steps.chunks_exact_mut(width).enumerate() {
-                    for (slot, row) in step[..height].iter_mut().zip(&rows) {
+                    for (slot, row) in step[vector_rows..height]
+                        .iter_mut()
+                        .zip(&rows[vector_rows..])
+                    {
                         *slot = row[s];
                     }
                 }
@@ -321,6 +338,57 @@ unsafe fn pack<const WIDTH: usize>(src: Strided, rows: usize, kc: usize, dst: &m
                     *slot = unsafe { *start.offset(i as isize * src.row + p as isize * src.col) };
                 }
             }
+        }
+    }
+}
+
+/// Writes 16 rows of 16 steps each (`rows[i][s]`) transposed into `steps`: step `s`'s 16
+/// values go to `steps[s·width + offset..][..16]`. Four rounds of in-register shuffles, 64
+/// in all for 256 values, where the element-by-element copy moves one value per cycle.
+///
+/// # Safety
+/// AVX-512F must be present.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f")]
+unsafe fn transpose_16x16(rows: &[&[f32]], steps: &mut [f32], width: usize, offset: usize) {
+    // Bounds, checked once: 16 rows of at least 16 values, 16 steps of `offset + 16` slots.
+    assert!(rows.len() == 16 && rows.iter().all(|row| row.len() >= 16));
+    assert!(offset + 16 <= width && steps.len() >= 15 * width + offset + 16);
+    // SAFETY: each row holds at least 16 floats (asserted above).
+    let r: [__m512; 16] = std::array::from_fn(|i| unsafe { _mm512_loadu_ps(rows[i].as_ptr()) });
+    // Round 1: rows 2i and 2i + 1 interleaved within each 128-bit lane.
+    let mut t = [_mm512_setzero_ps(); 16];
+    for i in 0..8 {
+        t[2 * i] = _mm512_unpacklo_ps(r[2 * i], r[2 * i + 1]);
+        t[2 * i + 1] = _mm512_unpackhi_ps(r[2 * i], r[2 * i + 1]);
+    }
+    // Round 2: lane `l` of `u[4g + j]` holds column `4l + j` of rows `4g..4g + 4`.
+    let mut u = [_mm512_setzero_ps(); 16];
+    for g in 0..4 {
+        let a0 = _mm512_castps_pd(t[4 * g]);
+        let a1 = _mm512_castps_pd(t[4 * g + 1]);
+        let b0 = _mm512_castps_pd(t[4 * g + 2]);
+        let b1 = _mm512_castps_pd(t[4 * g + 3]);
+        u[4 * g] = _mm512_castpd_ps(_mm512_unpacklo_pd(a0, b0));
+        u[4 * g + 1] = _mm512_castpd_ps(_mm512_unpackhi_pd(a0, b0));
+        u[4 * g + 2] = _mm512_castpd_ps(_mm512_unpacklo_pd(a1, b1));
+        u[4 * g + 3] = _mm512_castpd_ps(_mm512_unpackhi_pd(a1, b1));
+    }
+    // Rounds 3 and 4 gather each column's four 4-row pieces into one vector.
+    for j in 0..4 {
+        let x_lo = _mm512_shuffle_f32x4::<0x88>(u[j], u[4 + j]);
+        let x_hi = _mm512_shuffle_f32x4::<0xDD>(u[j], u[4 + j]);
+        let y_lo = _mm512_shuffle_f32x4::<0x88>(u[8 + j], u[12 + j]);
+        let y_hi = _mm512_shuffle_f32x4::<0xDD>(u[8 + j], u[12 + j]);
+        let columns = [
+            (j, _mm512_shuffle_f32x4::<0x88>(x_lo, y_lo)),
+            (8 + j, _mm512_shuffle_f32x4::<0xDD>(x_lo, y_lo)),
+            (4 + j, _mm512_shuffle_f32x4::<0x88>(x_hi, y_hi)),
+            (12 + j, _mm512_shuffle_f32x4::<0xDD>(x_hi, y_hi)),
+        ];
+        for (step, value) in columns {
+            // SAFETY: `step < 16`, so `step·width + offset + 16 ≤ steps.len()` (asserted).
+            unsafe { _mm512_storeu_ps(steps.as_mut_ptr().add(step * width + offset), value) };
         }
     }
 }
