@@ -5,7 +5,7 @@
 //! fused multiply-adds, so the two load ports, not the two FMA units, set its pace. This
 //! kernel keeps a 12 × 32 tile in 24 registers: per step two vectors of `B` and 12
 //! broadcasts, 14 loads for 24 multiply-adds, which leaves the FMA units the bottleneck. On
-//! the AVX-512 Xeon the training tables come from, GPT-2's layer products run 1.04–1.34× as
+//! the AVX-512 Xeon the training tables come from, GPT-2's layer products run 1.10–1.37× as
 //! fast as through matrixmultiply (`cargo run --release -p hypershard-benches --bin
 //! bench-gemm` times both).
 //!
