@@ -16,6 +16,8 @@
 
 use std::path::PathBuf;
 
+use hypershard_benches::memory::GptShape;
+use hypershard_benches::train::preset;
 use hypershard_benches::{TimingStats, time_runs, write_json};
 use hypershard_nn::linalg::{MatmulOptions, matmul_f32_into};
 use hypershard_nn::with_num_threads;
@@ -83,8 +85,9 @@ struct Product {
 }
 
 /// The three products of each distinct `Linear` shape (`[in, out]`) of `model` at `tokens`.
-fn products(model: &'static str, tokens: usize) -> Vec<Product> {
-    let embd = if model == "gpt2" { 768 } else { 192 };
+fn products(model: &'static str, tokens: usize) -> Result<Vec<Product>, String> {
+    let shape = preset(model).ok_or_else(|| format!("{model} is not a preset"))?;
+    let embd = shape.n_embd;
     let layers = [
         ("qkv", tokens, embd, 3 * embd),
         ("proj", tokens, embd, embd),
@@ -92,7 +95,7 @@ fn products(model: &'static str, tokens: usize) -> Vec<Product> {
         ("fc_proj", tokens, 4 * embd, embd),
     ];
     let mut out = Vec::new();
-    for (layer, rows, input, output) in layers.into_iter().chain(head(model, embd)) {
+    for (layer, rows, input, output) in layers.into_iter().chain(head(model, &shape)) {
         let product = |pass: &str, m, k, n, transpose_a, transpose_b| Product {
             model,
             name: format!("{layer} {pass}"),
@@ -109,13 +112,15 @@ fn products(model: &'static str, tokens: usize) -> Vec<Product> {
         // dW[out, in] = dy[t, out]ᵀ · x[t, in]
         out.push(product("weight grad", output, rows, input, true, false));
     }
-    out
+    Ok(out)
 }
 
-/// GPT-2's loss head as the fused head runs it: one block of 166 token rows (32 MiB of
-/// logits) against the `[50 304, 768]` embedding. Medium's vocabulary is too small to matter.
-fn head(model: &str, embd: usize) -> Option<(&'static str, usize, usize, usize)> {
-    (model == "gpt2").then_some(("head", (1 << 23) / 50_304, embd, 50_304))
+/// GPT-2's loss head as the fused head runs it: one block of as many token rows as keep its
+/// logits within 2²³ elements (the fused head's block; 166 rows) against the `[V, C]`
+/// embedding. Medium's vocabulary is too small to matter.
+fn head(model: &str, shape: &GptShape) -> Option<(&'static str, usize, usize, usize)> {
+    let rows = (1 << 23) / shape.vocab_size;
+    (model == "gpt2").then_some(("head", rows, shape.n_embd, shape.vocab_size))
 }
 
 #[derive(Debug, Clone, serde::Serialize)]
@@ -233,7 +238,8 @@ fn run() -> Result<(), String> {
     );
     let mut rows = Vec::new();
     for model in &args.models {
-        for p in products(model, 1024) {
+        // 1024 tokens: gpt2's batch 1 and medium's batch 8 of full sequences.
+        for p in products(model, 1024)? {
             if args
                 .only
                 .as_ref()

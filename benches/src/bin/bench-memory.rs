@@ -375,15 +375,7 @@ const MEASURED: &str = "resident memory: VmHWM (peak resident set) of each rank 
      idle = resident set before the model is built; each figure the maximum over the ranks";
 
 fn gpt2() -> GptShape {
-    GptShape {
-        vocab_size: 50_304,
-        block_size: 1024,
-        n_layer: 12,
-        n_head: 12,
-        n_embd: 768,
-        bias: true,
-        dropout: 0.0,
-    }
+    hypershard_benches::train::preset("gpt2").expect("invariant: gpt2 is one of the presets")
 }
 
 fn hypershard_binary(args: &Args) -> Result<PathBuf> {

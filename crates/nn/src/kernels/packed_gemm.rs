@@ -25,6 +25,8 @@
 
 use std::cell::RefCell;
 
+use super::small_gemm::available;
+
 #[cfg(target_arch = "x86_64")]
 use std::arch::x86_64::{
     __m512, __mmask16, _MM_HINT_T0, _mm_prefetch, _mm512_add_ps, _mm512_castpd_ps,
@@ -75,18 +77,6 @@ fn floats(blocks: &mut Vec<Block>, len: usize) -> &mut [f32] {
     }
     let all: &mut [f32] = bytemuck::cast_slice_mut(blocks.as_mut_slice());
     &mut all[..len]
-}
-
-/// Whether the kernel can run on this CPU.
-pub(crate) fn available() -> bool {
-    #[cfg(target_arch = "x86_64")]
-    {
-        std::arch::is_x86_feature_detected!("avx512f")
-    }
-    #[cfg(not(target_arch = "x86_64"))]
-    {
-        false
-    }
 }
 
 /// A strided matrix operand: element `(i, p)` at `start + i·row + p·col`.
@@ -263,7 +253,8 @@ unsafe fn blocked(
 /// The width is a constant so that a full step's copy is a few vector moves, not a call.
 ///
 /// # Safety
-/// Every element `(i, p)`, `i < rows`, `p < kc`, of `src` must be readable.
+/// AVX-512F must be present (as it is in [`blocked`], the only caller), and every element
+/// `(i, p)`, `i < rows`, `p < kc`, of `src` must be readable.
 #[cfg(target_arch = "x86_64")]
 unsafe fn pack<const WIDTH: usize>(src: Strided, rows: usize, kc: usize, dst: &mut [f32]) {
     let width = WIDTH;
@@ -313,13 +304,13 @@ unsafe fn pack<const WIDTH: usize>(src: Strided, rows: usize, kc: usize, dst: &m
                 }
                 // Whole 16 × 16 blocks go through the vector transpose; the ragged rest (rows
                 // past the last 16, the steps of a short last chunk) element by element.
-                let vector_rows = if count == TRANSPOSE_STEPS && available() {
+                let vector_rows = if count == TRANSPOSE_STEPS {
                     height / 16 * 16
                 } else {
                     0
                 };
                 for group in (0..vector_rows).step_by(16) {
-                    // SAFETY: AVX-512F is present (checked above).
+                    // SAFETY: AVX-512F is present (this function's contract).
                     unsafe { transpose_16x16(&rows[group..group + 16], steps, width, group) };
                 }
                 for (s, step) in steps.chunks_exact_mut(width).enumerate() {

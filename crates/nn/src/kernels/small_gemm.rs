@@ -29,7 +29,7 @@ use std::arch::x86_64::{
 /// reused often enough there to pay for themselves (and which splits rows over threads).
 pub(crate) const MAX_ROWS: usize = 64;
 
-/// Whether the kernels can run on this CPU.
+/// Whether the kernels can run on this CPU (AVX-512F, which `packed_gemm` needs too).
 pub(crate) fn available() -> bool {
     #[cfg(target_arch = "x86_64")]
     {
