@@ -66,5 +66,5 @@ pub use norm::{LayerNorm, LayerNormConfig, RmsNorm, RmsNormConfig};
 pub use param::{InitFn, InitRequest, Parameter, materialize_module};
 pub use recompute::Checkpointed;
 pub use sequential::Sequential;
-pub use threads::with_num_threads;
+pub use threads::{keep_warm, with_num_threads};
 pub use transformer::{Block, BlockConfig, Mlp};

@@ -457,7 +457,9 @@ fn train_rank(config: TrainConfig, world: Arc<dyn Communicator>) -> Result<Optio
     trainer.counter.reset();
     for step in start..total {
         let timer = std::time::Instant::now();
-        let loss = trainer.train_step(step)?;
+        // The step's kernels alternate with short serial stretches; the pool's other threads
+        // poll through them instead of sleeping (see `keep_warm`).
+        let loss = hypershard_nn::keep_warm(|| trainer.train_step(step))?;
         let step_seconds = timer.elapsed().as_secs_f64();
         // The loss is the mean over the ranks, so every rank stops here alike.
         if !loss.is_finite() && !trainer.config.allow_nonfinite {
@@ -477,7 +479,7 @@ fn train_rank(config: TrainConfig, world: Arc<dyn Communicator>) -> Result<Optio
         }
         let done = step + 1;
         if trainer.config.eval_every > 0 && done % trainer.config.eval_every == 0 {
-            let eval = trainer.evaluate()?;
+            let eval = hypershard_nn::keep_warm(|| trainer.evaluate())?;
             if let Some(reporter) = reporter.as_mut() {
                 reporter.eval(step, eval);
             }
