@@ -23,7 +23,7 @@
 
 use rayon::prelude::*;
 
-use super::Dims;
+use super::{Dims, copy_head_row};
 use crate::dropout::DropMask;
 use crate::kernels::vector_isa::vectorized;
 use crate::kernels::{Float, add_assign, small_nn_rows};
@@ -108,42 +108,76 @@ fn transpose_blocks<F: Float>(x: &[F], seq: usize, d: usize, tile: usize) -> Vec
 /// `exp` in it) from being vectorised.
 const LANES: usize = 16;
 
-/// The maximum of a non-empty row.
+/// Folds the `LANES` partial results pairwise (8 + 8, 4 + 4, ...): a handful of vector
+/// shuffles, where folding them one after the other is a chain of 16 dependent scalar steps
+/// per row.
 #[inline(always)]
-fn row_max<F: Float>(row: &[F]) -> F {
-    let mut maxes = [row[0]; LANES];
-    let mut chunks = row.chunks_exact(LANES);
-    for chunk in &mut chunks {
-        for (m, &x) in maxes.iter_mut().zip(chunk) {
+fn fold_lanes<F: Float>(mut lanes: [F; LANES], op: impl Fn(F, F) -> F) -> F {
+    let mut half = LANES / 2;
+    while half > 0 {
+        for i in 0..half {
+            lanes[i] = op(lanes[i], lanes[i + half]);
+        }
+        half /= 2;
+    }
+    lanes[0]
+}
+
+/// The maximum of the first `seen` (≥ 1) entries of `row`.
+///
+/// Whole groups of `LANES` entries are read, the entries past `seen` replaced by `−∞`: a
+/// row on the causal diagonal then still runs in vectors instead of ending in up to 15
+/// scalar steps.
+#[inline(always)]
+fn row_max<F: Float>(row: &[F], seen: usize) -> F {
+    let neg_inf = F::of(f64::NEG_INFINITY);
+    let mut maxes = [neg_inf; LANES];
+    let end = (seen.div_ceil(LANES) * LANES).min(row.len());
+    for (c, chunk) in row[..end].chunks(LANES).enumerate() {
+        for (l, (m, &x)) in maxes.iter_mut().zip(chunk).enumerate() {
+            let x = if c * LANES + l < seen { x } else { neg_inf };
             *m = m.max(x);
         }
     }
-    chunks
-        .remainder()
-        .iter()
-        .chain(&maxes)
-        .fold(row[0], |acc, &x| acc.max(x))
+    fold_lanes(maxes, F::max)
 }
 
-/// Replaces every `x` of `row` by `exp(x·scale − shift)` and returns their sum.
+/// Replaces the first `seen` entries `x` of `row` by `exp(x·scale − shift)` and the others
+/// by zero, and returns the sum of the first `seen`.
+///
+/// As in [`row_max`], whole groups of `LANES` are computed and the entries past `seen`
+/// masked out (an `exp` of a hidden score may overflow to `+∞`; it is discarded, not summed).
 #[inline(always)]
-fn exp_in_place_and_sum<F: Float>(row: &mut [F], scale: F, shift: F) -> F {
+fn exp_in_place_and_sum<F: Float>(row: &mut [F], seen: usize, scale: F, shift: F) -> F {
     let mut sums = [F::ZERO; LANES];
-    let mut chunks = row.chunks_exact_mut(LANES);
-    for chunk in &mut chunks {
-        for (sum, x) in sums.iter_mut().zip(chunk) {
+    let end = (seen.div_ceil(LANES) * LANES).min(row.len());
+    let (head, tail) = row.split_at_mut(end);
+    for (c, chunk) in head.chunks_mut(LANES).enumerate() {
+        for (l, (sum, x)) in sums.iter_mut().zip(chunk).enumerate() {
             let e = (*x * scale - shift).exp();
+            let e = if c * LANES + l < seen { e } else { F::ZERO };
             *x = e;
             *sum += e;
         }
     }
-    let mut rest = F::ZERO;
-    for x in chunks.into_remainder() {
-        let e = (*x * scale - shift).exp();
-        *x = e;
-        rest += e;
+    tail.fill(F::ZERO);
+    fold_lanes(sums, |a, b| a + b)
+}
+
+/// Replaces the first `seen` entries `x` of `row` by `exp(x·scale − shift)` and the others
+/// by zero (the backward's weights, recomputed from the log-sum-exp `shift`), in whole
+/// groups of `LANES` as [`exp_in_place_and_sum`].
+#[inline(always)]
+fn exp_in_place<F: Float>(row: &mut [F], seen: usize, scale: F, shift: F) {
+    let end = (seen.div_ceil(LANES) * LANES).min(row.len());
+    let (head, tail) = row.split_at_mut(end);
+    for (c, chunk) in head.chunks_mut(LANES).enumerate() {
+        for (l, x) in chunk.iter_mut().enumerate() {
+            let e = (*x * scale - shift).exp();
+            *x = if c * LANES + l < seen { e } else { F::ZERO };
+        }
     }
-    sums.iter().fold(rest, |acc, &s| acc + s)
+    tail.fill(F::ZERO);
 }
 
 /// The number of columns of key block `c0 .. c0 + cols` that row `row` sees (`col ≤ row`).
@@ -205,15 +239,14 @@ fn forward_head<F: Float>(
             for i in 0..rows {
                 let seen = visible(r0 + i, c0, cols);
                 let row = &mut scores[i * cols..(i + 1) * cols];
-                let (vis, hidden) = row.split_at_mut(seen);
                 // `scale` > 0, and rounding is monotonic: the maximum of the scaled scores is
                 // the scaled maximum.
-                let block_max = row_max(vis) * scale;
+                let block_max = row_max(row, seen) * scale;
                 let new_max = s.row_max[i].max(block_max);
                 // exp(−∞) = 0 on a row's first block: nothing accumulated yet to rescale.
                 let correction = (s.row_max[i] - new_max).exp();
-                let sum = exp_in_place_and_sum(vis, scale, new_max);
-                hidden.fill(F::ZERO);
+                let sum = exp_in_place_and_sum(row, seen, scale, new_max);
+                let vis = &mut row[..seen];
                 s.row_sum[i] = s.row_sum[i] * correction + sum;
                 s.row_max[i] = new_max;
                 if correction != F::ONE {
@@ -312,7 +345,7 @@ fn scatter_forward<F: Float>(heads: &[(Vec<F>, Vec<F>)], dims: Dims, y: &mut [F]
         .for_each(|(row, dst)| {
             let (b, ti) = (row / t, row % t);
             for (h, part) in dst.chunks_exact_mut(d).enumerate() {
-                part.copy_from_slice(&heads[b * dims.n_head + h].0[ti * d..(ti + 1) * d]);
+                copy_head_row(part, &heads[b * dims.n_head + h].0[ti * d..(ti + 1) * d]);
             }
         });
     heads
@@ -412,11 +445,7 @@ fn backward_head<F: Float>(
             for i in 0..rows {
                 let row = r0 + i;
                 let seen = visible(row, c0, cols);
-                let (vis, hidden) = probs[i * cols..(i + 1) * cols].split_at_mut(seen);
-                for x in vis.iter_mut() {
-                    *x = (*x * scale - lse[row]).exp();
-                }
-                hidden.fill(F::ZERO);
+                exp_in_place(&mut probs[i * cols..(i + 1) * cols], seen, scale, lse[row]);
             }
             // The weights after dropout, `P' = P ⊙ M`, feed `dv`; `dP = dP' ⊙ M` below.
             let dropped: &[F] = if let Some(m) = &mask {
@@ -552,7 +581,7 @@ fn scatter_backward<F: Float>(per_head: &[[Vec<F>; 3]], dims: Dims, grad_qkv: &m
             for (part, section) in dst.chunks_exact_mut(dims.n_embd).enumerate() {
                 for (h, slot) in section.chunks_exact_mut(d).enumerate() {
                     let src = &per_head[b * dims.n_head + h][part];
-                    slot.copy_from_slice(&src[ti * d..(ti + 1) * d]);
+                    copy_head_row(slot, &src[ti * d..(ti + 1) * d]);
                 }
             }
         });
@@ -666,6 +695,8 @@ mod tests {
         for seq in [1, 7, 64, 130] {
             check::<f32>(dims(2, seq, 128, 2), TILE, None, 1e-5);
             check::<f64>(dims(2, seq, 128, 2), TILE, None, 1e-12);
+            // Heads of width 32 (medium's): the 32-wide panels of the tile products.
+            check::<f32>(dims(2, seq, 192, 6), TILE, None, 1e-5);
         }
         for (seq, tile) in [(7, 2), (7, 3), (37, 8), (64, 16), (130, 32), (200, 48)] {
             check::<f32>(dims(1, seq, 12, 3), tile, None, 1e-5);

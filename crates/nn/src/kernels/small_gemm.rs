@@ -266,8 +266,15 @@ fn store(dst: &mut [f32], v: __m512) {
 /// panel fell out of cache between row blocks.
 const KC: usize = 64;
 
-/// Column panels of 64 (then 16, then a masked remainder), `KC` rows of `B` at a time, by
-/// blocks of 4 rows of `A`; the partial sums of `C` are stored and reloaded between passes.
+/// Column panels of 64 (then 32, then 16, then a masked remainder), `KC` rows of `B` at a
+/// time, by blocks of 4 rows of `A` (8 for a 32-wide panel); the partial sums of `C` are
+/// stored and reloaded between passes.
+///
+/// A 32-wide panel is a product with a head of width 32 on its output side (the attention's
+/// `P·V` and the gradients `dS·K`, `dSᵀ·Q`, `Pᵀ·dO` at medium's `D = 32`). It takes 8 rows
+/// at a time: 16 running sums, as the 64-wide panel's 4 rows keep, where 16-wide panels of 4
+/// rows kept 4, too few to cover the multiply-add's latency, with a broadcast per
+/// multiply-add.
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx512f")]
 fn nn_avx512(
@@ -279,13 +286,20 @@ fn nn_avx512(
 ) {
     let mut j = 0;
     while j < n {
-        let width = if n - j >= 64 { 64 } else { (n - j).min(16) };
+        let width = if n - j >= 64 {
+            64
+        } else if n - j >= 32 {
+            32
+        } else {
+            (n - j).min(16)
+        };
+        let row_block = if width == 32 { 8 } else { 4 };
         let mut p0 = 0;
         while p0 < k {
             let p1 = (p0 + KC).min(k);
             let mut i = 0;
             while i < m {
-                let rows = (m - i).min(4);
+                let rows = (m - i).min(row_block);
                 let block = NnBlock {
                     i,
                     j,
@@ -295,6 +309,12 @@ fn nn_avx512(
                 };
                 let a = (a, a_strides);
                 match (rows, width) {
+                    (8, 32) => nn_block::<8, 2>(a, b, n, block, c),
+                    (_, 32) => {
+                        for ii in i..i + rows {
+                            nn_block::<1, 2>(a, b, n, NnBlock { i: ii, ..block }, c);
+                        }
+                    }
                     (4, 64) => nn_block::<4, 4>(a, b, n, block, c),
                     (4, _) => nn_block::<4, 1>(a, b, n, block, c),
                     (_, 64) => {
@@ -460,10 +480,15 @@ mod tests {
 
     #[test]
     fn kernels_match_a_reference_on_ragged_shapes() {
-        // Row counts around the 4-row blocks, inner sizes around the 16-lane vectors, column
-        // counts around the 4-column (nt) and 16/64-column (nn) panels.
+        // Row counts around the 4- and 8-row blocks, inner sizes around the 16-lane vectors,
+        // column counts around the 4-column (nt) and 16/32/64-column (nn) panels.
         let shapes = [
             (64, 64, 32),
+            (13, 40, 32),
+            (8, 70, 48),
+            (21, 65, 100),
+            (9, 3, 33),
+            (40, 130, 31),
             (1, 1, 1),
             (3, 17, 5),
             (4, 16, 4),
