@@ -496,10 +496,11 @@ const FLOPS: &str = "model FLOPs per step: 6·(12·L·C² + V·C)·tokens + 12·
      QKᵀ and A·V over the full T×T square); peak fraction = median tokens/s × FLOPs per token \
      / (FMA peak per core × threads per rank × ranks)";
 
-const FMA_METHOD: &str = "one thread per core, all at once, each running 12 independent AVX2 \
-     FMA chains (8 f32 lanes, an FMA counted as 2 FLOPs; 12 chains hide the FMA latency on two \
-     ports) in repetitions of 10^6 rounds (192 MFLOP); peak = the best repetition of any thread \
-     times the threads (other work can only slow a repetition down)";
+const FMA_METHOD: &str = "one thread per core, all at once, each running 12 independent FMA \
+     chains of the widest vectors the CPU has (AVX-512: 16 f32 lanes, else AVX2: 8; an FMA \
+     counted as 2 FLOPs; 12 chains hide the FMA latency on two ports) in repetitions of 10^6 \
+     rounds, before the runs and after them; peak = the best repetition of any thread times \
+     the threads (other work can only slow a repetition down)";
 
 fn hypershard_binary(args: &Args) -> Result<PathBuf> {
     let binary = match &args.hypershard {
