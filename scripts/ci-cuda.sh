@@ -64,6 +64,16 @@ HYPERSHARD_TEST_NVRTC=1 \
 # nn on CUDA tensors: tests/cuda_devices (its bodies on the host and the emulated device; a
 # typed error, no panic, for a GPU that is not there).
 cargo test -p hypershard-nn --features cuda --locked --test cuda_devices
+# The layer kernels' arithmetic and block synchronisation, emulated on the host: the layer
+# section of kernels.cu compiled as C++ (g++ -std=c++20), checked against host references, then
+# again under ThreadSanitizer (about two minutes on 2 cores).
+if ! command -v g++ >/dev/null 2>&1; then
+    SUDO=""
+    [ "$(id -u)" -eq 0 ] || SUDO="sudo"
+    $SUDO apt-get update -qq
+    DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq g++
+fi
+bash crates/tensor/tests/cuda_emulate/run.sh
 # bench-nccl (hypershard-benches, feature `nccl`) is linted by the workspace clippy above. Its
 # unit tests are not run here: with the feature, collectives and every crate above it in the
 # benches' tree recompile (about a minute); its sweep logic is tested in the benches' lib.

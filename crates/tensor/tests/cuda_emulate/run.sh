@@ -14,9 +14,14 @@ root="$(cd "$here/../../../.." && pwd)"
 work="$(mktemp -d)"
 trap 'rm -rf "$work"' EXIT
 
-awk '/^\/\/ GPT layers for hypershard-nn/ { p = 1 } p' "$root/crates/tensor/src/cuda/kernels.cu" \
-    > "$work/gpt_kernels.inc"
-test -s "$work/gpt_kernels.inc"
+# The layer section starts at its heading comment; a renamed heading must fail here, not
+# leave the emulation with nothing to compile.
+awk '/^\/\/ The CUDA side of hypershard-nn.s layers/ { p = 1 } p' \
+    "$root/crates/tensor/src/cuda/kernels.cu" > "$work/gpt_kernels.inc"
+test -s "$work/gpt_kernels.inc" || {
+    echo "cuda_emulate: no layer section heading in kernels.cu" >&2
+    exit 1
+}
 (cd "$root" && cargo run --quiet --locked -p hypershard-nn --example gelu_reference -- "$work/gelu.bin")
 cp "$here/prelude.h" "$here/main.cpp" "$work/"
 flags=(-std=c++20 -O1 -ffp-contract=off -fno-fast-math -pthread)
