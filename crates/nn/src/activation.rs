@@ -166,14 +166,15 @@ impl Pointwise for Relu {
 
 impl Pointwise for Gelu {
     #[cfg(feature = "cuda")]
-    fn cuda(&self, op: &'static str, x: &Tensor, grad: Option<&Tensor>) -> Result<Tensor> {
-        // Only the exact GELU has a kernel.
-        if self.approximation == GeluApproximation::Tanh {
-            crate::kernels::host_only(op, &x.device())?;
-        }
+    fn cuda(&self, _op: &'static str, x: &Tensor, grad: Option<&Tensor>) -> Result<Tensor> {
+        use crate::kernels::cuda::{Activation, activation, activation_backward};
+        let f = match self.approximation {
+            GeluApproximation::None => Activation::GeluExact,
+            GeluApproximation::Tanh => Activation::GeluTanh,
+        };
         Ok(match grad {
-            None => crate::kernels::cuda::gelu(x)?,
-            Some(grad) => crate::kernels::cuda::gelu_backward(x, grad)?,
+            None => activation(f, x)?,
+            Some(grad) => activation_backward(f, x, grad)?,
         })
     }
 
@@ -226,6 +227,15 @@ impl Pointwise for Gelu {
 }
 
 impl Pointwise for Silu {
+    #[cfg(feature = "cuda")]
+    fn cuda(&self, _op: &'static str, x: &Tensor, grad: Option<&Tensor>) -> Result<Tensor> {
+        use crate::kernels::cuda::{Activation, activation, activation_backward};
+        Ok(match grad {
+            None => activation(Activation::Silu, x)?,
+            Some(grad) => activation_backward(Activation::Silu, x, grad)?,
+        })
+    }
+
     fn value<F: Float>(&self, x: F) -> F {
         x * sigmoid(x)
     }

@@ -23,10 +23,12 @@ pub struct Dropout {
     mask: Option<MaskCache>,
 }
 
-/// The scale applied to each element in the last forward (0 or `1/(1 − p)`, or 1 when off).
+/// What the backward needs of the last forward: its mask (`None` when it dropped nothing),
+/// which regenerates each element's scale from its index, and the input's shape. Keeping the
+/// mask's seed instead of the scales costs nothing per element.
 #[derive(Debug)]
 struct MaskCache {
-    scales: Option<Vec<f64>>,
+    mask: Option<DropMask>,
     shape: Vec<usize>,
 }
 
@@ -100,11 +102,22 @@ impl Dropout {
     }
 }
 
-/// `x[i] · scales[i]` in the compute type of `x`'s dtype.
-fn scale_elements(op: &'static str, x: &Tensor, scales: &[f64]) -> Result<Tensor> {
+/// `x[i] · scale_at(i)` in the compute type of `x`'s dtype (the scale rounded to it): the
+/// forward on the input, the backward on the output's gradient. On a CUDA device the
+/// `dropout_f32` kernel computes the same, element by element.
+fn apply_mask(op: &'static str, x: &Tensor, mask: &DropMask) -> Result<Tensor> {
+    #[cfg(feature = "cuda")]
+    if x.device().is_cuda() {
+        let (seed, p, keep) = (mask.init.seed, mask.p, mask.keep_scale);
+        return crate::kernels::cuda::dropout(&x.contiguous()?, seed, p, keep);
+    }
     with_float!(op, x.dtype(), F => {
         let xs = load::<F>(x)?;
-        let out: Vec<F> = xs.iter().zip(scales).map(|(&v, &s)| v * F::of(s)).collect();
+        let out: Vec<F> = xs
+            .iter()
+            .enumerate()
+            .map(|(i, &v)| v * F::of(mask.scale_at(i as u64)))
+            .collect();
         store(out, x.shape(), x.dtype(), &x.device())
     })
 }
@@ -116,23 +129,15 @@ impl Module for Dropout {
 
     fn forward(&mut self, input: &Tensor) -> Result<Tensor> {
         check_float("Dropout::forward", input.dtype())?;
-        let Some(mask) = self.draw_mask() else {
-            self.mask = Some(MaskCache {
-                scales: None,
-                shape: input.shape().to_vec(),
-            });
-            return Ok(input.clone());
-        };
-        crate::kernels::host_only("Dropout::forward", &input.device())?;
-        let scales: Vec<f64> = (0..input.numel() as u64)
-            .map(|i| mask.scale_at(i))
-            .collect();
-        let out = scale_elements("Dropout::forward", input, &scales)?;
+        let mask = self.draw_mask();
         self.mask = Some(MaskCache {
-            scales: Some(scales),
+            mask,
             shape: input.shape().to_vec(),
         });
-        Ok(out)
+        match mask {
+            None => Ok(input.clone()),
+            Some(mask) => apply_mask("Dropout::forward", input, &mask),
+        }
     }
 
     fn backward(&mut self, grad_output: &Tensor) -> Result<Tensor> {
@@ -147,9 +152,9 @@ impl Module for Dropout {
                 rhs: grad_output.shape().to_vec(),
             });
         }
-        match mask.scales {
+        match mask.mask {
             None => Ok(grad_output.clone()),
-            Some(scales) => scale_elements("Dropout::backward", grad_output, &scales),
+            Some(drop) => apply_mask("Dropout::backward", grad_output, &drop),
         }
     }
 

@@ -74,6 +74,17 @@ enum Centering {
     None,
 }
 
+#[cfg(feature = "cuda")]
+impl Centering {
+    /// The device kernels' name for the same normalisation.
+    fn device_norm(self) -> crate::kernels::cuda::Norm {
+        match self {
+            Centering::Mean => crate::kernels::cuda::Norm::Layer,
+            Centering::None => crate::kernels::cuda::Norm::Rms,
+        }
+    }
+}
+
 /// Rows per parallel task of the norm kernels. Fixed, so the backward's per-task partial sums
 /// of the parameter gradients (and so their bits) do not depend on the number of threads.
 const ROWS_PER_TASK: usize = 16;
@@ -283,11 +294,7 @@ fn run_forward(
     };
     #[cfg(feature = "cuda")]
     if device.is_cuda() {
-        // Only LayerNorm has a kernel.
-        if centering == Centering::None {
-            crate::kernels::host_only(op, &device)?;
-        }
-        let fwd = crate::kernels::cuda::layer_norm(input, weight, bias, eps)?;
+        let fwd = crate::kernels::cuda::norm(centering.device_norm(), input, weight, bias, eps)?;
         let cache = NormCache {
             normalized: fwd.xhat,
             inv_std: fwd.rstd,
@@ -341,12 +348,13 @@ fn run_backward(
     let device = same_device(op, &[weight, grad_output, &cache.normalized])?;
     #[cfg(feature = "cuda")]
     if device.is_cuda() {
-        if centering == Centering::None {
-            crate::kernels::host_only(op, &device)?;
-        }
         let saved = [&cache.normalized, &cache.inv_std];
-        let [grad_input, grad_weight, grad_bias] =
-            crate::kernels::cuda::layer_norm_backward(&grad_output.contiguous()?, saved, weight)?;
+        let [grad_input, grad_weight, grad_bias] = crate::kernels::cuda::norm_backward(
+            centering.device_norm(),
+            &grad_output.contiguous()?,
+            saved,
+            weight,
+        )?;
         return Ok(NormGrads {
             grad_input,
             grad_weight,

@@ -119,6 +119,14 @@ fn layer_norm(d: &Device) -> Result<Vec<Tensor>> {
         ln.weight.data = Some(normal(&[8], DType::F32, 7)?);
         out.extend(forward_backward(&mut ln, d, &x, 8)?);
     }
+    // RMSNorm runs the same kernels without centring.
+    let mut rms = RmsNorm::new(RmsNormConfig {
+        normalized_shape: 8,
+        eps: None,
+        dtype: DType::F32,
+    })?;
+    rms.weight.data = Some(normal(&[8], DType::F32, 9)?);
+    out.extend(forward_backward(&mut rms, d, &x, 10)?);
     Ok(out)
 }
 
@@ -126,6 +134,15 @@ fn activations(d: &Device) -> Result<Vec<Tensor>> {
     let x = normal(&[3, 700], DType::F32, 10)?;
     let mut out = forward_backward(&mut Gelu::new(GeluApproximation::None), d, &x, 12)?;
     out.extend(forward_backward(&mut Relu::new(), d, &x, 14)?);
+    out.extend(forward_backward(
+        &mut Gelu::new(GeluApproximation::Tanh),
+        d,
+        &x,
+        15,
+    )?);
+    out.extend(forward_backward(&mut Silu::new(), d, &x, 16)?);
+    // Training dropout: the mask is drawn from the layer's seed on either device.
+    out.extend(forward_backward(&mut Dropout::new(0.3, 17)?, d, &x, 18)?);
     Ok(out)
 }
 
@@ -395,13 +412,6 @@ fn unsupported<T: std::fmt::Debug>(result: Result<T>, op: &str) -> Outcome {
 fn ops_without_a_kernel_say_so() -> Outcome {
     let run = || -> Result<Vec<Outcome>> {
         let x = normal(&[2, 4, 8], DType::F32, 1)?.to_device(&GPU)?;
-        let mut rms = RmsNorm::new(RmsNormConfig {
-            normalized_shape: 8,
-            eps: None,
-            dtype: DType::F32,
-        })?;
-        to_device(&mut rms, &GPU)?;
-        let mut dropout = Dropout::new(0.5, 3)?;
         let mut attn = CausalSelfAttention::new(CausalSelfAttentionConfig {
             dropout: 0.2,
             ..attention_config()
@@ -421,10 +431,6 @@ fn ops_without_a_kernel_say_so() -> Outcome {
         let _targets = model.fused_loss(DEFAULT_IGNORE_INDEX);
         let ids = Tensor::from_vec(vec![1i64, 2, 3], &[1, 3])?.to_device(&GPU)?;
         Ok(vec![
-            unsupported(rms.forward(&x), "RmsNorm::forward"),
-            unsupported(Silu::new().forward(&x), "SiLU"),
-            unsupported(Gelu::new(GeluApproximation::Tanh).forward(&x), "GELU"),
-            unsupported(dropout.forward(&x), "Dropout::forward"),
             unsupported(attn.forward(&x), "CausalSelfAttention::attn_dropout"),
             unsupported(momentum.step(&mut layer), "Sgd::step"),
             unsupported(clip_grad_norm(&mut layer, 1.0), "clip_grad_norm"),

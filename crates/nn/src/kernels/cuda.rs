@@ -106,21 +106,31 @@ pub(crate) fn relu_backward(x: &Tensor, grad: &Tensor) -> Result<Tensor> {
     Ok(dx)
 }
 
-/// The exact GELU and its backward (the tanh approximation has no kernel).
-pub(crate) use gpu::{gelu, gelu_backward};
+/// The activations with a kernel pair (exact and tanh GELU, SiLU): forward and backward.
+pub(crate) use gpu::{Activation, activation, activation_backward};
 
-/// LayerNorm's forward: the output, `x̂` and `1/σ` per row.
-pub(crate) fn layer_norm(
+pub(crate) use gpu::Norm;
+
+/// Dropout's mask applied on the device (f32): `x · scale` with each element's scale drawn
+/// from `(seed, index)` exactly as the host's `DropMask` draws it.
+pub(crate) fn dropout(x: &Tensor, seed: u64, p: f64, keep_scale: f64) -> Result<Tensor> {
+    Ok(gpu::dropout(x, seed, p, keep_scale)?)
+}
+
+/// LayerNorm's or RMSNorm's forward: the output, `x̂` and `1/σ` per row.
+pub(crate) fn norm(
+    kind: Norm,
     x: &Tensor,
     weight: &Tensor,
     bias: Option<&Tensor>,
     eps: f64,
 ) -> Result<gpu::LayerNormOutput> {
-    Ok(gpu::layer_norm(x, weight, bias, eps)?)
+    Ok(gpu::norm(kind, x, weight, bias, eps)?)
 }
 
-/// LayerNorm's backward: `[dx, dw, db]` (fresh gradients, which the layer accumulates).
-pub(crate) fn layer_norm_backward(
+/// The norm's backward: `[dx, dw, db]` (fresh gradients, which the layer accumulates).
+pub(crate) fn norm_backward(
+    kind: Norm,
     grad: &Tensor,
     saved: [&Tensor; 2],
     weight: &Tensor,
@@ -129,7 +139,7 @@ pub(crate) fn layer_norm_backward(
     let device = weight.device();
     let dw = Tensor::zeros_on(&[d], DType::F32, &device)?;
     let db = Tensor::zeros_on(&[d], DType::F32, &device)?;
-    let dx = gpu::layer_norm_backward(grad, saved, weight, &dw, Some(&db))?;
+    let dx = gpu::norm_backward(kind, grad, saved, weight, &dw, Some(&db))?;
     Ok([dx, dw, db])
 }
 

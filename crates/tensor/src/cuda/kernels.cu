@@ -217,20 +217,26 @@ __device__ float block_max(float v, float* shared) {
     return total;
 }
 
-// LayerNorm over rows of width d (norm.rs `norm_forward`, Centering::Mean): mean = Σx · inv_d,
+// LayerNorm over rows of width d (norm.rs `ForwardRows`, Centering::Mean): mean = Σx · inv_d,
 // var = Σ(x − mean)² · inv_d, r = 1 / √(var + eps), x̂ = (x − mean) · r, out = x̂ · w (+ b).
+// With `center` 0 it is RMSNorm (Centering::None): mean = 0, as on the host.
 // Writes out, x̂ and r (what backward needs). `b` is read only when `has_bias`.
 extern "C" __global__ void layer_norm_f32(float* out, float* xhat, float* rstd, const float* x,
                                           const float* w, const float* b, u32 has_bias,
-                                          u64 rows, u64 d, float inv_d, float eps) {
+                                          u32 center, u64 rows, u64 d, float inv_d, float eps) {
     __shared__ float shared[ROW_THREADS];
     for (u64 row = blockIdx.x; row < rows; row += gridDim.x) {
         const float* xr = x + row * d;
         float partial = 0.0f;
-        for (u64 j = threadIdx.x; j < d; j += ROW_THREADS) {
-            partial = partial + xr[j];
+        float mean = 0.0f;
+        // `center` is the same for the whole grid, so every thread of a block reaches the
+        // reduction's barriers or none does.
+        if (center) {
+            for (u64 j = threadIdx.x; j < d; j += ROW_THREADS) {
+                partial = partial + xr[j];
+            }
+            mean = block_sum(partial, shared) * inv_d;
         }
-        float mean = block_sum(partial, shared) * inv_d;
         partial = 0.0f;
         for (u64 j = threadIdx.x; j < d; j += ROW_THREADS) {
             float dev = xr[j] - mean;
@@ -254,10 +260,10 @@ extern "C" __global__ void layer_norm_f32(float* out, float* xhat, float* rstd, 
 }
 
 // LayerNorm's input gradient (norm.rs `norm_backward`): with ĝ = g · w,
-// dx = r · (ĝ − mean(ĝ) − x̂ · mean(ĝ · x̂)).
+// dx = r · (ĝ − mean(ĝ) − x̂ · mean(ĝ · x̂)); with `center` 0 (RMSNorm) without mean(ĝ).
 extern "C" __global__ void layer_norm_backward_f32(float* dx, const float* g, const float* xhat,
-                                                   const float* rstd, const float* w, u64 rows,
-                                                   u64 d, float inv_d) {
+                                                   const float* rstd, const float* w, u32 center,
+                                                   u64 rows, u64 d, float inv_d) {
     __shared__ float shared[ROW_THREADS];
     for (u64 row = blockIdx.x; row < rows; row += gridDim.x) {
         const float* gr = g + row * d;
@@ -269,7 +275,10 @@ extern "C" __global__ void layer_norm_backward_f32(float* dx, const float* g, co
             partial_g = partial_g + gh;
             partial_gx = partial_gx + gh * xr[j];
         }
-        float mean_g = block_sum(partial_g, shared) * inv_d;
+        // Both reductions run either way (`center` is uniform over the grid); RMSNorm drops
+        // mean(ĝ), as the host does.
+        float sum_g = block_sum(partial_g, shared);
+        float mean_g = center ? sum_g * inv_d : 0.0f;
         float mean_gx = block_sum(partial_gx, shared) * inv_d;
         float r = rstd[row];
         for (u64 j = threadIdx.x; j < d; j += ROW_THREADS) {
@@ -314,6 +323,84 @@ extern "C" __global__ void gelu_grad_f32(float* dx, const float* g, const float*
         float cdf = 0.5f * (1.0f + cpu_erf_f32(v * 0.7071067811865476f));
         float pdf = cpu_exp_f32(-0.5f * v * v) * 0.3989422804014327f;
         dx[i] = g[i] * (cdf + v * pdf);
+    }
+}
+
+// The CPU's `tanh_f32` (math.rs): 1 − 2 / (e^{2x} + 1).
+__device__ float cpu_tanh_f32(float x) {
+    return 1.0f - 2.0f / (cpu_exp_f32(2.0f * x) + 1.0f);
+}
+
+// The f32 constants of the tanh GELU as the CPU rounds them from f64 (activation.rs):
+// √(2/π) and 0.044715.
+__device__ __forceinline__ float gelu_tanh_c() { return __uint_as_float(0x3f4c422au); }
+__device__ __forceinline__ float gelu_tanh_coeff() { return __uint_as_float(0x3d372713u); }
+
+// The tanh GELU (activation.rs `gelu_tanh`): 0.5 x (1 + tanh(√(2/π) (x + 0.044715 x³))).
+extern "C" __global__ void gelu_tanh_f32(float* y, const float* x, u64 n) {
+    GRID_STRIDE(i, n) {
+        float v = x[i];
+        float inner = gelu_tanh_c() * (v + gelu_tanh_coeff() * v * v * v);
+        y[i] = 0.5f * v * (1.0f + cpu_tanh_f32(inner));
+    }
+}
+
+// Its backward (activation.rs `gelu_tanh_grad`): dx = g · (½(1 + t) + ½x(1 − t²)·c(1 + 3kx²))
+// with t = tanh(c(x + kx³)).
+extern "C" __global__ void gelu_tanh_grad_f32(float* dx, const float* g, const float* x, u64 n) {
+    GRID_STRIDE(i, n) {
+        float v = x[i];
+        float c = gelu_tanh_c();
+        float k = gelu_tanh_coeff();
+        float t = cpu_tanh_f32(c * (v + k * v * v * v));
+        float d_inner = c * (1.0f + 3.0f * k * v * v);
+        dx[i] = g[i] * (0.5f * (1.0f + t) + 0.5f * v * (1.0f - t * t) * d_inner);
+    }
+}
+
+// The CPU's `sigmoid` (activation.rs): 1 / (1 + e^{−x}).
+__device__ float cpu_sigmoid_f32(float x) {
+    return 1.0f / (1.0f + cpu_exp_f32(-x));
+}
+
+// SiLU (activation.rs `Silu`): x · σ(x).
+extern "C" __global__ void silu_f32(float* y, const float* x, u64 n) {
+    GRID_STRIDE(i, n) {
+        float v = x[i];
+        y[i] = v * cpu_sigmoid_f32(v);
+    }
+}
+
+// Its backward: dx = g · σ(x)(1 + x(1 − σ(x))).
+extern "C" __global__ void silu_grad_f32(float* dx, const float* g, const float* x, u64 n) {
+    GRID_STRIDE(i, n) {
+        float v = x[i];
+        float s = cpu_sigmoid_f32(v);
+        dx[i] = g[i] * (s * (1.0f + v * (1.0f - s)));
+    }
+}
+
+// The tensor crate's counter-based generator (random.rs): SplitMix64's finaliser applied to a
+// hashed seed plus (counter + 1)·GAMMA, and a uniform in [0, 1) from the top 53 bits.
+__device__ u64 splitmix_finalise(u64 z) {
+    z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
+    z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
+    return z ^ (z >> 31);
+}
+
+__device__ double random_unit(u64 seed, u64 counter) {
+    u64 bits = splitmix_finalise(splitmix_finalise(seed) + (counter + 1) * 0x9E3779B97F4A7C15ull);
+    return (double)(bits >> 11) * (1.0 / 9007199254740992.0);
+}
+
+// Dropout (dropout.rs `DropMask::scale_at`): element i is dropped when the uniform of
+// (seed, i) is below p, else scaled by keep_scale = 1/(1 − p); the scale rounds to f32 and
+// y = x · scale, as on the host. The backward runs the same kernel on the gradient.
+extern "C" __global__ void dropout_f32(float* y, const float* x, u64 n, u64 seed, double p,
+                                       double keep_scale) {
+    GRID_STRIDE(i, n) {
+        double scale = random_unit(seed, i) < p ? 0.0 : keep_scale;
+        y[i] = x[i] * (float)scale;
     }
 }
 

@@ -18,7 +18,7 @@
 //!   its own; every operation on its memory is ordered on that stream.
 //! * Kernels, compiled from CUDA C kept in the crate (`kernels.cu`) by NVRTC on first use:
 //!   casts, `add`/`axpy`/`scale`, ReLU, and the layers hypershard-nn runs on a GPU
-//!   ([`layer_norm`], [`gelu`], [`causal_softmax_`], [`split_heads`]/[`merge_heads`],
+//!   ([`layer_norm`], [`gelu`] and the other [`activation`]s, [`causal_softmax_`], [`split_heads`]/[`merge_heads`],
 //!   [`embedding`] (with [`TokenIndex`]), [`cross_entropy`] and
 //!   [`adamw_`], each with its backward; no atomics, so every result is reproducible).
 //! * [`matmul`], [`gemm`] and [`gemm_strided_batched`] through cuBLAS (f32, bf16, f16; f32
@@ -48,9 +48,10 @@ pub use device::{CudaDevice, device_count, probe};
 pub use error::{CudaError, CudaResult, Library, Unavailable};
 pub use kernels::{KERNEL_NAMES, KernelImage, compile_kernels};
 pub use nn_ops::{
-    AdamWStep, CrossEntropyOutput, LayerNormOutput, TokenIndex, adamw_, causal_softmax_,
-    causal_softmax_backward_, cross_entropy, embedding, embedding_backward, gelu, gelu_backward,
-    layer_norm, layer_norm_backward, merge_heads, split_heads,
+    Activation, AdamWStep, CrossEntropyOutput, LayerNormOutput, Norm, TokenIndex, activation,
+    activation_backward, adamw_, causal_softmax_, causal_softmax_backward_, cross_entropy, dropout,
+    embedding, embedding_backward, gelu, gelu_backward, layer_norm, layer_norm_backward,
+    merge_heads, norm, norm_backward, split_heads,
 };
 pub(crate) use ops::{cast, elementwise_};
 pub use ops::{relu_, relu_grad_};

@@ -1,4 +1,5 @@
-//! The device operations of nn's layers on CUDA tensors, f32 only: layer norm, exact GELU,
+//! The device operations of nn's layers on CUDA tensors, f32 only: layer norm and RMS norm,
+//! GELU (exact and tanh) and SiLU, dropout,
 //! the causal softmax of attention, attention's head split and merge, the token and position
 //! embeddings (and one table's rows), cross-entropy, and an AdamW step; each with its
 //! backward. hypershard-nn dispatches its layers here when their tensors are on a CUDA device.
@@ -23,6 +24,11 @@ const LAYER_NORM_BACKWARD: &str = "layer_norm_backward_f32";
 const LAYER_NORM_PARAM_GRAD: &str = "layer_norm_param_grad_f32";
 const GELU: &str = "gelu_f32";
 const GELU_GRAD: &str = "gelu_grad_f32";
+const GELU_TANH: &str = "gelu_tanh_f32";
+const GELU_TANH_GRAD: &str = "gelu_tanh_grad_f32";
+const SILU: &str = "silu_f32";
+const SILU_GRAD: &str = "silu_grad_f32";
+const DROPOUT: &str = "dropout_f32";
 const CAUSAL_SOFTMAX: &str = "causal_softmax_f32";
 const CAUSAL_SOFTMAX_BACKWARD: &str = "causal_softmax_backward_f32";
 const CROSS_ENTROPY: &str = "cross_entropy_f32";
@@ -40,6 +46,11 @@ const ALL: &[&str] = &[
     LAYER_NORM_PARAM_GRAD,
     GELU,
     GELU_GRAD,
+    GELU_TANH,
+    GELU_TANH_GRAD,
+    SILU,
+    SILU_GRAD,
+    DROPOUT,
     CAUSAL_SOFTMAX,
     CAUSAL_SOFTMAX_BACKWARD,
     CROSS_ENTROPY,
@@ -81,16 +92,44 @@ pub struct LayerNormOutput {
     pub rstd: Tensor,
 }
 
+/// Which row normalisation the norm kernels compute.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Norm {
+    /// LayerNorm: the row's mean is subtracted first.
+    Layer,
+    /// RMSNorm: no centring (`x̂ = x · r`, `r = 1/√(mean(x²) + eps)`).
+    Rms,
+}
+
+impl Norm {
+    /// The kernels' `center` flag.
+    fn center(self) -> u32 {
+        u32::from(self == Norm::Layer)
+    }
+}
+
 /// torch's LayerNorm over the last dim of `x` (f32), as hypershard-nn's host `LayerNorm`:
 /// `weight` and `bias` are `[d]` with `d` the last dim, the variance biased, `eps` rounded to
-/// f32 as the host does.
+/// f32 as the host does. [`norm`] with [`Norm::Layer`].
 pub fn layer_norm(
     x: &Tensor,
     weight: &Tensor,
     bias: Option<&Tensor>,
     eps: f64,
 ) -> Result<LayerNormOutput> {
-    const OP: &str = "cuda::layer_norm";
+    norm(Norm::Layer, x, weight, bias, eps)
+}
+
+/// The row normalisation `kind` over the last dim of `x` (f32), as hypershard-nn's host
+/// `LayerNorm` and `RmsNorm` (`x̂` is `(x − mean)·r` or `x·r`); see [`layer_norm`].
+pub fn norm(
+    kind: Norm,
+    x: &Tensor,
+    weight: &Tensor,
+    bias: Option<&Tensor>,
+    eps: f64,
+) -> Result<LayerNormOutput> {
+    const OP: &str = "cuda::norm";
     let xd = f32_of(OP, x)?;
     let w = f32_of(OP, weight)?;
     let d = w.numel;
@@ -112,6 +151,7 @@ pub fn layer_norm(
         let inv_d = (1.0 / d as f64) as f32;
         let eps = eps as f32;
         let has_bias = u32::from(b.is_some());
+        let center = kind.center();
         // Without a bias the kernel never reads `b`, and the weight stands in for it.
         let b_ptr = b.as_ref().map_or(w.ptr, |b| b.ptr);
         // Checked: x, out, xhat hold rows·d f32; rstd holds rows; weight (and bias) hold d.
@@ -123,6 +163,7 @@ pub fn layer_norm(
                 .arg(&w.ptr)
                 .arg(&b_ptr)
                 .arg(&has_bias)
+                .arg(&center)
                 .arg(&rows64)
                 .arg(&d64)
                 .arg(&inv_d)
@@ -135,15 +176,28 @@ pub fn layer_norm(
 /// LayerNorm's backward from `grad` (the output's gradient) and the forward's `x̂` and `r`
 /// (see [`LayerNormOutput`]): accumulates `grad_weight += Σ g·x̂` and `grad_bias += Σ g` in
 /// place (each column summed over the rows in order, as the host does) and returns the input
-/// gradient.
+/// gradient. [`norm_backward`] with [`Norm::Layer`].
 pub fn layer_norm_backward(
+    grad: &Tensor,
+    saved: [&Tensor; 2],
+    weight: &Tensor,
+    grad_weight: &Tensor,
+    grad_bias: Option<&Tensor>,
+) -> Result<Tensor> {
+    norm_backward(Norm::Layer, grad, saved, weight, grad_weight, grad_bias)
+}
+
+/// The backward of the row normalisation `kind` (see [`layer_norm_backward`]); RMSNorm's
+/// input gradient leaves out LayerNorm's `mean(g·w)` term, as the host's does.
+pub fn norm_backward(
+    kind: Norm,
     grad: &Tensor,
     [xhat, rstd]: [&Tensor; 2],
     weight: &Tensor,
     grad_weight: &Tensor,
     grad_bias: Option<&Tensor>,
 ) -> Result<Tensor> {
-    const OP: &str = "cuda::layer_norm_backward";
+    const OP: &str = "cuda::norm_backward";
     let g = f32_of(OP, grad)?;
     let [xhat, rstd, w, dw] = [xhat, rstd, weight, grad_weight].map(|t| f32_of(OP, t));
     let (xhat, rstd, w, dw) = (xhat?, rstd?, w?, dw?);
@@ -167,12 +221,14 @@ pub fn layer_norm_backward(
     if let Some(config) = row_launch_config(rows) {
         let inv_d = (1.0 / d as f64) as f32;
         // Checked: grad, xhat, dx hold rows·d f32, rstd holds rows, weight holds d.
+        let center = kind.center();
         launch!(OP, &g, LAYER_NORM_BACKWARD, config, |l| {
             l.arg(&dxd.ptr)
                 .arg(&g.ptr)
                 .arg(&xhat.ptr)
                 .arg(&rstd.ptr)
                 .arg(&w.ptr)
+                .arg(&center)
                 .arg(&rows64)
                 .arg(&d64)
                 .arg(&inv_d);
@@ -197,25 +253,48 @@ pub fn layer_norm_backward(
     Ok(dx)
 }
 
-/// The exact GELU `x · Φ(x)` of every element (f32), with the host's own `erf` and `exp`
-/// approximations, so each element rounds as on the host.
-pub fn gelu(x: &Tensor) -> Result<Tensor> {
-    const OP: &str = "cuda::gelu";
+/// An elementwise activation of nn's with a kernel pair here (f32). Each kernel computes the
+/// host's formula with the host's own `erf`, `exp` and `tanh` approximations, operation by
+/// operation, so each element rounds as on the host.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Activation {
+    /// The exact GELU `x · Φ(x)`.
+    GeluExact,
+    /// The tanh approximation `½x(1 + tanh(√(2/π)(x + 0.044715x³)))`.
+    GeluTanh,
+    /// SiLU `x · σ(x)`.
+    Silu,
+}
+
+impl Activation {
+    /// The forward and backward kernels.
+    fn kernels(self) -> (&'static str, &'static str) {
+        match self {
+            Activation::GeluExact => (GELU, GELU_GRAD),
+            Activation::GeluTanh => (GELU_TANH, GELU_TANH_GRAD),
+            Activation::Silu => (SILU, SILU_GRAD),
+        }
+    }
+}
+
+/// `f(x)` of every element of `x` (f32) for the activation `f`.
+pub fn activation(f: Activation, x: &Tensor) -> Result<Tensor> {
+    const OP: &str = "cuda::activation";
     let xd = f32_of(OP, x)?;
     let (y, yd) = xd.output(OP, &xd.shape, DType::F32)?;
     if let Some(config) = launch_config(OP, xd.numel, 1).map_err(xd.error(OP))? {
         let n = xd.numel as u64;
         // Checked: x and y hold n f32.
-        launch!(OP, &xd, GELU, config, |l| {
+        launch!(OP, &xd, f.kernels().0, config, |l| {
             l.arg(&yd.ptr).arg(&xd.ptr).arg(&n);
         })?;
     }
     Ok(y)
 }
 
-/// GELU's backward: `grad · (Φ(x) + x·φ(x))` for the forward's input `x`.
-pub fn gelu_backward(x: &Tensor, grad: &Tensor) -> Result<Tensor> {
-    const OP: &str = "cuda::gelu_backward";
+/// The activation's backward: `grad · f'(x)` for the forward's input `x`.
+pub fn activation_backward(f: Activation, x: &Tensor, grad: &Tensor) -> Result<Tensor> {
+    const OP: &str = "cuda::activation_backward";
     let xd = f32_of(OP, x)?;
     let g = f32_of(OP, grad)?;
     xd.same_device(OP, &g)?;
@@ -224,11 +303,46 @@ pub fn gelu_backward(x: &Tensor, grad: &Tensor) -> Result<Tensor> {
     if let Some(config) = launch_config(OP, xd.numel, 1).map_err(xd.error(OP))? {
         let n = xd.numel as u64;
         // Checked: x, grad and dx hold n f32.
-        launch!(OP, &xd, GELU_GRAD, config, |l| {
+        launch!(OP, &xd, f.kernels().1, config, |l| {
             l.arg(&dxd.ptr).arg(&g.ptr).arg(&xd.ptr).arg(&n);
         })?;
     }
     Ok(dx)
+}
+
+/// Dropout's mask applied to `x` (f32), as hypershard-nn's host `Dropout`: element `i` is
+/// zeroed when the tensor crate's uniform of `(seed, i)` (element `i` of
+/// [`crate::RandomInit::uniform`]`(seed, 0.0, 1.0)`) is below `p`
+/// and scaled by `keep_scale` otherwise (the scale rounded to f32). Every element comes from
+/// its own counter, so the backward regenerates the same mask from `seed`.
+pub fn dropout(x: &Tensor, seed: u64, p: f64, keep_scale: f64) -> Result<Tensor> {
+    const OP: &str = "cuda::dropout";
+    let xd = f32_of(OP, x)?;
+    let (y, yd) = xd.output(OP, &xd.shape, DType::F32)?;
+    if let Some(config) = launch_config(OP, xd.numel, 1).map_err(xd.error(OP))? {
+        let n = xd.numel as u64;
+        // Checked: x and y hold n f32.
+        launch!(OP, &xd, DROPOUT, config, |l| {
+            l.arg(&yd.ptr)
+                .arg(&xd.ptr)
+                .arg(&n)
+                .arg(&seed)
+                .arg(&p)
+                .arg(&keep_scale);
+        })?;
+    }
+    Ok(y)
+}
+
+/// The exact GELU `x · Φ(x)` of every element (f32): [`activation`] with
+/// [`Activation::GeluExact`].
+pub fn gelu(x: &Tensor) -> Result<Tensor> {
+    activation(Activation::GeluExact, x)
+}
+
+/// GELU's backward: `grad · (Φ(x) + x·φ(x))` for the forward's input `x`.
+pub fn gelu_backward(x: &Tensor, grad: &Tensor) -> Result<Tensor> {
+    activation_backward(Activation::GeluExact, x, grad)
 }
 
 /// The `(rows, T)` of attention scores `[.., T, T]` (at least 2-D, square in the last two).
@@ -738,7 +852,7 @@ mod tests {
             assert!(KERNEL_NAMES.contains(name), "{name}");
             assert!(name.ends_with("_f32"), "{name}");
         }
-        assert_eq!(ALL.len(), 14);
+        assert_eq!(ALL.len(), 19);
     }
 
     #[test]

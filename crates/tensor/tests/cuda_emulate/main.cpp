@@ -14,35 +14,64 @@ std::vector<float> rnd(size_t n, float lo, float hi, unsigned seed) {
     std::vector<float> v(n); for (auto& x : v) x = d(g); return v;
 }
 
-void test_gelu() {
-    std::ifstream f("gelu.bin", std::ios::binary);
+// The pointwise layers with kernels (exact GELU, tanh GELU, SiLU, dropout) against the Rust
+// CPU's bits, dumped by nn's `pointwise_reference` example: x, g, then the forward and the
+// input gradient per layer.
+using Pointwise = void (*)(float*, const float*, u64);
+using PointwiseGrad = void (*)(float*, const float*, const float*, u64);
+
+void test_pointwise() {
+    std::ifstream f("pointwise.bin", std::ios::binary);
     size_t n = 400000;
     std::vector<float> x(n), g(n), y(n), dx(n), yd(n), dxd(n);
     f.read((char*)x.data(), 4 * n); f.read((char*)g.data(), 4 * n);
-    f.read((char*)y.data(), 4 * n); f.read((char*)dx.data(), 4 * n);
-    // Few blocks: each thread takes many elements through the grid-stride loop.
-    launch(3, 256, [&] { gelu_f32(yd.data(), x.data(), n); });
-    launch(5, 256, [&] { gelu_grad_f32(dxd.data(), g.data(), x.data(), n); });
-    size_t bad_y = 0, bad_dx = 0;
-    for (size_t i = 0; i < n; ++i) {
-        if (__float_as_uint(y[i]) != __float_as_uint(yd[i])) { if (bad_y++ < 3) std::printf("gelu x=%.9g cpu %.9g emu %.9g\n", x[i], y[i], yd[i]); }
-        if (__float_as_uint(dx[i]) != __float_as_uint(dxd[i])) { if (bad_dx++ < 3) std::printf("gelu' x=%.9g cpu %.9g emu %.9g\n", x[i], dx[i], dxd[i]); }
+    const char* names[] = {"gelu", "gelu tanh", "silu"};
+    Pointwise forward[] = {gelu_f32, gelu_tanh_f32, silu_f32};
+    PointwiseGrad backward[] = {gelu_grad_f32, gelu_tanh_grad_f32, silu_grad_f32};
+    for (int a = 0; a < 3; ++a) {
+        f.read((char*)y.data(), 4 * n); f.read((char*)dx.data(), 4 * n);
+        CHECK(f.good(), "activations.bin holds too few values for %s", names[a]);
+        // Few blocks: each thread takes many elements through the grid-stride loop.
+        launch(3, 256, [&] { forward[a](yd.data(), x.data(), n); });
+        launch(5, 256, [&] { backward[a](dxd.data(), g.data(), x.data(), n); });
+        size_t bad_y = 0, bad_dx = 0;
+        for (size_t i = 0; i < n; ++i) {
+            if (__float_as_uint(y[i]) != __float_as_uint(yd[i])) { if (bad_y++ < 3) std::printf("%s x=%.9g cpu %.9g emu %.9g\n", names[a], x[i], y[i], yd[i]); }
+            if (__float_as_uint(dx[i]) != __float_as_uint(dxd[i])) { if (bad_dx++ < 3) std::printf("%s' x=%.9g cpu %.9g emu %.9g\n", names[a], x[i], dx[i], dxd[i]); }
+        }
+        CHECK(bad_y == 0 && bad_dx == 0, "%s: %zu forward and %zu backward differ from the Rust CPU bits", names[a], bad_y, bad_dx);
+        if (bad_y == 0 && bad_dx == 0) std::printf("%s: %zu values compared bit for bit\n", names[a], n);
     }
-    CHECK(bad_y == 0 && bad_dx == 0, "gelu: %zu forward and %zu backward differ from the Rust CPU bits", bad_y, bad_dx);
-    std::printf("gelu: %zu values compared bit for bit\n", n);
+    // Dropout(0.3), seed 77: the backward is the same mask on the gradient.
+    f.read((char*)y.data(), 4 * n); f.read((char*)dx.data(), 4 * n);
+    CHECK(f.good(), "pointwise.bin holds too few values for dropout");
+    double p = 0.3, keep = 1.0 / (1.0 - 0.3);
+    launch(3, 256, [&] { dropout_f32(yd.data(), x.data(), n, 77, p, keep); });
+    launch(5, 256, [&] { dropout_f32(dxd.data(), g.data(), n, 77, p, keep); });
+    size_t bad = 0, dropped = 0;
+    for (size_t i = 0; i < n; ++i) {
+        if (__float_as_uint(y[i]) != __float_as_uint(yd[i]) || __float_as_uint(dx[i]) != __float_as_uint(dxd[i])) { if (bad++ < 3) std::printf("dropout i=%zu cpu %.9g %.9g emu %.9g %.9g\n", i, y[i], dx[i], yd[i], dxd[i]); }
+        dropped += yd[i] == 0.0f && x[i] != 0.0f;
+    }
+    // About 30 % dropped: a mask that kept or dropped everything would match nothing useful.
+    CHECK(bad == 0 && dropped > n / 4 && dropped < n * 7 / 20, "dropout: %zu differ, %zu of %zu dropped", bad, dropped, n);
+    if (bad == 0) std::printf("dropout: %zu values compared bit for bit, %zu dropped\n", n, dropped);
 }
 
-void test_layer_norm(size_t rows, size_t d, unsigned grid, bool has_bias) {
+// LayerNorm (`center`) or RMSNorm (no centring: mean taken as 0 throughout) against a double
+// reference.
+void test_norm(size_t rows, size_t d, unsigned grid, bool has_bias, bool center) {
     auto x = rnd(rows * d, 2, 4, 1), w = rnd(d, 0.5, 1.5, 2), b = rnd(d, -1, 1, 3), g = rnd(rows * d, -1, 1, 4);
     std::vector<float> out(rows * d), xhat(rows * d), rstd(rows), dx(rows * d), dw(d, 0.25f), db(d, -0.5f);
     float inv_d = (float)(1.0 / d), eps = (float)1e-5;
-    launch(grid, 256, [&] { layer_norm_f32(out.data(), xhat.data(), rstd.data(), x.data(), w.data(), b.data(), has_bias, rows, d, inv_d, eps); });
-    launch(grid, 256, [&] { layer_norm_backward_f32(dx.data(), g.data(), xhat.data(), rstd.data(), w.data(), rows, d, inv_d); });
+    launch(grid, 256, [&] { layer_norm_f32(out.data(), xhat.data(), rstd.data(), x.data(), w.data(), b.data(), has_bias, center, rows, d, inv_d, eps); });
+    launch(grid, 256, [&] { layer_norm_backward_f32(dx.data(), g.data(), xhat.data(), rstd.data(), w.data(), center, rows, d, inv_d); });
     launch(1, 256, [&] { layer_norm_param_grad_f32(dw.data(), has_bias ? db.data() : nullptr, g.data(), xhat.data(), has_bias, rows, d); });
     double worst = 0, worst_dx = 0;
     std::vector<double> dw_ref(d, 0.25), db_ref(d, -0.5);
     for (size_t r = 0; r < rows; ++r) {
-        double mean = 0; for (size_t j = 0; j < d; ++j) mean += x[r * d + j]; mean /= d;
+        double mean = 0;
+        if (center) { for (size_t j = 0; j < d; ++j) mean += x[r * d + j]; mean /= d; }
         double var = 0; for (size_t j = 0; j < d; ++j) var += (x[r * d + j] - mean) * (x[r * d + j] - mean); var /= d;
         double rs = 1 / std::sqrt(var + 1e-5);
         double sg = 0, sgx = 0;
@@ -54,18 +83,19 @@ void test_layer_norm(size_t rows, size_t d, unsigned grid, bool has_bias) {
             double gh = g[r * d + j] * (double)w[j]; sg += gh; sgx += gh * xh[j];
             dw_ref[j] += g[r * d + j] * xh[j]; db_ref[j] += g[r * d + j];
         }
-        CHECK(std::fabs(rs - rstd[r]) < 1e-5 * rs, "ln rstd row %zu", r);
+        CHECK(std::fabs(rs - rstd[r]) < 1e-5 * rs, "norm rstd row %zu", r);
         for (size_t j = 0; j < d; ++j) {
-            double want = rs * (g[r * d + j] * (double)w[j] - sg / d - xh[j] * sgx / d);
+            double want = rs * (g[r * d + j] * (double)w[j] - (center ? sg / d : 0.0) - xh[j] * sgx / d);
             worst_dx = std::max(worst_dx, std::fabs(want - dx[r * d + j]));
         }
     }
     double worst_dw = 0, worst_db = 0;
     for (size_t j = 0; j < d; ++j) { worst_dw = std::max(worst_dw, std::fabs(dw_ref[j] - dw[j])); worst_db = std::max(worst_db, std::fabs(db_ref[j] - db[j])); }
+    const char* name = center ? "layer norm" : "rms norm";
     CHECK(worst < 1e-4 && worst_dx < 1e-3 && worst_dw < 1e-3 && (!has_bias || worst_db < 1e-4),
-          "layer norm rows %zu d %zu: out %g dx %g dw %g db %g", rows, d, worst, worst_dx, worst_dw, worst_db);
+          "%s rows %zu d %zu: out %g dx %g dw %g db %g", name, rows, d, worst, worst_dx, worst_dw, worst_db);
     if (!has_bias) CHECK(db[0] == -0.5f, "db written without a bias");
-    std::printf("layer norm rows %zu d %zu grid %u bias %d: max errors out %.2e dx %.2e dw %.2e db %.2e\n", rows, d, grid, has_bias, worst, worst_dx, worst_dw, has_bias ? worst_db : 0.0);
+    std::printf("%s rows %zu d %zu grid %u bias %d: max errors out %.2e dx %.2e dw %.2e db %.2e\n", name, rows, d, grid, has_bias, worst, worst_dx, worst_dw, has_bias ? worst_db : 0.0);
 }
 
 void test_softmax(size_t heads, size_t t, unsigned grid) {
@@ -194,10 +224,14 @@ void test_adamw() {
 }
 
 int main() {
-    test_gelu();
-    test_layer_norm(37, 24, 5, true);
-    test_layer_norm(29, 300, 29, true);
-    test_layer_norm(9, 700, 4, false);
+    test_pointwise();
+    test_norm(37, 24, 5, true, true);
+    test_norm(29, 300, 29, true, true);
+    test_norm(9, 700, 4, false, true);
+    // RMSNorm: the inputs lie in [2, 4], far from zero mean, so a kernel that still centred
+    // would miss by far more than the tolerance.
+    test_norm(37, 24, 5, false, false);
+    test_norm(9, 700, 4, false, false);
     test_softmax(6, 16, 7);
     test_softmax(2, 300, 64);
     test_cross_entropy(37, 67, 5);

@@ -3,9 +3,9 @@
 #
 # The GPT section of the CUDA C is compiled as C++ (g++, no FMA contraction) against
 # prelude.h, which runs one OS thread per CUDA thread, one block at a time, with __syncthreads
-# as a std::barrier; main.cpp checks every GPT kernel against a host reference (GELU bit for
-# bit against the Rust CPU `Gelu`, dumped by nn's `gelu_reference` example), with grids
-# smaller than the work so the grid-stride and row loops run. Then the same checks run under
+# as a std::barrier; main.cpp checks every GPT kernel against a host reference (the GELUs,
+# SiLU and dropout bit for bit against the Rust CPU's, dumped by nn's `pointwise_reference`
+# example), with grids smaller than the work so the grid-stride and row loops run. Then the same checks run under
 # ThreadSanitizer, which fails on any race on the shared memory of the block reductions.
 # This checks the kernels' arithmetic and synchronisation, not the GPU itself.
 set -euo pipefail
@@ -22,7 +22,7 @@ test -s "$work/gpt_kernels.inc" || {
     echo "cuda_emulate: no layer section heading in kernels.cu" >&2
     exit 1
 }
-(cd "$root" && cargo run --quiet --locked -p hypershard-nn --example gelu_reference -- "$work/gelu.bin")
+(cd "$root" && cargo run --quiet --locked -p hypershard-nn --example pointwise_reference -- "$work/pointwise.bin")
 cp "$here/prelude.h" "$here/main.cpp" "$work/"
 flags=(-std=c++20 -O1 -ffp-contract=off -fno-fast-math -pthread)
 g++ "${flags[@]}" -o "$work/emulate" "$work/main.cpp"
