@@ -40,7 +40,7 @@ const PAUSES_BETWEEN_POLLS: usize = 16;
 /// training step that alternates short serial stretches with parallel kernels pays that at
 /// nearly every kernel, and a kernel shorter than the wake-up runs on one thread.
 /// Here the other threads run a polling job until `f` returns, or until they find no work for
-/// [`POLL_BUDGET`]; the jobs `f`'s kernels hand out are taken as soon as they are queued.
+/// 2 ms; the jobs `f`'s kernels hand out are taken as soon as they are queued.
 ///
 /// Called off a rayon pool's threads, or on a pool of one thread, this is just `f()`: there
 /// is no other thread to keep. The poll burns the other cores while `f` runs serially, so use

@@ -18,9 +18,10 @@
 //!   its own; every operation on its memory is ordered on that stream.
 //! * Kernels, compiled from CUDA C kept in the crate (`kernels.cu`) by NVRTC on first use:
 //!   casts, `add`/`axpy`/`scale`, ReLU, and the layers hypershard-nn runs on a GPU
-//!   ([`layer_norm`], [`gelu`] and the other [`activation`]s, [`causal_softmax_`], [`split_heads`]/[`merge_heads`],
-//!   [`embedding`] (with [`TokenIndex`]), [`cross_entropy`] and
-//!   [`adamw_`], each with its backward; no atomics, so every result is reproducible).
+//!   ([`layer_norm`] and RMS [`norm`], [`gelu`] and the other [`activation`]s, [`dropout`],
+//!   [`causal_softmax_`], [`split_heads`]/[`merge_heads`], [`embedding`] (with
+//!   [`TokenIndex`]), [`cross_entropy`] and [`adamw_`], each with its backward; no atomics, so
+//!   every result is reproducible).
 //! * [`matmul`], [`gemm`] and [`gemm_strided_batched`] through cuBLAS (f32, bf16, f16; f32
 //!   accumulation), row-major, with optional transposes (see [`blas`]'s docs).
 //!
@@ -40,6 +41,7 @@ mod error;
 mod kernels;
 mod nn_ops;
 mod ops;
+mod pointwise;
 mod storage;
 pub(crate) mod view;
 
@@ -48,13 +50,13 @@ pub use device::{CudaDevice, device_count, probe};
 pub use error::{CudaError, CudaResult, Library, Unavailable};
 pub use kernels::{KERNEL_NAMES, KernelImage, compile_kernels};
 pub use nn_ops::{
-    Activation, AdamWStep, CrossEntropyOutput, LayerNormOutput, Norm, TokenIndex, activation,
-    activation_backward, adamw_, causal_softmax_, causal_softmax_backward_, cross_entropy, dropout,
-    embedding, embedding_backward, gelu, gelu_backward, layer_norm, layer_norm_backward,
-    merge_heads, norm, norm_backward, split_heads,
+    AdamWStep, CrossEntropyOutput, LayerNormOutput, Norm, TokenIndex, adamw_, causal_softmax_,
+    causal_softmax_backward_, cross_entropy, embedding, embedding_backward, layer_norm,
+    layer_norm_backward, merge_heads, norm, norm_backward, split_heads,
 };
 pub(crate) use ops::{cast, elementwise_};
 pub use ops::{relu_, relu_grad_};
+pub use pointwise::{Activation, activation, activation_backward, dropout, gelu, gelu_backward};
 pub(crate) use storage::backend;
 
 /// The CUDA C source of the crate's kernels, as NVRTC compiles it.

@@ -1,5 +1,4 @@
 //! The device operations of nn's layers on CUDA tensors, f32 only: layer norm and RMS norm,
-//! GELU (exact and tanh) and SiLU, dropout,
 //! the causal softmax of attention, attention's head split and merge, the token and position
 //! embeddings (and one table's rows), cross-entropy, and an AdamW step; each with its
 //! backward. hypershard-nn dispatches its layers here when their tensors are on a CUDA device.
@@ -22,13 +21,6 @@ use crate::{DType, Error, Result, Tensor};
 const LAYER_NORM: &str = "layer_norm_f32";
 const LAYER_NORM_BACKWARD: &str = "layer_norm_backward_f32";
 const LAYER_NORM_PARAM_GRAD: &str = "layer_norm_param_grad_f32";
-const GELU: &str = "gelu_f32";
-const GELU_GRAD: &str = "gelu_grad_f32";
-const GELU_TANH: &str = "gelu_tanh_f32";
-const GELU_TANH_GRAD: &str = "gelu_tanh_grad_f32";
-const SILU: &str = "silu_f32";
-const SILU_GRAD: &str = "silu_grad_f32";
-const DROPOUT: &str = "dropout_f32";
 const CAUSAL_SOFTMAX: &str = "causal_softmax_f32";
 const CAUSAL_SOFTMAX_BACKWARD: &str = "causal_softmax_backward_f32";
 const CROSS_ENTROPY: &str = "cross_entropy_f32";
@@ -44,13 +36,6 @@ const ALL: &[&str] = &[
     LAYER_NORM,
     LAYER_NORM_BACKWARD,
     LAYER_NORM_PARAM_GRAD,
-    GELU,
-    GELU_GRAD,
-    GELU_TANH,
-    GELU_TANH_GRAD,
-    SILU,
-    SILU_GRAD,
-    DROPOUT,
     CAUSAL_SOFTMAX,
     CAUSAL_SOFTMAX_BACKWARD,
     CROSS_ENTROPY,
@@ -63,7 +48,7 @@ const ALL: &[&str] = &[
 ];
 
 /// The view of `t` for `op`, which must be f32.
-fn f32_of(op: &'static str, t: &Tensor) -> Result<Dev> {
+pub(super) fn f32_of(op: &'static str, t: &Tensor) -> Result<Dev> {
     let dev = Dev::of(op, t)?;
     dev.f32(op)?;
     Ok(dev)
@@ -251,98 +236,6 @@ pub fn norm_backward(
         })?;
     }
     Ok(dx)
-}
-
-/// An elementwise activation of nn's with a kernel pair here (f32). Each kernel computes the
-/// host's formula with the host's own `erf`, `exp` and `tanh` approximations, operation by
-/// operation, so each element rounds as on the host.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Activation {
-    /// The exact GELU `x · Φ(x)`.
-    GeluExact,
-    /// The tanh approximation `½x(1 + tanh(√(2/π)(x + 0.044715x³)))`.
-    GeluTanh,
-    /// SiLU `x · σ(x)`.
-    Silu,
-}
-
-impl Activation {
-    /// The forward and backward kernels.
-    fn kernels(self) -> (&'static str, &'static str) {
-        match self {
-            Activation::GeluExact => (GELU, GELU_GRAD),
-            Activation::GeluTanh => (GELU_TANH, GELU_TANH_GRAD),
-            Activation::Silu => (SILU, SILU_GRAD),
-        }
-    }
-}
-
-/// `f(x)` of every element of `x` (f32) for the activation `f`.
-pub fn activation(f: Activation, x: &Tensor) -> Result<Tensor> {
-    const OP: &str = "cuda::activation";
-    let xd = f32_of(OP, x)?;
-    let (y, yd) = xd.output(OP, &xd.shape, DType::F32)?;
-    if let Some(config) = launch_config(OP, xd.numel, 1).map_err(xd.error(OP))? {
-        let n = xd.numel as u64;
-        // Checked: x and y hold n f32.
-        launch!(OP, &xd, f.kernels().0, config, |l| {
-            l.arg(&yd.ptr).arg(&xd.ptr).arg(&n);
-        })?;
-    }
-    Ok(y)
-}
-
-/// The activation's backward: `grad · f'(x)` for the forward's input `x`.
-pub fn activation_backward(f: Activation, x: &Tensor, grad: &Tensor) -> Result<Tensor> {
-    const OP: &str = "cuda::activation_backward";
-    let xd = f32_of(OP, x)?;
-    let g = f32_of(OP, grad)?;
-    xd.same_device(OP, &g)?;
-    g.shape_is(OP, &xd.shape)?;
-    let (dx, dxd) = xd.output(OP, &xd.shape, DType::F32)?;
-    if let Some(config) = launch_config(OP, xd.numel, 1).map_err(xd.error(OP))? {
-        let n = xd.numel as u64;
-        // Checked: x, grad and dx hold n f32.
-        launch!(OP, &xd, f.kernels().1, config, |l| {
-            l.arg(&dxd.ptr).arg(&g.ptr).arg(&xd.ptr).arg(&n);
-        })?;
-    }
-    Ok(dx)
-}
-
-/// Dropout's mask applied to `x` (f32), as hypershard-nn's host `Dropout`: element `i` is
-/// zeroed when the tensor crate's uniform of `(seed, i)` (element `i` of
-/// [`crate::RandomInit::uniform`]`(seed, 0.0, 1.0)`) is below `p`
-/// and scaled by `keep_scale` otherwise (the scale rounded to f32). Every element comes from
-/// its own counter, so the backward regenerates the same mask from `seed`.
-pub fn dropout(x: &Tensor, seed: u64, p: f64, keep_scale: f64) -> Result<Tensor> {
-    const OP: &str = "cuda::dropout";
-    let xd = f32_of(OP, x)?;
-    let (y, yd) = xd.output(OP, &xd.shape, DType::F32)?;
-    if let Some(config) = launch_config(OP, xd.numel, 1).map_err(xd.error(OP))? {
-        let n = xd.numel as u64;
-        // Checked: x and y hold n f32.
-        launch!(OP, &xd, DROPOUT, config, |l| {
-            l.arg(&yd.ptr)
-                .arg(&xd.ptr)
-                .arg(&n)
-                .arg(&seed)
-                .arg(&p)
-                .arg(&keep_scale);
-        })?;
-    }
-    Ok(y)
-}
-
-/// The exact GELU `x · Φ(x)` of every element (f32): [`activation`] with
-/// [`Activation::GeluExact`].
-pub fn gelu(x: &Tensor) -> Result<Tensor> {
-    activation(Activation::GeluExact, x)
-}
-
-/// GELU's backward: `grad · (Φ(x) + x·φ(x))` for the forward's input `x`.
-pub fn gelu_backward(x: &Tensor, grad: &Tensor) -> Result<Tensor> {
-    activation_backward(Activation::GeluExact, x, grad)
 }
 
 /// The `(rows, T)` of attention scores `[.., T, T]` (at least 2-D, square in the last two).
@@ -852,7 +745,7 @@ mod tests {
             assert!(KERNEL_NAMES.contains(name), "{name}");
             assert!(name.ends_with("_f32"), "{name}");
         }
-        assert_eq!(ALL.len(), 19);
+        assert_eq!(ALL.len(), 12);
     }
 
     #[test]
