@@ -18,7 +18,7 @@
 //!   its own; every operation on its memory is ordered on that stream.
 //! * Kernels, compiled from CUDA C kept in the crate (`kernels.cu`) by NVRTC on first use:
 //!   casts, `add`/`axpy`/`scale`, ReLU, and the layers hypershard-nn runs on a GPU
-//!   ([`layer_norm`] and RMS [`norm`], [`gelu`] and the other [`activation`]s, [`dropout`],
+//!   ([`layer_norm`] and RMS [`norm`], the GELUs and SiLU ([`activation`]), [`dropout`],
 //!   [`causal_softmax_`], [`split_heads`]/[`merge_heads`], [`embedding`] (with
 //!   [`TokenIndex`]), [`cross_entropy`] and [`adamw_`], each with its backward; no atomics, so
 //!   every result is reproducible).
@@ -56,7 +56,7 @@ pub use nn_ops::{
 };
 pub(crate) use ops::{cast, elementwise_};
 pub use ops::{relu_, relu_grad_};
-pub use pointwise::{Activation, activation, activation_backward, dropout, gelu, gelu_backward};
+pub use pointwise::{Activation, activation, activation_backward, dropout};
 pub(crate) use storage::backend;
 
 /// The CUDA C source of the crate's kernels, as NVRTC compiles it.

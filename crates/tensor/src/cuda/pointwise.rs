@@ -102,17 +102,6 @@ pub fn dropout(x: &Tensor, seed: u64, p: f64, keep_scale: f64) -> Result<Tensor>
     Ok(y)
 }
 
-/// The exact GELU `x · Φ(x)` of every element (f32): [`activation`] with
-/// [`Activation::GeluExact`].
-pub fn gelu(x: &Tensor) -> Result<Tensor> {
-    activation(Activation::GeluExact, x)
-}
-
-/// GELU's backward: `grad · (Φ(x) + x·φ(x))` for the forward's input `x`.
-pub fn gelu_backward(x: &Tensor, grad: &Tensor) -> Result<Tensor> {
-    activation_backward(Activation::GeluExact, x, grad)
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
