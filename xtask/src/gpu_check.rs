@@ -14,8 +14,8 @@
 //!    `libcublas.so.13`) is exposed under the plain name through a symlink in
 //!    `target/cuda-lib`, which goes first.
 //! 3. Builds the device test binaries in one cargo call (collectives' `nccl_gpu` with feature
-//!    `nccl`; tensor's `cuda` and nn's `cuda_devices` with feature `cuda`; one feature set,
-//!    so cudarc compiles once).
+//!    `nccl`; tensor's `cuda`, nn's `cuda_devices` and fsdp's `cuda_nccl` with feature `cuda`;
+//!    one feature set, so cudarc compiles once).
 //! 4. Runs each with `HYPERSHARD_TEST_GPU=1`: they fail when the GPU is missing.
 //! 5. Runs the benches of [`BENCH_TESTS`]: `cuda_devices --bench`, the reference MLP's training
 //!    step (8 × Linear(1024, 1024) + ReLU, batch 32) timed on the device (f32, bf16) and on the
@@ -66,6 +66,7 @@ const DEVICE_TESTS: &[(&str, &str, &str)] = &[
     ("hypershard-collectives", "nccl", "nccl_gpu"),
     ("hypershard-tensor", "cuda", "cuda"),
     ("hypershard-nn", "cuda", "cuda_devices"),
+    ("hypershard-fsdp", "cuda", "cuda_nccl"),
 ];
 
 /// The device binaries other than tests: (package, feature, binary). Their features join the
@@ -1061,7 +1062,7 @@ mod tests {
     #[test]
     fn every_device_test_is_built_and_the_bench_is_one_of_them() {
         let names: Vec<&str> = DEVICE_TESTS.iter().map(|(_, _, t)| *t).collect();
-        assert_eq!(names, ["nccl_gpu", "cuda", "cuda_devices"]);
+        assert_eq!(names, ["nccl_gpu", "cuda", "cuda_devices", "cuda_nccl"]);
         for bench in BENCH_TESTS {
             assert!(names.contains(&bench.test), "{}", bench.test);
         }
@@ -1194,7 +1195,7 @@ mod tests {
         let features = &args[args.iter().position(|a| a == "--features").unwrap() + 1];
         assert_eq!(
             features,
-            "hypershard-collectives/nccl,hypershard-tensor/cuda,hypershard-nn/cuda,hypershard-benches/nccl,hypershard/cuda"
+            "hypershard-collectives/nccl,hypershard-tensor/cuda,hypershard-nn/cuda,hypershard-fsdp/cuda,hypershard-benches/nccl,hypershard/cuda"
         );
         assert_eq!(
             device_binary_names(),
@@ -1202,6 +1203,7 @@ mod tests {
                 "nccl_gpu",
                 "cuda",
                 "cuda_devices",
+                "cuda_nccl",
                 "bench-nccl",
                 "hypershard"
             ]

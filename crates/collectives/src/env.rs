@@ -246,7 +246,7 @@ pub enum BackendChoice {
     Tcp,
     /// The MPI backend (needs the `mpi` cargo feature and an MPI launcher).
     Mpi,
-    /// NCCL (needs the `nccl` feature and a GPU; not wired into this constructor yet).
+    /// NCCL (needs the `nccl` feature and a GPU per rank on each host).
     Nccl,
 }
 

@@ -9,7 +9,7 @@ use std::fmt;
 pub enum BufferLocation {
     /// Ordinary host memory.
     Host,
-    /// Memory of CUDA device `device` (the NCCL backend's [`Buffer::Cuda`]).
+    /// Memory of CUDA device `device` (the NCCL backend's [`Buffer::Cuda`](crate::Buffer::Cuda)).
     #[cfg(feature = "nccl")]
     Cuda {
         /// The device ordinal.

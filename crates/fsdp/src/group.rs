@@ -13,7 +13,7 @@ use std::sync::{Arc, Mutex, Weak};
 use hypershard_collectives::{Buffer, BufferPair, Communicator, ReduceOp, Work};
 use hypershard_dtensor::bridge::{reducible, wire_dtype};
 use hypershard_nn::Module;
-use hypershard_tensor::{DType, Device, Storage, Tensor};
+use hypershard_tensor::{DType, Device, Tensor};
 
 use crate::bucket::{BucketItem, BucketPlan, plan_buckets};
 use crate::config::{CommFusionPolicy, GradReduceOp, MixedPrecisionPolicy, ReshardAfterForward};
@@ -25,7 +25,10 @@ use crate::state::{ShardedState, TrainingState};
 
 mod local;
 mod reduce;
+mod route;
 mod unshard;
+
+use route::CommRoute;
 
 /// `reshard_after_forward` after normalisation against the shard group size.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -137,8 +140,10 @@ pub(crate) struct ParamGroup {
     pub backward_prefetch: Option<Vec<Weak<Mutex<ParamGroup>>>>,
     /// Tensor parallelism, when configured.
     pub tp: Option<TpGroup>,
-    /// Where the unit's parameters, gradients and buckets live (see [`staging`](Self::bucket)).
+    /// Where the unit's parameters, gradients and buckets live.
     pub device: Device,
+    /// How its collectives reach that memory (see [`CommRoute`]).
+    route: CommRoute,
 }
 
 /// How a group is built (the fields `fully_shard` computed).
@@ -207,6 +212,11 @@ impl ParamGroup {
             }
         }
         let partial_outputs = parts.reduce_plan.iter().map(|_| None).collect();
+        let route = CommRoute::choose(
+            &parts.device,
+            parts.mesh.world().as_ref(),
+            parts.tp.is_some(),
+        );
         ParamGroup {
             id: parts.id,
             unit: parts.unit,
@@ -236,76 +246,8 @@ impl ParamGroup {
             backward_prefetch: None,
             tp: parts.tp,
             device: parts.device,
+            route,
         }
-    }
-
-    /// A flat bucket of `len` elements of `dtype` on the unit's device, for a copy-in. On the
-    /// host it is a buffer of the mesh's pool, which [`stage_out`](Self::stage_out) hands to
-    /// the collective without a copy; on a device it is device memory. Its contents are
-    /// stale: the caller writes all of it.
-    fn bucket(&self, dtype: DType, len: usize) -> Result<Tensor> {
-        if self.device.is_cpu() {
-            let wire = buffer_dtype(dtype, &self.unit)?;
-            // A view without a way home: the buffer stays on loan while the tensor holds it,
-            // and `stage_out` takes it back out as the same loan, which the collective's
-            // caller ends with `give`.
-            let buffer = self.mesh.pool().take(wire, len);
-            return Ok(hypershard_dtensor::bridge::buffer_to_tensor(
-                buffer,
-                &[len],
-                dtype,
-            )?);
-        }
-        Ok(Tensor::zeros_on(&[len], dtype, &self.device)?)
-    }
-
-    /// A bucket as a communication buffer for the host backends: the pool's own buffer on
-    /// the host (no copy), one device → host copy into a pool buffer from a device.
-    fn stage_out(&self, flat: Tensor, op: &'static str) -> Result<Buffer> {
-        let dtype = flat.dtype();
-        let wire = buffer_dtype(dtype, &self.unit)?;
-        if self.device.is_cpu() {
-            return Ok(match hypershard_dtensor::bridge::reclaim_buffer(flat)? {
-                Ok(buffer) => buffer,
-                Err(flat) => hypershard_dtensor::bridge::tensor_to_buffer(&flat)?,
-            });
-        }
-        let mut buffer = self.mesh.pool().take(wire, flat.numel());
-        let start = flat.offset() * dtype.size_of();
-        let guard = flat.storage().read();
-        let Storage::Device(memory) = &*guard else {
-            return Err(FsdpError::NotHostStorage { op });
-        };
-        memory.copy_to_host(op, start, host_bytes_mut(&mut buffer, op)?)?;
-        Ok(buffer)
-    }
-
-    /// A communication buffer back as a flat tensor of `dtype` on the unit's device: adopted
-    /// on the host (no copy), one host → device copy onto a device (the buffer returns to the
-    /// pool).
-    fn stage_in(&self, buffer: Buffer, dtype: DType, op: &'static str) -> Result<Tensor> {
-        if self.device.is_cpu() {
-            return Ok(self.mesh.pool().adopt(buffer, dtype)?);
-        }
-        let flat = Tensor::zeros_on(&[buffer.len()], dtype, &self.device)?;
-        {
-            let mut guard = flat.storage().write();
-            let Storage::Device(memory) = &mut *guard else {
-                return Err(FsdpError::NotHostStorage { op });
-            };
-            memory.copy_from_host(op, 0, host_bytes(&buffer, op)?)?;
-        }
-        self.mesh.pool().give(buffer);
-        Ok(flat)
-    }
-
-    /// A tensor of `shape` for a copy-out to overwrite in full: pool memory on the host,
-    /// device memory elsewhere.
-    fn scratch(&self, shape: &[usize], dtype: DType) -> Result<Tensor> {
-        if self.device.is_cpu() {
-            return Ok(self.mesh.pool().tensor(shape, dtype)?);
-        }
-        Ok(Tensor::zeros_on(shape, dtype, &self.device)?)
     }
 
     /// Checks that the post-forward policy can change now: every parameter resharded, no

@@ -308,6 +308,18 @@ impl DeviceBuffer {
         Ok(buf)
     }
 
+    /// A backend's allocation as a buffer (its ranges are checked here from now on).
+    #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
+    pub(crate) fn from_memory(memory: Box<dyn DeviceMemory>) -> DeviceBuffer {
+        DeviceBuffer { memory }
+    }
+
+    /// The backend's allocation, for a backend that hands its memory to another crate.
+    #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
+    pub(crate) fn into_memory(self) -> Box<dyn DeviceMemory> {
+        self.memory
+    }
+
     /// The device.
     pub fn device(&self) -> Device {
         self.memory.device()

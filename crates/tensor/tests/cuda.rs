@@ -11,14 +11,16 @@
 //! device operation of a `Tensor` on `Device::Cuda` is checked against the CPU tensor ops on
 //! closed-form inputs f(i): round trips of every dtype, each cast and elementwise kernel
 //! (`to_dtype`, `add_`, `axpy`, `scale_`) bit for bit, and cuBLAS GEMM at 37×53×29 with every
-//! transpose combination and a strided batch. Without the variable the device
+//! transpose combination and a strided batch; a tensor's bytes handed to cudarc and back
+//! (`into_cuda_bytes`, `tensor_from_cuda_bytes`). Without the variable the device
 //! checks run only when a GPU happens to be usable; the binary says which.
 
 use std::process::ExitCode;
 
 use hypershard_tensor::cuda::{
     CudaDevice, CudaError, KERNEL_NAMES, KernelImage, Transpose, Unavailable, compile_kernels,
-    device_count, gemm, gemm_strided_batched, matmul, probe,
+    device_count, gemm, gemm_strided_batched, into_cuda_bytes, matmul, probe,
+    tensor_from_cuda_bytes,
 };
 use hypershard_tensor::{DType, Device, Error, Tensor};
 use hypershard_testkit::device::{GPU_ENV, Outcome, Tally, contained, fail, gpu_asked};
@@ -496,6 +498,94 @@ fn batched_gemm_matches_the_cpu(device: &Device) -> Outcome {
     })
 }
 
+/// A host or emulated tensor has no CUDA bytes to hand over: a typed error naming the op and
+/// the device, with or without a GPU.
+fn cuda_bytes_refuse_other_devices() -> Outcome {
+    let emulated = Device::Emulated { ordinal: 0 };
+    for device in [Device::Cpu, emulated] {
+        let t = host(&[4, 3], DType::F32, 0)?
+            .to_device(&device)
+            .map_err(fail)?;
+        match into_cuda_bytes(t, "exchange test") {
+            Err(Error::DeviceUnsupported {
+                op: "exchange test",
+                device: d,
+            }) if d == device => {}
+            other => {
+                return Err(format!(
+                    "{device}: expected DeviceUnsupported, got {other:?}"
+                ));
+            }
+        }
+    }
+    Ok(())
+}
+
+/// A device tensor's bytes out as cudarc memory and back as a tensor, for every dtype: the
+/// values survive; a sole owner hands its allocation over (same device address), a shared
+/// storage or a view is copied and the original keeps its values; a wrong length is refused.
+fn cuda_bytes_exchange(device: &Device) -> Outcome {
+    use cudarc::driver::DevicePtr;
+    for dtype in DType::ALL {
+        let t = host(&[5, 7], dtype, 3)?;
+        let sole = t.to_device(device).map_err(fail)?;
+        let address = |tensor: &Tensor| -> Result<u64, String> {
+            let probe = into_cuda_bytes(tensor.clone(), "address").map_err(fail)?;
+            let stream = probe.stream().clone();
+            Ok(probe.device_ptr(&stream).0)
+        };
+        // Two handles (this clone and `sole`): copied, so the clone's address is new.
+        let copied_address = address(&sole)?;
+        let bytes = into_cuda_bytes(sole, "exchange test").map_err(fail)?;
+        ensure(bytes.len() == 35 * dtype.size_of(), || {
+            format!("{dtype}: {} bytes", bytes.len())
+        })?;
+        let stream = bytes.stream().clone();
+        let moved_address = bytes.device_ptr(&stream).0;
+        ensure(moved_address != copied_address, || {
+            format!("{dtype}: a shared storage was handed over instead of copied")
+        })?;
+        let back = tensor_from_cuda_bytes(bytes, &[5, 7], dtype, "exchange test").map_err(fail)?;
+        ensure(back.device() == *device, || format!("{back:?}"))?;
+        same_bytes(
+            &format!("exchange {dtype}"),
+            &back.to_host().map_err(fail)?,
+            &t,
+        )?;
+        // The sole owner's allocation moves out as it is.
+        let again = into_cuda_bytes(back, "exchange test").map_err(fail)?;
+        ensure(again.device_ptr(&stream).0 == moved_address, || {
+            format!("{dtype}: a sole owner's allocation was copied")
+        })?;
+        // A view (row 2) is copied out; the source keeps its values.
+        let whole = t.to_device(device).map_err(fail)?;
+        let row =
+            into_cuda_bytes(whole.narrow(0, 2, 1).map_err(fail)?, "exchange test").map_err(fail)?;
+        let row = tensor_from_cuda_bytes(row, &[1, 7], dtype, "exchange test").map_err(fail)?;
+        same_bytes(
+            &format!("row {dtype}"),
+            &row.to_host().map_err(fail)?,
+            &t.narrow(0, 2, 1).map_err(fail)?,
+        )?;
+        same_bytes(
+            &format!("source {dtype}"),
+            &whole.to_host().map_err(fail)?,
+            &t,
+        )?;
+        // Bytes that are not the shape's length are refused.
+        let short = into_cuda_bytes(row, "exchange test").map_err(fail)?;
+        let refused = tensor_from_cuda_bytes(short, &[2, 7], dtype, "exchange test");
+        ensure(matches!(refused, Err(Error::NumelMismatch { .. })), || {
+            format!("{dtype}: {refused:?}")
+        })?;
+    }
+    let empty = Tensor::zeros_on(&[0, 3], DType::F32, device).map_err(fail)?;
+    let refused = into_cuda_bytes(empty, "exchange test");
+    ensure(matches!(refused, Err(Error::EmptyInput { .. })), || {
+        format!("empty: {refused:?}")
+    })
+}
+
 fn main() -> ExitCode {
     let mut tally = Tally::default();
     tally.check(
@@ -505,6 +595,10 @@ fn main() -> ExitCode {
     let asked = gpu_asked();
     let nvrtc_asked = asked || std::env::var(NVRTC_ENV).is_ok_and(|v| v == "1");
     tally.check("kernels_compile", kernels_compile(nvrtc_asked));
+    tally.check(
+        "cuda_bytes_refuse_other_devices",
+        contained(cuda_bytes_refuse_other_devices),
+    );
     match CudaDevice::new(0) {
         Ok(device) => {
             println!(
@@ -512,8 +606,9 @@ fn main() -> ExitCode {
                 device.name().unwrap_or_else(|e| e.to_string()),
                 device.compute_capability()
             );
-            let tests: [(&str, DeviceTest); 6] = [
+            let tests: [(&str, DeviceTest); 7] = [
                 ("round_trip", round_trip),
+                ("cuda_bytes_exchange", cuda_bytes_exchange),
                 ("casts_match_the_cpu", casts_match_the_cpu),
                 ("arith_matches_the_cpu", arith_matches_the_cpu),
                 ("gemm_f32_matches_the_cpu", gemm_f32_matches_the_cpu),

@@ -243,7 +243,6 @@ impl ParamGroup {
         let fresh_ok = self.mesh.replicate().is_none() || self.controls.requires_all_reduce;
         for bucket_index in 0..self.reduce_plan.len() {
             let bucket = self.reduce_plan[bucket_index].clone();
-            let dtype = buffer_dtype(bucket.dtype, &self.unit)?;
             // The gradient of the bucket's first member may already live in a buffer of the
             // input's size: the gathered buffer its parameter was a prefix of, when the model
             // accumulated the gradient there (nn's `Gpt::keep_head_grad_in_gathered_weight`).
@@ -309,7 +308,7 @@ impl ParamGroup {
                 };
                 targets.insert(member, target);
             }
-            let output = pool.take(dtype, bucket.per_rank);
+            let output = self.comm_output(bucket.dtype, bucket.per_rank)?;
             reduce_scatters.push(shard_comm.reduce_scatter_async(input, output, op));
         }
         let mut replicate_all_reduces = Vec::with_capacity(self.replicate_plan.len());
@@ -378,7 +377,7 @@ impl ParamGroup {
             check_len(&output, bucket.per_rank, "reduce-scatter copy-out")?;
             if let Some(replicate) = &replicate {
                 if let Some(partial) = self.partial_outputs[bucket_index].take() {
-                    add_buffers(&mut output, &partial, bucket.dtype)?;
+                    output = self.add_outputs(output, partial, bucket.dtype)?;
                 }
                 if !self.controls.requires_all_reduce {
                     // Nothing lands in the gradients this time; new ones must read as zeros.
@@ -454,19 +453,5 @@ fn tp_all_reduce_tail(
     host_bytes_mut(output, "tp all-reduce copy-out")?[tail * size..]
         .copy_from_slice(host_bytes(&part, "tp all-reduce copy-out")?);
     pool.give(part);
-    Ok(())
-}
-
-/// `acc += other` elementwise for two host buffers of one dtype.
-fn add_buffers(acc: &mut Buffer, other: &Buffer, dtype: DType) -> Result<()> {
-    check_len(other, acc.len(), "partial reduce-scatter sum")?;
-    let shape = [acc.len()];
-    let a = Tensor::from_bytes(host_bytes(acc, "partial sum")?, &shape, dtype)?;
-    let b = Tensor::from_bytes(host_bytes(other, "partial sum")?, &shape, dtype)?;
-    a.add_(&b)?;
-    hypershard_dtensor::bridge::with_bytes(&a, |bytes| -> Result<()> {
-        host_bytes_mut(acc, "partial sum")?.copy_from_slice(bytes);
-        Ok(())
-    })??;
     Ok(())
 }

@@ -73,8 +73,7 @@ impl ParamGroup {
             writer.finish()?;
             let input = self.stage_out(flat, "unshard copy-in")?;
             // The output is overwritten in full by the all-gather.
-            let wire = super::buffer_dtype(bucket.dtype, &self.unit)?;
-            let output = self.mesh.pool().take(wire, bucket.per_rank * world);
+            let output = self.comm_output(bucket.dtype, bucket.per_rank * world)?;
             works.push(comm.all_gather_async(input, output));
         }
         self.pending_gather = Some(PendingGather {

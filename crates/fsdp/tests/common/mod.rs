@@ -23,11 +23,13 @@ use hypershard_tensor::{DType, Device, RandomInit, Tensor};
 /// come out.
 pub const DEVICES: [Device; 2] = [Device::Cpu, Device::Emulated { ordinal: 0 }];
 
-/// The device rank `rank` uses when the run is on `device`: the host, or an emulated device
-/// of its own (ordinal = rank), as one GPU per rank.
+/// The device rank `rank` uses when the run is on `device`: the host, or a device of its own
+/// (ordinal = rank), one GPU per rank.
 pub fn rank_device(device: Device, rank: usize) -> Device {
     match device {
         Device::Cpu => Device::Cpu,
+        #[cfg(feature = "cuda")]
+        Device::Cuda { .. } => Device::Cuda { ordinal: rank },
         _ => Device::Emulated { ordinal: rank },
     }
 }

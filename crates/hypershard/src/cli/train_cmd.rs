@@ -17,7 +17,8 @@ use hypershard::launch::{LaunchConfig, launch, rank_limits};
 use hypershard::tensor::DType;
 use hypershard::train::{
     HF_CONFIG_FILE, HF_WEIGHTS_FILE, HfGpt2Config, LrSchedule, MeshSpec, ModelShape, OptimConfig,
-    TrainConfig, TrainDevice, check_fits, checkpoint_root, estimate, print_summary, run_rank,
+    TrainConfig, TrainDevice, check_fits, checkpoint_root, default_cuda_backend, estimate,
+    gpu_count, print_summary, run_rank,
 };
 use hypershard::{Error, collectives};
 
@@ -551,6 +552,18 @@ pub fn run(args: TrainArgs) -> Result<(), Error> {
         .map_err(|e| Error::io(FileAction::Read, "current executable", e))?;
     let mut worker_args: Vec<OsString> = std::env::args_os().skip(1).collect();
     worker_args.push("--worker".into());
+    let mut extra_env: Vec<(OsString, OsString)> = [(OUT_ENV.into(), out.into_os_string())]
+        .into_iter()
+        .chain(args.stall.rank_env())
+        .collect();
+    if args.device == TrainDevice::Cuda {
+        let explicit = std::env::var(collectives::BACKEND_ENV).ok();
+        if let Some(backend) =
+            default_cuda_backend(explicit.as_deref(), args.nproc, world_size, gpu_count()?)
+        {
+            extra_env.push((collectives::BACKEND_ENV.into(), backend.into()));
+        }
+    }
     let launch_config = LaunchConfig {
         nproc_per_node: args.nproc,
         nnodes: args.nnodes,
@@ -559,10 +572,7 @@ pub fn run(args: TrainArgs) -> Result<(), Error> {
         master_port: args.master_port,
         program: program.into_os_string(),
         args: worker_args,
-        extra_env: [(OUT_ENV.into(), out.into_os_string())]
-            .into_iter()
-            .chain(args.stall.rank_env())
-            .collect(),
+        extra_env,
         stop_timeout: Duration::from_secs(5),
         rank0_owns_terminal: true,
         max_rank_memory: args.max_rank_memory,

@@ -293,7 +293,8 @@ pub enum TrainDevice {
     /// The emulated device, one per rank.
     Emulated,
     /// A CUDA GPU per rank: local rank `r` of a node with `n` GPUs takes GPU `r mod n`, so
-    /// several ranks share a GPU when a node has fewer GPUs than ranks.
+    /// several ranks share a GPU when a node has fewer GPUs than ranks. The collectives run
+    /// over NCCL when every rank has a GPU of its own ([`default_cuda_backend`]).
     Cuda,
 }
 
@@ -334,14 +335,43 @@ fn gpu_of_local_rank(local_rank: usize, gpus: usize) -> Result<usize> {
         })
 }
 
+/// The collective backend `--device cuda` ranks use when `HYPERSHARD_BACKEND` does not name
+/// one (`explicit`): NCCL, on device memory, when every rank of a node has a GPU of its own;
+/// the tcp backend, staging through host memory, when ranks must share GPUs (NCCL refuses two
+/// ranks on one GPU) or the job is one rank (no collectives). `None`: leave the choice as it is.
+pub fn default_cuda_backend(
+    explicit: Option<&str>,
+    ranks_per_node: usize,
+    world_size: usize,
+    gpus: usize,
+) -> Option<&'static str> {
+    if explicit.is_some_and(|value| !value.trim().is_empty()) {
+        return None;
+    }
+    if world_size > 1 && ranks_per_node <= gpus {
+        Some("nccl")
+    } else {
+        Some("tcp")
+    }
+}
+
+/// The number of GPUs this node has, for [`default_cuda_backend`].
+#[cfg(feature = "cuda")]
+pub fn gpu_count() -> Result<usize> {
+    hypershard_tensor::cuda::device_count().map_err(|source| Error::DeviceUnavailable {
+        device: "cuda",
+        reason: format!("the GPUs cannot be counted: {source}"),
+    })
+}
+
+#[cfg(not(feature = "cuda"))]
+pub fn gpu_count() -> Result<usize> {
+    cuda_device(0).map(|_| 0)
+}
+
 #[cfg(feature = "cuda")]
 fn cuda_device(local_rank: usize) -> Result<hypershard_tensor::Device> {
-    let gpus =
-        hypershard_tensor::cuda::device_count().map_err(|source| Error::DeviceUnavailable {
-            device: "cuda",
-            reason: format!("the GPUs cannot be counted: {source}"),
-        })?;
-    let ordinal = gpu_of_local_rank(local_rank, gpus)?;
+    let ordinal = gpu_of_local_rank(local_rank, gpu_count()?)?;
     let device = hypershard_tensor::Device::Cuda { ordinal };
     // Opening the backend probes the driver and the GPU: a typed error here, not a failure
     // in the middle of building the model.
@@ -482,6 +512,20 @@ pub struct TrainConfig {
 
 #[cfg(test)]
 mod tests {
+    #[test]
+    fn cuda_ranks_use_nccl_when_each_has_a_gpu_and_tcp_when_they_share() {
+        assert_eq!(default_cuda_backend(None, 2, 2, 2), Some("nccl"));
+        assert_eq!(default_cuda_backend(None, 4, 8, 8), Some("nccl"));
+        // Two ranks on one GPU: NCCL would refuse them.
+        assert_eq!(default_cuda_backend(None, 2, 2, 1), Some("tcp"));
+        // One rank has no collectives to run.
+        assert_eq!(default_cuda_backend(None, 1, 1, 1), Some("tcp"));
+        assert_eq!(default_cuda_backend(Some(""), 2, 2, 2), Some("nccl"));
+        // The user's choice stands.
+        assert_eq!(default_cuda_backend(Some("tcp"), 2, 2, 2), None);
+        assert_eq!(default_cuda_backend(Some("nccl"), 2, 2, 1), None);
+    }
+
     #[test]
     fn ranks_beyond_the_gpu_count_share_gpus_round_robin() {
         let gpus: Vec<usize> = (0..5).map(|r| gpu_of_local_rank(r, 2).unwrap()).collect();

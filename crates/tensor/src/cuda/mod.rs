@@ -38,6 +38,7 @@
 pub mod blas;
 mod device;
 mod error;
+mod exchange;
 mod kernels;
 mod nn_ops;
 mod ops;
@@ -48,6 +49,7 @@ pub(crate) mod view;
 pub use blas::{Transpose, gemm, gemm_strided_batched, matmul};
 pub use device::{CudaDevice, device_count, probe};
 pub use error::{CudaError, CudaResult, Library, Unavailable};
+pub use exchange::{into_cuda_bytes, tensor_from_cuda_bytes};
 pub use kernels::{KERNEL_NAMES, KernelImage, compile_kernels};
 pub use nn_ops::{
     AdamWStep, CrossEntropyOutput, LayerNormOutput, Norm, TokenIndex, adamw_, causal_softmax_,

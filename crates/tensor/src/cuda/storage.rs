@@ -162,6 +162,51 @@ impl CudaMemory {
         }
     }
 
+    /// Another crate's device memory of `device` as a storage allocation of `len` bytes (the
+    /// whole slice), counted by the memory tracker from now on.
+    pub(crate) fn adopt(data: CudaSlice<u8>, len: usize, device: CudaDevice) -> CudaMemory {
+        let label = Device::Cuda {
+            ordinal: device.ordinal(),
+        };
+        CudaMemory {
+            data,
+            len,
+            device,
+            _tracked: crate::memory::Tracked::on_device(len, label),
+        }
+    }
+
+    /// The allocation, leaving the storage (and the memory tracker's count): as it is when it
+    /// holds exactly `len` bytes, else its first `len` bytes copied into a new one.
+    pub(crate) fn into_slice(self, op: &'static str) -> Result<CudaSlice<u8>> {
+        if self.data.len() == self.len {
+            return Ok(self.data);
+        }
+        self.copy_out(op, 0, self.len)
+    }
+
+    /// `len` bytes from `offset`, copied into a new allocation on the device's stream.
+    pub(crate) fn copy_out(
+        &self,
+        op: &'static str,
+        offset: usize,
+        len: usize,
+    ) -> Result<CudaSlice<u8>> {
+        let end = offset
+            .checked_add(len)
+            .filter(|&end| end <= self.len)
+            .ok_or_else(|| self.out_of_range(op, offset, len))?;
+        let src = self
+            .data
+            .try_slice(offset..end)
+            .ok_or_else(|| self.out_of_range(op, offset, len))?;
+        self.device.stream().clone_dtod(&src).map_err(driver_failed(
+            op,
+            self.label(),
+            "cuMemcpyDtoDAsync",
+        ))
+    }
+
     fn check_stream(&self, op: &'static str, stream: Stream) -> Result<()> {
         CudaBackend {
             device: self.device.clone(),

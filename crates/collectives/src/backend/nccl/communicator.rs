@@ -9,7 +9,7 @@ use cudarc::driver::{CudaContext, CudaStream, DevicePtr, DevicePtrMut, SyncOnDro
 
 use super::completion::{self, Finish, Launched, Operand, Shared};
 use super::ffi::{self, Enqueue, Operands, RawComm};
-use super::library::{self, BACKEND, unavailable};
+use super::library::{BACKEND, unavailable};
 use super::plan::{self, Call, Place, Request, Shape};
 use super::split::{self, SplitEntry};
 use crate::buffer::BufferPair;
@@ -102,10 +102,7 @@ fn lock<T>(mutex: &Mutex<T>) -> MutexGuard<'_, T> {
 /// The context of CUDA device `device`, or [`Error::BackendUnavailable`] when the libraries
 /// or the device are missing.
 pub(crate) fn open_device(device: usize) -> Result<Arc<CudaContext>> {
-    library::probe()?;
-    let count = CudaContext::device_count()
-        .map_err(|e| unavailable(Unavailable::DriverInit { code: e.0 as i32 }))?;
-    let available = usize::try_from(count).unwrap_or(0);
+    let available = super::placement::device_count()?;
     if device >= available {
         return Err(unavailable(Unavailable::NoDevice {
             requested: device,

@@ -16,9 +16,11 @@ mod communicator;
 mod completion;
 mod ffi;
 mod library;
+mod placement;
 mod plan;
 mod split;
 
 pub use crate::device_buffer::DeviceBuffer;
 pub use communicator::{NcclCommunicator, NcclInit, accepts};
 pub use library::{NCCL_LIB_ENV, probe};
+pub use placement::{device_count, device_for_local_rank};

@@ -56,16 +56,7 @@ pub fn rendezvous_from_env(env: &LaunchEnv, config: &TcpConfig) -> Result<Rendez
 /// [`rendezvous_from_env`] with the hosting decision made by the caller.
 fn rendezvous(env: &LaunchEnv, config: &TcpConfig, agent_hosts: bool) -> Result<Rendezvous> {
     let master = (env.master_addr.as_str(), env.master_port);
-    let (store, server): (Arc<dyn Store>, Option<TcpStoreServer>) = if env.rank == 0 && !agent_hosts
-    {
-        let server = TcpStoreServer::bind(master)?;
-        (server.store(), Some(server))
-    } else {
-        (
-            Arc::new(TcpStore::connect(master, config.rendezvous_timeout)?),
-            None,
-        )
-    };
+    let JobStore { store, server } = job_store(env, config, agent_hosts)?;
     let mut mesh_config = config.clone();
     mesh_config.bind_ip = mesh_bind_ip(master, config);
     let mesh = Mesh::establish(&*store, env.rank, env.world_size, &mesh_config)?;
@@ -73,6 +64,37 @@ fn rendezvous(env: &LaunchEnv, config: &TcpConfig, agent_hosts: bool) -> Result<
         store,
         server,
         mesh,
+    })
+}
+
+/// The job's store without a mesh: what a backend with its own transport (NCCL) needs to
+/// exchange its ids. Rank 0 hosts the server unless the launcher does ([`AGENT_STORE_VAR`]).
+#[non_exhaustive]
+pub struct JobStore {
+    /// The job's store (rank 0: the server's in-process store; others: a TCP client).
+    pub store: Arc<dyn Store>,
+    /// The store server, on rank 0 only; keep it while other ranks may use the store.
+    pub server: Option<TcpStoreServer>,
+}
+
+/// [`JobStore`] of a launched job: the store at `MASTER_ADDR:MASTER_PORT`, hosted or joined
+/// as for `rendezvous_from_env`.
+pub fn store_from_env(env: &LaunchEnv, config: &TcpConfig) -> Result<JobStore> {
+    job_store(env, config, agent_hosts_store())
+}
+
+fn job_store(env: &LaunchEnv, config: &TcpConfig, agent_hosts: bool) -> Result<JobStore> {
+    let master = (env.master_addr.as_str(), env.master_port);
+    if env.rank == 0 && !agent_hosts {
+        let server = TcpStoreServer::bind(master)?;
+        return Ok(JobStore {
+            store: server.store(),
+            server: Some(server),
+        });
+    }
+    Ok(JobStore {
+        store: Arc::new(TcpStore::connect(master, config.rendezvous_timeout)?),
+        server: None,
     })
 }
 

@@ -23,5 +23,5 @@ pub use crate::transport::tcp::config::{
     AllReduceAlgorithm, BroadcastAlgorithm, CRC32C_VAR, TcpConfig,
 };
 pub use communicator::{BACKEND, TcpCommunicator};
-pub use launch::AGENT_STORE_VAR;
+pub use launch::{AGENT_STORE_VAR, JobStore, store_from_env};
 pub use world::{TcpWorld, init_from_env};
