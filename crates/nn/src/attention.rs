@@ -384,12 +384,14 @@ impl Module for CausalSelfAttention {
         }
         #[cfg(feature = "cuda")]
         if qkv.device().is_cuda() {
-            // The dense attention of GEMMs and the causal softmax kernel; dropout on the
-            // weights has no kernel.
-            if !matches!(self.fused_dropout(), Some(None)) {
-                crate::kernels::host_only("CausalSelfAttention::attn_dropout", &qkv.device())?;
-            }
-            let (y, cache) = crate::kernels::cuda::attention(&qkv.contiguous()?, self.n_head)?;
+            // The dense attention of GEMMs and the causal softmax kernel, with the weights
+            // going through the `attn_dropout` child (its kernel draws the mask the host's
+            // tiled kernel draws).
+            let attn_dropout = &mut self.attn_dropout;
+            let (y, cache) =
+                crate::kernels::cuda::attention(&qkv.contiguous()?, self.n_head, &mut |weights| {
+                    attn_dropout.forward(weights)
+                })?;
             self.cache = Some(AttentionCache::Cuda { cache, dims });
             let out = self.c_proj.forward(&y)?;
             return self.resid_dropout.forward(&out);
@@ -464,7 +466,13 @@ impl Module for CausalSelfAttention {
             } => self.backward_dense((&qkv, &probs, &dropped_probs), &grad_y, dims, dtype)?,
             #[cfg(feature = "cuda")]
             AttentionCache::Cuda { cache, dims } => {
-                crate::kernels::cuda::attention_backward(&cache, &grad_y, dims.n_head)?
+                let attn_dropout = &mut self.attn_dropout;
+                crate::kernels::cuda::attention_backward(
+                    &cache,
+                    &grad_y,
+                    dims.n_head,
+                    &mut |grad| attn_dropout.backward(grad),
+                )?
             }
         };
         self.c_attn.backward(&grad_qkv)

@@ -252,13 +252,14 @@ pub(crate) fn gpt_head_backward(
     Ok((dw, dh.reshape(&[batch, seq, c])?))
 }
 
-/// What the dense attention's backward needs: the heads `[B·H, T, D]` and the weights
-/// `[B·H, T, T]`.
+/// What the dense attention's backward needs: the heads `[B·H, T, D]`, the weights
+/// `[B·H, T, T]`, and the weights after the dropout child (the same tensor without dropout).
 pub(crate) struct AttentionCache {
     q: Tensor,
     k: Tensor,
     v: Tensor,
     probs: Tensor,
+    dropped: Tensor,
 }
 
 /// `[B, T, C, H]` of the fused projection `[B, T, 3C]`, with the softmax scale `1/√D` (in
@@ -269,10 +270,31 @@ fn attention_dims(qkv: &Tensor, n_head: usize) -> ([usize; 4], f64) {
     ([batch, seq, c, n_head], 1.0 / (d as f64).sqrt())
 }
 
-/// Causal self-attention from the fused projection `qkv` (`[B, T, 3C]`): `softmax(q kᵀ/√D +
-/// mask) v` per head through batched GEMMs and the causal softmax kernel, merged to
-/// `[B, T, C]`. The `[B·H, T, T]` weights are kept for backward.
-pub(crate) fn attention(qkv: &Tensor, n_head: usize) -> Result<(Tensor, AttentionCache)> {
+/// The attention weights' dropout: the `attn_dropout` child's forward or backward on a
+/// `[B, H, T, T]` tensor (as the host's materialised path hands it over).
+pub(crate) type WeightsDropout<'a> = &'a mut dyn FnMut(&Tensor) -> Result<Tensor>;
+
+/// `f` on `t` (`[B·H, T, T]`) viewed as `[B, H, T, T]`, the result back as a contiguous
+/// `[B·H, T, T]`.
+fn through_dropout(
+    f: WeightsDropout<'_>,
+    t: &Tensor,
+    [batch, heads, seq]: [usize; 3],
+) -> Result<Tensor> {
+    let out = f(&t.view(&[batch, heads, seq, seq])?)?;
+    Ok(out.contiguous()?.view(&[batch * heads, seq, seq])?)
+}
+
+/// Causal self-attention from the fused projection `qkv` (`[B, T, 3C]`): `dropout(softmax(q
+/// kᵀ/√D + mask)) v` per head through batched GEMMs, the causal softmax kernel and the
+/// `dropout` child, merged to `[B, T, C]`. The `[B·H, T, T]` weights (and the dropped ones)
+/// are kept for backward. The dropout's mask counts over the `[B, H, T, T]` weights in
+/// row-major order, as the host's tiled kernel draws it.
+pub(crate) fn attention(
+    qkv: &Tensor,
+    n_head: usize,
+    dropout: WeightsDropout<'_>,
+) -> Result<(Tensor, AttentionCache)> {
     let ([batch, seq, c, h], scale) = attention_dims(qkv, n_head);
     let device = qkv.device();
     let (q, k, v) = (
@@ -284,21 +306,38 @@ pub(crate) fn attention(qkv: &Tensor, n_head: usize) -> Result<(Tensor, Attentio
     let probs = Tensor::zeros_on(&[bh, seq, seq], DType::F32, &device)?;
     gpu::gemm_strided_batched(1.0, &q, Transpose::No, &k, Transpose::Yes, 0.0, &probs)?;
     gpu::causal_softmax_(&probs, scale)?;
+    let dropped = through_dropout(dropout, &probs, [batch, h, seq])?;
     let heads = Tensor::zeros_on(&[bh, seq, c / h], DType::F32, &device)?;
-    gpu::gemm_strided_batched(1.0, &probs, Transpose::No, &v, Transpose::No, 0.0, &heads)?;
+    gpu::gemm_strided_batched(1.0, &dropped, Transpose::No, &v, Transpose::No, 0.0, &heads)?;
     let y = Tensor::zeros_on(&[batch, seq, c], DType::F32, &device)?;
     gpu::merge_heads(&heads, &y, 0, 1, h)?;
-    Ok((y, AttentionCache { q, k, v, probs }))
+    Ok((
+        y,
+        AttentionCache {
+            q,
+            k,
+            v,
+            probs,
+            dropped,
+        },
+    ))
 }
 
-/// The attention's backward from the gradient of its output (`[B, T, C]`): the gradient of
-/// the fused projection, `[B, T, 3C]`.
+/// The attention's backward from the gradient of its output (`[B, T, C]`), with `dropout`
+/// the child's backward: the gradient of the fused projection, `[B, T, 3C]`.
 pub(crate) fn attention_backward(
     cache: &AttentionCache,
     grad_y: &Tensor,
     n_head: usize,
+    dropout: WeightsDropout<'_>,
 ) -> Result<Tensor> {
-    let AttentionCache { q, k, v, probs } = cache;
+    let AttentionCache {
+        q,
+        k,
+        v,
+        probs,
+        dropped,
+    } = cache;
     let (batch, seq, c) = (grad_y.shape()[0], grad_y.shape()[1], grad_y.shape()[2]);
     let h = n_head;
     let (bh, d) = (batch * h, c / h.max(1));
@@ -306,10 +345,19 @@ pub(crate) fn attention_backward(
     let device = grad_y.device();
     let zeros = |shape: &[usize]| Tensor::zeros_on(shape, DType::F32, &device);
     let dy = gpu::split_heads(&grad_y.contiguous()?, 0, 1, h)?;
-    let dp = zeros(&[bh, seq, seq])?;
-    gpu::gemm_strided_batched(1.0, &dy, Transpose::No, v, Transpose::Yes, 0.0, &dp)?;
+    let grad_dropped = zeros(&[bh, seq, seq])?;
+    gpu::gemm_strided_batched(
+        1.0,
+        &dy,
+        Transpose::No,
+        v,
+        Transpose::Yes,
+        0.0,
+        &grad_dropped,
+    )?;
     let dv = zeros(&[bh, seq, d])?;
-    gpu::gemm_strided_batched(1.0, probs, Transpose::Yes, &dy, Transpose::No, 0.0, &dv)?;
+    gpu::gemm_strided_batched(1.0, dropped, Transpose::Yes, &dy, Transpose::No, 0.0, &dv)?;
+    let dp = through_dropout(dropout, &grad_dropped, [batch, h, seq])?;
     gpu::causal_softmax_backward_(&dp, probs, scale)?;
     let dq = zeros(&[bh, seq, d])?;
     gpu::gemm_strided_batched(1.0, &dp, Transpose::No, k, Transpose::No, 0.0, &dq)?;
@@ -375,6 +423,28 @@ pub(crate) fn mse_loss(prediction: &Tensor, target: &Tensor) -> Result<(f64, Ten
 }
 
 /// One AdamW step in place on f32 tensors (`step` is the step number, from 1).
+/// One general SGD step (momentum and weight decay as `config` says) in place on an f32
+/// parameter; `momentum` is the buffer and whether this is its first step.
+pub(crate) fn sgd(
+    param: &Tensor,
+    grad: &Tensor,
+    config: &crate::optim::SgdConfig,
+    momentum: Option<(&Tensor, bool)>,
+) -> Result<()> {
+    let step = gpu::SgdStep {
+        lr: config.lr,
+        weight_decay: config.weight_decay,
+    };
+    let momentum = momentum.map(|(buffer, first)| gpu::SgdMomentum {
+        buffer,
+        first,
+        momentum: config.momentum,
+        dampening: config.dampening,
+        nesterov: config.nesterov,
+    });
+    Ok(gpu::sgd_(param, grad, &step, momentum)?)
+}
+
 pub(crate) fn adamw(
     [param, exp_avg, exp_avg_sq, grad]: [&Tensor; 4],
     config: &crate::optim::AdamWConfig,

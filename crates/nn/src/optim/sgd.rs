@@ -108,6 +108,12 @@ impl Sgd {
             data.axpy(-self.config.lr, grad)?;
             return Ok(());
         }
+        #[cfg(feature = "cuda")]
+        if let Some(grad) = &param.grad
+            && grad.device().is_cuda()
+        {
+            return self.step_on_cuda(name, param.data()?, grad);
+        }
         let Some(inputs) = step_inputs("Sgd::step", param)? else {
             return Ok(());
         };
@@ -151,5 +157,25 @@ impl Sgd {
         }
         values.iter_mut().zip(&grad).for_each(|(p, g)| *p -= lr * g);
         write_f64(param.data()?, values)
+    }
+
+    /// The general step on a CUDA device: one kernel updates the parameter and its momentum
+    /// buffer in place, with the host path's f64 arithmetic (so the same bits).
+    #[cfg(feature = "cuda")]
+    fn step_on_cuda(&mut self, name: &str, data: &Tensor, grad: &Tensor) -> Result<()> {
+        let config = self.config;
+        let momentum = if config.momentum != 0.0 {
+            let first = !self.momentum_buffers.contains_key(name);
+            let buffer = match self.momentum_buffers.entry(name.to_string()) {
+                std::collections::btree_map::Entry::Occupied(entry) => entry.into_mut(),
+                std::collections::btree_map::Entry::Vacant(entry) => entry.insert(
+                    Tensor::zeros_on(data.shape(), data.dtype(), &data.device())?,
+                ),
+            };
+            Some((&*buffer, first))
+        } else {
+            None
+        };
+        crate::kernels::cuda::sgd(data, grad, &config, momentum)
     }
 }

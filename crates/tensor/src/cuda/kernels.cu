@@ -600,3 +600,25 @@ extern "C" __global__ void adamw_f32(float* p, float* m, float* v, const float* 
         v[i] = vi;
     }
 }
+
+// One SGD step with weight decay and momentum (optim/sgd.rs's general path), in f64 as the host
+// computes it and rounded to f32 once per stored value: g' = g + wd·p;
+// b = first ? g' : μ·b + (1 − τ)·g' (stored); g'' = nesterov ? g' + μ·b : b; p −= lr·g''.
+// Without momentum (`momentum_on` 0) `buf` is not touched, and g'' = g'.
+extern "C" __global__ void sgd_f32(float* p, float* buf, const float* g, u64 n, double lr,
+                                   double momentum, double dampening, double weight_decay,
+                                   u32 momentum_on, u32 nesterov, u32 first) {
+    GRID_STRIDE(i, n) {
+        double pi = (double)p[i];
+        double gi = (double)g[i];
+        if (weight_decay != 0.0) {
+            gi = gi + weight_decay * pi;
+        }
+        if (momentum_on) {
+            double bi = first ? gi : momentum * (double)buf[i] + (1.0 - dampening) * gi;
+            buf[i] = (float)bi;
+            gi = nesterov ? gi + momentum * bi : bi;
+        }
+        p[i] = (float)(pi - lr * gi);
+    }
+}

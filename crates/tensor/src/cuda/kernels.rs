@@ -68,6 +68,7 @@ pub const KERNEL_NAMES: &[&str] = &[
     "split_heads_f32",
     "merge_heads_f32",
     "adamw_f32",
+    "sgd_f32",
 ];
 
 /// Threads per block of every elementwise launch.

@@ -42,6 +42,7 @@ mod exchange;
 mod kernels;
 mod nn_ops;
 mod ops;
+mod optim;
 mod pointwise;
 mod storage;
 pub(crate) mod view;
@@ -52,12 +53,13 @@ pub use error::{CudaError, CudaResult, Library, Unavailable};
 pub use exchange::{into_cuda_bytes, tensor_from_cuda_bytes};
 pub use kernels::{KERNEL_NAMES, KernelImage, compile_kernels};
 pub use nn_ops::{
-    AdamWStep, CrossEntropyOutput, LayerNormOutput, Norm, TokenIndex, adamw_, causal_softmax_,
+    CrossEntropyOutput, LayerNormOutput, Norm, TokenIndex, causal_softmax_,
     causal_softmax_backward_, cross_entropy, embedding, embedding_backward, layer_norm,
     layer_norm_backward, merge_heads, norm, norm_backward, split_heads,
 };
 pub(crate) use ops::{cast, elementwise_};
 pub use ops::{relu_, relu_grad_};
+pub use optim::{AdamWStep, SgdMomentum, SgdStep, adamw_, sgd_};
 pub use pointwise::{Activation, activation, activation_backward, dropout};
 pub(crate) use storage::backend;
 

@@ -1,7 +1,7 @@
 //! The device operations of nn's layers on CUDA tensors, f32 only: layer norm and RMS norm,
 //! the causal softmax of attention, attention's head split and merge, the token and position
-//! embeddings (and one table's rows), cross-entropy, and an AdamW step; each with its
-//! backward. hypershard-nn dispatches its layers here when their tensors are on a CUDA device.
+//! embeddings (and one table's rows) and cross-entropy; each with its backward (the optimizer
+//! steps are in `optim.rs`). hypershard-nn dispatches its layers here when their tensors are on a CUDA device.
 //!
 //! Every operation checks dtypes, shapes and (for token ids and class targets) index ranges on
 //! the host, then launches the kernels of kernels.cu that follow hypershard-nn's host code step
@@ -29,7 +29,6 @@ const EMBEDDING_BACKWARD: &str = "embedding_backward_f32";
 const POSITION_BACKWARD: &str = "position_backward_f32";
 const SPLIT_HEADS: &str = "split_heads_f32";
 const MERGE_HEADS: &str = "merge_heads_f32";
-const ADAMW: &str = "adamw_f32";
 
 #[cfg(test)]
 const ALL: &[&str] = &[
@@ -44,7 +43,6 @@ const ALL: &[&str] = &[
     POSITION_BACKWARD,
     SPLIT_HEADS,
     MERGE_HEADS,
-    ADAMW,
 ];
 
 /// The view of `t` for `op`, which must be f32.
@@ -671,70 +669,6 @@ pub fn cross_entropy(
     })
 }
 
-/// The hyperparameters of one AdamW step, as hypershard-nn's `AdamWConfig`, with the step
-/// number (1 for the first step).
-#[derive(Debug, Clone, Copy, PartialEq)]
-pub struct AdamWStep {
-    /// The learning rate.
-    pub lr: f64,
-    /// `(β₁, β₂)`.
-    pub betas: (f64, f64),
-    /// Added to the denominator.
-    pub eps: f64,
-    /// Decoupled weight decay.
-    pub weight_decay: f64,
-    /// The step number (the first step is 1).
-    pub step: std::num::NonZeroU64,
-}
-
-/// One AdamW step in place on an f32 parameter and its f32 moments, from `grad`: the host
-/// `AdamW`'s update (which runs in f64) in f32, with the bias corrections computed on the
-/// host in f64 and rounded once.
-pub fn adamw_(
-    param: &Tensor,
-    exp_avg: &Tensor,
-    exp_avg_sq: &Tensor,
-    grad: &Tensor,
-    config: &AdamWStep,
-) -> Result<()> {
-    const OP: &str = "cuda::adamw_";
-    let [p, m, v, g] = [param, exp_avg, exp_avg_sq, grad].map(|t| f32_of(OP, t));
-    let (p, m, v, g) = (p?, m?, v?, g?);
-    for t in [&m, &v, &g] {
-        p.same_device(OP, t)?;
-        t.shape_is(OP, &p.shape)?;
-    }
-    for t in [param, exp_avg, exp_avg_sq] {
-        t.check_writable(OP)?;
-    }
-    let Some(launch_cfg) = launch_config(OP, p.numel, 1).map_err(p.error(OP))? else {
-        return Ok(());
-    };
-    let (beta1, beta2) = config.betas;
-    let exponent = i32::try_from(config.step.get()).unwrap_or(i32::MAX);
-    let bias_correction1 = 1.0 - beta1.powi(exponent);
-    let bc2_sqrt = (1.0 - beta2.powi(exponent)).sqrt();
-    let scalars = [
-        1.0 - config.lr * config.weight_decay,
-        beta1,
-        1.0 - beta1,
-        beta2,
-        1.0 - beta2,
-        config.lr / bias_correction1,
-        bc2_sqrt,
-        config.eps,
-    ]
-    .map(|v| v as f32);
-    let n = p.numel as u64;
-    // Checked: param, exp_avg, exp_avg_sq and grad hold n f32 each.
-    launch!(OP, &p, ADAMW, launch_cfg, |l| {
-        l.arg(&p.ptr).arg(&m.ptr).arg(&v.ptr).arg(&g.ptr).arg(&n);
-        for v in &scalars {
-            l.arg(v);
-        }
-    })
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -745,7 +679,7 @@ mod tests {
             assert!(KERNEL_NAMES.contains(name), "{name}");
             assert!(name.ends_with("_f32"), "{name}");
         }
-        assert_eq!(ALL.len(), 12);
+        assert_eq!(ALL.len(), 11);
     }
 
     #[test]

@@ -56,6 +56,30 @@ void test_pointwise() {
     // About 30 % dropped: a mask that kept or dropped everything would match nothing useful.
     CHECK(bad == 0 && dropped > n / 4 && dropped < n * 7 / 20, "dropout: %zu differ, %zu of %zu dropped", bad, dropped, n);
     if (bad == 0) std::printf("dropout: %zu values compared bit for bit, %zu dropped\n", n, dropped);
+    // SGD (the example's SGD_CASES): three steps per case from p = x[0..m), step k's gradient
+    // g[k·m..(k+1)·m); the parameter and the momentum buffer after each step.
+    size_t m = 100000;
+    struct Case { double momentum, dampening, wd; u32 nesterov; } cases[] = {
+        {0.9, 0.1, 0.01, 0}, {0.8, 0.0, 0.0, 1}, {0.0, 0.0, 0.05, 0}};
+    for (const Case& c : cases) {
+        std::vector<float> param(x.begin(), x.begin() + m), buf(m, 0.0f), want_p(m), want_b(m);
+        size_t differ = 0;
+        for (size_t step = 0; step < 3; ++step) {
+            const float* grad = g.data() + step * m;
+            launch(3, 256, [&] { sgd_f32(param.data(), buf.data(), grad, m, 0.05, c.momentum, c.dampening, c.wd, c.momentum != 0.0, c.nesterov, step == 0); });
+            f.read((char*)want_p.data(), 4 * m); f.read((char*)want_b.data(), 4 * m);
+            CHECK(f.good(), "pointwise.bin holds too few values for sgd");
+            for (size_t i = 0; i < m; ++i)
+                if (__float_as_uint(param[i]) != __float_as_uint(want_p[i]) || __float_as_uint(buf[i]) != __float_as_uint(want_b[i])) {
+                    if (differ++ < 3) std::printf("sgd mu=%g step %zu i=%zu cpu %.9g %.9g emu %.9g %.9g\n", c.momentum, step, i, want_p[i], want_b[i], param[i], buf[i]);
+                }
+        }
+        // The steps moved the parameter: a kernel that did nothing would not match anyway,
+        // but say how far it went.
+        double moved = 0; for (size_t i = 0; i < m; ++i) moved = std::max(moved, std::fabs((double)param[i] - x[i]));
+        CHECK(differ == 0 && moved > 0.01, "sgd mu=%g nesterov=%u wd=%g: %zu values differ from the Rust CPU bits (moved %g)", c.momentum, c.nesterov, c.wd, differ, moved);
+        if (differ == 0) std::printf("sgd mu=%g nesterov=%u wd=%g: 3 steps of %zu values compared bit for bit\n", c.momentum, c.nesterov, c.wd, m);
+    }
 }
 
 // LayerNorm (`center`) or RMSNorm (no centring: mean taken as 0 throughout) against a double
