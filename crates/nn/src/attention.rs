@@ -98,10 +98,19 @@ enum AttentionCache {
         dims: Dims,
         dtype: DType,
     },
-    /// The CUDA path: the heads and the `[B·H, T, T]` weights (see `kernels::cuda`).
+    /// The CUDA materialised path: the heads and the `[B·H, T, T]` weights (see
+    /// `kernels::cuda`).
     #[cfg(feature = "cuda")]
     Cuda {
         cache: crate::kernels::cuda::AttentionCache,
+        dims: Dims,
+    },
+    /// The CUDA tiled path: the fused projection, the output and log-sum-exps, the mask.
+    #[cfg(feature = "cuda")]
+    CudaFlash {
+        qkv: Tensor,
+        forward: hypershard_tensor::cuda::FlashForward,
+        mask: Option<DropMask>,
         dims: Dims,
     },
 }
@@ -384,14 +393,31 @@ impl Module for CausalSelfAttention {
         }
         #[cfg(feature = "cuda")]
         if qkv.device().is_cuda() {
-            // The dense attention of GEMMs and the causal softmax kernel, with the weights
-            // going through the `attn_dropout` child (its kernel draws the mask the host's
-            // tiled kernel draws).
+            let qkv = qkv.contiguous()?;
+            let head_dim = dims.n_embd / dims.n_head.max(1);
+            // The tiled kernels, as on the host, for the plain dropout child and heads the
+            // kernels take.
+            if head_dim <= hypershard_tensor::cuda::FLASH_MAX_HEAD_DIM
+                && let Some(mask) = self.fused_dropout()
+            {
+                let forward = crate::kernels::cuda::flash_attention(&qkv, dims.n_head, mask)?;
+                let y = forward.out.clone();
+                self.cache = Some(AttentionCache::CudaFlash {
+                    qkv,
+                    forward,
+                    mask,
+                    dims,
+                });
+                let out = self.c_proj.forward(&y)?;
+                return self.resid_dropout.forward(&out);
+            }
+            // Otherwise the dense attention of GEMMs and the causal softmax kernel, with the
+            // weights going through the `attn_dropout` child (its kernel draws the mask the
+            // host's tiled kernel draws).
             let attn_dropout = &mut self.attn_dropout;
-            let (y, cache) =
-                crate::kernels::cuda::attention(&qkv.contiguous()?, self.n_head, &mut |weights| {
-                    attn_dropout.forward(weights)
-                })?;
+            let (y, cache) = crate::kernels::cuda::attention(&qkv, self.n_head, &mut |weights| {
+                attn_dropout.forward(weights)
+            })?;
             self.cache = Some(AttentionCache::Cuda { cache, dims });
             let out = self.c_proj.forward(&y)?;
             return self.resid_dropout.forward(&out);
@@ -412,7 +438,7 @@ impl Module for CausalSelfAttention {
         let dims = match &cache {
             AttentionCache::Flash { dims, .. } | AttentionCache::Dense { dims, .. } => *dims,
             #[cfg(feature = "cuda")]
-            AttentionCache::Cuda { dims, .. } => *dims,
+            AttentionCache::Cuda { dims, .. } | AttentionCache::CudaFlash { dims, .. } => *dims,
         };
         let grad_out = self.resid_dropout.backward(grad_output)?;
         let grad_y = self.c_proj.backward(&grad_out)?;
@@ -464,6 +490,19 @@ impl Module for CausalSelfAttention {
                 dims,
                 dtype,
             } => self.backward_dense((&qkv, &probs, &dropped_probs), &grad_y, dims, dtype)?,
+            #[cfg(feature = "cuda")]
+            AttentionCache::CudaFlash {
+                qkv,
+                forward,
+                mask,
+                dims,
+            } => crate::kernels::cuda::flash_attention_backward(
+                &qkv,
+                &forward,
+                &grad_y,
+                dims.n_head,
+                mask,
+            )?,
             #[cfg(feature = "cuda")]
             AttentionCache::Cuda { cache, dims } => {
                 let attn_dropout = &mut self.attn_dropout;

@@ -65,6 +65,13 @@ pub(crate) struct DropMask {
 }
 
 impl DropMask {
+    /// The seed, the drop probability and the keep scale: what a device kernel needs to draw
+    /// the same mask.
+    #[cfg(feature = "cuda")]
+    pub(crate) fn parameters(&self) -> (u64, f64, f64) {
+        (self.init.seed, self.p, self.keep_scale)
+    }
+
     /// The factor of element `index` (row-major over the tensor the mask covers): 0 or
     /// `1/(1 − p)` (0 for every element when `p = 1`).
     #[inline]
@@ -108,7 +115,7 @@ impl Dropout {
 fn apply_mask(op: &'static str, x: &Tensor, mask: &DropMask) -> Result<Tensor> {
     #[cfg(feature = "cuda")]
     if x.device().is_cuda() {
-        let (seed, p, keep) = (mask.init.seed, mask.p, mask.keep_scale);
+        let (seed, p, keep) = mask.parameters();
         return crate::kernels::cuda::dropout(&x.contiguous()?, seed, p, keep);
     }
     with_float!(op, x.dtype(), F => {

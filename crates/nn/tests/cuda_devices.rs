@@ -158,7 +158,8 @@ fn attention_config() -> CausalSelfAttentionConfig {
 
 /// Attention without dropout, then in training with dropout 0.2 on the weights and the
 /// residual (two forwards, so the second draws the next masks), at T = 37 (weights over
-/// several tiles of the host's kernel).
+/// several tiles of the host's kernel), then with one head of width 136: wider than the CUDA
+/// tiled kernels take, so the GPU runs the dense path with the dropout child.
 fn attention(d: &Device) -> Result<Vec<Tensor>> {
     let x = normal(&[2, 5, 8], DType::F32, 22)?;
     let mut out = forward_backward(
@@ -175,6 +176,14 @@ fn attention(d: &Device) -> Result<Vec<Tensor>> {
     for seed in [25, 26] {
         out.extend(forward_backward(&mut dropped, d, &x, seed)?);
     }
+    let mut wide = CausalSelfAttention::new(CausalSelfAttentionConfig {
+        n_embd: 136,
+        n_head: 1,
+        dropout: 0.2,
+        ..attention_config()
+    })?;
+    let x = normal(&[2, 9, 136], DType::F32, 27)?;
+    out.extend(forward_backward(&mut wide, d, &x, 28)?);
     Ok(out)
 }
 

@@ -370,6 +370,44 @@ pub(crate) fn attention_backward(
     Ok(dqkv)
 }
 
+/// The tiled causal attention of the fused projection (`[B, T, 3C]`, f32) with the weights'
+/// dropout `mask`: the output `[B, T, C]` and what the backward needs.
+pub(crate) fn flash_attention(
+    qkv: &Tensor,
+    n_head: usize,
+    mask: Option<crate::dropout::DropMask>,
+) -> Result<gpu::FlashForward> {
+    Ok(gpu::flash_attention(qkv, n_head, flash_dropout(mask))?)
+}
+
+/// The gradient of the fused projection from the output's, for [`flash_attention`].
+pub(crate) fn flash_attention_backward(
+    qkv: &Tensor,
+    forward: &gpu::FlashForward,
+    grad_y: &Tensor,
+    n_head: usize,
+    mask: Option<crate::dropout::DropMask>,
+) -> Result<Tensor> {
+    Ok(gpu::flash_attention_backward(
+        qkv,
+        forward,
+        &grad_y.contiguous()?,
+        n_head,
+        flash_dropout(mask),
+    )?)
+}
+
+fn flash_dropout(mask: Option<crate::dropout::DropMask>) -> Option<gpu::FlashDropout> {
+    mask.map(|mask| {
+        let (seed, p, keep_scale) = mask.parameters();
+        gpu::FlashDropout {
+            seed,
+            p,
+            keep_scale,
+        }
+    })
+}
+
 /// Cross-entropy of f32 logits against I64 targets: `(mean loss, ∂loss/∂logits)`. A target
 /// out of range is the host loss's [`Error::TargetOutOfRange`].
 pub(crate) fn cross_entropy(

@@ -622,3 +622,242 @@ extern "C" __global__ void sgd_f32(float* p, float* buf, const float* g, u64 n, 
         p[i] = (float)(pi - lr * gi);
     }
 }
+
+// Tiled (flash) causal attention straight from the fused projection qkv [B, T, 3C] (head h's
+// q, k and v at columns h·D, C + h·D and 2C + h·D), so neither the heads nor the [T, T]
+// weights are ever materialised (attention/flash.rs, the host's kernel). A block of
+// FLASH_ROWS threads takes FLASH_ROWS consecutive rows of one (batch, head), one row per
+// thread, and walks the keys in tiles of FLASH_KEYS staged in shared memory; all threads of a
+// block run the same tile loop, so every barrier is reached by all of them. Head widths up to
+// FLASH_MAX_D (the host checks).
+//
+// Forward: an online softmax per query row i: per tile, the scores s = (q·k)·scale of the
+// visible keys, the running maximum m, l ·= exp(m_old − m) and acc ·= the same, then for
+// each key l += e = exp(s − m) and acc += e·mask·v, with mask the dropout scale of weight
+// (b, h, i, j) (the counter (bh·T + i)·T + j of the weights' row-major order, as
+// dropout.rs's `DropMask`). out = acc / l, lse = m + ln l (what the backward needs).
+#define FLASH_ROWS 64
+#define FLASH_KEYS 32
+#define FLASH_MAX_D 128
+
+__device__ __forceinline__ float flash_mask(u32 dropout_on, u64 seed, double p, double keep_scale,
+                                            u64 counter) {
+    if (!dropout_on) {
+        return 1.0f;
+    }
+    return (float)(random_unit(seed, counter) < p ? 0.0 : keep_scale);
+}
+
+extern "C" __global__ void flash_forward_f32(float* out, float* lse, const float* qkv, u64 batch,
+                                             u64 t, u64 heads, u64 d, float scale, u64 seed,
+                                             double p, double keep_scale, u32 dropout_on) {
+    __shared__ float ks[FLASH_KEYS * FLASH_MAX_D];
+    __shared__ float vs[FLASH_KEYS * FLASH_MAX_D];
+    u64 c = heads * d;
+    u64 tiles = (t + FLASH_ROWS - 1) / FLASH_ROWS;
+    for (u64 w = blockIdx.x; w < batch * heads * tiles; w += gridDim.x) {
+        u64 tile = w % tiles, bh = w / tiles, b = bh / heads, h = bh % heads;
+        u64 i = tile * FLASH_ROWS + threadIdx.x;
+        bool active = i < t;
+        const float* rows = qkv + b * t * 3 * c;
+        float q[FLASH_MAX_D], acc[FLASH_MAX_D];
+        for (u64 e = 0; e < d; ++e) {
+            q[e] = active ? rows[i * 3 * c + h * d + e] : 0.0f;
+            acc[e] = 0.0f;
+        }
+        float m = -f32_inf(), l = 0.0f;
+        u64 end = (tile + 1) * FLASH_ROWS < t ? (tile + 1) * FLASH_ROWS : t;
+        for (u64 k0 = 0; k0 < end; k0 += FLASH_KEYS) {
+            // The previous tile is read by every thread before it is overwritten.
+            __syncthreads();
+            for (u64 x = threadIdx.x; x < FLASH_KEYS * d; x += FLASH_ROWS) {
+                u64 j = k0 + x / d, e = x % d;
+                ks[x] = j < t ? rows[j * 3 * c + c + h * d + e] : 0.0f;
+                vs[x] = j < t ? rows[j * 3 * c + 2 * c + h * d + e] : 0.0f;
+            }
+            __syncthreads();
+            if (!active || k0 > i) {
+                continue;
+            }
+            u64 n = i + 1 - k0 < FLASH_KEYS ? i + 1 - k0 : FLASH_KEYS;
+            float s[FLASH_KEYS];
+            float tile_max = -f32_inf();
+            for (u64 jj = 0; jj < n; ++jj) {
+                float dot = 0.0f;
+                for (u64 e = 0; e < d; ++e) {
+                    dot = dot + q[e] * ks[jj * d + e];
+                }
+                s[jj] = dot * scale;
+                tile_max = fmaxf(tile_max, s[jj]);
+            }
+            float m_new = fmaxf(m, tile_max);
+            float correction = cpu_exp_f32(m - m_new);
+            l = l * correction;
+            for (u64 e = 0; e < d; ++e) {
+                acc[e] = acc[e] * correction;
+            }
+            for (u64 jj = 0; jj < n; ++jj) {
+                float weight = cpu_exp_f32(s[jj] - m_new);
+                l = l + weight;
+                weight = weight * flash_mask(dropout_on, seed, p, keep_scale, (bh * t + i) * t + k0 + jj);
+                for (u64 e = 0; e < d; ++e) {
+                    acc[e] = acc[e] + weight * vs[jj * d + e];
+                }
+            }
+            m = m_new;
+        }
+        if (active) {
+            float inv = 1.0f / l;
+            for (u64 e = 0; e < d; ++e) {
+                out[(b * t + i) * c + h * d + e] = acc[e] * inv;
+            }
+            lse[bh * t + i] = m + logf(l);
+        }
+    }
+}
+
+// delta[bh·T + i] = dO_i · O_i per query row: Σ_j P_ij·dP_ij of the softmax's backward (the
+// dropout's mask included, since O = (P ⊙ mask) V).
+extern "C" __global__ void flash_backward_delta_f32(float* delta, const float* out,
+                                                    const float* dout, u64 batch, u64 t,
+                                                    u64 heads, u64 d) {
+    u64 c = heads * d;
+    GRID_STRIDE(r, batch * heads * t) {
+        u64 i = r % t, bh = r / t, b = bh / heads, h = bh % heads;
+        u64 at = (b * t + i) * c + h * d;
+        float sum = 0.0f;
+        for (u64 e = 0; e < d; ++e) {
+            sum = sum + dout[at + e] * out[at + e];
+        }
+        delta[r] = sum;
+    }
+}
+
+// The queries' gradient, one thread per query row i (the forward's tiling): per visible key j,
+// P_ij = exp(s_ij − lse_i), dP_ij = (dO_i · v_j)·mask_ij, dS_ij = P_ij (dP_ij − delta_i), and
+// dq_i = scale · Σ_j dS_ij k_j, written to dqkv's q columns.
+extern "C" __global__ void flash_backward_dq_f32(float* dqkv, const float* qkv, const float* dout,
+                                                 const float* lse, const float* delta, u64 batch,
+                                                 u64 t, u64 heads, u64 d, float scale, u64 seed,
+                                                 double p, double keep_scale, u32 dropout_on) {
+    __shared__ float ks[FLASH_KEYS * FLASH_MAX_D];
+    __shared__ float vs[FLASH_KEYS * FLASH_MAX_D];
+    u64 c = heads * d;
+    u64 tiles = (t + FLASH_ROWS - 1) / FLASH_ROWS;
+    for (u64 w = blockIdx.x; w < batch * heads * tiles; w += gridDim.x) {
+        u64 tile = w % tiles, bh = w / tiles, b = bh / heads, h = bh % heads;
+        u64 i = tile * FLASH_ROWS + threadIdx.x;
+        bool active = i < t;
+        const float* rows = qkv + b * t * 3 * c;
+        float q[FLASH_MAX_D], go[FLASH_MAX_D], dq[FLASH_MAX_D];
+        for (u64 e = 0; e < d; ++e) {
+            q[e] = active ? rows[i * 3 * c + h * d + e] : 0.0f;
+            go[e] = active ? dout[(b * t + i) * c + h * d + e] : 0.0f;
+            dq[e] = 0.0f;
+        }
+        float row_lse = active ? lse[bh * t + i] : 0.0f;
+        float row_delta = active ? delta[bh * t + i] : 0.0f;
+        u64 end = (tile + 1) * FLASH_ROWS < t ? (tile + 1) * FLASH_ROWS : t;
+        for (u64 k0 = 0; k0 < end; k0 += FLASH_KEYS) {
+            __syncthreads();
+            for (u64 x = threadIdx.x; x < FLASH_KEYS * d; x += FLASH_ROWS) {
+                u64 j = k0 + x / d, e = x % d;
+                ks[x] = j < t ? rows[j * 3 * c + c + h * d + e] : 0.0f;
+                vs[x] = j < t ? rows[j * 3 * c + 2 * c + h * d + e] : 0.0f;
+            }
+            __syncthreads();
+            if (!active || k0 > i) {
+                continue;
+            }
+            u64 n = i + 1 - k0 < FLASH_KEYS ? i + 1 - k0 : FLASH_KEYS;
+            for (u64 jj = 0; jj < n; ++jj) {
+                float dot = 0.0f, dp = 0.0f;
+                for (u64 e = 0; e < d; ++e) {
+                    dot = dot + q[e] * ks[jj * d + e];
+                    dp = dp + go[e] * vs[jj * d + e];
+                }
+                float prob = cpu_exp_f32(dot * scale - row_lse);
+                dp = dp * flash_mask(dropout_on, seed, p, keep_scale, (bh * t + i) * t + k0 + jj);
+                float ds = prob * (dp - row_delta);
+                for (u64 e = 0; e < d; ++e) {
+                    dq[e] = dq[e] + ds * ks[jj * d + e];
+                }
+            }
+        }
+        if (active) {
+            for (u64 e = 0; e < d; ++e) {
+                dqkv[(b * t + i) * 3 * c + h * d + e] = dq[e] * scale;
+            }
+        }
+    }
+}
+
+// The keys' and values' gradients, one thread per key row j, walking the queries i ≥ j in
+// tiles of FLASH_KEYS staged in shared memory (with their lse and delta): per visible query,
+// P_ij and dS_ij as above, dv_j += P_ij·mask_ij·dO_i and dk_j += dS_ij q_i; dk_j · scale and
+// dv_j are written to dqkv's k and v columns. No atomics: each thread owns its key's rows.
+extern "C" __global__ void flash_backward_dkv_f32(float* dqkv, const float* qkv, const float* dout,
+                                                  const float* lse, const float* delta, u64 batch,
+                                                  u64 t, u64 heads, u64 d, float scale, u64 seed,
+                                                  double p, double keep_scale, u32 dropout_on) {
+    __shared__ float qs[FLASH_KEYS * FLASH_MAX_D];
+    __shared__ float gos[FLASH_KEYS * FLASH_MAX_D];
+    __shared__ float lses[FLASH_KEYS];
+    __shared__ float deltas[FLASH_KEYS];
+    u64 c = heads * d;
+    u64 tiles = (t + FLASH_ROWS - 1) / FLASH_ROWS;
+    for (u64 w = blockIdx.x; w < batch * heads * tiles; w += gridDim.x) {
+        u64 tile = w % tiles, bh = w / tiles, b = bh / heads, h = bh % heads;
+        u64 j = tile * FLASH_ROWS + threadIdx.x;
+        bool active = j < t;
+        const float* rows = qkv + b * t * 3 * c;
+        float k[FLASH_MAX_D], v[FLASH_MAX_D], dk[FLASH_MAX_D], dv[FLASH_MAX_D];
+        for (u64 e = 0; e < d; ++e) {
+            k[e] = active ? rows[j * 3 * c + c + h * d + e] : 0.0f;
+            v[e] = active ? rows[j * 3 * c + 2 * c + h * d + e] : 0.0f;
+            dk[e] = 0.0f;
+            dv[e] = 0.0f;
+        }
+        for (u64 q0 = tile * FLASH_ROWS; q0 < t; q0 += FLASH_KEYS) {
+            __syncthreads();
+            for (u64 x = threadIdx.x; x < FLASH_KEYS * d; x += FLASH_ROWS) {
+                u64 i = q0 + x / d, e = x % d;
+                qs[x] = i < t ? rows[i * 3 * c + h * d + e] : 0.0f;
+                gos[x] = i < t ? dout[(b * t + i) * c + h * d + e] : 0.0f;
+            }
+            for (u64 x = threadIdx.x; x < FLASH_KEYS; x += FLASH_ROWS) {
+                lses[x] = q0 + x < t ? lse[bh * t + q0 + x] : 0.0f;
+                deltas[x] = q0 + x < t ? delta[bh * t + q0 + x] : 0.0f;
+            }
+            __syncthreads();
+            if (!active) {
+                continue;
+            }
+            for (u64 ii = 0; ii < FLASH_KEYS && q0 + ii < t; ++ii) {
+                u64 i = q0 + ii;
+                if (i < j) {
+                    continue;
+                }
+                float dot = 0.0f, dp = 0.0f;
+                for (u64 e = 0; e < d; ++e) {
+                    dot = dot + qs[ii * d + e] * k[e];
+                    dp = dp + gos[ii * d + e] * v[e];
+                }
+                float prob = cpu_exp_f32(dot * scale - lses[ii]);
+                float mask = flash_mask(dropout_on, seed, p, keep_scale, (bh * t + i) * t + j);
+                float ds = prob * (dp * mask - deltas[ii]);
+                float dropped = prob * mask;
+                for (u64 e = 0; e < d; ++e) {
+                    dv[e] = dv[e] + dropped * gos[ii * d + e];
+                    dk[e] = dk[e] + ds * qs[ii * d + e];
+                }
+            }
+        }
+        if (active) {
+            for (u64 e = 0; e < d; ++e) {
+                dqkv[(b * t + j) * 3 * c + c + h * d + e] = dk[e] * scale;
+                dqkv[(b * t + j) * 3 * c + 2 * c + h * d + e] = dv[e];
+            }
+        }
+    }
+}

@@ -69,6 +69,10 @@ pub const KERNEL_NAMES: &[&str] = &[
     "merge_heads_f32",
     "adamw_f32",
     "sgd_f32",
+    "flash_forward_f32",
+    "flash_backward_delta_f32",
+    "flash_backward_dq_f32",
+    "flash_backward_dkv_f32",
 ];
 
 /// Threads per block of every elementwise launch.

@@ -35,6 +35,7 @@
 //! # Ok::<(), hypershard_tensor::Error>(())
 //! ```
 
+mod attention;
 pub mod blas;
 mod device;
 mod error;
@@ -47,6 +48,9 @@ mod pointwise;
 mod storage;
 pub(crate) mod view;
 
+pub use attention::{
+    FLASH_MAX_HEAD_DIM, FlashDropout, FlashForward, flash_attention, flash_attention_backward,
+};
 pub use blas::{Transpose, gemm, gemm_strided_batched, matmul};
 pub use device::{CudaDevice, device_count, probe};
 pub use error::{CudaError, CudaResult, Library, Unavailable};

@@ -285,7 +285,7 @@ pub fn causal_softmax_backward_(grad: &Tensor, probs: &Tensor, scale: f64) -> Re
 }
 
 /// `(batch, seq, parts · C)` checks of a head split or merge; returns `[B, T, H, D]`.
-fn head_dims(
+pub(super) fn head_dims(
     op: &'static str,
     rows: &Dev,
     part: usize,

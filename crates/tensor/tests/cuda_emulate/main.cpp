@@ -247,6 +247,63 @@ void test_adamw() {
     std::printf("adamw: worst relative error %.2e\n", worst);
 }
 
+// The tiled attention (forward, delta, dq, dk/dv) against a double reference of
+// dropout(softmax(q kᵀ·scale + causal mask)) v and its gradients, with the dropout mask drawn
+// from the same counter, on a grid smaller than the work.
+void test_flash(size_t batch, size_t t, size_t heads, size_t d, double p) {
+    size_t c = heads * d;
+    auto qkv = rnd(batch * t * 3 * c, -1, 1, 40 + t), dout = rnd(batch * t * c, -1, 1, 41 + t);
+    std::vector<float> out(batch * t * c), lse(batch * heads * t), delta(batch * heads * t), dqkv(batch * t * 3 * c, 7.0f);
+    float scale = 1.0f / std::sqrt((float)d);
+    u64 seed = 99;
+    double keep = p > 0 ? 1.0 / (1.0 - p) : 1.0;
+    u32 on = p > 0;
+    launch(3, 64, [&] { flash_forward_f32(out.data(), lse.data(), qkv.data(), batch, t, heads, d, scale, seed, p, keep, on); });
+    launch(2, 256, [&] { flash_backward_delta_f32(delta.data(), out.data(), dout.data(), batch, t, heads, d); });
+    launch(3, 64, [&] { flash_backward_dq_f32(dqkv.data(), qkv.data(), dout.data(), lse.data(), delta.data(), batch, t, heads, d, scale, seed, p, keep, on); });
+    launch(2, 64, [&] { flash_backward_dkv_f32(dqkv.data(), qkv.data(), dout.data(), lse.data(), delta.data(), batch, t, heads, d, scale, seed, p, keep, on); });
+    std::vector<double> rout(out.size(), 0), rd(dqkv.size(), 0);
+    double worst_out = 0, worst_grad = 0, dropped = 0, weights = 0;
+    for (size_t b = 0; b < batch; ++b) for (size_t h = 0; h < heads; ++h) {
+        auto q = [&](size_t i, size_t e) { return (double)qkv[(b * t + i) * 3 * c + h * d + e]; };
+        auto k = [&](size_t j, size_t e) { return (double)qkv[(b * t + j) * 3 * c + c + h * d + e]; };
+        auto v = [&](size_t j, size_t e) { return (double)qkv[(b * t + j) * 3 * c + 2 * c + h * d + e]; };
+        auto go = [&](size_t i, size_t e) { return (double)dout[(b * t + i) * c + h * d + e]; };
+        size_t bh = b * heads + h;
+        std::vector<double> P(t * t, 0), M(t * t, 0), dS(t * t, 0);
+        for (size_t i = 0; i < t; ++i) {
+            double mx = -1e300;
+            for (size_t j = 0; j <= i; ++j) { double s = 0; for (size_t e = 0; e < d; ++e) s += q(i, e) * k(j, e); P[i * t + j] = s * scale; mx = std::max(mx, s * scale); }
+            double sum = 0; for (size_t j = 0; j <= i; ++j) { P[i * t + j] = std::exp(P[i * t + j] - mx); sum += P[i * t + j]; }
+            for (size_t j = 0; j <= i; ++j) {
+                P[i * t + j] /= sum;
+                M[i * t + j] = on ? (random_unit(seed, (bh * t + i) * t + j) < p ? 0.0 : keep) : 1.0;
+                dropped += M[i * t + j] == 0.0; weights += 1;
+            }
+            worst_out = std::max(worst_out, std::fabs(lse[bh * t + i] - (mx + std::log(sum))) / (1 + std::fabs(mx + std::log(sum))));
+            for (size_t e = 0; e < d; ++e) { double o = 0; for (size_t j = 0; j <= i; ++j) o += P[i * t + j] * M[i * t + j] * v(j, e); rout[(b * t + i) * c + h * d + e] = o; }
+            // dP = (dO_i · v_j)·mask; dS = P (dP − Σ_k P dP).
+            double row = 0; std::vector<double> dP(i + 1);
+            for (size_t j = 0; j <= i; ++j) { double s = 0; for (size_t e = 0; e < d; ++e) s += go(i, e) * v(j, e); dP[j] = s * M[i * t + j]; row += P[i * t + j] * dP[j]; }
+            for (size_t j = 0; j <= i; ++j) dS[i * t + j] = P[i * t + j] * (dP[j] - row);
+        }
+        for (size_t i = 0; i < t; ++i) for (size_t e = 0; e < d; ++e) {
+            double dq = 0, dk = 0, dv = 0;
+            for (size_t j = 0; j <= i; ++j) dq += dS[i * t + j] * k(j, e);
+            for (size_t r = i; r < t; ++r) { dk += dS[r * t + i] * q(r, e); dv += P[r * t + i] * M[r * t + i] * go(r, e); }
+            rd[(b * t + i) * 3 * c + h * d + e] = dq * scale;
+            rd[(b * t + i) * 3 * c + c + h * d + e] = dk * scale;
+            rd[(b * t + i) * 3 * c + 2 * c + h * d + e] = dv;
+        }
+    }
+    for (size_t x = 0; x < out.size(); ++x) worst_out = std::max(worst_out, std::fabs(out[x] - rout[x]) / (1 + std::fabs(rout[x])));
+    for (size_t x = 0; x < dqkv.size(); ++x) worst_grad = std::max(worst_grad, std::fabs(dqkv[x] - rd[x]) / (1 + std::fabs(rd[x])));
+    CHECK(worst_out < 2e-6 && worst_grad < 1e-5, "flash b %zu t %zu h %zu d %zu p %g: max errors out %g grad %g", batch, t, heads, d, p, worst_out, worst_grad);
+    // With dropout, about p of the weights are dropped (the mask is really drawn).
+    CHECK(!on || (dropped > 0.7 * p * weights && dropped < 1.3 * p * weights), "flash dropout: %g of %g dropped", dropped, weights);
+    std::printf("flash b %zu t %zu h %zu d %zu p %g: max errors out %.2e grad %.2e\n", batch, t, heads, d, p, worst_out, worst_grad);
+}
+
 int main() {
     test_pointwise();
     test_norm(37, 24, 5, true, true);
@@ -263,6 +320,9 @@ int main() {
     test_embedding();
     test_heads();
     test_adamw();
+    test_flash(2, 70, 2, 16, 0.0);
+    test_flash(1, 37, 3, 8, 0.2);
+    test_flash(1, 33, 1, 128, 0.1);
     std::printf("%s (%d failures)\n", failures ? "FAILED" : "all passed", failures);
     return failures != 0;
 }
