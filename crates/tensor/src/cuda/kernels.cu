@@ -648,6 +648,20 @@ __device__ __forceinline__ float flash_mask(u32 dropout_on, u64 seed, double p, 
     return (float)(random_unit(seed, counter) < p ? 0.0 : keep_scale);
 }
 
+// Stages the keys and values k0 .. k0 + FLASH_KEYS of one head (columns `col` of the k and v
+// parts of `rows`, the batch's [T, 3C] rows) in shared memory, zeros past T. Called by every
+// thread of the block: the first barrier lets every thread finish reading the previous tile.
+__device__ void flash_load_keys(float* ks, float* vs, const float* rows, u64 k0, u64 t, u64 c,
+                                u64 col, u64 d) {
+    __syncthreads();
+    for (u64 x = threadIdx.x; x < FLASH_KEYS * d; x += FLASH_ROWS) {
+        u64 j = k0 + x / d, e = x % d;
+        ks[x] = j < t ? rows[j * 3 * c + c + col + e] : 0.0f;
+        vs[x] = j < t ? rows[j * 3 * c + 2 * c + col + e] : 0.0f;
+    }
+    __syncthreads();
+}
+
 extern "C" __global__ void flash_forward_f32(float* out, float* lse, const float* qkv, u64 batch,
                                              u64 t, u64 heads, u64 d, float scale, u64 seed,
                                              double p, double keep_scale, u32 dropout_on) {
@@ -668,14 +682,7 @@ extern "C" __global__ void flash_forward_f32(float* out, float* lse, const float
         float m = -f32_inf(), l = 0.0f;
         u64 end = (tile + 1) * FLASH_ROWS < t ? (tile + 1) * FLASH_ROWS : t;
         for (u64 k0 = 0; k0 < end; k0 += FLASH_KEYS) {
-            // The previous tile is read by every thread before it is overwritten.
-            __syncthreads();
-            for (u64 x = threadIdx.x; x < FLASH_KEYS * d; x += FLASH_ROWS) {
-                u64 j = k0 + x / d, e = x % d;
-                ks[x] = j < t ? rows[j * 3 * c + c + h * d + e] : 0.0f;
-                vs[x] = j < t ? rows[j * 3 * c + 2 * c + h * d + e] : 0.0f;
-            }
-            __syncthreads();
+            flash_load_keys(ks, vs, rows, k0, t, c, h * d, d);
             if (!active || k0 > i) {
                 continue;
             }
@@ -759,13 +766,7 @@ extern "C" __global__ void flash_backward_dq_f32(float* dqkv, const float* qkv, 
         float row_delta = active ? delta[bh * t + i] : 0.0f;
         u64 end = (tile + 1) * FLASH_ROWS < t ? (tile + 1) * FLASH_ROWS : t;
         for (u64 k0 = 0; k0 < end; k0 += FLASH_KEYS) {
-            __syncthreads();
-            for (u64 x = threadIdx.x; x < FLASH_KEYS * d; x += FLASH_ROWS) {
-                u64 j = k0 + x / d, e = x % d;
-                ks[x] = j < t ? rows[j * 3 * c + c + h * d + e] : 0.0f;
-                vs[x] = j < t ? rows[j * 3 * c + 2 * c + h * d + e] : 0.0f;
-            }
-            __syncthreads();
+            flash_load_keys(ks, vs, rows, k0, t, c, h * d, d);
             if (!active || k0 > i) {
                 continue;
             }
