@@ -28,9 +28,8 @@ use hypershard_tensor::{DType, Device, Tensor};
 use hypershard_testkit::device::{GPU_ENV, Outcome, Tally, contained, fail, gpu_asked};
 
 mod common;
-use common::{forward_backward, normal, params_and_grads};
+use common::{EMULATED, forward_backward, normal, params_and_grads};
 
-const EMULATED: Device = Device::Emulated { ordinal: 0 };
 const GPU: Device = Device::Cuda { ordinal: 0 };
 
 /// A test body: the tensors it made on the device it was given.

@@ -14,9 +14,7 @@ use hypershard_nn::{
 use hypershard_tensor::{DType, Device, Tensor};
 
 mod common;
-use common::{Opaque, forward_backward, normal, params_and_grads};
-
-const EMULATED: Device = Device::Emulated { ordinal: 0 };
+use common::{EMULATED, Opaque, forward_backward, normal, params_and_grads};
 
 /// Runs `body` on the host and on the emulated device, checks that every tensor it returns is
 /// on the device it ran on and that both runs give the same bytes; returns the host run's

@@ -1,11 +1,15 @@
 //! The GPT's fused loss head against the unfused one (logits → `cross_entropy` → backward):
 //! the same loss bit for bit, the same gradients to rounding, ignored targets, the loss scale,
-//! evaluation without gradients, and the errors.
+//! evaluation without gradients, and the errors. The comparisons run on the host and on the
+//! emulated device, with the same values on both.
+
+mod common;
 
 use std::collections::BTreeMap;
 
+use common::same_on_both;
 use hypershard_nn::{DEFAULT_IGNORE_INDEX, Error, Gpt, GptConfig, Module, cross_entropy};
-use hypershard_tensor::{DType, Tensor};
+use hypershard_tensor::{DType, Device, Tensor};
 
 fn config(dtype: DType, vocab_size: usize) -> GptConfig {
     GptConfig {
@@ -39,17 +43,28 @@ fn grads(model: &Gpt) -> BTreeMap<String, Vec<f64>> {
     model
         .visit_params("", &mut |name, p| {
             let grad = p.grad.as_ref().expect("every parameter has a gradient");
-            out.insert(name.to_string(), grad.to_f64_vec()?);
+            out.insert(name.to_string(), grad.to_host()?.to_f64_vec()?);
             Ok(())
         })
         .expect("visit");
     out
 }
 
-/// The unfused reference: loss and gradients for a loss scale of `scale`.
-fn unfused(config: GptConfig, ids: &Tensor, targets: &Tensor, scale: f64) -> (f64, Grads) {
+/// The unfused reference on `device`: loss and gradients for a loss scale of `scale`.
+fn unfused(
+    config: GptConfig,
+    ids: &Tensor,
+    targets: &Tensor,
+    scale: f64,
+    device: &Device,
+) -> (f64, Grads) {
     let mut model = Gpt::new(config).expect("gpt");
-    let logits = model.forward(ids).expect("forward");
+    hypershard_nn::to_device(&mut model, device).expect("to_device");
+    let (ids, targets) = (
+        ids.to_device(device).expect("ids"),
+        &targets.to_device(device).expect("targets"),
+    );
+    let logits = model.forward(&ids).expect("forward");
     let v = config.vocab_size;
     let flat = logits.view(&[targets.numel(), v]).expect("view");
     let loss = cross_entropy(&flat, targets, DEFAULT_IGNORE_INDEX).expect("loss");
@@ -62,15 +77,26 @@ fn unfused(config: GptConfig, ids: &Tensor, targets: &Tensor, scale: f64) -> (f6
 
 type Grads = BTreeMap<String, Vec<f64>>;
 
-fn fused(config: GptConfig, ids: &Tensor, targets: &Tensor, scale: f64) -> (f64, Grads) {
+/// The fused head on `device`: loss and gradients for a loss scale of `scale`.
+fn fused(
+    config: GptConfig,
+    ids: &Tensor,
+    targets: &Tensor,
+    scale: f64,
+    device: &Device,
+) -> (f64, Grads) {
     let mut model = Gpt::new(config).expect("gpt");
+    hypershard_nn::to_device(&mut model, device).expect("to_device");
     let handle = model.fused_loss(DEFAULT_IGNORE_INDEX);
-    handle.for_backward(targets.clone());
-    let loss = model.forward(ids).expect("forward");
+    handle.for_backward(targets.to_device(device).expect("targets"));
+    let loss = model
+        .forward(&ids.to_device(device).expect("ids"))
+        .expect("forward");
     assert_eq!(loss.shape(), &[1]);
     assert_eq!(loss.dtype(), DType::F64);
-    let loss = loss.to_f64_vec().expect("f64")[0];
-    let scale = Tensor::from_vec(vec![scale], &[1]).expect("scale");
+    assert_eq!(loss.device(), *device);
+    let loss = loss.to_host().and_then(|l| l.to_f64_vec()).expect("f64")[0];
+    let scale = Tensor::from_vec_on(vec![scale], &[1], device).expect("scale");
     model.backward(&scale).expect("backward");
     (loss, grads(&model))
 }
@@ -94,8 +120,12 @@ fn fused_loss_equals_unfused_bitwise_and_gradients_to_rounding() {
     for (dtype, tol) in [(DType::F64, 1e-12), (DType::F32, 1e-5)] {
         let config = config(dtype, 37);
         let (ids, targets) = batch(37, 3, 5);
-        let (loss_a, grads_a) = unfused(config, &ids, &targets, 0.25);
-        let (loss_b, grads_b) = fused(config, &ids, &targets, 0.25);
+        let ((loss_a, grads_a), (loss_b, grads_b)) = same_on_both(|d| {
+            (
+                unfused(config, &ids, &targets, 0.25, d),
+                fused(config, &ids, &targets, 0.25, d),
+            )
+        });
         assert_eq!(
             loss_a.to_bits(),
             loss_b.to_bits(),
@@ -118,8 +148,12 @@ fn a_vocabulary_larger_than_one_block_is_worked_through_in_blocks() {
         ..config(DType::F32, vocab)
     };
     let (ids, targets) = batch(vocab, 4, 16);
-    let (loss_a, grads_a) = unfused(config, &ids, &targets, 1.0);
-    let (loss_b, grads_b) = fused(config, &ids, &targets, 1.0);
+    let ((loss_a, grads_a), (loss_b, grads_b)) = same_on_both(|d| {
+        (
+            unfused(config, &ids, &targets, 1.0, d),
+            fused(config, &ids, &targets, 1.0, d),
+        )
+    });
     assert_eq!(loss_a.to_bits(), loss_b.to_bits(), "{loss_a} vs {loss_b}");
     assert_close(&grads_a, &grads_b, 1e-5);
 }
@@ -141,7 +175,7 @@ fn evaluation_computes_the_loss_only_and_targets_are_required() {
         .expect("forward")
         .to_f64_vec()
         .expect("f64")[0];
-    let (reference, _) = unfused(config, &ids, &targets, 1.0);
+    let (reference, _) = unfused(config, &ids, &targets, 1.0, &Device::Cpu);
     assert_eq!(loss.to_bits(), reference.to_bits());
     // Nothing was kept for a backward.
     let one = Tensor::from_vec(vec![1.0f64], &[1]).expect("one");
@@ -232,7 +266,7 @@ fn the_head_gradient_kept_in_the_weight_memory_is_bitwise_the_default() {
     {
         let config = config(dtype, 5);
         let (ids, targets) = batch(5, rows, 8);
-        let (loss_a, grads_a) = fused(config, &ids, &targets, 0.5);
+        let (loss_a, grads_a) = fused(config, &ids, &targets, 0.5, &Device::Cpu);
         let (loss_b, grads_b, shared) = fused_in_weight(config, &ids, &targets, 0.5);
         assert_eq!(loss_a.to_bits(), loss_b.to_bits(), "{dtype:?}");
         assert_eq!(

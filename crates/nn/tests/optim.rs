@@ -1,47 +1,62 @@
-//! Optimizer steps against values worked out by hand, and gradient clipping.
+//! Optimizer steps against values worked out by hand, and gradient clipping. Each body runs on
+//! the host and on the emulated device (`same_on_both`), with the same values.
 
+mod common;
+
+use common::{bits_of, same_on_both};
 use hypershard_nn::optim::{
     AdamW, AdamWConfig, AdamWUpdate, Sgd, SgdConfig, clip_grad_norm_params,
 };
 use hypershard_nn::{Error, Parameter};
-use hypershard_tensor::{DType, Tensor};
+use hypershard_tensor::{DType, Device, Tensor};
 
-fn param(values: &[f64]) -> Parameter {
-    // invariant: a 1-D f64 tensor of the slice's length always builds.
+fn param(values: &[f64], device: &Device) -> Parameter {
+    // invariant: a 1-D f64 tensor of the slice's length always builds and moves.
     Parameter::new(
         "p",
-        Tensor::from_slice(values, &[values.len()]).expect("tensor"),
+        Tensor::from_slice(values, &[values.len()])
+            .and_then(|t| t.to_device(device))
+            .expect("tensor"),
     )
 }
 
-fn set_grad(p: &mut Parameter, grad: &[f64]) {
-    p.grad = Some(Tensor::from_slice(grad, &[grad.len()]).expect("tensor"));
+fn set_grad(p: &mut Parameter, grad: &[f64], device: &Device) {
+    p.grad = Some(
+        Tensor::from_slice(grad, &[grad.len()])
+            .and_then(|t| t.to_device(device))
+            .expect("tensor"),
+    );
 }
 
+/// The values, read on the host whatever the device.
 fn values(p: &Parameter) -> Vec<f64> {
-    p.data()
-        .expect("materialised")
-        .to_vec::<f64>()
-        .expect("f64")
+    host_f64(p.data().expect("materialised"))
 }
 
-fn assert_values(p: &Parameter, expected: &[f64], tol: f64) {
-    for (got, want) in values(p).iter().zip(expected) {
+fn host_f64(t: &Tensor) -> Vec<f64> {
+    t.to_host().and_then(|h| h.to_f64_vec()).expect("f64")
+}
+
+fn assert_values(got: &[f64], expected: &[f64], tol: f64) {
+    for (got, want) in got.iter().zip(expected) {
         assert!((got - want).abs() <= tol, "{got} vs {want}");
     }
 }
 
-/// Runs three SGD steps with gradient 1 on a parameter starting at 1 and returns the values.
+/// Runs three SGD steps with gradient `grad` on a parameter starting at 1 and returns the
+/// values, on both devices.
 fn sgd_three_steps(config: SgdConfig, grad: f64) -> Vec<f64> {
-    let mut sgd = Sgd::new(config).expect("config");
-    let mut p = param(&[1.0]);
-    (0..3)
-        .map(|_| {
-            set_grad(&mut p, &[grad]);
-            sgd.step_param("p", &mut p).expect("step");
-            values(&p)[0]
-        })
-        .collect()
+    same_on_both(|d| {
+        let mut sgd = Sgd::new(config).expect("config");
+        let mut p = param(&[1.0], d);
+        (0..3)
+            .map(|_| {
+                set_grad(&mut p, &[grad], d);
+                sgd.step_param("p", &mut p).expect("step");
+                values(&p)[0]
+            })
+            .collect()
+    })
 }
 
 #[test]
@@ -123,11 +138,13 @@ fn sgd_rejects_invalid_nesterov_and_skips_params_without_grad() {
         Sgd::new(negative),
         Err(Error::InvalidConfig { field: "lr", .. })
     ));
-    let mut sgd = Sgd::new(SgdConfig::default()).expect("config");
-    let mut p = param(&[2.0]);
-    sgd.step_param("p", &mut p).expect("step");
-    assert_eq!(values(&p), vec![2.0]);
-    assert!(sgd.momentum_buffer("p").is_none());
+    same_on_both(|d| {
+        let mut sgd = Sgd::new(SgdConfig::default()).expect("config");
+        let mut p = param(&[2.0], d);
+        sgd.step_param("p", &mut p).expect("step");
+        assert_eq!(values(&p), vec![2.0]);
+        assert!(sgd.momentum_buffer("p").is_none());
+    });
 }
 
 #[test]
@@ -150,8 +167,6 @@ fn adamw_three_steps() {
         lr: 0.1,
         ..AdamWConfig::default()
     };
-    let mut adamw = AdamW::new(config).expect("config");
-    let mut p = param(&[1.0, -0.5]);
     // Step 1 in closed form: m̂ = g and v̂ = g², so p = p(1 − lr·wd) − lr·g/(|g| + eps):
     // 1·0.999 − 0.1·0.5/(0.5 + 1e-8) = 0.899000002 and −0.5·0.999 + 0.1·1/(1 + 1e-8).
     // Steps 2 and 3 were worked through torch's recursions (m, v, bias corrections) by hand.
@@ -161,15 +176,26 @@ fn adamw_three_steps() {
         [0.871_467_298_705_846_3, -0.435_710_853_471_074_85],
         [0.804_784_672_376_384, -0.476_840_262_292_302_75],
     ];
-    for (grad, want) in grads.iter().zip(expected) {
-        set_grad(&mut p, grad);
-        adamw.step_param("p", &mut p).expect("step");
-        assert_values(&p, &want, 1e-12);
+    let (steps, state_step, m) = same_on_both(|d| {
+        let mut adamw = AdamW::new(config).expect("config");
+        let mut p = param(&[1.0, -0.5], d);
+        let steps: Vec<Vec<f64>> = grads
+            .iter()
+            .map(|grad| {
+                set_grad(&mut p, grad, d);
+                adamw.step_param("p", &mut p).expect("step");
+                values(&p)
+            })
+            .collect();
+        let state = adamw.state("p").expect("state");
+        assert_eq!(state.exp_avg.device(), *d);
+        (steps, state.step, host_f64(&state.exp_avg))
+    });
+    for (got, want) in steps.iter().zip(expected) {
+        assert_values(got, &want, 1e-12);
     }
-    let state = adamw.state("p").expect("state");
-    assert_eq!(state.step, 3);
+    assert_eq!(state_step, 3);
     // m₃ = 0.9·(0.9·0.05 − 0.025) + 0.1 = 0.118 for the first element.
-    let m = state.exp_avg.to_vec::<f64>().expect("f64");
     assert!((m[0] - 0.118).abs() < 1e-15);
 }
 
@@ -182,14 +208,21 @@ fn adamw_constant_gradient_moves_by_lr_per_step() {
         weight_decay: 0.0,
         ..AdamWConfig::default()
     };
-    let mut adamw = AdamW::new(config).expect("config");
-    let mut p = param(&[0.0, 0.0]);
-    for step in 1..=3 {
-        set_grad(&mut p, &[2.0, -3.0]);
-        adamw.step_param("p", &mut p).expect("step");
+    let steps = same_on_both(|d| {
+        let mut adamw = AdamW::new(config).expect("config");
+        let mut p = param(&[0.0, 0.0], d);
+        (1..=3)
+            .map(|_| {
+                set_grad(&mut p, &[2.0, -3.0], d);
+                adamw.step_param("p", &mut p).expect("step");
+                values(&p)
+            })
+            .collect::<Vec<_>>()
+    });
+    for (step, got) in (1..=3).zip(&steps) {
         let moved = f64::from(step) * 0.01;
         assert_values(
-            &p,
+            got,
             &[-moved * 2.0 / (2.0 + 1e-8), moved * 3.0 / (3.0 + 1e-8)],
             1e-12,
         );
@@ -198,18 +231,20 @@ fn adamw_constant_gradient_moves_by_lr_per_step() {
 
 #[test]
 fn adamw_f32_state_stays_f32() {
-    let mut adamw = AdamW::new(AdamWConfig::default()).expect("config");
-    let mut p = Parameter::new("w", Tensor::ones(&[3], DType::F32).expect("ones"));
-    p.grad = Some(Tensor::full(&[3], 0.5, DType::F32).expect("full"));
-    adamw.step_param("w", &mut p).expect("step");
-    let state = adamw.state("w").expect("state");
-    assert_eq!(state.exp_avg.dtype(), DType::F32);
+    let got = same_on_both(|d| {
+        let mut adamw = AdamW::new(AdamWConfig::default()).expect("config");
+        let on = |t: hypershard_tensor::Result<Tensor>| t.and_then(|t| t.to_device(d));
+        let mut p = Parameter::new("w", on(Tensor::ones(&[3], DType::F32)).expect("ones"));
+        p.grad = Some(on(Tensor::full(&[3], 0.5, DType::F32)).expect("full"));
+        adamw.step_param("w", &mut p).expect("step");
+        let state = adamw.state("w").expect("state");
+        assert_eq!(state.exp_avg.dtype(), DType::F32);
+        let data = p.data().expect("data").to_host().expect("host");
+        data.to_vec::<f32>().expect("f32")
+    });
     // 1·(1 − 1e-5) − 1e-3·0.5/(0.5 + 1e-8), rounded to f32.
     let want = (0.99999f64 - 1e-3 * 0.5 / (0.5 + 1e-8)) as f32;
-    assert_eq!(
-        p.data().expect("data").to_vec::<f32>().expect("f32"),
-        vec![want; 3]
-    );
+    assert_eq!(got, vec![want; 3]);
 }
 
 /// Three AdamW steps of an f32 parameter of `rows × cols` with gradients `f(step, i)`; when
@@ -220,6 +255,7 @@ fn adamw_f32_after_three_steps(
     cols: usize,
     transposed: bool,
     threads: usize,
+    device: &Device,
 ) -> Vec<u32> {
     let n = rows * cols;
     let value = |i: usize| ((i * 7919) % 1000) as f32 * 1e-3 - 0.5;
@@ -227,7 +263,9 @@ fn adamw_f32_after_three_steps(
     let logical = |f: &dyn Fn(usize) -> f32| -> Tensor {
         let values: Vec<f32> = (0..n).map(f).collect();
         // invariant: n values always fill a rows × cols tensor.
-        let t = Tensor::from_vec(values, &[rows, cols]).expect("tensor");
+        let t = Tensor::from_vec(values, &[rows, cols])
+            .and_then(|t| t.to_device(device))
+            .expect("tensor");
         if transposed {
             // The same logical [rows, cols] values, stored column-major.
             let stored = t
@@ -254,7 +292,8 @@ fn adamw_f32_after_three_steps(
             .expect("pool")
             .expect("step");
     }
-    let values = p.data().expect("data").to_vec::<f32>().expect("f32");
+    let values = p.data().expect("data").to_host().expect("host");
+    let values = values.to_vec::<f32>().expect("f32");
     values.iter().map(|v| v.to_bits()).collect()
 }
 
@@ -263,9 +302,14 @@ fn adamw_f32_in_place_equals_the_general_path_bit_for_bit_at_any_thread_count() 
     // 317 × 211 = 66 887 elements: more than two of the update's parallel chunks, not a
     // multiple of one.
     let (rows, cols) = (317, 211);
-    let general = adamw_f32_after_three_steps(rows, cols, true, 1);
-    for threads in [1, 2, 3] {
-        let in_place = adamw_f32_after_three_steps(rows, cols, false, threads);
+    let general = adamw_f32_after_three_steps(rows, cols, true, 1, &Device::Cpu);
+    for (threads, device) in [
+        (1, Device::Cpu),
+        (2, Device::Cpu),
+        (3, Device::Cpu),
+        (2, common::EMULATED),
+    ] {
+        let in_place = adamw_f32_after_three_steps(rows, cols, false, threads, &device);
         assert_eq!(in_place.len(), general.len());
         let differing = in_place
             .iter()
@@ -274,7 +318,7 @@ fn adamw_f32_in_place_equals_the_general_path_bit_for_bit_at_any_thread_count() 
             .count();
         assert_eq!(
             differing, 0,
-            "{differing} elements differ at {threads} threads"
+            "{differing} elements differ at {threads} threads on {device}"
         );
     }
     // The steps moved the values (a test of equality between two no-ops would prove nothing).
@@ -311,8 +355,8 @@ fn adamw_rejects_bad_betas_and_unmaterialised_params() {
         })
     ));
     let mut adamw = AdamW::new(AdamWConfig::default()).expect("config");
-    let mut p = param(&[1.0]);
-    set_grad(&mut p, &[1.0]);
+    let mut p = param(&[1.0], &Device::Cpu);
+    set_grad(&mut p, &[1.0], &Device::Cpu);
     p.data = None;
     assert!(matches!(
         adamw.step_param("p", &mut p),
@@ -322,64 +366,70 @@ fn adamw_rejects_bad_betas_and_unmaterialised_params() {
 
 #[test]
 fn clipping_scales_to_max_norm_and_returns_total_norm() {
-    let mut a = param(&[0.0, 0.0]);
-    let mut b = param(&[0.0]);
-    set_grad(&mut a, &[3.0, 4.0]);
-    set_grad(&mut b, &[12.0]);
+    let (norm, ga, gb, norm_below, gb_below) = same_on_both(|d| {
+        let mut a = param(&[0.0, 0.0], d);
+        let mut b = param(&[0.0], d);
+        set_grad(&mut a, &[3.0, 4.0], d);
+        set_grad(&mut b, &[12.0], d);
+        let norm = clip_grad_norm_params(&mut [&mut a, &mut b], 6.5).expect("clip");
+        let grad = |p: &Parameter| host_f64(p.grad.as_ref().expect("grad"));
+        let (ga, gb) = (grad(&a), grad(&b));
+        let norm_below = clip_grad_norm_params(&mut [&mut a, &mut b], 100.0).expect("clip");
+        (norm.to_bits(), ga, gb, norm_below.to_bits(), grad(&b))
+    });
     // ‖(3, 4, 12)‖ = 13.
-    let norm = clip_grad_norm_params(&mut [&mut a, &mut b], 6.5).expect("clip");
-    assert!((norm - 13.0).abs() < 1e-15);
+    assert!((f64::from_bits(norm) - 13.0).abs() < 1e-15);
     let coef = 6.5 / (13.0 + 1e-6);
-    let ga = a.grad.as_ref().expect("grad").to_vec::<f64>().expect("f64");
-    let gb = b.grad.as_ref().expect("grad").to_vec::<f64>().expect("f64");
     assert_eq!(ga, vec![3.0 * coef, 4.0 * coef]);
     assert_eq!(gb, vec![12.0 * coef]);
     // Below the bound nothing changes.
-    let norm = clip_grad_norm_params(&mut [&mut a, &mut b], 100.0).expect("clip");
-    assert!((norm - 13.0 * coef).abs() < 1e-12);
-    assert_eq!(
-        b.grad.as_ref().expect("grad").to_vec::<f64>().expect("f64"),
-        vec![12.0 * coef]
-    );
+    assert!((f64::from_bits(norm_below) - 13.0 * coef).abs() < 1e-12);
+    assert_eq!(gb_below, vec![12.0 * coef]);
 }
 
 #[test]
 fn plain_sgd_steps_in_place_in_f32_and_bf16() {
     for dtype in [DType::F32, DType::BF16] {
-        let data = Tensor::from_vec(vec![1.0f64, -2.0, 0.5], &[3])
-            .and_then(|t| t.to_dtype(dtype))
-            .expect("tensor");
-        let storage_before = data.clone();
-        let mut p = Parameter::new("w", data);
-        p.grad = Some(
-            Tensor::from_vec(vec![0.5f64, 1.0, -2.0], &[3])
+        same_on_both(|d| {
+            let data = Tensor::from_vec(vec![1.0f64, -2.0, 0.5], &[3])
                 .and_then(|t| t.to_dtype(dtype))
-                .expect("grad"),
-        );
-        let mut sgd = Sgd::new(SgdConfig {
-            lr: 0.25,
-            ..SgdConfig::default()
-        })
-        .expect("sgd");
-        sgd.step_param("w", &mut p).expect("step");
-        // Exact in binary: 1 - 0.125, -2 - 0.25, 0.5 + 0.5.
-        let after = p.data().and_then(|d| Ok(d.to_f64_vec()?)).expect("f64");
-        assert_eq!(after, vec![0.875, -2.25, 1.0], "{dtype:?}");
-        // In place: the tensor seen before the step shares the storage.
-        assert_eq!(
-            storage_before.to_f64_vec().expect("f64"),
-            vec![0.875, -2.25, 1.0]
-        );
-        p.grad = Some(Tensor::zeros(&[2], dtype).expect("grad"));
-        assert!(matches!(
-            sgd.step_param("w", &mut p),
-            Err(Error::ShapeMismatch { .. })
-        ));
+                .and_then(|t| t.to_device(d))
+                .expect("tensor");
+            let storage_before = data.clone();
+            let mut p = Parameter::new("w", data);
+            p.grad = Some(
+                Tensor::from_vec(vec![0.5f64, 1.0, -2.0], &[3])
+                    .and_then(|t| t.to_dtype(dtype))
+                    .and_then(|t| t.to_device(d))
+                    .expect("grad"),
+            );
+            let mut sgd = Sgd::new(SgdConfig {
+                lr: 0.25,
+                ..SgdConfig::default()
+            })
+            .expect("sgd");
+            sgd.step_param("w", &mut p).expect("step");
+            // Exact in binary: 1 - 0.125, -2 - 0.25, 0.5 + 0.5.
+            let after = p.data().map(host_f64).expect("data");
+            assert_eq!(after, vec![0.875, -2.25, 1.0], "{dtype:?} on {d}");
+            // In place: the tensor seen before the step shares the storage.
+            assert_eq!(host_f64(&storage_before), vec![0.875, -2.25, 1.0]);
+            p.grad = Some(
+                Tensor::zeros(&[2], dtype)
+                    .and_then(|t| t.to_device(d))
+                    .expect("grad"),
+            );
+            assert!(matches!(
+                sgd.step_param("w", &mut p),
+                Err(Error::ShapeMismatch { .. })
+            ));
+            bits_of(p.data().expect("data"))
+        });
     }
 }
 
 /// The per-tensor update is AdamW's, aliased moments take the copying path with the same
-/// bits, and a moment of another shape is a typed error naming the op.
+/// bits, and a moment of another shape is a typed error naming the op; on both devices.
 #[test]
 fn adamw_update_on_tensors_is_adamws_step() {
     use hypershard_nn::optim::{AdamWTensors, adamw_update};
@@ -389,45 +439,53 @@ fn adamw_update_on_tensors_is_adamws_step() {
     };
     let init = [0.5f32, -1.0, 2.0, 0.25];
     let grads = [0.3f32, -0.2, 0.1, 0.05];
-    // The reference: AdamW's own step on a parameter.
-    let mut p = Parameter::new("p", Tensor::from_vec(init.to_vec(), &[4]).unwrap());
-    p.grad = Some(Tensor::from_vec(grads.to_vec(), &[4]).unwrap());
-    let mut opt = AdamW::new(config).unwrap();
-    opt.step_param("p", &mut p).unwrap();
-    let want: Vec<f32> = p.data().unwrap().to_vec().unwrap();
-
-    let grad = Tensor::from_vec(grads.to_vec(), &[4]).unwrap();
-    // One update from `init` with the moments `m` and `v`: the parameter after it.
-    let update = |m: &Tensor, v: &Tensor, step| {
-        let param = Tensor::from_vec(init.to_vec(), &[4]).unwrap();
-        let tensors = AdamWTensors {
-            param: &param,
-            grad: &grad,
-            exp_avg: m,
-            exp_avg_sq: v,
+    same_on_both(|d| {
+        let on = |values: &[f32]| {
+            Tensor::from_vec(values.to_vec(), &[values.len()])
+                .and_then(|t| t.to_device(d))
+                .unwrap()
         };
-        adamw_update(tensors, &config, step).map(|()| param.to_vec::<f32>().unwrap())
-    };
-    let (m, v) = (
-        Tensor::zeros(&[4], DType::F32).unwrap(),
-        Tensor::zeros(&[4], DType::F32).unwrap(),
-    );
-    assert_eq!(update(&m, &v, 1).unwrap(), want);
-    assert_eq!(
-        m.to_vec::<f32>().unwrap(),
-        opt.state("p").unwrap().exp_avg.to_vec::<f32>().unwrap()
-    );
+        let zeros = |n| {
+            Tensor::zeros(&[n], DType::F32)
+                .and_then(|t| t.to_device(d))
+                .unwrap()
+        };
+        let read = |t: &Tensor| t.to_host().unwrap().to_vec::<f32>().unwrap();
+        // The reference: AdamW's own step on a parameter.
+        let mut p = Parameter::new("p", on(&init));
+        p.grad = Some(on(&grads));
+        let mut opt = AdamW::new(config).unwrap();
+        opt.step_param("p", &mut p).unwrap();
+        let want = read(p.data().unwrap());
 
-    // Both moments as halves of one buffer: they share a storage, so the update copies.
-    let both = Tensor::zeros(&[8], DType::F32).unwrap();
-    let (m, v) = (both.narrow(0, 0, 4).unwrap(), both.narrow(0, 4, 4).unwrap());
-    assert_eq!(update(&m, &v, 1).unwrap(), want);
+        let grad = on(&grads);
+        // One update from `init` with the moments `m` and `v`: the parameter after it.
+        let update = |m: &Tensor, v: &Tensor, step| {
+            let param = on(&init);
+            let tensors = AdamWTensors {
+                param: &param,
+                grad: &grad,
+                exp_avg: m,
+                exp_avg_sq: v,
+            };
+            adamw_update(tensors, &config, step).map(|()| read(&param))
+        };
+        let (m, v) = (zeros(4), zeros(4));
+        assert_eq!(update(&m, &v, 1).unwrap(), want);
+        assert_eq!(read(&m), read(&opt.state("p").unwrap().exp_avg));
 
-    let short = Tensor::zeros(&[3], DType::F32).unwrap();
-    match update(&short, &v, 2) {
-        Err(Error::ShapeMismatch { op, lhs, rhs }) => {
-            assert_eq!((op, lhs, rhs), ("adamw_update", vec![4], vec![3]));
+        // Both moments as halves of one buffer: they share a storage, so the update copies.
+        let both = zeros(8);
+        let (m, v) = (both.narrow(0, 0, 4).unwrap(), both.narrow(0, 4, 4).unwrap());
+        assert_eq!(update(&m, &v, 1).unwrap(), want);
+
+        let short = zeros(3);
+        match update(&short, &v, 2) {
+            Err(Error::ShapeMismatch { op, lhs, rhs }) => {
+                assert_eq!((op, lhs, rhs), ("adamw_update", vec![4], vec![3]));
+            }
+            other => panic!("expected ShapeMismatch, got {other:?}"),
         }
-        other => panic!("expected ShapeMismatch, got {other:?}"),
-    }
+        want
+    });
 }

@@ -1,16 +1,20 @@
 //! Activation checkpointing (`Checkpointed`): bitwise the same losses and gradients as the
-//! plain GPT, with and without dropout; the same names and state dict; less activation memory
-//! in forward, measured at the allocator.
+//! plain GPT, with and without dropout, on the host and on the emulated device (the same bits
+//! on both); the same names and state dict; less activation memory in forward, measured at the
+//! allocator.
+
+mod common;
 
 use std::collections::BTreeMap;
 
+use common::same_on_both;
 use hypershard_nn::optim::{AdamW, AdamWConfig};
 use hypershard_nn::{
     Block, BlockConfig, Checkpointed, DEFAULT_IGNORE_INDEX, Gpt, GptConfig, Module, Sequential,
     cross_entropy, parameter_names, replace_module, with_num_threads, zero_grad,
 };
 use hypershard_tensor::memory::MemoryTracker;
-use hypershard_tensor::{DType, RandomInit, Tensor};
+use hypershard_tensor::{DType, Device, RandomInit, Tensor};
 
 fn config(dropout: f64) -> GptConfig {
     GptConfig {
@@ -48,7 +52,8 @@ fn checkpoint_blocks(gpt: &mut Gpt) {
 /// Per step: the loss's bits and every gradient's bits by name.
 type Trace = Vec<(u64, BTreeMap<String, Vec<u32>>)>;
 
-fn train(model: &mut dyn Module, vocab: usize, steps: usize) -> Trace {
+/// `steps` AdamW steps of `model` on `device` (where the model already is).
+fn train(model: &mut dyn Module, vocab: usize, steps: usize, device: &Device) -> Trace {
     let mut optimizer = AdamW::new(AdamWConfig {
         lr: 1e-2,
         ..AdamWConfig::default()
@@ -57,6 +62,10 @@ fn train(model: &mut dyn Module, vocab: usize, steps: usize) -> Trace {
     let mut trace = Vec::new();
     for step in 0..steps {
         let (ids, targets) = batch(step, vocab);
+        let (ids, targets) = (
+            ids.to_device(device).expect("ids"),
+            targets.to_device(device).expect("targets"),
+        );
         let logits = model.forward(&ids).expect("forward");
         let loss = cross_entropy(&logits, &targets, DEFAULT_IGNORE_INDEX).expect("loss");
         model.backward(&loss.grad).expect("backward");
@@ -66,7 +75,11 @@ fn train(model: &mut dyn Module, vocab: usize, steps: usize) -> Trace {
                 let grad = p.grad.as_ref().expect("every parameter gets a gradient");
                 grads.insert(
                     name.to_string(),
-                    grad.to_vec::<f32>()?.iter().map(|g| g.to_bits()).collect(),
+                    grad.to_host()?
+                        .to_vec::<f32>()?
+                        .iter()
+                        .map(|g| g.to_bits())
+                        .collect(),
                 );
                 Ok(())
             })
@@ -80,38 +93,41 @@ fn train(model: &mut dyn Module, vocab: usize, steps: usize) -> Trace {
 
 fn assert_same_training(dropout: f64) {
     let config = config(dropout);
-    let mut plain = Gpt::new(config).expect("gpt");
-    let mut wrapped = Gpt::new(config).expect("gpt");
-    checkpoint_blocks(&mut wrapped);
-    assert_eq!(
-        parameter_names(&plain).expect("names"),
-        parameter_names(&wrapped).expect("names"),
-        "checkpointing is transparent in names"
-    );
-    assert_eq!(
-        plain.save_safetensors().expect("save"),
-        wrapped.save_safetensors().expect("save"),
-        "and in the state dict"
-    );
-    let expected = train(&mut plain, config.vocab_size, 3);
-    let got = train(&mut wrapped, config.vocab_size, 3);
-    assert_eq!(expected.len(), got.len());
-    for (step, (e, g)) in expected.iter().zip(&got).enumerate() {
-        assert_eq!(e.0, g.0, "loss bits at step {step}");
-        assert_eq!(e.1.len(), g.1.len());
-        for (name, bits) in &e.1 {
-            assert_eq!(
-                Some(bits),
-                g.1.get(name),
-                "gradient of {name} at step {step}"
-            );
+    same_on_both(|d| {
+        let mut plain = Gpt::new(config).expect("gpt");
+        let mut wrapped = Gpt::new(config).expect("gpt");
+        checkpoint_blocks(&mut wrapped);
+        hypershard_nn::to_device(&mut plain, d).expect("to_device");
+        hypershard_nn::to_device(&mut wrapped, d).expect("to_device");
+        assert_eq!(
+            parameter_names(&plain).expect("names"),
+            parameter_names(&wrapped).expect("names"),
+            "checkpointing is transparent in names"
+        );
+        assert_eq!(
+            plain.save_safetensors().expect("save"),
+            wrapped.save_safetensors().expect("save"),
+            "and in the state dict"
+        );
+        let expected = train(&mut plain, config.vocab_size, 3, d);
+        let got = train(&mut wrapped, config.vocab_size, 3, d);
+        assert_eq!(expected.len(), got.len());
+        for (step, (e, g)) in expected.iter().zip(&got).enumerate() {
+            assert_eq!(e.0, g.0, "loss bits at step {step} on {d}");
+            assert_eq!(e.1.len(), g.1.len());
+            for (name, bits) in &e.1 {
+                assert_eq!(
+                    Some(bits),
+                    g.1.get(name),
+                    "gradient of {name} at step {step} on {d}"
+                );
+            }
         }
-    }
-    // The trained parameters agree too: the optimizer saw the same gradients.
-    assert_eq!(
-        plain.save_safetensors().expect("save"),
-        wrapped.save_safetensors().expect("save")
-    );
+        // The trained parameters agree too: the optimizer saw the same gradients.
+        let saved = plain.save_safetensors().expect("save");
+        assert_eq!(saved, wrapped.save_safetensors().expect("save"));
+        (expected, saved)
+    });
 }
 
 #[test]
@@ -130,12 +146,15 @@ fn checkpointed_blocks_train_bitwise_like_the_plain_gpt_with_dropout() {
 fn a_checkpointed_whole_gpt_trains_bitwise_like_the_plain_one() {
     // The GPT's own dropout and ln_f are not children: its overrides must reach them.
     let config = config(0.2);
-    let mut plain = Gpt::new(config).expect("gpt");
-    let mut wrapped = Checkpointed::new(Box::new(Gpt::new(config).expect("gpt")));
-    assert_eq!(
-        train(&mut plain, config.vocab_size, 2),
-        train(&mut wrapped, config.vocab_size, 2)
-    );
+    same_on_both(|d| {
+        let mut plain = Gpt::new(config).expect("gpt");
+        let mut wrapped = Checkpointed::new(Box::new(Gpt::new(config).expect("gpt")));
+        hypershard_nn::to_device(&mut plain, d).expect("to_device");
+        hypershard_nn::to_device(&mut wrapped, d).expect("to_device");
+        let trace = train(&mut plain, config.vocab_size, 2, d);
+        assert_eq!(trace, train(&mut wrapped, config.vocab_size, 2, d));
+        trace
+    });
 }
 
 const BLOCKS: usize = 8;

@@ -1,14 +1,23 @@
 //! Causal self-attention, MLP and Block: backward against central finite differences, causality,
-//! names and children.
+//! names and children. Causality, the single-position closed form and the low-precision
+//! comparison run on the host and on the emulated device, with the same values on both.
 
 mod common;
 
-use common::{check_module, random};
+use common::{check_module, random, same_on_both};
 use hypershard_nn::{
     Block, BlockConfig, CausalSelfAttention, CausalSelfAttentionConfig, Mlp, Module,
     parameter_names,
 };
-use hypershard_tensor::{DType, RandomInit, Tensor};
+use hypershard_tensor::{DType, Device, RandomInit, Tensor};
+
+/// `module.forward(x)` on `device` (where the module is), read back on the host.
+fn forward_values(module: &mut dyn Module, x: &Tensor, device: &Device) -> Vec<f64> {
+    module
+        .forward(&x.to_device(device).expect("input"))
+        .and_then(|y| Ok(y.to_host()?.to_f64_vec()?))
+        .expect("forward")
+}
 
 fn block_config(n_embd: usize, n_head: usize, bias: bool, seed: u64) -> BlockConfig {
     BlockConfig {
@@ -55,23 +64,20 @@ fn mlp_and_block_backward_match_finite_differences() {
 #[test]
 fn attention_is_causal() {
     // Changing the last position must leave every earlier output unchanged.
-    let mut attn = attention(4, 2, true, 3);
     let x = random(&[1, 5, 4], DType::F64, 9);
-    let before = attn
-        .forward(&x)
-        .expect("forward")
-        .to_f64_vec()
-        .expect("f64");
     let mut changed = x.to_vec::<f64>().expect("f64");
     for v in &mut changed[16..20] {
         *v += 1.0;
     }
     let changed = Tensor::from_vec(changed, &[1, 5, 4]).expect("tensor");
-    let after = attn
-        .forward(&changed)
-        .expect("forward")
-        .to_f64_vec()
-        .expect("f64");
+    let (before, after) = same_on_both(|d| {
+        let mut attn = attention(4, 2, true, 3);
+        hypershard_nn::to_device(&mut attn, d).expect("to_device");
+        (
+            forward_values(&mut attn, &x, d),
+            forward_values(&mut attn, &changed, d),
+        )
+    });
     assert_eq!(&before[..16], &after[..16]);
     assert!(before[16..].iter().zip(&after[16..]).any(|(a, b)| a != b));
 }
@@ -79,20 +85,21 @@ fn attention_is_causal() {
 #[test]
 fn single_position_attention_is_the_value_projection() {
     // With T = 1 the softmax is exactly 1, so y = c_proj(v) where v is the last third of c_attn.
-    let mut attn = attention(2, 1, false, 4);
     let mut weights = Vec::new();
-    attn.visit_params("", &mut |_, p| {
-        weights.push(p.data()?.to_vec::<f64>()?);
-        Ok(())
-    })
-    .expect("visit");
+    attention(2, 1, false, 4)
+        .visit_params("", &mut |_, p| {
+            weights.push(p.data()?.to_vec::<f64>()?);
+            Ok(())
+        })
+        .expect("visit");
     let (w_attn, w_proj) = (&weights[0], &weights[1]);
     let x = [0.5f64, -1.25];
-    let out = attn
-        .forward(&Tensor::from_vec(x.to_vec(), &[1, 1, 2]).expect("tensor"))
-        .expect("forward")
-        .to_vec::<f64>()
-        .expect("f64");
+    let out = same_on_both(|d| {
+        let mut attn = attention(2, 1, false, 4);
+        hypershard_nn::to_device(&mut attn, d).expect("to_device");
+        let input = Tensor::from_vec(x.to_vec(), &[1, 1, 2]).expect("tensor");
+        forward_values(&mut attn, &input, d)
+    });
     // c_attn weight is [6, 2]; rows 4 and 5 give v.
     let v: Vec<f64> = (4..6)
         .map(|r| w_attn[2 * r] * x[0] + w_attn[2 * r + 1] * x[1])
@@ -162,23 +169,29 @@ fn f32_and_bf16_attention_agree_with_f64() {
         .to_f64_vec()
         .expect("f64");
     for (dtype, tol) in [(DType::F32, 1e-5), (DType::BF16, 3e-2)] {
-        let mut low = attention(8, 2, true, 13);
-        low.visit_params_mut("", &mut |_, p| {
-            p.data = Some(p.data()?.to_dtype(dtype)?);
-            Ok(())
-        })
-        .expect("cast");
-        let y = low
-            .forward(&x.to_dtype(dtype).expect("cast"))
-            .expect("forward");
-        assert_eq!(y.dtype(), dtype);
-        let gx = low
-            .backward(&g.to_dtype(dtype).expect("cast"))
-            .expect("backward");
-        for (got, want) in y.to_f64_vec().expect("f64").iter().zip(&expected) {
+        let (y, gx) = same_on_both(|d| {
+            let mut low = attention(8, 2, true, 13);
+            low.visit_params_mut("", &mut |_, p| {
+                p.data = Some(p.data()?.to_dtype(dtype)?);
+                Ok(())
+            })
+            .expect("cast");
+            hypershard_nn::to_device(&mut low, d).expect("to_device");
+            let on = |t: &Tensor| {
+                t.to_dtype(dtype)
+                    .and_then(|t| t.to_device(d))
+                    .expect("cast")
+            };
+            let y = low.forward(&on(&x)).expect("forward");
+            assert_eq!(y.dtype(), dtype);
+            let gx = low.backward(&on(&g)).expect("backward");
+            let read = |t: &Tensor| t.to_host().and_then(|h| h.to_f64_vec()).expect("f64");
+            (read(&y), read(&gx))
+        });
+        for (got, want) in y.iter().zip(&expected) {
             assert!((got - want).abs() < tol, "{dtype}: {got} vs {want}");
         }
-        for (got, want) in gx.to_f64_vec().expect("f64").iter().zip(&expected_grad) {
+        for (got, want) in gx.iter().zip(&expected_grad) {
             assert!(
                 (got - want).abs() < tol * 4.0,
                 "{dtype} grad: {got} vs {want}"

@@ -5,6 +5,35 @@
 use hypershard_nn::{Module, ParamVisitor, ParamVisitorMut, Result, to_device, zero_grad};
 use hypershard_tensor::{DType, Device, RandomInit, Tensor};
 
+/// The test device: host memory reached only through the device API (see
+/// `hypershard_tensor::emulated`).
+pub const EMULATED: Device = Device::Emulated { ordinal: 0 };
+
+/// Runs `body` on the host and on the emulated device and returns the host run's result after
+/// checking that the device run's is equal: one test body, two devices, the same values
+/// (results compare as `f64` bits or exactly, as `R` does).
+pub fn same_on_both<R: PartialEq + std::fmt::Debug>(body: impl Fn(&Device) -> R) -> R {
+    let host = body(&Device::Cpu);
+    let device = body(&EMULATED);
+    assert_eq!(
+        host, device,
+        "the emulated device's run differs from the host's"
+    );
+    host
+}
+
+/// A tensor's values as `f64` bits, read with one explicit copy from wherever it lives (so
+/// runs on two devices compare exactly, NaN included).
+pub fn bits_of(t: &Tensor) -> Vec<u64> {
+    // invariant: every test tensor is materialised and copies to the host.
+    let host = t.to_host().expect("to_host");
+    host.to_f64_vec()
+        .expect("f64")
+        .iter()
+        .map(|v| v.to_bits())
+        .collect()
+}
+
 /// Every parameter's value and gradient of `module`, in visiting order.
 pub fn params_and_grads(module: &dyn Module) -> Result<Vec<Tensor>> {
     let mut out = Vec::new();
