@@ -1,14 +1,15 @@
 //! The GPT: nanoGPT names and shapes, finite-difference backward, tied lm_head, children for
-//! wrapping, safetensors round trip, dtypes, dropout modes.
+//! wrapping, safetensors round trip, dtypes, dropout modes. The forward-level tests run on the
+//! host and on the emulated device (`same_on_both`), with the same values on both.
 
 mod common;
 
-use common::check_params;
+use common::{check_params, same_on_both};
 use hypershard_nn::{
     Error, Gpt, GptConfig, Identity, Module, ParamVisitor, ParamVisitorMut, Result,
     parameter_names, replace_module,
 };
-use hypershard_tensor::{DType, Tensor};
+use hypershard_tensor::{DType, Device, Tensor};
 
 fn tiny(dtype: DType, bias: bool) -> GptConfig {
     GptConfig {
@@ -34,12 +35,33 @@ fn gpt(config: GptConfig) -> Gpt {
     Gpt::new(config).expect("gpt")
 }
 
-fn logits(model: &mut Gpt, input: &Tensor) -> Vec<f64> {
+/// A GPT of `config` on `device`.
+fn gpt_on(config: GptConfig, device: &Device) -> Gpt {
+    let mut model = gpt(config);
+    // invariant: a materialised model moves to any device this machine has.
+    hypershard_nn::to_device(&mut model, device).expect("to_device");
     model
-        .forward(input)
+}
+
+/// The device of the model's parameters.
+fn device_of(model: &Gpt) -> Device {
+    let mut device = Device::Cpu;
+    model
+        .visit_params("", &mut |_, p| {
+            device = p.data()?.device();
+            Ok(())
+        })
+        .expect("visit");
+    device
+}
+
+/// The logits for `input` (moved to the model's device), read on the host.
+fn logits(model: &mut Gpt, input: &Tensor) -> Vec<f64> {
+    let input = input.to_device(&device_of(model)).expect("input");
+    model
+        .forward(&input)
+        .and_then(|y| Ok(y.to_host()?.to_f64_vec()?))
         .expect("forward")
-        .to_f64_vec()
-        .expect("f64")
 }
 
 #[test]
@@ -250,113 +272,124 @@ fn blocks_are_children_that_wrappers_replace_in_place() {
 
 #[test]
 fn parameters_are_read_at_call_time() {
-    let mut model = gpt(tiny(DType::F32, true));
-    let input = ids(&[0, 1], &[1, 2]);
-    let before = logits(&mut model, &input);
-    // A wrapper frees a parameter between calls: the next forward names it.
-    let mut saved = None;
-    model
-        .visit_params_mut("", &mut |name, p| {
-            if name == "transformer.h.0.attn.c_attn.weight" {
-                saved = p.data.take();
+    same_on_both(|d| {
+        let mut model = gpt_on(tiny(DType::F32, true), d);
+        let input = ids(&[0, 1], &[1, 2]);
+        let before = logits(&mut model, &input);
+        // A wrapper frees a parameter between calls: the next forward names it.
+        let mut saved = None;
+        model
+            .visit_params_mut("", &mut |name, p| {
+                if name == "transformer.h.0.attn.c_attn.weight" {
+                    saved = p.data.take();
+                }
+                Ok(())
+            })
+            .expect("visit");
+        match model.forward(&input.to_device(d).expect("input")) {
+            Err(Error::NotMaterialised { name }) => {
+                assert_eq!(name, "transformer.h.0.attn.c_attn.weight")
             }
-            Ok(())
-        })
-        .expect("visit");
-    match model.forward(&input) {
-        Err(Error::NotMaterialised { name }) => {
-            assert_eq!(name, "transformer.h.0.attn.c_attn.weight")
+            other => panic!("expected NotMaterialised, got {other:?}"),
         }
-        other => panic!("expected NotMaterialised, got {other:?}"),
-    }
-    // Swapping in a doubled token embedding changes the logits.
-    model
-        .visit_params_mut("", &mut |name, p| {
-            if name == "transformer.h.0.attn.c_attn.weight" {
-                p.data = saved.take();
-            }
-            if name == "transformer.wte.weight" {
-                p.data = Some(p.data()?.scale(2.0)?);
-            }
-            Ok(())
-        })
-        .expect("visit");
-    assert_ne!(logits(&mut model, &input), before);
+        // Swapping in a doubled token embedding changes the logits.
+        model
+            .visit_params_mut("", &mut |name, p| {
+                if name == "transformer.h.0.attn.c_attn.weight" {
+                    p.data = saved.take();
+                }
+                if name == "transformer.wte.weight" {
+                    p.data = Some(p.data()?.scale(2.0)?);
+                }
+                Ok(())
+            })
+            .expect("visit");
+        let after = logits(&mut model, &input);
+        assert_ne!(after, before);
+        after
+    });
 }
 
 #[test]
 fn save_load_gives_identical_logits_and_mismatches_are_named() {
-    let config = tiny(DType::F32, true);
-    let mut model = gpt(config);
-    let input = ids(&[6, 5, 4, 3, 2, 1, 0, 6], &[2, 4]);
-    let expected = logits(&mut model, &input);
-    let bytes = model.save_safetensors().expect("save");
+    same_on_both(|d| {
+        let config = tiny(DType::F32, true);
+        let mut model = gpt_on(config, d);
+        let input = ids(&[6, 5, 4, 3, 2, 1, 0, 6], &[2, 4]);
+        let expected = logits(&mut model, &input);
+        let bytes = model.save_safetensors().expect("save");
 
-    let mut loaded = gpt(GptConfig { seed: 99, ..config });
-    assert_ne!(logits(&mut loaded, &input), expected);
-    loaded.load_safetensors(&bytes).expect("load");
-    assert_eq!(logits(&mut loaded, &input), expected);
+        let mut loaded = gpt_on(GptConfig { seed: 99, ..config }, d);
+        assert_ne!(logits(&mut loaded, &input), expected);
+        loaded.load_safetensors(&bytes).expect("load");
+        assert_eq!(logits(&mut loaded, &input), expected);
 
-    // Through a file, with the extra keys of a torch nanoGPT state dict.
-    let dir = std::env::temp_dir().join(format!("hypershard-nn-gpt-{}", std::process::id()));
-    std::fs::create_dir_all(&dir).expect("dir");
-    let path = dir.join("model.safetensors");
-    model.save_safetensors_file(&path).expect("save file");
-    let mut tensors = hypershard_tensor::load_safetensors_file(&path).expect("read");
-    let wte = tensors["transformer.wte.weight"].clone();
-    tensors.insert("lm_head.weight".into(), wte);
-    tensors.insert(
-        "transformer.h.0.attn.bias".into(),
-        Tensor::ones(&[1, 1, 4, 4], DType::F32).expect("ones"),
-    );
-    let mut from_file = gpt(GptConfig { seed: 7, ..config });
-    from_file.load_tensors(tensors).expect("load");
-    assert_eq!(logits(&mut from_file, &input), expected);
-    std::fs::remove_dir_all(&dir).expect("cleanup");
+        // Through a file, with the extra keys of a torch nanoGPT state dict.
+        let dir = std::env::temp_dir().join(format!(
+            "hypershard-nn-gpt-{}-{}",
+            std::process::id(),
+            d.to_string().replace(':', "-")
+        ));
+        std::fs::create_dir_all(&dir).expect("dir");
+        let path = dir.join("model.safetensors");
+        model.save_safetensors_file(&path).expect("save file");
+        let mut tensors = hypershard_tensor::load_safetensors_file(&path).expect("read");
+        let wte = tensors["transformer.wte.weight"].clone();
+        tensors.insert("lm_head.weight".into(), wte);
+        tensors.insert(
+            "transformer.h.0.attn.bias".into(),
+            Tensor::ones(&[1, 1, 4, 4], DType::F32).expect("ones"),
+        );
+        let mut from_file = gpt_on(GptConfig { seed: 7, ..config }, d);
+        from_file.load_tensors(tensors).expect("load");
+        assert_eq!(logits(&mut from_file, &input), expected);
+        std::fs::remove_dir_all(&dir).expect("cleanup");
 
-    // A wider model cannot take these tensors; the error names the first mismatching one.
-    let mut wider = gpt(GptConfig {
-        n_embd: 8,
-        ..config
-    });
-    match wider.load_safetensors(&bytes) {
-        Err(Error::CheckpointShape {
-            name,
-            expected,
-            actual,
-            ..
-        }) => {
-            assert_eq!(name, "transformer.wte.weight");
-            assert_eq!((expected, actual), (vec![7, 8], vec![7, 4]));
+        // A wider model cannot take these tensors; the error names the first mismatching one.
+        let mut wider = gpt(GptConfig {
+            n_embd: 8,
+            ..config
+        });
+        match wider.load_safetensors(&bytes) {
+            Err(Error::CheckpointShape {
+                name,
+                expected,
+                actual,
+                ..
+            }) => {
+                assert_eq!(name, "transformer.wte.weight");
+                assert_eq!((expected, actual), (vec![7, 8], vec![7, 4]));
+            }
+            other => panic!("expected CheckpointShape, got {other:?}"),
         }
-        other => panic!("expected CheckpointShape, got {other:?}"),
-    }
-    let mut deeper = gpt(GptConfig {
-        n_layer: 3,
-        ..config
+        let mut deeper = gpt(GptConfig {
+            n_layer: 3,
+            ..config
+        });
+        assert!(matches!(
+            deeper.load_safetensors(&bytes),
+            Err(Error::MissingTensor { name, .. }) if name == "transformer.h.2.ln_1.weight"
+        ));
+        let mut shallower = gpt(GptConfig {
+            n_layer: 1,
+            ..config
+        });
+        assert!(matches!(
+            shallower.load_safetensors(&bytes),
+            Err(Error::UnexpectedTensor { name, .. }) if name.starts_with("transformer.h.1.")
+        ));
+        // A failed load leaves the model as it was.
+        let mut fresh = gpt_on(config, d);
+        let fresh_logits = logits(&mut fresh, &input);
+        let mut bad = hypershard_tensor::load_safetensors(&bytes).expect("read");
+        bad.insert(
+            "transformer.h.5.ln_1.weight".into(),
+            Tensor::ones(&[4], DType::F32).expect("ones"),
+        );
+        assert!(fresh.load_tensors(bad).is_err());
+        assert_eq!(logits(&mut fresh, &input), fresh_logits);
+        expected
     });
-    assert!(matches!(
-        deeper.load_safetensors(&bytes),
-        Err(Error::MissingTensor { name, .. }) if name == "transformer.h.2.ln_1.weight"
-    ));
-    let mut shallower = gpt(GptConfig {
-        n_layer: 1,
-        ..config
-    });
-    assert!(matches!(
-        shallower.load_safetensors(&bytes),
-        Err(Error::UnexpectedTensor { name, .. }) if name.starts_with("transformer.h.1.")
-    ));
-    // A failed load leaves the model as it was.
-    let mut fresh = gpt(config);
-    let fresh_logits = logits(&mut fresh, &input);
-    let mut bad = hypershard_tensor::load_safetensors(&bytes).expect("read");
-    bad.insert(
-        "transformer.h.5.ln_1.weight".into(),
-        Tensor::ones(&[4], DType::F32).expect("ones"),
-    );
-    assert!(fresh.load_tensors(bad).is_err());
-    assert_eq!(logits(&mut fresh, &input), fresh_logits);
 }
 
 #[test]
@@ -389,22 +422,29 @@ fn half_precision_params_compute_in_f32() {
 
 #[test]
 fn dropout_is_active_in_training_and_off_in_eval() {
-    let config = GptConfig {
-        dropout: 0.5,
-        ..tiny(DType::F32, true)
-    };
-    let mut model = gpt(config);
-    let mut plain = gpt(GptConfig {
-        dropout: 0.0,
-        ..config
+    same_on_both(|d| {
+        let config = GptConfig {
+            dropout: 0.5,
+            ..tiny(DType::F32, true)
+        };
+        let mut model = gpt_on(config, d);
+        let mut plain = gpt_on(
+            GptConfig {
+                dropout: 0.0,
+                ..config
+            },
+            d,
+        );
+        let input = ids(&[1, 2, 3, 4], &[1, 4]);
+        let reference = logits(&mut plain, &input);
+        assert_ne!(logits(&mut model, &input), reference);
+        model.set_training(false).expect("eval");
+        assert_eq!(logits(&mut model, &input), reference);
+        model.set_training(true).expect("train");
+        let trained = logits(&mut model, &input);
+        assert_ne!(trained, reference);
+        (reference, trained)
     });
-    let input = ids(&[1, 2, 3, 4], &[1, 4]);
-    let reference = logits(&mut plain, &input);
-    assert_ne!(logits(&mut model, &input), reference);
-    model.set_training(false).expect("eval");
-    assert_eq!(logits(&mut model, &input), reference);
-    model.set_training(true).expect("train");
-    assert_ne!(logits(&mut model, &input), reference);
 }
 
 #[test]
