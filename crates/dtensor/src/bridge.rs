@@ -86,7 +86,8 @@ pub fn wire_op(op: ReduceOp) -> collectives::ReduceOp {
 /// tensor is contiguous, a contiguous copy when it is a strided view. Every dtype is read as
 /// the bytes it is stored as (`Bool`: one byte, 0 or 1).
 ///
-/// A tensor without host memory (deferred) is [`Error::NotHostMemory`].
+/// A tensor on a device is [`hypershard_tensor::Error::DeviceData`] naming it (copy it with
+/// `to_host` first); one without memory (deferred) is [`Error::NotHostMemory`].
 pub fn with_bytes<R>(tensor: &Tensor, f: impl FnOnce(&[u8]) -> R) -> Result<R> {
     let owned;
     let tensor = if tensor.is_contiguous() {
@@ -98,8 +99,16 @@ pub fn with_bytes<R>(tensor: &Tensor, f: impl FnOnce(&[u8]) -> R) -> Result<R> {
     let start = tensor.offset() * tensor.dtype().size_of();
     let len = tensor.nbytes();
     let guard = tensor.storage().read();
-    let Storage::Host(host) = &*guard else {
-        return Err(Error::NotHostMemory { op: "with_bytes" });
+    let host = match &*guard {
+        Storage::Host(host) => host,
+        Storage::Device(memory) => {
+            return Err(hypershard_tensor::Error::DeviceData {
+                op: "with_bytes",
+                device: memory.device(),
+            }
+            .into());
+        }
+        _ => return Err(Error::NotHostMemory { op: "with_bytes" }),
     };
     let bytes = host
         .as_bytes()
@@ -544,6 +553,13 @@ mod tests {
             Err(Error::NotHostMemory { .. })
         ));
         assert!(matches!(fill_zero(&m), Err(Error::NotHostMemory { .. })));
+        // Device memory is not read in place: the error names the device.
+        let device = hypershard_tensor::Device::Emulated { ordinal: 0 };
+        let on_device = src.to_device(&device)?;
+        assert!(matches!(
+            with_bytes(&on_device, |b| b.len()),
+            Err(Error::Tensor(hypershard_tensor::Error::DeviceData { op: "with_bytes", device: d })) if d == device
+        ));
         Ok(())
     }
 

@@ -11,7 +11,7 @@ use std::sync::Arc;
 
 use hypershard_collectives::{Buffer, BufferPair, Communicator, StridedBlocks, Work};
 use hypershard_mesh::{Placement, ReduceOp, chunk_size, shard_span};
-use hypershard_tensor::{DType, Tensor};
+use hypershard_tensor::{DType, Device, Tensor};
 
 use crate::bridge::{
     buffer_to_tensor, lend_buffer, reclaim_buffer, staging_tensor, wire_dtype, wire_op,
@@ -116,6 +116,9 @@ pub struct RedistributeWork {
     placements: Vec<Placement>,
     local: Option<Tensor>,
     in_flight: Option<InFlight>,
+    /// Where the source's local tensor lives. The collectives take host buffers, so a local
+    /// tensor on a device is redistributed through a host copy and the result moved back.
+    device: Device,
 }
 
 // The asynchronous redistributes live beside the executor they start, so that the DTensor
@@ -142,14 +145,24 @@ impl RedistributeWork {
     /// views can be handed to the first collective without a copy.
     pub(crate) fn start(source: DTensor, plan: Arc<Plan>) -> Result<RedistributeWork> {
         tracing::trace!(steps = ?plan.steps, cost = plan.cost, "redistribute plan");
+        let mesh = source.process_mesh().clone();
+        let global_shape = source.shape().to_vec();
+        let placements = source.placements().to_vec();
+        let mut local = source.into_local();
+        let device = local.device();
+        if !device.is_cpu() && !plan.steps.is_empty() {
+            // One device → host copy; the steps and the collectives run on the host.
+            local = local.to_host()?;
+        }
         let mut work = RedistributeWork {
-            mesh: source.process_mesh().clone(),
-            global_shape: source.shape().to_vec(),
+            mesh,
+            global_shape,
             plan,
             next: 0,
-            placements: source.placements().to_vec(),
-            local: Some(source.into_local()),
+            placements,
+            local: Some(local),
             in_flight: None,
+            device,
         };
         work.advance()?;
         Ok(work)
@@ -191,10 +204,14 @@ impl RedistributeWork {
             self.advance()?;
         }
         // invariant: the loop exits only with no collective in flight, so `local` is Some.
-        let local = self
+        let mut local = self
             .local
             .take()
             .expect("invariant: local tensor present at the end");
+        if local.device() != self.device {
+            // Back where the source lived (one host → device copy).
+            local = local.to_device(&self.device)?;
+        }
         Ok(DTensor::from_parts(
             local,
             self.mesh,

@@ -126,7 +126,8 @@ impl FsdpModule {
         for (name, dtensor) in sharded {
             let full = dtensor.full_tensor()?;
             if keep {
-                out.insert(name, full);
+                // In host memory whatever the device, as without TP.
+                out.insert(name, full.to_host()?);
             }
         }
         Ok(out)

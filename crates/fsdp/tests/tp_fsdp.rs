@@ -94,6 +94,7 @@ fn build(
         tp_config.replicated_grad_op = setup.replicated_grad_op;
     }
     let mut model = tp_mlp(&world.select(&["tp"])?)?;
+    hypershard_nn::to_device(&mut model, &setup.device.rank(world.rank()))?;
     fully_shard_children(&mut model, &config, &mut |_, m| has_params(m))?;
     let model = fully_shard(Box::new(model), config)?;
     Ok((world, dp_mesh, model))
@@ -103,7 +104,8 @@ fn build(
 fn full_params(model: &mut FsdpModule) -> Result<Params, FsdpError> {
     let mut full = Params::new();
     for (name, dtensor) in model.sharded_state_dict()? {
-        let t = dtensor.full_tensor()?;
+        // Read on the host whatever the device (one explicit copy).
+        let t = dtensor.full_tensor()?.to_host()?;
         full.insert(name, (t.shape().to_vec(), t.to_f64_vec()?));
     }
     Ok(full)
@@ -118,6 +120,26 @@ struct Setup {
     steps: usize,
     replicated_grad_op: GradReduceOp,
     clip: Option<f64>,
+    /// Where every rank's model and batches live (a device of its own per rank).
+    device: RankDevice,
+}
+
+/// The host, or an emulated device per rank.
+#[derive(Clone, Copy, Debug, PartialEq)]
+enum RankDevice {
+    Host,
+    Emulated,
+}
+
+impl RankDevice {
+    fn rank(self, rank: usize) -> hypershard_tensor::Device {
+        match self {
+            RankDevice::Host => hypershard_tensor::Device::Cpu,
+            RankDevice::Emulated => {
+                rank_device(hypershard_tensor::Device::Emulated { ordinal: 0 }, rank)
+            }
+        }
+    }
 }
 
 impl Setup {
@@ -129,6 +151,7 @@ impl Setup {
             steps: STEPS,
             replicated_grad_op: GradReduceOp::Avg,
             clip: None,
+            device: RankDevice::Host,
         }
     }
 }
@@ -148,7 +171,11 @@ fn train_rank(
     assert_eq!(dp_mesh.world().size(), dp);
     for step in 0..setup.steps {
         let (x, y) = batch(step, DIMS[0], DIMS[4], DType::F32);
-        let (x, y) = (local_rows(&x, dp_rank, dp), local_rows(&y, dp_rank, dp));
+        let device = setup.device.rank(world.rank());
+        let (x, y) = (
+            on(&local_rows(&x, dp_rank, dp), device),
+            on(&local_rows(&y, dp_rank, dp), device),
+        );
         let out = model.forward(&x)?;
         let loss = mse_loss(&out, &y)?;
         model.backward(&loss.grad)?;
@@ -193,6 +220,18 @@ fn run(setup: Setup) -> Vec<TpRun> {
 fn check(dp: usize, tp: usize, opt: Opt) {
     let want = reference(&DIMS, DType::F32, opt, STEPS, 1);
     let runs = run(Setup::new(dp, tp, opt));
+    // The same run with every rank on an emulated device of its own: the same values.
+    let device_runs = run(Setup {
+        device: RankDevice::Emulated,
+        ..Setup::new(dp, tp, opt)
+    });
+    for (rank, (host, device)) in runs.iter().zip(&device_runs).enumerate() {
+        assert_eq!(
+            host.full, device.full,
+            "rank {rank}: the emulated run differs"
+        );
+        assert_eq!(host.full_state_dict, device.full_state_dict, "rank {rank}");
+    }
     for (rank, run) in runs.iter().enumerate() {
         let err = max_rel_err(&run.full, &want);
         assert!(

@@ -6,7 +6,7 @@ use std::collections::BTreeMap;
 use hypershard_dtensor::collectives::OpKind;
 use hypershard_dtensor::{DTensor, Error, Placement, ReduceOp};
 
-use hypershard_dtensor::tensor::Tensor;
+use hypershard_dtensor::tensor::{Device, Tensor};
 
 use crate::common::{Snapshot, expected_local, expected_spans, full_tensor, on_mesh};
 
@@ -97,6 +97,41 @@ fn run_table(world: usize, shape: &'static [usize]) {
                 };
                 assert_eq!(local, expected, "{case}: partial local");
             }
+        }
+    }
+}
+
+/// Every transition of the table with each rank's local tensor on an emulated device of its
+/// own: the result stays on that device, with the host run's values (the collectives take
+/// host buffers, so the executor stages the local tensor through the host).
+#[test]
+fn transitions_of_device_tensors_stay_on_the_device_with_the_hosts_values() {
+    const SHAPE: &[usize] = &[5, 3];
+    let world = 3;
+    let out = on_mesh(&[world], &["x"], move |ctx| {
+        let full = full_tensor(SHAPE);
+        let coordinate = ctx.mesh.coordinate().to_vec();
+        let device = Device::Emulated {
+            ordinal: coordinate[0],
+        };
+        let mut rows = Vec::new();
+        for &(src, dst, _) in TABLE {
+            let local = expected_local(&full, &[world], &[src], &coordinate);
+            let host = DTensor::from_local(local.clone(), &ctx.mesh, &[src], Some(SHAPE))?
+                .redistribute(&[dst])?;
+            let moved = local.to_device(&device)?;
+            let on_device = DTensor::from_local(moved, &ctx.mesh, &[src], Some(SHAPE))?
+                .into_redistribute(&[dst])?;
+            let placed = on_device.to_local().device();
+            let values = Snapshot::of(&on_device.to_local().to_host()?);
+            rows.push((placed, Snapshot::of(host.to_local()), values));
+        }
+        Ok((device, rows))
+    });
+    for (device, rows) in out {
+        for (&(src, dst, _), (placed, host, on_device)) in TABLE.iter().zip(rows) {
+            assert_eq!(placed, device, "{src} -> {dst}: the result left the device");
+            assert_eq!(host, on_device, "{src} -> {dst} on {device}");
         }
     }
 }
