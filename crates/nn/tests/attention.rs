@@ -3,18 +3,18 @@
 //! `Dropout`) takes the path that builds the `[B, H, T, T]` weights, and is the reference for
 //! the output, the input gradient and every parameter gradient. Also finite differences
 //! across several tiles, the peak tensor memory of forward + backward, and a typed error for
-//! a replaced projection of the wrong width.
+//! a replaced projection of the wrong width. The parity runs on the host and on the emulated
+//! device, with the same values on both.
 
 mod common;
 
-use common::{Opaque, check_module, random};
+use common::{Opaque, check_module, random, same_on_both};
 use hypershard_nn::{
     CausalSelfAttention, CausalSelfAttentionConfig, Error, Linear, LinearConfig, Module,
     replace_module, with_num_threads, zero_grad,
 };
-use hypershard_tensor::DType;
-use hypershard_tensor::Tensor;
 use hypershard_tensor::memory::MemoryTracker;
+use hypershard_tensor::{DType, Device, Tensor};
 
 fn config(n_embd: usize, n_head: usize, dropout: f64, dtype: DType) -> CausalSelfAttentionConfig {
     CausalSelfAttentionConfig {
@@ -43,15 +43,26 @@ fn pair(config: CausalSelfAttentionConfig) -> (CausalSelfAttention, CausalSelfAt
     (tiled, dense)
 }
 
-/// Output, input gradient and parameter gradients (by name) of one forward + backward.
-fn run(module: &mut CausalSelfAttention, x: &Tensor, grad: &Tensor) -> Vec<(String, Vec<f64>)> {
+/// Output, input gradient and parameter gradients (by name) of one forward + backward on
+/// `device` (where the module is), read on the host.
+fn run(
+    module: &mut CausalSelfAttention,
+    x: &Tensor,
+    grad: &Tensor,
+    device: &Device,
+) -> Vec<(String, Vec<f64>)> {
     // invariant: the inputs match the module's width and the output's shape.
     zero_grad(module).expect("zero_grad");
-    let y = module.forward(x).expect("forward");
-    let dx = module.backward(grad).expect("backward");
+    let y = module
+        .forward(&x.to_device(device).expect("x"))
+        .expect("forward");
+    let dx = module
+        .backward(&grad.to_device(device).expect("grad"))
+        .expect("backward");
+    let read = |t: &Tensor| t.to_host().and_then(|h| h.to_f64_vec()).expect("float");
     let mut out = vec![
-        ("output".to_string(), y.to_f64_vec().expect("float")),
-        ("input grad".to_string(), dx.to_f64_vec().expect("float")),
+        ("output".to_string(), read(&y)),
+        ("input grad".to_string(), read(&dx)),
     ];
     module
         .visit_params("", &mut |name, param| {
@@ -59,7 +70,7 @@ fn run(module: &mut CausalSelfAttention, x: &Tensor, grad: &Tensor) -> Vec<(Stri
                 .grad
                 .as_ref()
                 .expect("every parameter gets a gradient");
-            out.push((format!("{name} grad"), g.to_f64_vec()?));
+            out.push((format!("{name} grad"), g.to_host()?.to_f64_vec()?));
             Ok(())
         })
         .expect("visit");
@@ -84,15 +95,22 @@ fn assert_parity(got: &[(String, Vec<f64>)], want: &[(String, Vec<f64>)], tol: f
 fn check_parity(dtype: DType, dropout: f64, tol: f64) {
     for seq in [1, 7, 64, 130] {
         let what = format!("{dtype:?} p={dropout} T={seq}");
-        let (mut tiled, mut dense) = pair(config(32, 2, dropout, dtype));
-        // Two steps: the second draws the next dropout mask on both paths.
-        for step in 0..2 {
-            let x = random(&[2, seq, 32], dtype, 3 + step);
-            let grad = random(&[2, seq, 32], dtype, 5 + step);
-            let got = run(&mut tiled, &x, &grad);
-            let want = run(&mut dense, &x, &grad);
-            assert_parity(&got, &want, tol, &format!("{what} step {step}"));
-        }
+        same_on_both(|d| {
+            let (mut tiled, mut dense) = pair(config(32, 2, dropout, dtype));
+            hypershard_nn::to_device(&mut tiled, d).expect("to_device");
+            hypershard_nn::to_device(&mut dense, d).expect("to_device");
+            // Two steps: the second draws the next dropout mask on both paths.
+            (0..2)
+                .map(|step| {
+                    let x = random(&[2, seq, 32], dtype, 3 + step);
+                    let grad = random(&[2, seq, 32], dtype, 5 + step);
+                    let got = run(&mut tiled, &x, &grad, d);
+                    let want = run(&mut dense, &x, &grad, d);
+                    assert_parity(&got, &want, tol, &format!("{what} step {step} on {d}"));
+                    (got, want)
+                })
+                .collect::<Vec<_>>()
+        });
     }
 }
 
@@ -124,9 +142,19 @@ fn evaluation_mode_skips_the_dropout_on_both_paths() {
     let (mut plain, _) = pair(config(32, 2, 0.0, DType::F64));
     let x = random(&[1, 70, 32], DType::F64, 8);
     let grad = random(&[1, 70, 32], DType::F64, 9);
-    let want = run(&mut plain, &x, &grad);
-    assert_parity(&run(&mut tiled, &x, &grad), &want, 1e-12, "eval tiled");
-    assert_parity(&run(&mut dense, &x, &grad), &want, 1e-12, "eval dense");
+    let want = run(&mut plain, &x, &grad, &Device::Cpu);
+    assert_parity(
+        &run(&mut tiled, &x, &grad, &Device::Cpu),
+        &want,
+        1e-12,
+        "eval tiled",
+    );
+    assert_parity(
+        &run(&mut dense, &x, &grad, &Device::Cpu),
+        &want,
+        1e-12,
+        "eval dense",
+    );
 }
 
 #[test]
