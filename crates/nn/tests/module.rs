@@ -1,14 +1,21 @@
-//! The Module contract: names, child visiting, wrapping, accumulation and typed errors.
+//! The Module contract: names, child visiting, wrapping, accumulation and typed errors. The
+//! accumulation, empty-dim and norm closed forms run on the host and on the emulated device,
+//! with the same values on both.
 
 mod common;
 
-use common::random;
+use common::{random, same_on_both};
 use hypershard_nn::optim::clip_grad_norm;
 use hypershard_nn::{
     ChildVisitorMut, Error, Linear, LinearConfig, Module, ParamVisitor, ParamVisitorMut, Relu,
     Result, Sequential, parameter_names, qualify_parameter_names, zero_grad,
 };
-use hypershard_tensor::{DType, Tensor};
+use hypershard_tensor::{DType, Device, Tensor};
+
+/// `t`'s values, read on the host whatever its device.
+fn host_values(t: &Tensor) -> Vec<f64> {
+    t.to_host().and_then(|h| h.to_f64_vec()).expect("f64")
+}
 
 fn linear(in_features: usize, out_features: usize, seed: u64) -> Linear {
     let config = LinearConfig {
@@ -116,53 +123,42 @@ fn wrapping_children_keeps_results_and_names() {
 
 #[test]
 fn gradients_accumulate_over_backward_passes() {
-    let mut layer = linear(3, 2, 4);
-    let x = random(&[4, 3], DType::F64, 11);
-    let g = random(&[4, 2], DType::F64, 12);
-    layer.forward(&x).expect("forward");
-    layer.backward(&g).expect("backward");
-    let once = layer
-        .weight
-        .grad
-        .as_ref()
-        .expect("grad")
-        .to_vec::<f64>()
-        .expect("f64");
-    layer.forward(&x).expect("forward");
-    layer.backward(&g).expect("backward");
-    let twice = layer
-        .weight
-        .grad
-        .as_ref()
-        .expect("grad")
-        .to_vec::<f64>()
-        .expect("f64");
-    for (a, b) in once.iter().zip(&twice) {
-        assert!((2.0 * a - b).abs() < 1e-14);
-    }
-    zero_grad(&mut layer).expect("zero_grad");
-    assert!(layer.weight.grad.is_none() && layer.bias.as_ref().expect("bias").grad.is_none());
-    layer.weight.requires_grad = false;
-    layer.forward(&x).expect("forward");
-    layer.backward(&g).expect("backward");
-    assert!(layer.weight.grad.is_none());
-    assert!(layer.bias.as_ref().expect("bias").grad.is_some());
-    let norm = clip_grad_norm(&mut layer, 1e9).expect("clip");
-    let bias_grad = layer
-        .bias
-        .as_ref()
-        .expect("bias")
-        .grad
-        .as_ref()
-        .expect("grad");
-    let expected = bias_grad
-        .to_vec::<f64>()
-        .expect("f64")
-        .iter()
-        .map(|v| v * v)
-        .sum::<f64>()
-        .sqrt();
-    assert!((norm - expected).abs() < 1e-14);
+    same_on_both(|d| {
+        let mut layer = linear(3, 2, 4);
+        hypershard_nn::to_device(&mut layer, d).expect("to_device");
+        let x = random(&[4, 3], DType::F64, 11).to_device(d).expect("x");
+        let g = random(&[4, 2], DType::F64, 12).to_device(d).expect("g");
+        let weight_grad = |layer: &Linear| host_values(layer.weight.grad.as_ref().expect("grad"));
+        layer.forward(&x).expect("forward");
+        layer.backward(&g).expect("backward");
+        let once = weight_grad(&layer);
+        layer.forward(&x).expect("forward");
+        layer.backward(&g).expect("backward");
+        let twice = weight_grad(&layer);
+        for (a, b) in once.iter().zip(&twice) {
+            assert!((2.0 * a - b).abs() < 1e-14);
+        }
+        zero_grad(&mut layer).expect("zero_grad");
+        assert!(layer.weight.grad.is_none() && layer.bias.as_ref().expect("bias").grad.is_none());
+        layer.weight.requires_grad = false;
+        layer.forward(&x).expect("forward");
+        layer.backward(&g).expect("backward");
+        assert!(layer.weight.grad.is_none());
+        assert!(layer.bias.as_ref().expect("bias").grad.is_some());
+        let norm = clip_grad_norm(&mut layer, 1e9).expect("clip");
+        let bias_grad = host_values(
+            layer
+                .bias
+                .as_ref()
+                .expect("bias")
+                .grad
+                .as_ref()
+                .expect("grad"),
+        );
+        let expected = bias_grad.iter().map(|v| v * v).sum::<f64>().sqrt();
+        assert!((norm - expected).abs() < 1e-14);
+        (once, twice, norm.to_bits())
+    });
 }
 
 #[test]
@@ -225,35 +221,33 @@ fn qualified_names_reach_errors() {
 
 #[test]
 fn zero_sized_dims() {
-    let mut layer = linear(0, 2, 0);
-    let x = Tensor::zeros(&[3, 0], DType::F64).expect("zeros");
-    let y = layer.forward(&x).expect("forward");
-    assert_eq!(y.shape(), &[3, 2]);
-    // With no inputs the output is the bias on every row, and torch's bias bound is 0.
-    let bias = layer
-        .bias
-        .as_ref()
-        .expect("bias")
-        .data()
-        .expect("data")
-        .to_vec::<f64>()
-        .expect("f64");
-    assert_eq!(
-        y.to_vec::<f64>().expect("f64"),
-        [bias.clone(), bias.clone(), bias].concat()
-    );
-    let gx = layer
-        .backward(&Tensor::ones(&[3, 2], DType::F64).expect("ones"))
-        .expect("backward");
-    assert_eq!(gx.shape(), &[3, 0]);
-    let bias_grad = layer
-        .bias
-        .as_ref()
-        .expect("bias")
-        .grad
-        .as_ref()
-        .expect("grad");
-    assert_eq!(bias_grad.to_vec::<f64>().expect("f64"), vec![3.0, 3.0]);
+    same_on_both(|d| {
+        let mut layer = linear(0, 2, 0);
+        hypershard_nn::to_device(&mut layer, d).expect("to_device");
+        let on = |t: hypershard_tensor::Result<Tensor>| t.and_then(|t| t.to_device(d)).expect("t");
+        let x = on(Tensor::zeros(&[3, 0], DType::F64));
+        let y = layer.forward(&x).expect("forward");
+        assert_eq!(y.shape(), &[3, 2]);
+        // With no inputs the output is the bias on every row, and torch's bias bound is 0.
+        let bias = host_values(layer.bias.as_ref().expect("bias").data().expect("data"));
+        let y = host_values(&y);
+        assert_eq!(y, [bias.clone(), bias.clone(), bias].concat());
+        let gx = layer
+            .backward(&on(Tensor::ones(&[3, 2], DType::F64)))
+            .expect("backward");
+        assert_eq!(gx.shape(), &[3, 0]);
+        let bias_grad = host_values(
+            layer
+                .bias
+                .as_ref()
+                .expect("bias")
+                .grad
+                .as_ref()
+                .expect("grad"),
+        );
+        assert_eq!(bias_grad, vec![3.0, 3.0]);
+        y
+    });
 }
 
 #[test]
@@ -286,45 +280,44 @@ fn linear_init_is_torchs_bound_and_seeded() {
 #[test]
 fn norms_closed_form() {
     use hypershard_nn::{LayerNorm, LayerNormConfig, RmsNorm, RmsNormConfig};
-    let x = Tensor::from_vec(vec![1.0f64, 2.0, 3.0, 4.0], &[1, 4]).expect("tensor");
-    let mut ln = LayerNorm::new(LayerNormConfig {
-        normalized_shape: 4,
-        eps: 0.0,
-        bias: true,
-        dtype: DType::F64,
-    })
-    .expect("layer norm");
-    // mean 2.5, biased variance 1.25.
-    let s = 1.25f64.sqrt();
-    let y = ln
-        .forward(&x)
-        .expect("forward")
-        .to_vec::<f64>()
-        .expect("f64");
-    for (got, want) in y.iter().zip([-1.5 / s, -0.5 / s, 0.5 / s, 1.5 / s]) {
-        assert!((got - want).abs() < 1e-15);
-    }
-    assert_eq!(parameter_names(&ln).expect("names"), ["weight", "bias"]);
-    let mut rms = RmsNorm::new(RmsNormConfig {
-        normalized_shape: 4,
-        eps: Some(0.0),
-        dtype: DType::F64,
-    })
-    .expect("rms norm");
-    // mean square 7.5.
-    let r = 7.5f64.sqrt();
-    let y = rms
-        .forward(&x)
-        .expect("forward")
-        .to_vec::<f64>()
-        .expect("f64");
-    for (got, want) in y.iter().zip([1.0 / r, 2.0 / r, 3.0 / r, 4.0 / r]) {
-        assert!((got - want).abs() < 1e-15);
-    }
-    assert!(matches!(
-        rms.forward(&Tensor::zeros(&[2, 3], DType::F64).expect("zeros")),
-        Err(Error::BadShape { .. })
-    ));
+    same_on_both(|d: &Device| {
+        let x = Tensor::from_vec(vec![1.0f64, 2.0, 3.0, 4.0], &[1, 4])
+            .and_then(|t| t.to_device(d))
+            .expect("tensor");
+        let mut ln = LayerNorm::new(LayerNormConfig {
+            normalized_shape: 4,
+            eps: 0.0,
+            bias: true,
+            dtype: DType::F64,
+        })
+        .expect("layer norm");
+        hypershard_nn::to_device(&mut ln, d).expect("to_device");
+        // mean 2.5, biased variance 1.25.
+        let s = 1.25f64.sqrt();
+        let y_ln = host_values(&ln.forward(&x).expect("forward"));
+        for (got, want) in y_ln.iter().zip([-1.5 / s, -0.5 / s, 0.5 / s, 1.5 / s]) {
+            assert!((got - want).abs() < 1e-15);
+        }
+        assert_eq!(parameter_names(&ln).expect("names"), ["weight", "bias"]);
+        let mut rms = RmsNorm::new(RmsNormConfig {
+            normalized_shape: 4,
+            eps: Some(0.0),
+            dtype: DType::F64,
+        })
+        .expect("rms norm");
+        hypershard_nn::to_device(&mut rms, d).expect("to_device");
+        // mean square 7.5.
+        let r = 7.5f64.sqrt();
+        let y_rms = host_values(&rms.forward(&x).expect("forward"));
+        for (got, want) in y_rms.iter().zip([1.0 / r, 2.0 / r, 3.0 / r, 4.0 / r]) {
+            assert!((got - want).abs() < 1e-15);
+        }
+        let wrong = Tensor::zeros(&[2, 3], DType::F64)
+            .and_then(|t| t.to_device(d))
+            .expect("zeros");
+        assert!(matches!(rms.forward(&wrong), Err(Error::BadShape { .. })));
+        (y_ln, y_rms)
+    });
 }
 
 #[test]
