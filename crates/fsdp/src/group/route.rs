@@ -88,6 +88,10 @@ impl ParamGroup {
                 memory.copy_to_host(op, start, host_bytes_mut(&mut buffer, op)?)?;
                 Ok(buffer)
             }
+            // CUDA has no empty allocation: an empty bucket travels as an empty host buffer
+            // (which `stage_in` takes back through the staged branch).
+            #[cfg(feature = "cuda")]
+            CommRoute::Device if flat.numel() == 0 => Ok(self.mesh.pool().take(wire, 0)),
             #[cfg(feature = "cuda")]
             CommRoute::Device => {
                 use hypershard_collectives::nccl::DeviceBuffer;
@@ -138,7 +142,7 @@ impl ParamGroup {
     pub(super) fn comm_output(&self, dtype: DType, len: usize) -> Result<Buffer> {
         let wire = buffer_dtype(dtype, &self.unit)?;
         #[cfg(feature = "cuda")]
-        if self.route == CommRoute::Device {
+        if self.route == CommRoute::Device && len > 0 {
             let flat = Tensor::zeros_on(&[len], dtype, &self.device)?;
             return self.stage_out(flat, "collective output");
         }
