@@ -126,10 +126,57 @@ fn central_difference(
     (plus - minus) / (2.0 * H)
 }
 
+/// The analytic pass of `module` on `device`: forward on `input`, backward on the output
+/// gradient `random(out shape, seed)`, then the output, the input gradient (for a float input)
+/// and every parameter's gradient as `f64` bits read on the host. The module is left on the
+/// host.
+fn analytic_bits(
+    module: &mut dyn Module,
+    input: &Tensor,
+    seed: u64,
+    device: &Device,
+) -> Vec<Vec<u64>> {
+    // invariant: the tests pass modules that accept `input`, on devices this machine has.
+    to_device(module, device).expect("to_device");
+    zero_grad(module).expect("zero_grad");
+    let out = module
+        .forward(&input.to_device(device).expect("input"))
+        .expect("forward");
+    let weights = random(out.shape(), DType::F64, seed)
+        .to_device(device)
+        .expect("weights");
+    let grad_input = module.backward(&weights).expect("backward");
+    let mut bits = vec![bits_of(&out)];
+    if input.dtype().is_float() {
+        bits.push(bits_of(&grad_input));
+    }
+    module
+        .visit_params("", &mut |_, param| {
+            bits.push(bits_of(param.grad.as_ref().expect("a gradient")));
+            Ok(())
+        })
+        .expect("visit");
+    zero_grad(module).expect("zero_grad");
+    to_device(module, &Device::Cpu).expect("back to the host");
+    bits
+}
+
+/// The analytic pass of `module` on the emulated device gives the host's bits.
+fn check_same_on_both(module: &mut dyn Module, input: &Tensor, seed: u64) {
+    let device = analytic_bits(module, input, seed, &EMULATED);
+    let host = analytic_bits(module, input, seed, &Device::Cpu);
+    assert_eq!(
+        host, device,
+        "the emulated device's gradients differ from the host's"
+    );
+}
+
 /// Checks `backward` of an f64 module against central finite differences for the input and
-/// every parameter.
+/// every parameter, after checking that its analytic pass gives the same bits on the emulated
+/// device.
 pub fn check_module(module: &mut dyn Module, input_shape: &[usize], seed: u64) {
     let input = random(input_shape, DType::F64, seed);
+    check_same_on_both(module, &input, seed + 1000);
     // invariant: the tests pass modules that accept `input_shape`.
     let out = module.forward(&input).expect("forward");
     let weights = random(out.shape(), DType::F64, seed + 1000);
@@ -163,8 +210,10 @@ pub fn check_module(module: &mut dyn Module, input_shape: &[usize], seed: u64) {
 }
 
 /// Checks the parameter gradients of an f64 module against central finite differences for a
-/// fixed input that has no gradient of its own (token ids).
+/// fixed input that has no gradient of its own (token ids), after checking that its analytic
+/// pass gives the same bits on the emulated device.
 pub fn check_params(module: &mut dyn Module, input: &Tensor, seed: u64) {
+    check_same_on_both(module, input, seed);
     // invariant: the tests pass modules that accept `input`.
     let out = module.forward(input).expect("forward");
     let weights = random(out.shape(), DType::F64, seed);
