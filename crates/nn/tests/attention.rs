@@ -8,7 +8,7 @@
 
 mod common;
 
-use common::{Opaque, check_module, random, same_on_both};
+use common::{Opaque, check_module, host_values, random, same_on_both};
 use hypershard_nn::{
     CausalSelfAttention, CausalSelfAttentionConfig, Error, Linear, LinearConfig, Module,
     replace_module, with_num_threads, zero_grad,
@@ -59,10 +59,9 @@ fn run(
     let dx = module
         .backward(&grad.to_device(device).expect("grad"))
         .expect("backward");
-    let read = |t: &Tensor| t.to_host().and_then(|h| h.to_f64_vec()).expect("float");
     let mut out = vec![
-        ("output".to_string(), read(&y)),
-        ("input grad".to_string(), read(&dx)),
+        ("output".to_string(), host_values(&y)),
+        ("input grad".to_string(), host_values(&dx)),
     ];
     module
         .visit_params("", &mut |name, param| {

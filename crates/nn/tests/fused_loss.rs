@@ -50,6 +50,13 @@ fn grads(model: &Gpt) -> BTreeMap<String, Vec<f64>> {
     out
 }
 
+/// A GPT of `config` on `device`.
+fn model_on(config: GptConfig, device: &Device) -> Gpt {
+    let mut model = Gpt::new(config).expect("gpt");
+    hypershard_nn::to_device(&mut model, device).expect("to_device");
+    model
+}
+
 /// The unfused reference on `device`: loss and gradients for a loss scale of `scale`.
 fn unfused(
     config: GptConfig,
@@ -58,8 +65,7 @@ fn unfused(
     scale: f64,
     device: &Device,
 ) -> (f64, Grads) {
-    let mut model = Gpt::new(config).expect("gpt");
-    hypershard_nn::to_device(&mut model, device).expect("to_device");
+    let mut model = model_on(config, device);
     let (ids, targets) = (
         ids.to_device(device).expect("ids"),
         &targets.to_device(device).expect("targets"),
@@ -85,8 +91,7 @@ fn fused(
     scale: f64,
     device: &Device,
 ) -> (f64, Grads) {
-    let mut model = Gpt::new(config).expect("gpt");
-    hypershard_nn::to_device(&mut model, device).expect("to_device");
+    let mut model = model_on(config, device);
     let handle = model.fused_loss(DEFAULT_IGNORE_INDEX);
     handle.for_backward(targets.to_device(device).expect("targets"));
     let loss = model

@@ -4,7 +4,7 @@
 
 mod common;
 
-use common::{random, same_on_both};
+use common::{host_values, random, same_on_both};
 use hypershard_nn::optim::clip_grad_norm;
 use hypershard_nn::{
     ChildVisitorMut, Error, Linear, LinearConfig, Module, ParamVisitor, ParamVisitorMut, Relu,
@@ -12,9 +12,10 @@ use hypershard_nn::{
 };
 use hypershard_tensor::{DType, Device, Tensor};
 
-/// `t`'s values, read on the host whatever its device.
-fn host_values(t: &Tensor) -> Vec<f64> {
-    t.to_host().and_then(|h| h.to_f64_vec()).expect("f64")
+/// The bias gradient of `layer`, read on the host.
+fn bias_grad(layer: &Linear) -> Vec<f64> {
+    let bias = layer.bias.as_ref().expect("a bias");
+    host_values(bias.grad.as_ref().expect("a bias gradient"))
 }
 
 fn linear(in_features: usize, out_features: usize, seed: u64) -> Linear {
@@ -146,15 +147,7 @@ fn gradients_accumulate_over_backward_passes() {
         assert!(layer.weight.grad.is_none());
         assert!(layer.bias.as_ref().expect("bias").grad.is_some());
         let norm = clip_grad_norm(&mut layer, 1e9).expect("clip");
-        let bias_grad = host_values(
-            layer
-                .bias
-                .as_ref()
-                .expect("bias")
-                .grad
-                .as_ref()
-                .expect("grad"),
-        );
+        let bias_grad = bias_grad(&layer);
         let expected = bias_grad.iter().map(|v| v * v).sum::<f64>().sqrt();
         assert!((norm - expected).abs() < 1e-14);
         (once, twice, norm.to_bits())
@@ -236,15 +229,7 @@ fn zero_sized_dims() {
             .backward(&on(Tensor::ones(&[3, 2], DType::F64)))
             .expect("backward");
         assert_eq!(gx.shape(), &[3, 0]);
-        let bias_grad = host_values(
-            layer
-                .bias
-                .as_ref()
-                .expect("bias")
-                .grad
-                .as_ref()
-                .expect("grad"),
-        );
+        let bias_grad = bias_grad(&layer);
         assert_eq!(bias_grad, vec![3.0, 3.0]);
         y
     });

@@ -3,7 +3,7 @@
 
 mod common;
 
-use common::{bits_of, same_on_both};
+use common::{bits_of, host_values, same_on_both};
 use hypershard_nn::optim::{
     AdamW, AdamWConfig, AdamWUpdate, Sgd, SgdConfig, clip_grad_norm_params,
 };
@@ -30,11 +30,7 @@ fn set_grad(p: &mut Parameter, grad: &[f64], device: &Device) {
 
 /// The values, read on the host whatever the device.
 fn values(p: &Parameter) -> Vec<f64> {
-    host_f64(p.data().expect("materialised"))
-}
-
-fn host_f64(t: &Tensor) -> Vec<f64> {
-    t.to_host().and_then(|h| h.to_f64_vec()).expect("f64")
+    host_values(p.data().expect("materialised"))
 }
 
 fn assert_values(got: &[f64], expected: &[f64], tol: f64) {
@@ -189,7 +185,7 @@ fn adamw_three_steps() {
             .collect();
         let state = adamw.state("p").expect("state");
         assert_eq!(state.exp_avg.device(), *d);
-        (steps, state.step, host_f64(&state.exp_avg))
+        (steps, state.step, host_values(&state.exp_avg))
     });
     for (got, want) in steps.iter().zip(expected) {
         assert_values(got, &want, 1e-12);
@@ -372,7 +368,7 @@ fn clipping_scales_to_max_norm_and_returns_total_norm() {
         set_grad(&mut a, &[3.0, 4.0], d);
         set_grad(&mut b, &[12.0], d);
         let norm = clip_grad_norm_params(&mut [&mut a, &mut b], 6.5).expect("clip");
-        let grad = |p: &Parameter| host_f64(p.grad.as_ref().expect("grad"));
+        let grad = |p: &Parameter| host_values(p.grad.as_ref().expect("grad"));
         let (ga, gb) = (grad(&a), grad(&b));
         let norm_below = clip_grad_norm_params(&mut [&mut a, &mut b], 100.0).expect("clip");
         (norm.to_bits(), ga, gb, norm_below.to_bits(), grad(&b))
@@ -410,10 +406,10 @@ fn plain_sgd_steps_in_place_in_f32_and_bf16() {
             .expect("sgd");
             sgd.step_param("w", &mut p).expect("step");
             // Exact in binary: 1 - 0.125, -2 - 0.25, 0.5 + 0.5.
-            let after = p.data().map(host_f64).expect("data");
+            let after = p.data().map(host_values).expect("data");
             assert_eq!(after, vec![0.875, -2.25, 1.0], "{dtype:?} on {d}");
             // In place: the tensor seen before the step shares the storage.
-            assert_eq!(host_f64(&storage_before), vec![0.875, -2.25, 1.0]);
+            assert_eq!(host_values(&storage_before), vec![0.875, -2.25, 1.0]);
             p.grad = Some(
                 Tensor::zeros(&[2], dtype)
                     .and_then(|t| t.to_device(d))

@@ -4,7 +4,7 @@
 
 mod common;
 
-use common::{check_module, random, same_on_both};
+use common::{check_module, host_values, random, same_on_both};
 use hypershard_nn::{
     Block, BlockConfig, CausalSelfAttention, CausalSelfAttentionConfig, Mlp, Module,
     parameter_names,
@@ -15,7 +15,7 @@ use hypershard_tensor::{DType, Device, RandomInit, Tensor};
 fn forward_values(module: &mut dyn Module, x: &Tensor, device: &Device) -> Vec<f64> {
     module
         .forward(&x.to_device(device).expect("input"))
-        .and_then(|y| Ok(y.to_host()?.to_f64_vec()?))
+        .map(|y| host_values(&y))
         .expect("forward")
 }
 
@@ -185,8 +185,7 @@ fn f32_and_bf16_attention_agree_with_f64() {
             let y = low.forward(&on(&x)).expect("forward");
             assert_eq!(y.dtype(), dtype);
             let gx = low.backward(&on(&g)).expect("backward");
-            let read = |t: &Tensor| t.to_host().and_then(|h| h.to_f64_vec()).expect("f64");
-            (read(&y), read(&gx))
+            (host_values(&y), host_values(&gx))
         });
         for (got, want) in y.iter().zip(&expected) {
             assert!((got - want).abs() < tol, "{dtype}: {got} vs {want}");

@@ -140,13 +140,12 @@ impl ParamGroup {
     /// A collective's output buffer of `len` elements of `dtype`, which the collective
     /// overwrites in full: a pool buffer, or device memory over NCCL.
     pub(super) fn comm_output(&self, dtype: DType, len: usize) -> Result<Buffer> {
-        let wire = buffer_dtype(dtype, &self.unit)?;
         #[cfg(feature = "cuda")]
         if self.route == CommRoute::Device && len > 0 {
             let flat = Tensor::zeros_on(&[len], dtype, &self.device)?;
             return self.stage_out(flat, "collective output");
         }
-        Ok(self.mesh.pool().take(wire, len))
+        Ok(self.mesh.pool().take(buffer_dtype(dtype, &self.unit)?, len))
     }
 
     /// `acc + other`, two reduce-scatter outputs of one bucket (an HSDP unit whose replicate

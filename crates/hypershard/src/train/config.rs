@@ -366,7 +366,7 @@ pub fn gpu_count() -> Result<usize> {
 
 #[cfg(not(feature = "cuda"))]
 pub fn gpu_count() -> Result<usize> {
-    cuda_device(0).map(|_| 0)
+    Err(no_cuda_support())
 }
 
 #[cfg(feature = "cuda")]
@@ -386,11 +386,17 @@ fn cuda_device(local_rank: usize) -> Result<hypershard_tensor::Device> {
 
 #[cfg(not(feature = "cuda"))]
 fn cuda_device(_local_rank: usize) -> Result<hypershard_tensor::Device> {
-    Err(Error::DeviceUnavailable {
+    Err(no_cuda_support())
+}
+
+/// `--device cuda` in a build without the `cuda` feature.
+#[cfg(not(feature = "cuda"))]
+fn no_cuda_support() -> Error {
+    Error::DeviceUnavailable {
         device: "cuda",
         reason: "this build has no CUDA support (build hypershard with `--features cuda`)"
             .to_string(),
-    })
+    }
 }
 
 /// The learning-rate schedule (`--lr-schedule`).

@@ -22,6 +22,12 @@ pub fn same_on_both<R: PartialEq + std::fmt::Debug>(body: impl Fn(&Device) -> R)
     host
 }
 
+/// A tensor's values as `f64`, read with one explicit copy from wherever it lives.
+pub fn host_values(t: &Tensor) -> Vec<f64> {
+    // invariant: every test tensor is materialised, of a numeric dtype, and copies to the host.
+    t.to_host().and_then(|h| h.to_f64_vec()).expect("f64")
+}
+
 /// A tensor's values as `f64` bits, read with one explicit copy from wherever it lives (so
 /// runs on two devices compare exactly, NaN included).
 pub fn bits_of(t: &Tensor) -> Vec<u64> {

@@ -648,6 +648,34 @@ __device__ __forceinline__ float flash_mask(u32 dropout_on, u64 seed, double p, 
     return (float)(random_unit(seed, counter) < p ? 0.0 : keep_scale);
 }
 
+// A block's work item w of the flash kernels: which (batch, head) and which tile of FLASH_ROWS
+// rows, and the row this thread owns (active when it is below T).
+struct FlashTile {
+    u64 tile, bh, b, h, row;
+    bool active;
+};
+
+__device__ __forceinline__ u64 flash_tiles(u64 t) { return (t + FLASH_ROWS - 1) / FLASH_ROWS; }
+
+__device__ __forceinline__ FlashTile flash_tile(u64 w, u64 t, u64 heads) {
+    FlashTile at;
+    at.tile = w % flash_tiles(t);
+    at.bh = w / flash_tiles(t);
+    at.b = at.bh / heads;
+    at.h = at.bh % heads;
+    at.row = at.tile * FLASH_ROWS + threadIdx.x;
+    at.active = at.row < t;
+    return at;
+}
+
+// dst[0..d) = src[at..at + d) for an active row, zeros otherwise (src is not read then).
+__device__ __forceinline__ void flash_row(float* dst, const float* src, u64 at, u64 d,
+                                          bool active) {
+    for (u64 e = 0; e < d; ++e) {
+        dst[e] = active ? src[at + e] : 0.0f;
+    }
+}
+
 // Stages the keys and values k0 .. k0 + FLASH_KEYS of one head (columns `col` of the k and v
 // parts of `rows`, the batch's [T, 3C] rows) in shared memory, zeros past T. Called by every
 // thread of the block: the first barrier lets every thread finish reading the previous tile.
@@ -668,17 +696,14 @@ extern "C" __global__ void flash_forward_f32(float* out, float* lse, const float
     __shared__ float ks[FLASH_KEYS * FLASH_MAX_D];
     __shared__ float vs[FLASH_KEYS * FLASH_MAX_D];
     u64 c = heads * d;
-    u64 tiles = (t + FLASH_ROWS - 1) / FLASH_ROWS;
-    for (u64 w = blockIdx.x; w < batch * heads * tiles; w += gridDim.x) {
-        u64 tile = w % tiles, bh = w / tiles, b = bh / heads, h = bh % heads;
-        u64 i = tile * FLASH_ROWS + threadIdx.x;
-        bool active = i < t;
+    for (u64 w = blockIdx.x; w < batch * heads * flash_tiles(t); w += gridDim.x) {
+        FlashTile at = flash_tile(w, t, heads);
+        u64 tile = at.tile, bh = at.bh, b = at.b, h = at.h, i = at.row;
+        bool active = at.active;
         const float* rows = qkv + b * t * 3 * c;
         float q[FLASH_MAX_D], acc[FLASH_MAX_D];
-        for (u64 e = 0; e < d; ++e) {
-            q[e] = active ? rows[i * 3 * c + h * d + e] : 0.0f;
-            acc[e] = 0.0f;
-        }
+        flash_row(q, rows, i * 3 * c + h * d, d, active);
+        flash_row(acc, rows, 0, d, false);
         float m = -f32_inf(), l = 0.0f;
         u64 end = (tile + 1) * FLASH_ROWS < t ? (tile + 1) * FLASH_ROWS : t;
         for (u64 k0 = 0; k0 < end; k0 += FLASH_KEYS) {
@@ -750,18 +775,15 @@ extern "C" __global__ void flash_backward_dq_f32(float* dqkv, const float* qkv, 
     __shared__ float ks[FLASH_KEYS * FLASH_MAX_D];
     __shared__ float vs[FLASH_KEYS * FLASH_MAX_D];
     u64 c = heads * d;
-    u64 tiles = (t + FLASH_ROWS - 1) / FLASH_ROWS;
-    for (u64 w = blockIdx.x; w < batch * heads * tiles; w += gridDim.x) {
-        u64 tile = w % tiles, bh = w / tiles, b = bh / heads, h = bh % heads;
-        u64 i = tile * FLASH_ROWS + threadIdx.x;
-        bool active = i < t;
+    for (u64 w = blockIdx.x; w < batch * heads * flash_tiles(t); w += gridDim.x) {
+        FlashTile at = flash_tile(w, t, heads);
+        u64 tile = at.tile, bh = at.bh, b = at.b, h = at.h, i = at.row;
+        bool active = at.active;
         const float* rows = qkv + b * t * 3 * c;
         float q[FLASH_MAX_D], go[FLASH_MAX_D], dq[FLASH_MAX_D];
-        for (u64 e = 0; e < d; ++e) {
-            q[e] = active ? rows[i * 3 * c + h * d + e] : 0.0f;
-            go[e] = active ? dout[(b * t + i) * c + h * d + e] : 0.0f;
-            dq[e] = 0.0f;
-        }
+        flash_row(q, rows, i * 3 * c + h * d, d, active);
+        flash_row(go, dout, (b * t + i) * c + h * d, d, active);
+        flash_row(dq, dout, 0, d, false);
         float row_lse = active ? lse[bh * t + i] : 0.0f;
         float row_delta = active ? delta[bh * t + i] : 0.0f;
         u64 end = (tile + 1) * FLASH_ROWS < t ? (tile + 1) * FLASH_ROWS : t;
@@ -806,19 +828,16 @@ extern "C" __global__ void flash_backward_dkv_f32(float* dqkv, const float* qkv,
     __shared__ float lses[FLASH_KEYS];
     __shared__ float deltas[FLASH_KEYS];
     u64 c = heads * d;
-    u64 tiles = (t + FLASH_ROWS - 1) / FLASH_ROWS;
-    for (u64 w = blockIdx.x; w < batch * heads * tiles; w += gridDim.x) {
-        u64 tile = w % tiles, bh = w / tiles, b = bh / heads, h = bh % heads;
-        u64 j = tile * FLASH_ROWS + threadIdx.x;
-        bool active = j < t;
+    for (u64 w = blockIdx.x; w < batch * heads * flash_tiles(t); w += gridDim.x) {
+        FlashTile at = flash_tile(w, t, heads);
+        u64 tile = at.tile, bh = at.bh, b = at.b, h = at.h, j = at.row;
+        bool active = at.active;
         const float* rows = qkv + b * t * 3 * c;
         float k[FLASH_MAX_D], v[FLASH_MAX_D], dk[FLASH_MAX_D], dv[FLASH_MAX_D];
-        for (u64 e = 0; e < d; ++e) {
-            k[e] = active ? rows[j * 3 * c + c + h * d + e] : 0.0f;
-            v[e] = active ? rows[j * 3 * c + 2 * c + h * d + e] : 0.0f;
-            dk[e] = 0.0f;
-            dv[e] = 0.0f;
-        }
+        flash_row(k, rows, j * 3 * c + c + h * d, d, active);
+        flash_row(v, rows, j * 3 * c + 2 * c + h * d, d, active);
+        flash_row(dk, rows, 0, d, false);
+        flash_row(dv, rows, 0, d, false);
         for (u64 q0 = tile * FLASH_ROWS; q0 < t; q0 += FLASH_KEYS) {
             __syncthreads();
             for (u64 x = threadIdx.x; x < FLASH_KEYS * d; x += FLASH_ROWS) {
