@@ -218,23 +218,19 @@ fn counts_of(counter: &CommCounter) -> Counts {
 }
 
 /// Per rank: the counts on the world communicator and on each one split from it, after
-/// `STEPS` steps.
-fn count(mesh_shape: &[usize], members: &'static [&'static str]) -> Vec<(Counts, Vec<Counts>)> {
+/// `STEPS` steps on `device`.
+fn count(
+    mesh_shape: &[usize],
+    members: &'static [&'static str],
+    device: Device,
+) -> Vec<(Counts, Vec<Counts>)> {
     let world: usize = mesh_shape.iter().product();
     let counters = counted_world(world);
     let shape = mesh_shape.to_vec();
     let want = Arc::new(reference(&DIMS, DType::F32, Opt::Sgd, STEPS, 1));
     hypershard_testkit::run_ranks(world, move |rank| {
         let comm: Arc<dyn Communicator> = counters[rank].clone();
-        train_grouped(
-            comm,
-            &shape,
-            members,
-            &|_| {},
-            (1, false),
-            &want,
-            Device::Cpu,
-        )?;
+        train_grouped(comm, &shape, members, &|_| {}, (1, false), &want, device)?;
         let counts = counts_of(&counters[rank]);
         let children = counters[rank]
             .children()
@@ -243,16 +239,23 @@ fn count(mesh_shape: &[usize], members: &'static [&'static str]) -> Vec<(Counts,
             .collect();
         Ok::<_, FsdpError>((counts, children))
     })
-    .unwrap_or_else(|e| panic!("{e}"))
+    .unwrap_or_else(|e| panic!("on {device:?}: {e}"))
 }
 
 #[test]
 fn a_group_issues_one_gather_per_pass_and_one_reduce_scatter_per_backward() {
+    // The device moves no collective: the same counts on the host and the emulated device.
+    for device in DEVICES {
+        check_counts(device);
+    }
+}
+
+fn check_counts(device: Device) {
     let steps = STEPS as u64;
     for world in [2, 3] {
         // Two units: the group {0, 2} and the unit of child 4. The full state dict at the end
         // adds one gather per parameter, which is not an all-gather.
-        for (counts, _) in count(&[world], &["0", "2"]) {
+        for (counts, _) in count(&[world], &["0", "2"], device) {
             assert_eq!(
                 counts,
                 Counts {
@@ -260,11 +263,11 @@ fn a_group_issues_one_gather_per_pass_and_one_reduce_scatter_per_backward() {
                     reduce_scatter: steps * 2,
                     all_reduce: 0
                 },
-                "world {world}"
+                "world {world} on {device:?}"
             );
         }
         // One unit holding every layer.
-        for (counts, _) in count(&[world], &["0", "2", "4"]) {
+        for (counts, _) in count(&[world], &["0", "2", "4"], device) {
             assert_eq!(
                 counts,
                 Counts {
@@ -272,23 +275,28 @@ fn a_group_issues_one_gather_per_pass_and_one_reduce_scatter_per_backward() {
                     reduce_scatter: steps,
                     all_reduce: 0
                 },
-                "world {world}"
+                "world {world} on {device:?}"
             );
         }
     }
     // HSDP: the shard group (split second) gathers and reduce-scatters, the replicate group
     // all-reduces once per unit per backward.
-    for (world_counts, children) in count(&[2, 2], &["0", "4"]) {
-        assert_eq!(world_counts.all_gather + world_counts.reduce_scatter, 0);
+    for (world_counts, children) in count(&[2, 2], &["0", "4"], device) {
+        assert_eq!(
+            world_counts.all_gather + world_counts.reduce_scatter,
+            0,
+            "{device:?}"
+        );
         assert_eq!(
             children[1],
             Counts {
                 all_gather: steps * 2 * 2,
                 reduce_scatter: steps * 2,
                 all_reduce: 0
-            }
+            },
+            "{device:?}"
         );
-        assert_eq!(children[0].all_reduce, steps * 2);
+        assert_eq!(children[0].all_reduce, steps * 2, "{device:?}");
     }
 }
 
@@ -299,17 +307,17 @@ fn one_rank_config() -> FullyShardConfig {
     FullyShardConfig::new(DataParallelMesh::fsdp(comm).expect("mesh"))
 }
 
-fn linear(in_features: usize, out_features: usize, seed: u64) -> Box<dyn Module> {
-    Box::new(
-        Linear::new(LinearConfig {
-            in_features,
-            out_features,
-            bias: true,
-            dtype: DType::F32,
-            seed,
-        })
-        .expect("layer"),
-    )
+/// A Linear layer with its parameters on `device`.
+fn linear(in_features: usize, out_features: usize, seed: u64, device: Device) -> Box<dyn Module> {
+    let layer = Linear::new(LinearConfig {
+        in_features,
+        out_features,
+        bias: true,
+        dtype: DType::F32,
+        seed,
+    })
+    .expect("layer");
+    Box::new(moved(layer, device))
 }
 
 fn order_error(result: Result<Tensor, FsdpError>) -> (&'static str, usize, Option<usize>) {
@@ -326,47 +334,79 @@ fn order_error(result: Result<Tensor, FsdpError>) -> (&'static str, usize, Optio
 
 #[test]
 fn members_out_of_order_give_typed_errors_and_the_group_recovers() {
+    // The same refusals on the host and the emulated device, and between them the calls
+    // that run give the host's values on the device.
+    let runs = on_both(members_out_of_order);
+    assert_eq!(
+        runs[0], runs[1],
+        "the emulated device's run differs from the host's"
+    );
+}
+
+/// The order checks on `device`; the outputs of the calls that ran, read on the host.
+fn members_out_of_order(device: Device) -> Vec<Vec<f64>> {
+    let read = |t: Tensor| {
+        t.to_host()
+            .and_then(|t| t.to_f64_vec())
+            .expect("invariant: a materialised f32 tensor copies to the host")
+    };
     let config = one_rank_config();
-    let mut members =
-        fully_shard_group(vec![linear(4, 3, 1), linear(3, 2, 2)], config).expect("group");
+    let mut members = fully_shard_group(
+        vec![linear(4, 3, 1, device), linear(3, 2, 2, device)],
+        config,
+    )
+    .expect("group");
     assert_eq!(members[1].member(), 1);
     assert_eq!(members[1].params()[0].global_shape, vec![2, 3]);
-    let x = Tensor::ones(&[2, 4], DType::F32).expect("x");
-    let h = Tensor::ones(&[2, 3], DType::F32).expect("h");
-    let g = Tensor::ones(&[2, 2], DType::F32).expect("g");
+    let ones = |shape: &[usize]| on(&Tensor::ones(shape, DType::F32).expect("ones"), device);
+    let (x, h, g) = (ones(&[2, 4]), ones(&[2, 3]), ones(&[2, 2]));
     // The second member cannot run first.
     assert_eq!(order_error(members[1].forward(&h)), ("forward", 1, Some(0)));
-    members[0].forward(&x).expect("member 0");
+    let mut ran = vec![read(members[0].forward(&x).expect("member 0"))];
     // Nor can the first run twice in one pass.
     assert_eq!(order_error(members[0].forward(&x)), ("forward", 0, Some(1)));
-    members[1].forward(&h).expect("member 1");
+    ran.push(read(members[1].forward(&h).expect("member 1")));
     // Backward runs in reverse list order.
     assert_eq!(
         order_error(members[0].backward(&h)),
         ("backward", 0, Some(1))
     );
-    members[1].backward(&g).expect("member 1 backward");
+    ran.push(read(members[1].backward(&g).expect("member 1 backward")));
     // A new forward may not start while the group's backward is half done.
     assert_eq!(order_error(members[0].forward(&x)), ("forward", 0, None));
-    members[0].backward(&h).expect("member 0 backward");
+    ran.push(read(members[0].backward(&h).expect("member 0 backward")));
     assert!(members[0].params()[0].state == hypershard_fsdp::ShardedState::Sharded);
     // No backward without a forward first.
-    members[0].forward(&x).expect("member 0 again");
+    ran.push(read(members[0].forward(&x).expect("member 0 again")));
     assert_eq!(order_error(members[1].backward(&g)), ("backward", 1, None));
+    ran
 }
 
 #[test]
 fn wrapping_a_member_again_or_grouping_it_twice_is_refused_unchanged() {
+    // The same refusals, with every module handed back on its device, on both devices.
+    for device in DEVICES {
+        wrapping_again_is_refused(device);
+    }
+}
+
+fn wrapping_again_is_refused(device: Device) {
     let config = one_rank_config();
-    let mut members =
-        fully_shard_group(vec![linear(4, 3, 1), linear(3, 2, 2)], config.clone()).expect("group");
+    let mut members = fully_shard_group(
+        vec![linear(4, 3, 1, device), linear(3, 2, 2, device)],
+        config.clone(),
+    )
+    .expect("group");
     let second = members.pop().expect("member");
     // A member wrapped again on its own.
     let rejected = fully_shard(Box::new(second), config.clone()).expect_err("wrapped twice");
     assert!(matches!(rejected.error, FsdpError::AlreadySharded));
     // A member of one group put into another: refused, naming it, with every module back.
-    let rejected = fully_shard_group(vec![linear(5, 4, 3), rejected.module], config.clone())
-        .expect_err("in two groups");
+    let rejected = fully_shard_group(
+        vec![linear(5, 4, 3, device), rejected.module],
+        config.clone(),
+    )
+    .expect_err("in two groups");
     match &rejected.error {
         FsdpError::GroupMember { member: 1, source } => {
             assert!(matches!(**source, FsdpError::AlreadySharded))
@@ -377,6 +417,7 @@ fn wrapping_a_member_again_or_grouping_it_twice_is_refused_unchanged() {
     let mut shapes = Vec::new();
     rejected.modules[0]
         .visit_params("", &mut |_, p| {
+            assert_eq!(p.data()?.device(), device, "handed back where it was");
             shapes.push(p.data()?.shape().to_vec());
             Ok(())
         })
@@ -386,8 +427,11 @@ fn wrapping_a_member_again_or_grouping_it_twice_is_refused_unchanged() {
     let rejected = fully_shard_group(Vec::new(), config.clone()).expect_err("empty");
     assert!(matches!(rejected.error, FsdpError::EmptyGroup));
     // A parent wrapped by fully_shard leaves a member's parameters to the member's unit.
-    let mut others =
-        fully_shard_group(vec![linear(2, 2, 5), linear(2, 2, 6)], config.clone()).expect("group");
+    let mut others = fully_shard_group(
+        vec![linear(2, 2, 5, device), linear(2, 2, 6, device)],
+        config.clone(),
+    )
+    .expect("group");
     let member: Box<dyn Module> = Box::new(others.remove(0));
     let parent = Sequential::new(vec![Box::new(Relu::new()), member]);
     let root = fully_shard(Box::new(parent), config).expect("root");

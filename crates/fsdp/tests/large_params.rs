@@ -1,5 +1,6 @@
 //! Parity with parameters large enough (≥ 64 KiB) that the unshard compacts the all-gather
-//! output in place and the unsharded weight is a view into it instead of a copy.
+//! output in place and the unsharded weight is a view into it instead of a copy. `train_world`
+//! runs each check on the host and the emulated device, with the same parameters bit for bit.
 
 mod common;
 

@@ -1,4 +1,6 @@
-//! Parity: N steps under fully_shard equal the unsharded single-rank run.
+//! Parity: N steps under fully_shard equal the unsharded single-rank run. `train_world` runs
+//! each check on the host and again on the emulated device (every rank on a device of its
+//! own), whose parameters must equal the host's bit for bit.
 
 mod common;
 

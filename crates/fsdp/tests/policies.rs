@@ -1,4 +1,5 @@
-//! Mixed precision, fp32 main grads, zero-copy unshard, replicate and ignored parameters.
+//! Mixed precision, fp32 main grads, zero-copy unshard, replicate and ignored parameters; each
+//! run on the host and on the emulated device, with the same values.
 
 mod common;
 
@@ -61,36 +62,44 @@ fn bf16_params_train_within_a_bf16_bound_of_the_fp32_reference() {
 
 #[test]
 fn fp32_main_grad_collects_reduced_grads_outside_the_parameter() {
-    let comms = hypershard_collectives::local::spawn_world(2).expect("world");
-    hypershard_testkit::run_ranks(2, move |rank| {
-        let mesh = dp_mesh(&[2], comms[rank].clone())?;
-        let mut config = FullyShardConfig::new(mesh);
-        config.mp_policy = MixedPrecisionPolicy {
-            fp32_main_grad: true,
-            ..bf16_policy()
-        };
-        let mut model = shard_model(mlp(&DIMS, DType::F32), &config)?;
-        let (x, y) = batch(0, DIMS[0], DIMS[3], DType::F32);
-        let out = model.forward(&local_rows(&x, rank, 2))?;
-        assert_eq!(out.dtype(), DType::F32);
-        let loss = mse_loss(&out, &local_rows(&y, rank, 2))?;
-        model.backward(&loss.grad)?;
-        let mut grads = 0;
-        model.visit_params("", &mut |_, p| {
-            assert!(p.grad.is_none());
-            assert_eq!(p.data()?.dtype(), DType::F32);
-            Ok(())
-        })?;
-        for unit in model.units() {
-            for info in unit.params() {
-                let _ = info;
-                grads += 1;
+    let runs = on_both(|device| {
+        let comms = hypershard_collectives::local::spawn_world(2).expect("world");
+        hypershard_testkit::run_ranks(2, move |rank| {
+            let mesh = dp_mesh(&[2], comms[rank].clone())?;
+            let mut config = FullyShardConfig::new(mesh);
+            config.mp_policy = MixedPrecisionPolicy {
+                fp32_main_grad: true,
+                ..bf16_policy()
+            };
+            let device = rank_device(device, rank);
+            let mut model = shard_model(moved(mlp(&DIMS, DType::F32), device), &config)?;
+            let (x, y) = batch(0, DIMS[0], DIMS[3], DType::F32);
+            let out = model.forward(&on(&local_rows(&x, rank, 2), device))?;
+            assert_eq!(out.dtype(), DType::F32);
+            let loss = mse_loss(&out, &on(&local_rows(&y, rank, 2), device))?;
+            model.backward(&loss.grad)?;
+            let mut grads = 0;
+            model.visit_params("", &mut |_, p| {
+                assert!(p.grad.is_none());
+                assert_eq!(p.data()?.dtype(), DType::F32);
+                Ok(())
+            })?;
+            for unit in model.units() {
+                for info in unit.params() {
+                    let _ = info;
+                    grads += 1;
+                }
             }
-        }
-        assert_eq!(grads, 6);
-        Ok::<_, FsdpError>(())
-    })
-    .expect("run");
+            assert_eq!(grads, 6);
+            Ok::<_, FsdpError>(out.to_host()?.to_f64_vec()?)
+        })
+        .unwrap_or_else(|e| panic!("on {device:?}: {e}"))
+    });
+    // The bf16 forward gives the host's outputs on the emulated device.
+    assert_eq!(
+        runs[0], runs[1],
+        "the emulated device's run differs from the host's"
+    );
 }
 
 #[test]

@@ -1,6 +1,7 @@
 //! `set_reshard_after_forward` after wrapping: switching the policy between steps keeps
 //! parity with the unsharded run, moves the backward all-gather to the smaller group, and
-//! refuses bad sizes and mid-step changes with typed errors that change nothing.
+//! refuses bad sizes and mid-step changes with typed errors that change nothing; each on the
+//! host and on the emulated device, with the same values.
 
 mod common;
 
@@ -8,7 +9,7 @@ use std::cell::Cell;
 use std::sync::Arc;
 
 use common::*;
-use hypershard_collectives::{CommCounter, Communicator, OpKind};
+use hypershard_collectives::{Communicator, OpKind};
 use hypershard_fsdp::{FsdpError, FsdpModule, FullyShardConfig, ReshardAfterForward};
 use hypershard_nn::mse_loss;
 use hypershard_tensor::DType;
@@ -67,72 +68,89 @@ fn switching_policies_between_steps_matches_unsharded() {
 
 /// One step on a counted world of 4 after switching every unit to `ToGroupOf(2)`: the
 /// backward all-gathers of the three nested units run on the 2-rank group, not the shard group.
+/// On the host and the emulated device: the same counts and the same outputs.
 #[test]
 fn smaller_group_takes_the_backward_gathers() {
-    let counters = hypershard_collectives::local::spawn_world(4)
-        .expect("local world")
-        .into_iter()
-        .map(CommCounter::new)
-        .collect::<Vec<_>>();
-    let results = hypershard_testkit::run_ranks(4, move |rank| {
-        let comm: Arc<dyn Communicator> = counters[rank].clone();
-        let mesh = dp_mesh(&[4], comm)?;
-        let config = FullyShardConfig::new(mesh.clone());
-        let mut model = shard_model(mlp(&DIMS, DType::F32), &config)?;
-        model.set_reshard_after_forward(ReshardAfterForward::ToGroupOf(2))?;
-        let (x, y) = batch(0, DIMS[0], DIMS[3], DType::F32);
-        let (x, y) = (local_rows(&x, rank, 4), local_rows(&y, rank, 4));
-        let out = model.forward(&x)?;
-        let loss = mse_loss(&out, &y)?;
-        model.backward(&loss.grad)?;
-        let world_gathers = counters[rank].calls(OpKind::AllGather);
-        let small_gathers: u64 = counters[rank]
-            .children()
-            .iter()
-            .map(|c| c.calls(OpKind::AllGather))
-            .sum();
-        Ok::<_, FsdpError>((world_gathers, small_gathers))
-    })
-    .unwrap_or_else(|e| panic!("{e}"));
-    for (world_gathers, small_gathers) in results {
-        // Forward: 3 nested units over the shard (world) group; backward: 3 over the pair.
-        assert_eq!((world_gathers, small_gathers), (3, 3));
+    let runs = on_both(|device| {
+        let counters = counted_world(4);
+        hypershard_testkit::run_ranks(4, move |rank| {
+            let comm: Arc<dyn Communicator> = counters[rank].clone();
+            let mesh = dp_mesh(&[4], comm)?;
+            let config = FullyShardConfig::new(mesh.clone());
+            let device = rank_device(device, rank);
+            let mut model = shard_model(moved(mlp(&DIMS, DType::F32), device), &config)?;
+            model.set_reshard_after_forward(ReshardAfterForward::ToGroupOf(2))?;
+            let (x, y) = batch(0, DIMS[0], DIMS[3], DType::F32);
+            let (x, y) = (
+                on(&local_rows(&x, rank, 4), device),
+                on(&local_rows(&y, rank, 4), device),
+            );
+            let out = model.forward(&x)?;
+            let loss = mse_loss(&out, &y)?;
+            model.backward(&loss.grad)?;
+            let world_gathers = counters[rank].calls(OpKind::AllGather);
+            let small_gathers: u64 = counters[rank]
+                .children()
+                .iter()
+                .map(|c| c.calls(OpKind::AllGather))
+                .sum();
+            let out = out.to_host()?.to_f64_vec()?;
+            Ok::<_, FsdpError>((world_gathers, small_gathers, out))
+        })
+        .unwrap_or_else(|e| panic!("on {device:?}: {e}"))
+    });
+    for (device, results) in DEVICES.iter().zip(&runs) {
+        for (world_gathers, small_gathers, _) in results {
+            // Forward: 3 nested units over the shard (world) group; backward: 3 over the pair.
+            assert_eq!((*world_gathers, *small_gathers), (3, 3), "{device:?}");
+        }
     }
+    assert_eq!(
+        runs[0], runs[1],
+        "the emulated device's run differs from the host's"
+    );
 }
 
 #[test]
 fn bad_sizes_and_mid_step_changes_are_typed_errors() {
-    let comms = hypershard_collectives::local::spawn_world(4).expect("local world");
-    hypershard_testkit::run_ranks(4, move |rank| {
-        let mesh = dp_mesh(&[4], comms[rank].clone())?;
-        let config = FullyShardConfig::new(mesh);
-        let mut model = shard_model(mlp(&DIMS, DType::F32), &config)?;
-        let bad = model.set_reshard_after_forward(ReshardAfterForward::ToGroupOf(3));
-        assert!(
-            matches!(
-                bad,
-                Err(FsdpError::ReshardSize {
-                    value: 3,
-                    shard_world: 4
-                })
-            ),
-            "{bad:?}"
-        );
-        // Between forward and backward the nested units hold their post-forward shards over
-        // the pair: refused, nothing changed.
-        model.set_reshard_after_forward(ReshardAfterForward::ToGroupOf(2))?;
-        let (x, y) = batch(0, DIMS[0], DIMS[3], DType::F32);
-        let (x, y) = (local_rows(&x, rank, 4), local_rows(&y, rank, 4));
-        let out = model.forward(&x)?;
-        let mid = model.set_reshard_after_forward(ReshardAfterForward::Keep);
-        assert!(
-            matches!(mid, Err(FsdpError::InvalidState { .. })),
-            "{mid:?}"
-        );
-        let loss = mse_loss(&out, &y)?;
-        model.backward(&loss.grad)?;
-        model.set_reshard_after_forward(ReshardAfterForward::Keep)?;
-        Ok::<_, FsdpError>(())
-    })
-    .unwrap_or_else(|e| panic!("{e}"));
+    // The same refusals, changing nothing, whichever device the shards are on.
+    on_both(|device| {
+        let comms = hypershard_collectives::local::spawn_world(4).expect("local world");
+        hypershard_testkit::run_ranks(4, move |rank| {
+            let mesh = dp_mesh(&[4], comms[rank].clone())?;
+            let config = FullyShardConfig::new(mesh);
+            let device = rank_device(device, rank);
+            let mut model = shard_model(moved(mlp(&DIMS, DType::F32), device), &config)?;
+            let bad = model.set_reshard_after_forward(ReshardAfterForward::ToGroupOf(3));
+            assert!(
+                matches!(
+                    bad,
+                    Err(FsdpError::ReshardSize {
+                        value: 3,
+                        shard_world: 4
+                    })
+                ),
+                "{device:?}: {bad:?}"
+            );
+            // Between forward and backward the nested units hold their post-forward shards
+            // over the pair: refused, nothing changed.
+            model.set_reshard_after_forward(ReshardAfterForward::ToGroupOf(2))?;
+            let (x, y) = batch(0, DIMS[0], DIMS[3], DType::F32);
+            let (x, y) = (
+                on(&local_rows(&x, rank, 4), device),
+                on(&local_rows(&y, rank, 4), device),
+            );
+            let out = model.forward(&x)?;
+            let mid = model.set_reshard_after_forward(ReshardAfterForward::Keep);
+            assert!(
+                matches!(mid, Err(FsdpError::InvalidState { .. })),
+                "{device:?}: {mid:?}"
+            );
+            let loss = mse_loss(&out, &y)?;
+            model.backward(&loss.grad)?;
+            model.set_reshard_after_forward(ReshardAfterForward::Keep)?;
+            Ok::<_, FsdpError>(())
+        })
+        .unwrap_or_else(|e| panic!("on {device:?}: {e}"))
+    });
 }

@@ -1,13 +1,18 @@
 //! Deferred (shape-only) modules: built without storage, refused on use, materialised to
-//! exactly the eager values.
+//! exactly the eager values. Every check runs on the host and on the emulated device: a
+//! materialised model moved to either gives the eager values bit for bit, and a deferred one
+//! is the same typed error on both.
+
+mod common;
 
 use std::sync::Arc;
 
+use common::{EMULATED, host_values, same_on_both};
 use hypershard_nn::{
-    Error, Gpt, GptConfig, InitRequest, Linear, LinearConfig, Module, materialize_module,
+    Error, Gpt, GptConfig, InitRequest, Linear, LinearConfig, Module, materialize_module, to_device,
 };
 use hypershard_tensor::memory::MemoryTracker;
-use hypershard_tensor::{DType, Tensor, deferred_init};
+use hypershard_tensor::{DType, Device, Tensor, deferred_init};
 
 fn small_gpt() -> GptConfig {
     GptConfig {
@@ -27,7 +32,8 @@ fn bytes_by_name(module: &dyn Module) -> Vec<(String, Vec<u8>)> {
     let mut out = Vec::new();
     module
         .visit_params("", &mut |name, param| {
-            out.push((name.to_string(), param.data()?.to_bytes()?));
+            // Read on the host whatever the device (one explicit copy).
+            out.push((name.to_string(), param.data()?.to_host()?.to_bytes()?));
             Ok(())
         })
         .expect("every parameter has data");
@@ -42,6 +48,19 @@ fn a_deferred_gpt_costs_no_storage_and_knows_its_size() {
         Gpt::new_deferred(GptConfig::gpt2()).expect("deferred gpt2")
     };
     assert_eq!(tracker.peak_bytes(), 0, "no parameter storage allocated");
+    // Moving it to a device is refused before a byte is copied or allocated there.
+    let mut gpt = gpt;
+    for device in [Device::Cpu, EMULATED] {
+        let _scope = tracker.enter();
+        let refused = to_device(&mut gpt, &device).expect_err("deferred");
+        assert!(matches!(refused, Error::Deferred { .. }), "{refused:?}");
+        assert_eq!(tracker.device_stats(&device).peak_bytes, 0, "{device:?}");
+    }
+    assert_eq!(
+        tracker.peak_bytes(),
+        0,
+        "no storage allocated by a refused move"
+    );
     // nanoGPT's GPT-2 small with the padded vocabulary: 124,475,904 parameters (wte counted
     // once), 123,689,472 without wpe.
     assert_eq!(gpt.num_params(false).expect("count"), 124_475_904);
@@ -58,35 +77,50 @@ fn materialising_a_deferred_gpt_gives_the_eager_values_bitwise() {
             ..small_gpt()
         },
     ] {
-        let eager = Gpt::new(config).expect("eager");
-        let mut deferred = Gpt::new_deferred(config).expect("deferred");
-        materialize_module(&mut deferred).expect("materialise");
-        assert_eq!(bytes_by_name(&deferred), bytes_by_name(&eager));
+        // Materialised on this rank, then moved as a user would: on either device the bytes
+        // are the eager model's, and the device's equal the host's.
+        same_on_both(|d| {
+            let mut eager = Gpt::new(config).expect("eager");
+            to_device(&mut eager, d).expect("eager to_device");
+            let mut deferred = Gpt::new_deferred(config).expect("deferred");
+            materialize_module(&mut deferred).expect("materialise");
+            to_device(&mut deferred, d).expect("materialised to_device");
+            let bytes = bytes_by_name(&deferred);
+            assert_eq!(bytes, bytes_by_name(&eager), "{d:?}");
+            bytes
+        });
     }
 }
 
 #[test]
 fn using_a_deferred_model_is_a_typed_error_naming_the_parameter() {
-    let mut gpt = Gpt::new_deferred(small_gpt()).expect("deferred");
-    let ids = Tensor::from_vec(vec![1i64, 2, 3], &[1, 3]).expect("ids");
-    match gpt.forward(&ids) {
-        Err(Error::Deferred { name }) => assert_eq!(name, "transformer.wte.weight"),
-        other => panic!("expected Error::Deferred, got {other:?}"),
-    }
-    // Writing through the tensor names the tensor op.
-    gpt.visit_params("", &mut |name, param| {
-        if name == "transformer.ln_f.weight" {
-            let error = param.tensor()?.fill_(0.0).expect_err("deferred");
-            assert!(matches!(
-                error,
-                hypershard_tensor::Error::Deferred { op: "fill_" }
-            ));
-            let message = param.data().expect_err("deferred").to_string();
-            assert!(message.contains("transformer.ln_f.weight"), "{message}");
-        }
-        Ok(())
-    })
-    .expect("visit");
+    // The same refusal, naming the same parameter, whichever device the input is on.
+    same_on_both(|d| {
+        let mut gpt = Gpt::new_deferred(small_gpt()).expect("deferred");
+        let ids = Tensor::from_vec(vec![1i64, 2, 3], &[1, 3])
+            .and_then(|t| t.to_device(d))
+            .expect("ids");
+        let refused = match gpt.forward(&ids) {
+            Err(Error::Deferred { name }) => name,
+            other => panic!("expected Error::Deferred on {d:?}, got {other:?}"),
+        };
+        assert_eq!(refused, "transformer.wte.weight");
+        // Writing through the tensor names the tensor op.
+        gpt.visit_params("", &mut |name, param| {
+            if name == "transformer.ln_f.weight" {
+                let error = param.tensor()?.fill_(0.0).expect_err("deferred");
+                assert!(matches!(
+                    error,
+                    hypershard_tensor::Error::Deferred { op: "fill_" }
+                ));
+                let message = param.data().expect_err("deferred").to_string();
+                assert!(message.contains("transformer.ln_f.weight"), "{message}");
+            }
+            Ok(())
+        })
+        .expect("visit");
+        refused
+    });
 }
 
 #[test]
@@ -127,10 +161,9 @@ fn an_init_hook_builds_any_block_and_a_wrong_block_is_refused() {
         .visit_params("", &mut |name, param| {
             if name == "weight" {
                 let rows = param.materialize_block(&[2, 0], &[2, 3])?;
-                assert_eq!(
-                    rows.to_vec::<f64>()?,
-                    vec![20.0, 21.0, 22.0, 30.0, 31.0, 32.0]
-                );
+                // The block is built on the host; on either device it keeps the hook's values.
+                let values = same_on_both(|d| host_values(&rows.to_device(d).expect("rows")));
+                assert_eq!(values, vec![20.0, 21.0, 22.0, 30.0, 31.0, 32.0]);
             } else {
                 match param.materialize_block(&[0], &[5]) {
                     Err(Error::Materialize { name, reason }) => {

@@ -1,14 +1,14 @@
-//! The Module contract: names, child visiting, wrapping, accumulation and typed errors. The
-//! accumulation, empty-dim and norm closed forms run on the host and on the emulated device,
-//! with the same values on both.
+//! The Module contract: names, child visiting, wrapping, accumulation and typed errors. Every
+//! test body runs on the host and on the emulated device, with the same values (bit for bit)
+//! and the same errors on both.
 
 mod common;
 
-use common::{host_values, random, same_on_both};
+use common::{bits_of, host_values, random, same_on_both};
 use hypershard_nn::optim::clip_grad_norm;
 use hypershard_nn::{
     ChildVisitorMut, Error, Linear, LinearConfig, Module, ParamVisitor, ParamVisitorMut, Relu,
-    Result, Sequential, parameter_names, qualify_parameter_names, zero_grad,
+    Result, Sequential, parameter_names, qualify_parameter_names, to_device, zero_grad,
 };
 use hypershard_tensor::{DType, Device, Tensor};
 
@@ -66,67 +66,79 @@ impl Module for Counting {
 
 #[test]
 fn names_follow_pytorch() {
-    let inner = Sequential::default()
-        .with(linear(2, 3, 0))
-        .with(Relu::new());
-    let mut no_bias = linear(3, 1, 2);
-    no_bias.bias = None;
-    let model = Sequential::default().with(inner).with(no_bias);
-    assert_eq!(
-        parameter_names(&model).expect("names"),
-        ["0.0.weight", "0.0.bias", "1.weight"]
-    );
-    let layer = linear(4, 5, 0);
-    assert_eq!(layer.weight.data().expect("data").shape(), &[5, 4]);
+    same_on_both(|d| {
+        let inner = Sequential::default()
+            .with(linear(2, 3, 0))
+            .with(Relu::new());
+        let mut no_bias = linear(3, 1, 2);
+        no_bias.bias = None;
+        let mut model = Sequential::default().with(inner).with(no_bias);
+        to_device(&mut model, d).expect("to_device");
+        let names = parameter_names(&model).expect("names");
+        assert_eq!(names, ["0.0.weight", "0.0.bias", "1.weight"]);
+        // Moving keeps every name, shape and value; the data now lives on `d`.
+        let mut placed = Vec::new();
+        model
+            .visit_params("", &mut |name, param| {
+                let data = param.data()?;
+                assert_eq!(data.device(), *d, "{name}");
+                placed.push((name.to_string(), data.shape().to_vec(), bits_of(data)));
+                Ok(())
+            })
+            .expect("visit");
+        let mut layer = linear(4, 5, 0);
+        to_device(&mut layer, d).expect("to_device");
+        assert_eq!(layer.weight.data().expect("data").shape(), &[5, 4]);
+        (names, placed)
+    });
 }
 
 #[test]
 fn wrapping_children_keeps_results_and_names() {
-    let mut plain = Sequential::default()
-        .with(linear(3, 4, 0))
-        .with(linear(4, 2, 2));
-    let mut wrapped = Sequential::default();
-    for seed in [0, 2] {
-        let (i, o) = if seed == 0 { (3, 4) } else { (4, 2) };
-        wrapped.layers.push(Box::new(Counting {
-            inner: Box::new(linear(i, o, seed)),
-            forwards: 0,
-            backwards: 0,
-        }));
-    }
-    let x = random(&[5, 3], DType::F64, 9);
-    let y_plain = plain.forward(&x).expect("forward");
-    let y_wrapped = wrapped.forward(&x).expect("forward");
-    assert_eq!(
-        y_plain.to_vec::<f64>().expect("f64"),
-        y_wrapped.to_vec::<f64>().expect("f64")
-    );
-    let g = random(&[5, 2], DType::F64, 10);
-    let gx_plain = plain.backward(&g).expect("backward");
-    let gx_wrapped = wrapped.backward(&g).expect("backward");
-    assert_eq!(
-        gx_plain.to_vec::<f64>().expect("f64"),
-        gx_wrapped.to_vec::<f64>().expect("f64")
-    );
-    assert_eq!(
-        parameter_names(&plain).expect("names"),
-        parameter_names(&wrapped).expect("names")
-    );
-    let mut kinds = Vec::new();
-    wrapped
-        .visit_children_mut(&mut |name, child| {
-            kinds.push(format!("{name}:{}", child.kind()));
-            Ok(())
-        })
-        .expect("children");
-    assert_eq!(kinds, ["0:Counting", "1:Counting"]);
+    same_on_both(|d| {
+        let mut plain = Sequential::default()
+            .with(linear(3, 4, 0))
+            .with(linear(4, 2, 2));
+        let mut wrapped = Sequential::default();
+        for seed in [0, 2] {
+            let (i, o) = if seed == 0 { (3, 4) } else { (4, 2) };
+            wrapped.layers.push(Box::new(Counting {
+                inner: Box::new(linear(i, o, seed)),
+                forwards: 0,
+                backwards: 0,
+            }));
+        }
+        to_device(&mut plain, d).expect("to_device");
+        to_device(&mut wrapped, d).expect("to_device");
+        let x = random(&[5, 3], DType::F64, 9).to_device(d).expect("x");
+        let y_plain = bits_of(&plain.forward(&x).expect("forward"));
+        let y_wrapped = bits_of(&wrapped.forward(&x).expect("forward"));
+        assert_eq!(y_plain, y_wrapped);
+        let g = random(&[5, 2], DType::F64, 10).to_device(d).expect("g");
+        let gx_plain = bits_of(&plain.backward(&g).expect("backward"));
+        let gx_wrapped = bits_of(&wrapped.backward(&g).expect("backward"));
+        assert_eq!(gx_plain, gx_wrapped);
+        assert_eq!(
+            parameter_names(&plain).expect("names"),
+            parameter_names(&wrapped).expect("names")
+        );
+        let mut kinds = Vec::new();
+        wrapped
+            .visit_children_mut(&mut |name, child| {
+                kinds.push(format!("{name}:{}", child.kind()));
+                Ok(())
+            })
+            .expect("children");
+        assert_eq!(kinds, ["0:Counting", "1:Counting"]);
+        (y_plain, gx_plain)
+    });
 }
 
 #[test]
 fn gradients_accumulate_over_backward_passes() {
     same_on_both(|d| {
         let mut layer = linear(3, 2, 4);
-        hypershard_nn::to_device(&mut layer, d).expect("to_device");
+        to_device(&mut layer, d).expect("to_device");
         let x = random(&[4, 3], DType::F64, 11).to_device(d).expect("x");
         let g = random(&[4, 2], DType::F64, 12).to_device(d).expect("g");
         let weight_grad = |layer: &Linear| host_values(layer.weight.grad.as_ref().expect("grad"));
@@ -154,69 +166,90 @@ fn gradients_accumulate_over_backward_passes() {
     });
 }
 
+/// `error`'s variant and fields, for comparing the errors of two devices.
+fn described(error: &Error) -> String {
+    format!("{error:?}")
+}
+
 #[test]
 fn typed_errors() {
-    let mut layer = linear(3, 2, 0);
-    let g = Tensor::zeros(&[1, 2], DType::F64).expect("zeros");
-    assert!(matches!(
-        layer.backward(&g),
-        Err(Error::BackwardBeforeForward { module: "Linear" })
-    ));
-    let x = Tensor::zeros(&[1, 3], DType::F64).expect("zeros");
-    layer.forward(&x).expect("forward");
-    layer.backward(&g).expect("backward");
-    // The cache is consumed: a second backward needs a new forward.
-    assert!(matches!(
-        layer.backward(&g),
-        Err(Error::BackwardBeforeForward { .. })
-    ));
-    let mut relu = Relu::new();
-    assert!(matches!(
-        relu.backward(&g),
-        Err(Error::BackwardBeforeForward { module: "ReLU" })
-    ));
+    // Each device must refuse with the same variant carrying the same fields.
+    same_on_both(|d| {
+        let on = |t: hypershard_tensor::Result<Tensor>| t.and_then(|t| t.to_device(d)).expect("t");
+        let mut seen = Vec::new();
+        let mut layer = linear(3, 2, 0);
+        to_device(&mut layer, d).expect("to_device");
+        let g = on(Tensor::zeros(&[1, 2], DType::F64));
+        let err = layer.backward(&g).expect_err("no forward");
+        assert!(matches!(
+            err,
+            Error::BackwardBeforeForward { module: "Linear" }
+        ));
+        seen.push(described(&err));
+        let x = on(Tensor::zeros(&[1, 3], DType::F64));
+        layer.forward(&x).expect("forward");
+        layer.backward(&g).expect("backward");
+        // The cache is consumed: a second backward needs a new forward.
+        let err = layer.backward(&g).expect_err("cache consumed");
+        assert!(matches!(err, Error::BackwardBeforeForward { .. }));
+        seen.push(described(&err));
+        let mut relu = Relu::new();
+        let err = relu.backward(&g).expect_err("no forward");
+        assert!(matches!(
+            err,
+            Error::BackwardBeforeForward { module: "ReLU" }
+        ));
+        seen.push(described(&err));
 
-    let wrong = Tensor::zeros(&[1, 4], DType::F64).expect("zeros");
-    assert!(matches!(layer.forward(&wrong), Err(Error::BadShape { .. })));
-    let wrong_dtype = Tensor::zeros(&[1, 3], DType::F32).expect("zeros");
-    assert!(matches!(
-        layer.forward(&wrong_dtype),
-        Err(Error::DTypeMismatch { .. })
-    ));
+        let wrong = on(Tensor::zeros(&[1, 4], DType::F64));
+        let err = layer.forward(&wrong).expect_err("bad shape");
+        assert!(matches!(err, Error::BadShape { .. }));
+        seen.push(described(&err));
+        let wrong_dtype = on(Tensor::zeros(&[1, 3], DType::F32));
+        let err = layer.forward(&wrong_dtype).expect_err("bad dtype");
+        assert!(matches!(err, Error::DTypeMismatch { .. }));
+        seen.push(described(&err));
 
-    layer.weight.data = None;
-    layer.weight.name = "0.weight".to_string();
-    let err = layer.forward(&x).expect_err("not materialised");
-    assert!(matches!(&err, Error::NotMaterialised { name } if name == "0.weight"));
-    assert_eq!(err.to_string(), "parameter `0.weight` is not materialised");
+        layer.weight.data = None;
+        layer.weight.name = "0.weight".to_string();
+        let err = layer.forward(&x).expect_err("not materialised");
+        assert!(matches!(&err, Error::NotMaterialised { name } if name == "0.weight"));
+        assert_eq!(err.to_string(), "parameter `0.weight` is not materialised");
+        seen.push(described(&err));
+        seen
+    });
 }
 
 #[test]
 fn qualified_names_reach_errors() {
-    let mut model = Sequential::default()
-        .with(Relu::new())
-        .with(linear(3, 2, 0));
-    qualify_parameter_names(&mut model).expect("qualify");
-    model
-        .visit_params_mut("", &mut |name, param| {
-            if name == "1.bias" {
-                param.data = None;
-            }
-            Ok(())
-        })
-        .expect("visit");
-    let x = Tensor::zeros(&[2, 3], DType::F64).expect("zeros");
-    assert!(matches!(
-        model.forward(&x),
-        Err(Error::NotMaterialised { name }) if name == "1.bias"
-    ));
+    same_on_both(|d| {
+        let mut model = Sequential::default()
+            .with(Relu::new())
+            .with(linear(3, 2, 0));
+        to_device(&mut model, d).expect("to_device");
+        qualify_parameter_names(&mut model).expect("qualify");
+        model
+            .visit_params_mut("", &mut |name, param| {
+                if name == "1.bias" {
+                    param.data = None;
+                }
+                Ok(())
+            })
+            .expect("visit");
+        let x = Tensor::zeros(&[2, 3], DType::F64)
+            .and_then(|t| t.to_device(d))
+            .expect("zeros");
+        let err = model.forward(&x).expect_err("not materialised");
+        assert!(matches!(&err, Error::NotMaterialised { name } if name == "1.bias"));
+        described(&err)
+    });
 }
 
 #[test]
 fn zero_sized_dims() {
     same_on_both(|d| {
         let mut layer = linear(0, 2, 0);
-        hypershard_nn::to_device(&mut layer, d).expect("to_device");
+        to_device(&mut layer, d).expect("to_device");
         let on = |t: hypershard_tensor::Result<Tensor>| t.and_then(|t| t.to_device(d)).expect("t");
         let x = on(Tensor::zeros(&[3, 0], DType::F64));
         let y = layer.forward(&x).expect("forward");
@@ -237,29 +270,27 @@ fn zero_sized_dims() {
 
 #[test]
 fn linear_init_is_torchs_bound_and_seeded() {
-    let a = linear(16, 8, 42);
-    let b = linear(16, 8, 42);
-    let w = a.weight.data().expect("data").to_vec::<f64>().expect("f64");
-    // torch: U(-1/√16, 1/√16) = U(-0.25, 0.25) for weight and bias.
-    assert!(w.iter().all(|v| (-0.25..0.25).contains(v)));
-    assert!(
-        w.iter().any(|v| v.abs() > 0.2),
-        "values spread over the interval"
-    );
-    let bias = a
-        .bias
-        .as_ref()
-        .expect("bias")
-        .data()
-        .expect("data")
-        .to_vec::<f64>()
-        .expect("f64");
-    assert!(bias.iter().all(|v| (-0.25..0.25).contains(v)));
-    assert_eq!(
-        w,
-        b.weight.data().expect("data").to_vec::<f64>().expect("f64")
-    );
-    assert_ne!(w[..8], bias[..], "weight and bias use different seeds");
+    // Built on the host and moved, as a user does: the device holds the host's init exactly.
+    same_on_both(|d| {
+        let (mut a, mut b) = (linear(16, 8, 42), linear(16, 8, 42));
+        to_device(&mut a, d).expect("to_device");
+        to_device(&mut b, d).expect("to_device");
+        let w = host_values(a.weight.data().expect("data"));
+        // torch: U(-1/√16, 1/√16) = U(-0.25, 0.25) for weight and bias.
+        assert!(w.iter().all(|v| (-0.25..0.25).contains(v)));
+        assert!(
+            w.iter().any(|v| v.abs() > 0.2),
+            "values spread over the interval"
+        );
+        let bias = host_values(a.bias.as_ref().expect("bias").data().expect("data"));
+        assert!(bias.iter().all(|v| (-0.25..0.25).contains(v)));
+        assert_eq!(w, host_values(b.weight.data().expect("data")));
+        assert_ne!(w[..8], bias[..], "weight and bias use different seeds");
+        (
+            bits_of(a.weight.data().expect("data")),
+            bits_of(a.bias.as_ref().expect("bias").data().expect("data")),
+        )
+    });
 }
 
 #[test]
@@ -276,7 +307,7 @@ fn norms_closed_form() {
             dtype: DType::F64,
         })
         .expect("layer norm");
-        hypershard_nn::to_device(&mut ln, d).expect("to_device");
+        to_device(&mut ln, d).expect("to_device");
         // mean 2.5, biased variance 1.25.
         let s = 1.25f64.sqrt();
         let y_ln = host_values(&ln.forward(&x).expect("forward"));
@@ -290,7 +321,7 @@ fn norms_closed_form() {
             dtype: DType::F64,
         })
         .expect("rms norm");
-        hypershard_nn::to_device(&mut rms, d).expect("to_device");
+        to_device(&mut rms, d).expect("to_device");
         // mean square 7.5.
         let r = 7.5f64.sqrt();
         let y_rms = host_values(&rms.forward(&x).expect("forward"));
@@ -307,37 +338,33 @@ fn norms_closed_form() {
 
 #[test]
 fn replace_module_wraps_a_child_in_place_and_downcasts() {
-    let mut model = Sequential::default()
-        .with(linear(2, 3, 0))
-        .with(Relu::new());
-    let x = random(&[4, 2], DType::F64, 5);
-    let before = model
-        .forward(&x)
-        .expect("forward")
-        .to_vec::<f64>()
-        .expect("f64");
-    hypershard_nn::replace_module(&mut model.layers[0], |old| {
-        Ok(Box::new(Counting {
-            inner: old,
-            forwards: 0,
-            backwards: 0,
-        }))
-    })
-    .expect("replace");
-    assert_eq!(model.layers[0].kind(), "Counting");
-    let after = model
-        .forward(&x)
-        .expect("forward")
-        .to_vec::<f64>()
-        .expect("f64");
-    assert_eq!(before, after);
-    // Plain layers do not offer themselves as `Any`.
-    assert!(model.layers[1].as_any_mut().is_none());
-    // A failing wrap leaves the identity in the slot and returns the error.
-    let err = hypershard_nn::replace_module(&mut model.layers[0], |_| {
-        Err(Error::BackwardBeforeForward { module: "test" })
-    })
-    .expect_err("wrap fails");
-    assert!(matches!(err, Error::BackwardBeforeForward { .. }));
-    assert_eq!(model.layers[0].kind(), "Identity");
+    same_on_both(|d| {
+        let mut model = Sequential::default()
+            .with(linear(2, 3, 0))
+            .with(Relu::new());
+        to_device(&mut model, d).expect("to_device");
+        let x = random(&[4, 2], DType::F64, 5).to_device(d).expect("x");
+        let before = bits_of(&model.forward(&x).expect("forward"));
+        hypershard_nn::replace_module(&mut model.layers[0], |old| {
+            Ok(Box::new(Counting {
+                inner: old,
+                forwards: 0,
+                backwards: 0,
+            }))
+        })
+        .expect("replace");
+        assert_eq!(model.layers[0].kind(), "Counting");
+        let after = bits_of(&model.forward(&x).expect("forward"));
+        assert_eq!(before, after);
+        // Plain layers do not offer themselves as `Any`.
+        assert!(model.layers[1].as_any_mut().is_none());
+        // A failing wrap leaves the identity in the slot and returns the error.
+        let err = hypershard_nn::replace_module(&mut model.layers[0], |_| {
+            Err(Error::BackwardBeforeForward { module: "test" })
+        })
+        .expect_err("wrap fails");
+        assert!(matches!(err, Error::BackwardBeforeForward { .. }));
+        assert_eq!(model.layers[0].kind(), "Identity");
+        after
+    });
 }
