@@ -46,7 +46,7 @@ pub(crate) struct Controls {
     pub reshard_after_backward: bool,
     pub is_last_backward: bool,
     pub gradient_scaling_factor: Option<f64>,
-    /// Whether the root frees the idle communication buffers and kernel outputs at the end
+    /// Whether the root frees the idle communication buffers at the end
     /// of the last backward of a step (see `FsdpModule::set_release_buffers_after_backward`).
     pub release_buffers_after_backward: bool,
 }

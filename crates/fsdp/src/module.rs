@@ -445,13 +445,14 @@ impl FsdpModule {
         self.for_each_group(&mut |g| g.controls.is_last_backward = last);
     }
 
-    /// With `false`, the root keeps the step's idle communication buffers and kernel outputs
-    /// cached after the last backward of a step instead of freeing them (the default,
-    /// `true`), so the next step finds every buffer it needs without allocating, as PyTorch's
-    /// caching allocator does on a GPU. A step then costs no page faults for them, at the
-    /// price of those idle buffers staying resident through the optimizer step (the tracker's
-    /// peak of live tensors is the same either way).
-    /// [`release_cached_buffers`](Self::release_cached_buffers) frees them on demand (torch's
+    /// With `false`, the root keeps the step's idle communication buffers cached after the
+    /// last backward of a step instead of freeing them (the default, `true`), so the next
+    /// step finds every buffer it needs without allocating, as PyTorch's caching allocator
+    /// does on a GPU. A step then costs no page faults for them, at the price of those idle
+    /// buffers staying resident through the optimizer step (the tracker's peak of live
+    /// tensors is the same either way). nn's cached kernel outputs are not affected: they
+    /// stay cached, bounded by the most kernel-output bytes ever alive at once.
+    /// [`release_cached_buffers`](Self::release_cached_buffers) frees both on demand (torch's
     /// `empty_cache`).
     pub fn set_release_buffers_after_backward(&mut self, release: bool) {
         self.for_each_group(&mut |g| g.controls.release_buffers_after_backward = release);

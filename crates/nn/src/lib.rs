@@ -54,7 +54,9 @@ pub use embedding::{Embedding, EmbeddingConfig};
 pub use error::{Error, Result};
 pub use fused_loss::LossTargets;
 pub use gpt::{Gpt, GptConfig};
-pub use kernels::recycle::release_cached as release_cached_kernel_buffers;
+pub use kernels::recycle::{
+    cached_bytes as cached_kernel_buffer_bytes, release_cached as release_cached_kernel_buffers,
+};
 pub use linear::{Linear, LinearConfig};
 pub use loss::{DEFAULT_IGNORE_INDEX, LossOutput, cross_entropy, mse_loss};
 pub use module::{

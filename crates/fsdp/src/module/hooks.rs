@@ -163,12 +163,14 @@ impl FsdpModule {
         }
         if self.is_root && last {
             schedule.drain()?;
-            // By default the step's buffers go back to the allocator before the optimizer step
-            // (and a checkpoint) allocate their own: cached, they would add a step's worth of
-            // idle communication buffers and kernel outputs to the resident peak. Kept, the
-            // next step re-faults none of them (docs/fsdp.md weighs the two).
+            // By default the step's communication buffers go back to the allocator before the
+            // optimizer step (and a checkpoint) allocate their own: cached, they would add a
+            // step's worth of idle unsharded parameters and gradients to the resident peak.
+            // Kept, the next step re-faults none of them (docs/fsdp.md weighs the two). nn's
+            // kernel outputs stay cached either way: they are bounded by the activations'
+            // own peak, and freeing them cost more time than it saved resident memory.
             if lock(&self.group).controls.release_buffers_after_backward {
-                self.release_cached_buffers();
+                lock(&self.group).mesh.pool().release_cached();
             }
         }
         match dtypes {

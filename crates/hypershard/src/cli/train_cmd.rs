@@ -154,12 +154,12 @@ pub struct TrainArgs {
     /// activations (one more forward per block, no extra all-gather).
     #[arg(long)]
     activation_checkpointing: bool,
-    /// Keep each step's communication buffers and large kernel outputs cached for the next
-    /// step instead of freeing them after backward (as PyTorch's caching allocator does on a
-    /// GPU): faster, since no step faults them in again, but they stay resident through the
-    /// optimizer step. The memory check counts them. Default: on for a world of one rank
-    /// (nothing is sharded, so they cost what an unsharded run holds anyway), off otherwise;
-    /// `--keep-step-buffers=false` frees them at one rank too.
+    /// Keep each step's communication buffers (the unsharded parameters and gradients and
+    /// the collectives' buffers) cached for the next step instead of freeing them after
+    /// backward (as PyTorch's caching allocator does on a GPU): faster, since no step faults
+    /// them in again, but they stay resident through the optimizer step. The memory check
+    /// counts them. Off by default; a world of one rank has none. Large kernel outputs stay
+    /// cached either way (bounded by the most of them alive at once).
     #[arg(long, num_args = 0..=1, default_missing_value = "true", value_name = "BOOL")]
     keep_step_buffers: Option<bool>,
     /// Where each rank keeps its model shards, gradients and activations: cpu, emulated (the
@@ -439,7 +439,7 @@ fn build_config(args: &TrainArgs, out: PathBuf) -> Result<TrainConfig, Error> {
         init_from_hf: args.init_from_hf.clone(),
         eager_init: args.eager_init,
         activation_checkpointing: args.activation_checkpointing,
-        keep_step_buffers: args.keep_step_buffers.unwrap_or(mesh.ranks() == 1),
+        keep_step_buffers: args.keep_step_buffers.unwrap_or(false),
         device: args.device,
         out,
         resume: args.resume,

@@ -494,7 +494,7 @@ pub struct TrainConfig {
     pub eager_init: bool,
     /// Checkpoint every transformer block's activations (`--activation-checkpointing`).
     pub activation_checkpointing: bool,
-    /// Keep the step's idle communication buffers and kernel outputs cached across steps
+    /// Keep the step's idle communication buffers cached across steps
     /// (`--keep-step-buffers`) instead of freeing them after each backward.
     pub keep_step_buffers: bool,
     /// Where each rank keeps its shards, gradients and activations (`--device`).

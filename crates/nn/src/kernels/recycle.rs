@@ -97,6 +97,12 @@ pub fn release_cached() {
     list.cached_bytes = 0;
 }
 
+/// The bytes of kernel outputs cached for reuse now (not counting those in use), torch's
+/// `memory_reserved` minus `memory_allocated` for this cache.
+pub fn cached_bytes() -> usize {
+    lock().cached_bytes
+}
+
 /// Recycled memory adopted as tensor storage; it returns to the list when dropped.
 struct Recycled {
     blocks: Vec<Block>,
