@@ -132,25 +132,43 @@ impl Dims {
     /// Copies part `part` (0 = q, 1 = k, 2 = v) of head `head` of batch row `b` out of the
     /// fused `[B, T, 3C]` buffer into a contiguous `[T, D]` buffer.
     fn gather_head<F: Float>(self, qkv: &[F], b: usize, head: usize, part: usize) -> Vec<F> {
+        let mut out = vec![F::ZERO; self.seq * self.head_dim()];
+        self.gather_head_into(qkv, b, head, part, &mut out);
+        out
+    }
+
+    /// [`gather_head`](Self::gather_head) into `out` (`[T, D]`, every element overwritten).
+    fn gather_head_into<F: Float>(
+        self,
+        qkv: &[F],
+        b: usize,
+        head: usize,
+        part: usize,
+        out: &mut [F],
+    ) {
         let d = self.head_dim();
         let row_len = 3 * self.n_embd;
-        let mut out = vec![F::ZERO; self.seq * d];
         for (t, dst) in out.chunks_exact_mut(d).enumerate() {
             let start = (b * self.seq + t) * row_len + part * self.n_embd + head * d;
             copy_head_row(dst, &qkv[start..start + d]);
         }
-        out
     }
 
     /// Copies head `head` of batch row `b` out of a `[B, T, C]` buffer.
     fn gather_output_head<F: Float>(self, y: &[F], b: usize, head: usize) -> Vec<F> {
+        let mut out = vec![F::ZERO; self.seq * self.head_dim()];
+        self.gather_output_head_into(y, b, head, &mut out);
+        out
+    }
+
+    /// [`gather_output_head`](Self::gather_output_head) into `out` (`[T, D]`, every element
+    /// overwritten).
+    fn gather_output_head_into<F: Float>(self, y: &[F], b: usize, head: usize, out: &mut [F]) {
         let d = self.head_dim();
-        let mut out = vec![F::ZERO; self.seq * d];
         for (t, dst) in out.chunks_exact_mut(d).enumerate() {
             let start = (b * self.seq + t) * self.n_embd + head * d;
             copy_head_row(dst, &y[start..start + d]);
         }
-        out
     }
 }
 

@@ -18,15 +18,19 @@
 //! mask, as `dropout(softmax(s))` requires.
 //!
 //! Extra memory beyond q, k, v and the output: the log-sum-exp (`B·H·T` values) kept for
-//! backward, and per running task the head's gathered `[T, D]` operands (with block-wise
-//! transposed copies of k and v) and a few `tile × tile` and `tile × D` scratch buffers.
+//! backward; per rayon task (reused for every head the task runs) the head's gathered `[T, D]`
+//! operands (with block-wise transposed copies of k and v) and a few `tile × tile` and
+//! `tile × D` scratch buffers; and per call one recycled buffer holding every head's result
+//! until it is scattered into place.
 
 use rayon::prelude::*;
+
+use hypershard_tensor::Device;
 
 use super::{Dims, copy_head_row};
 use crate::dropout::DropMask;
 use crate::kernels::vector_isa::vectorized;
-use crate::kernels::{Float, add_assign, small_nn_rows};
+use crate::kernels::{Float, add_assign, overwrite_target, small_nn_rows};
 use crate::linalg::{GemmShape, MatmulOptions, gemm_into};
 use crate::{Error, Result};
 
@@ -86,8 +90,7 @@ fn mm_tn<F: Float>(a: &[F], b: &[F], (m, k, n): (usize, usize, usize), c: &mut [
 /// products `a · blockᵀ` then run as `a · (transposed block)` on the kernels without
 /// transposes: the packing-free `a · bᵀ` kernel reduces each output across a vector, which
 /// costs as much as its multiply-adds when `D` is a head width.
-fn transpose_blocks<F: Float>(x: &[F], seq: usize, d: usize, tile: usize) -> Vec<F> {
-    let mut out = vec![F::ZERO; x.len()];
+fn transpose_blocks<F: Float>(x: &[F], seq: usize, d: usize, tile: usize, out: &mut [F]) {
     for c0 in (0..seq).step_by(tile) {
         let cols = tile.min(seq - c0);
         let (src, dst) = (
@@ -100,7 +103,6 @@ fn transpose_blocks<F: Float>(x: &[F], seq: usize, d: usize, tile: usize) -> Vec
             }
         }
     }
-    out
 }
 
 /// Independent accumulators of the row reductions below: a single running maximum or sum
@@ -196,10 +198,43 @@ struct ForwardScratch<F> {
     row_sum: Vec<F>,
 }
 
-/// One head's forward: `o[T, D]` and `lse[T]` from `q, k, v` `[T, D]`.
+/// What one rayon task of the forward needs for a head, allocated once per task (rayon's
+/// `*_init`) and reused for every head it runs: the head's gathered `q, k, v` `[T, D]`, `k`'s
+/// block-transposed copy, and the tiles' scratch. Allocating them per head cost page faults
+/// and zeroing on every head of every layer (at GPT-2's `[1024, 64]` heads each is 256 KiB,
+/// which the allocator maps fresh from the system).
+struct ForwardTask<F> {
+    q: Vec<F>,
+    k: Vec<F>,
+    v: Vec<F>,
+    k_t: Vec<F>,
+    scratch: ForwardScratch<F>,
+}
+
+impl<F: Float> ForwardTask<F> {
+    fn new((seq, d, tile): (usize, usize, usize), masked: bool) -> Self {
+        ForwardTask {
+            q: vec![F::ZERO; seq * d],
+            k: vec![F::ZERO; seq * d],
+            v: vec![F::ZERO; seq * d],
+            k_t: vec![F::ZERO; seq * d],
+            scratch: ForwardScratch {
+                scores: vec![F::ZERO; tile * tile],
+                mask: vec![F::ZERO; if masked { tile * tile } else { 0 }],
+                pv: vec![F::ZERO; tile * d],
+                acc: vec![F::ZERO; tile * d],
+                row_max: vec![F::ZERO; tile],
+                row_sum: vec![F::ZERO; tile],
+            },
+        }
+    }
+}
+
+/// One head's forward: `o[T, D]` and `lse[T]` from the task's gathered `q, k, v` `[T, D]`
+/// (every element of `o` and `lse` overwritten; the task's scratch may hold any values).
 #[inline(always)]
 fn forward_head<F: Float>(
-    (q, k, v): (&[F], &[F], &[F]),
+    task: &mut ForwardTask<F>,
     (seq, d, tile): (usize, usize, usize),
     mask: Option<HeadMask<'_>>,
     o: &mut [F],
@@ -207,15 +242,14 @@ fn forward_head<F: Float>(
 ) -> Result<()> {
     let scale = F::of(1.0 / (d as f64).sqrt());
     let neg_inf = F::of(f64::NEG_INFINITY);
-    let k_t = transpose_blocks(k, seq, d, tile);
-    let mut s = ForwardScratch {
-        scores: vec![F::ZERO; tile * tile],
-        mask: vec![F::ZERO; if mask.is_some() { tile * tile } else { 0 }],
-        pv: vec![F::ZERO; tile * d],
-        acc: vec![F::ZERO; tile * d],
-        row_max: vec![F::ZERO; tile],
-        row_sum: vec![F::ZERO; tile],
-    };
+    let ForwardTask {
+        q,
+        k,
+        v,
+        k_t,
+        scratch: s,
+    } = task;
+    transpose_blocks(k, seq, d, tile, k_t);
     for r0 in (0..seq).step_by(tile) {
         let rows = tile.min(seq - r0);
         let acc = &mut s.acc[..rows * d];
@@ -290,32 +324,43 @@ pub(super) fn forward<F: Float>(
     Ok(FlashOutput { y, lse })
 }
 
-/// Every head's output `[T, D]` and log-sum-exps `[T]`, in `b · H + h` order.
+/// Every head's output into `heads` (`[B·H, T, D]`, head `b · H + h` at its index) and its
+/// log-sum-exps into `lse` (`[B·H, T]`); every element of both is overwritten.
 fn forward_heads<F: Float>(
     qkv: &[F],
     dims: Dims,
     tile: usize,
     mask: Option<&DropMask>,
-) -> Result<Vec<(Vec<F>, Vec<F>)>> {
+    (heads, lse): (&mut [F], &mut [F]),
+) -> Result<()> {
     let (t, d, tile) = (dims.seq, dims.head_dim(), tile.max(1));
-    (0..dims.batch * dims.n_head)
-        .into_par_iter()
-        .map(|bh| {
-            let (b, h) = (bh / dims.n_head, bh % dims.n_head);
-            let q = dims.gather_head(qkv, b, h, 0);
-            let k = dims.gather_head(qkv, b, h, 1);
-            let v = dims.gather_head(qkv, b, h, 2);
-            let head_mask = mask.map(|mask| HeadMask {
-                mask,
-                first: (bh * t * t) as u64,
-                seq: t,
-            });
-            let mut o = vec![F::ZERO; t * d];
-            let mut lse = vec![F::ZERO; t];
-            vectorized!(|| forward_head((&q, &k, &v), (t, d, tile), head_mask, &mut o, &mut lse))?;
-            Ok((o, lse))
-        })
-        .collect()
+    heads
+        .par_chunks_mut((t * d).max(1))
+        .zip(lse.par_chunks_mut(t.max(1)))
+        .enumerate()
+        .try_for_each_init(
+            || ForwardTask::new((t, d, tile), mask.is_some()),
+            |task, (bh, (o, lse))| {
+                let (b, h) = (bh / dims.n_head, bh % dims.n_head);
+                dims.gather_head_into(qkv, b, h, 0, &mut task.q);
+                dims.gather_head_into(qkv, b, h, 1, &mut task.k);
+                dims.gather_head_into(qkv, b, h, 2, &mut task.v);
+                let head_mask = mask.map(|mask| HeadMask {
+                    mask,
+                    first: (bh * t * t) as u64,
+                    seq: t,
+                });
+                vectorized!(|| forward_head(task, (t, d, tile), head_mask, o, lse))
+            },
+        )
+}
+
+/// A host buffer of `len` compute-type values for a kernel that overwrites all of them,
+/// taken from nn's recycled storage (see `kernels::recycle`) so that a step reuses the last
+/// step's instead of faulting in new pages.
+fn with_scratch<F: Float, R>(len: usize, f: impl FnOnce(&mut [F]) -> Result<R>) -> Result<R> {
+    let buffer = overwrite_target::<F>(&[len], &Device::Cpu)?;
+    buffer.with_kernel_data_mut::<F, _>("attention scratch", f)?
 }
 
 /// [`forward`] writing the attention output into `y` `[B, T, C]` (every element
@@ -332,26 +377,29 @@ pub(super) fn forward_into<F: Float>(
         y.len(),
         dims.batch * dims.seq * dims.n_embd,
     )?;
-    let heads = forward_heads(qkv, dims, tile, mask)?;
-    Ok(scatter_forward(&heads, dims, y))
+    let (t, d) = (dims.seq, dims.head_dim());
+    let mut lse = vec![F::ZERO; dims.batch * dims.n_head * t];
+    with_scratch::<F, _>(dims.batch * dims.n_head * t * d, |heads| {
+        forward_heads(qkv, dims, tile, mask, (&mut *heads, &mut lse))?;
+        scatter_forward(heads, dims, y);
+        Ok(())
+    })?;
+    Ok(lse)
 }
 
-/// Puts every head's output rows side by side in `y` `[B, T, C]`, one token row per task so
-/// the copy runs on every thread, and returns the heads' log-sum-exps in `[B, H, T]` order.
-fn scatter_forward<F: Float>(heads: &[(Vec<F>, Vec<F>)], dims: Dims, y: &mut [F]) -> Vec<F> {
+/// Puts every head's output rows (`heads`, `[B·H, T, D]`) side by side in `y` `[B, T, C]`,
+/// one token row per task so the copy runs on every thread.
+fn scatter_forward<F: Float>(heads: &[F], dims: Dims, y: &mut [F]) {
     let (t, d) = (dims.seq, dims.head_dim());
     y.par_chunks_mut(dims.n_embd.max(1))
         .enumerate()
         .for_each(|(row, dst)| {
             let (b, ti) = (row / t, row % t);
             for (h, part) in dst.chunks_exact_mut(d).enumerate() {
-                copy_head_row(part, &heads[b * dims.n_head + h].0[ti * d..(ti + 1) * d]);
+                let head = (b * dims.n_head + h) * t * d;
+                copy_head_row(part, &heads[head + ti * d..head + (ti + 1) * d]);
             }
         });
-    heads
-        .iter()
-        .flat_map(|(_, lse)| lse.iter().copied())
-        .collect()
 }
 
 /// Fails unless an output slice has the length its shape needs.
@@ -378,53 +426,78 @@ struct BackwardScratch<F> {
     dv: Vec<F>,
 }
 
-/// One head's operands in backward, each `[T, D]` except the log-sum-exp `[T]`.
-struct HeadOperands<'a, F> {
-    q: &'a [F],
-    k: &'a [F],
-    v: &'a [F],
-    o: &'a [F],
-    dout: &'a [F],
-    lse: &'a [F],
+/// What one rayon task of the backward needs for a head, allocated once per task and reused
+/// for every head it runs (as [`ForwardTask`]): the head's gathered `q, k, v`, output `o` and
+/// output gradient `dout` (each `[T, D]`), the block-transposed `k` and `v`, the rows' `D`
+/// values `[T]`, and the tiles' scratch.
+struct BackwardTask<F> {
+    q: Vec<F>,
+    k: Vec<F>,
+    v: Vec<F>,
+    o: Vec<F>,
+    dout: Vec<F>,
+    k_t: Vec<F>,
+    v_t: Vec<F>,
+    delta: Vec<F>,
+    scratch: BackwardScratch<F>,
 }
 
-/// One head's backward: `dq, dk, dv` `[T, D]` from `q, k, v`, the output `o` and its gradient
-/// `dout`, and the forward's log-sum-exp.
+impl<F: Float> BackwardTask<F> {
+    fn new((seq, d, tile): (usize, usize, usize), masked: bool) -> Self {
+        let head = || vec![F::ZERO; seq * d];
+        let masked_len = if masked { tile * tile } else { 0 };
+        BackwardTask {
+            q: head(),
+            k: head(),
+            v: head(),
+            o: head(),
+            dout: head(),
+            k_t: head(),
+            v_t: head(),
+            delta: vec![F::ZERO; seq],
+            scratch: BackwardScratch {
+                probs: vec![F::ZERO; tile * tile],
+                dropped: vec![F::ZERO; masked_len],
+                mask: vec![F::ZERO; masked_len],
+                grad: vec![F::ZERO; tile * tile],
+                tmp: vec![F::ZERO; tile * d],
+                dk: vec![F::ZERO; tile * d],
+                dv: vec![F::ZERO; tile * d],
+            },
+        }
+    }
+}
+
+/// One head's backward: `dq, dk, dv` `[T, D]` (every element overwritten) from the task's
+/// gathered `q, k, v`, output `o` and its gradient `dout`, and the forward's log-sum-exp `lse`.
 #[inline(always)]
 fn backward_head<F: Float>(
-    head: &HeadOperands<'_, F>,
+    task: &mut BackwardTask<F>,
+    lse: &[F],
     (seq, d, tile): (usize, usize, usize),
     mask: Option<HeadMask<'_>>,
     (dq, dk, dv): (&mut [F], &mut [F], &mut [F]),
 ) -> Result<()> {
-    let HeadOperands {
+    let BackwardTask {
         q,
         k,
         v,
         o,
         dout,
-        lse,
-    } = *head;
+        k_t,
+        v_t,
+        delta,
+        scratch: s,
+    } = task;
     let scale = F::of(1.0 / (d as f64).sqrt());
-    let delta: Vec<F> = dout
-        .chunks_exact(d)
-        .zip(o.chunks_exact(d))
-        .map(|(g, y)| g.iter().zip(y).map(|(&a, &b)| a * b).sum())
-        .collect();
-    let (k_t, v_t) = (
-        transpose_blocks(k, seq, d, tile),
-        transpose_blocks(v, seq, d, tile),
-    );
-    let masked_len = if mask.is_some() { tile * tile } else { 0 };
-    let mut s = BackwardScratch {
-        probs: vec![F::ZERO; tile * tile],
-        dropped: vec![F::ZERO; masked_len],
-        mask: vec![F::ZERO; masked_len],
-        grad: vec![F::ZERO; tile * tile],
-        tmp: vec![F::ZERO; tile * d],
-        dk: vec![F::ZERO; tile * d],
-        dv: vec![F::ZERO; tile * d],
-    };
+    for (dst, (g, y)) in delta
+        .iter_mut()
+        .zip(dout.chunks_exact(d).zip(o.chunks_exact(d)))
+    {
+        *dst = g.iter().zip(y.iter()).map(|(&a, &b)| a * b).sum();
+    }
+    transpose_blocks(k, seq, d, tile, k_t);
+    transpose_blocks(v, seq, d, tile, v_t);
     dq.fill(F::ZERO);
     for c0 in (0..seq).step_by(tile) {
         let cols = tile.min(seq - c0);
@@ -505,48 +578,40 @@ pub(super) fn backward<F: Float>(
     Ok(grad_qkv)
 }
 
-/// Every head's `[dq, dk, dv]`, each `[T, D]`, in `b · H + h` order.
+/// Every head's `[dq, dk, dv]` into `grads` (`[B·H, 3, T, D]`, head `b · H + h` at its
+/// index; every element overwritten).
 fn backward_heads<F: Float>(
     (qkv, y, lse): (&[F], &[F], &[F]),
     grad_y: &[F],
     dims: Dims,
     tile: usize,
     mask: Option<&DropMask>,
-) -> Result<Vec<[Vec<F>; 3]>> {
+    grads: &mut [F],
+) -> Result<()> {
     let (t, d, tile) = (dims.seq, dims.head_dim(), tile.max(1));
-    let per_head: Vec<[Vec<F>; 3]> = (0..dims.batch * dims.n_head)
-        .into_par_iter()
-        .map(|bh| {
-            let (b, h) = (bh / dims.n_head, bh % dims.n_head);
-            let q = dims.gather_head(qkv, b, h, 0);
-            let k = dims.gather_head(qkv, b, h, 1);
-            let v = dims.gather_head(qkv, b, h, 2);
-            let o = dims.gather_output_head(y, b, h);
-            let dout = dims.gather_output_head(grad_y, b, h);
-            let head_mask = mask.map(|mask| HeadMask {
-                mask,
-                first: (bh * t * t) as u64,
-                seq: t,
-            });
-            let mut grads = [
-                vec![F::ZERO; t * d],
-                vec![F::ZERO; t * d],
-                vec![F::ZERO; t * d],
-            ];
-            let [dq, dk, dv] = &mut grads;
-            let head = HeadOperands {
-                q: &q,
-                k: &k,
-                v: &v,
-                o: &o,
-                dout: &dout,
-                lse: &lse[bh * t..(bh + 1) * t],
-            };
-            vectorized!(|| backward_head(&head, (t, d, tile), head_mask, (dq, dk, dv)))?;
-            Ok(grads)
-        })
-        .collect::<Result<_>>()?;
-    Ok(per_head)
+    grads
+        .par_chunks_mut((3 * t * d).max(1))
+        .enumerate()
+        .try_for_each_init(
+            || BackwardTask::new((t, d, tile), mask.is_some()),
+            |task, (bh, head_grads)| {
+                let (b, h) = (bh / dims.n_head, bh % dims.n_head);
+                dims.gather_head_into(qkv, b, h, 0, &mut task.q);
+                dims.gather_head_into(qkv, b, h, 1, &mut task.k);
+                dims.gather_head_into(qkv, b, h, 2, &mut task.v);
+                dims.gather_output_head_into(y, b, h, &mut task.o);
+                dims.gather_output_head_into(grad_y, b, h, &mut task.dout);
+                let head_mask = mask.map(|mask| HeadMask {
+                    mask,
+                    first: (bh * t * t) as u64,
+                    seq: t,
+                });
+                let (dq, rest) = head_grads.split_at_mut(t * d);
+                let (dk, dv) = rest.split_at_mut(t * d);
+                let lse = &lse[bh * t..(bh + 1) * t];
+                vectorized!(|| backward_head(task, lse, (t, d, tile), head_mask, (dq, dk, dv)))
+            },
+        )
 }
 
 /// [`backward`] writing the gradient of the fused projection into `grad_qkv` `[B, T, 3C]`
@@ -564,14 +629,17 @@ pub(super) fn backward_into<F: Float>(
         grad_qkv.len(),
         dims.batch * dims.seq * 3 * dims.n_embd,
     )?;
-    let per_head = backward_heads(operands, grad_y, dims, tile, mask)?;
-    scatter_backward(&per_head, dims, grad_qkv);
-    Ok(())
+    let len = dims.batch * dims.n_head * 3 * dims.seq * dims.head_dim();
+    with_scratch::<F, _>(len, |grads| {
+        backward_heads(operands, grad_y, dims, tile, mask, &mut *grads)?;
+        scatter_backward(grads, dims, grad_qkv);
+        Ok(())
+    })
 }
 
 /// Puts every head's `dq, dk, dv` rows into their places in `grad_qkv` `[B, T, 3C]`, one
 /// token row per task so the copy runs on every thread.
-fn scatter_backward<F: Float>(per_head: &[[Vec<F>; 3]], dims: Dims, grad_qkv: &mut [F]) {
+fn scatter_backward<F: Float>(grads: &[F], dims: Dims, grad_qkv: &mut [F]) {
     let (t, d) = (dims.seq, dims.head_dim());
     grad_qkv
         .par_chunks_mut((3 * dims.n_embd).max(1))
@@ -580,8 +648,8 @@ fn scatter_backward<F: Float>(per_head: &[[Vec<F>; 3]], dims: Dims, grad_qkv: &m
             let (b, ti) = (row / t, row % t);
             for (part, section) in dst.chunks_exact_mut(dims.n_embd).enumerate() {
                 for (h, slot) in section.chunks_exact_mut(d).enumerate() {
-                    let src = &per_head[b * dims.n_head + h][part];
-                    copy_head_row(slot, &src[ti * d..(ti + 1) * d]);
+                    let src = ((b * dims.n_head + h) * 3 + part) * t * d + ti * d;
+                    copy_head_row(slot, &grads[src..src + d]);
                 }
             }
         });
