@@ -190,8 +190,8 @@ fn train_command(
         "0",
     ]);
     command.arg("--out").arg(out.join("run"));
-    // The memory-lean setting at every world size (one rank would keep them by default), so
-    // the ratios compare like with like.
+    // The memory-lean setting, stated at every world size (it is the default), so the ratios
+    // compare like with like whatever the default becomes.
     command.arg("--keep-step-buffers=false");
     if init == Init::Eager {
         command.arg("--eager-init");

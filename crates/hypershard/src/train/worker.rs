@@ -325,6 +325,13 @@ impl Trainer {
         if self.config.optim.grad_clip > 0.0 {
             self.clip_gradients()?;
         }
+        if self.optimizer.moments.is_empty() {
+            // The first optimizer step allocates AdamW's moments. nn's cached kernel outputs
+            // (up to the activations' peak) go back first, so the two never stack on the
+            // resident peak; later steps allocate nothing here, and the cache refilled by the
+            // next forward stays from then on (docs/fsdp.md).
+            hypershard_nn::release_cached_kernel_buffers();
+        }
         self.optimizer.step(&mut self.model, lr)?;
         self.meter.after_step(&self.model, &self.optimizer)?;
         let mean = self
