@@ -12,7 +12,7 @@ use common::*;
 use hypershard_collectives::{Communicator, OpKind};
 use hypershard_fsdp::{FsdpError, FsdpModule, FullyShardConfig, ReshardAfterForward};
 use hypershard_nn::mse_loss;
-use hypershard_tensor::DType;
+use hypershard_tensor::{DType, Device, Tensor};
 
 const DIMS: [usize; 4] = [5, 3, 7, 2];
 
@@ -59,6 +59,15 @@ fn check_switching(mesh_shape: &[usize]) {
     assert!(err <= 1e-5, "mesh {mesh_shape:?}: max rel err {err}");
 }
 
+/// Rank `rank`'s quarter of the first batch, on `device`.
+fn rank_batch(rank: usize, device: Device) -> (Tensor, Tensor) {
+    let (x, y) = batch(0, DIMS[0], DIMS[3], DType::F32);
+    (
+        on(&local_rows(&x, rank, 4), device),
+        on(&local_rows(&y, rank, 4), device),
+    )
+}
+
 #[test]
 fn switching_policies_between_steps_matches_unsharded() {
     for shape in [vec![2], vec![3], vec![4], vec![2, 2]] {
@@ -80,11 +89,7 @@ fn smaller_group_takes_the_backward_gathers() {
             let device = rank_device(device, rank);
             let mut model = shard_model(moved(mlp(&DIMS, DType::F32), device), &config)?;
             model.set_reshard_after_forward(ReshardAfterForward::ToGroupOf(2))?;
-            let (x, y) = batch(0, DIMS[0], DIMS[3], DType::F32);
-            let (x, y) = (
-                on(&local_rows(&x, rank, 4), device),
-                on(&local_rows(&y, rank, 4), device),
-            );
+            let (x, y) = rank_batch(rank, device);
             let out = model.forward(&x)?;
             let loss = mse_loss(&out, &y)?;
             model.backward(&loss.grad)?;
@@ -135,11 +140,7 @@ fn bad_sizes_and_mid_step_changes_are_typed_errors() {
             // Between forward and backward the nested units hold their post-forward shards
             // over the pair: refused, nothing changed.
             model.set_reshard_after_forward(ReshardAfterForward::ToGroupOf(2))?;
-            let (x, y) = batch(0, DIMS[0], DIMS[3], DType::F32);
-            let (x, y) = (
-                on(&local_rows(&x, rank, 4), device),
-                on(&local_rows(&y, rank, 4), device),
-            );
+            let (x, y) = rank_batch(rank, device);
             let out = model.forward(&x)?;
             let mid = model.set_reshard_after_forward(ReshardAfterForward::Keep);
             assert!(
