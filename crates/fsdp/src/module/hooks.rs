@@ -169,8 +169,9 @@ impl FsdpModule {
             // Kept, the next step re-faults none of them (docs/fsdp.md weighs the two). nn's
             // kernel outputs stay cached either way: they are bounded by the activations'
             // own peak, and freeing them cost more time than it saved resident memory.
-            if lock(&self.group).controls.release_buffers_after_backward {
-                lock(&self.group).mesh.pool().release_cached();
+            let group = lock(&self.group);
+            if group.controls.release_buffers_after_backward {
+                group.mesh.pool().release_cached();
             }
         }
         match dtypes {
