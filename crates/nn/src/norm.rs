@@ -5,8 +5,8 @@ use hypershard_tensor::{DType, Tensor};
 use crate::elementwise::check_float;
 use crate::kernels::vector_isa::vectorized;
 use crate::kernels::{
-    Float, in_dtype, load, overwrite_target, same_device, store, with_float, with_values,
-    with_values2,
+    Float, REDUCTION_LANES, in_dtype, lane_sum, lane_total, load, overwrite_target, same_device,
+    store, with_float, with_values, with_values2,
 };
 use crate::module::{ParamVisitor, ParamVisitorMut, join_name};
 use crate::{Error, Module, Parameter, Result};
@@ -117,12 +117,12 @@ impl<F: Float> ForwardRows<'_, F> {
             .zip(inv_std.iter_mut())
         {
             let mean = match self.centering {
-                Centering::Mean => row.iter().copied().sum::<F>() * inv_d,
+                Centering::Mean => lane_sum(row, |v| v) * inv_d,
                 Centering::None => F::ZERO,
             };
             // Two passes (mean, then squared deviations) rather than E[x²] − E[x]², which
             // cancels catastrophically in f32 for rows with a large mean.
-            let var = row.iter().map(|&v| (v - mean) * (v - mean)).sum::<F>() * inv_d;
+            let var = lane_sum(row, |v| (v - mean) * (v - mean)) * inv_d;
             let r = F::ONE / (var + self.eps).sqrt();
             *r_out = r;
             for (((n, o), &v), &w) in norm_row
@@ -206,14 +206,33 @@ impl<F: Float> BackwardRows<'_, F> {
             .zip(inv_std)
             .zip(grad_input.chunks_exact_mut(d))
         {
-            let mut sum_g = F::ZERO;
-            let mut sum_gx = F::ZERO;
-            for i in 0..d {
+            // The row sums in lane-parallel partial sums (`kernels::lane_sum`), the parameter
+            // gradients in a loop of their own: both vectorise, where one loop carrying the
+            // two scalar sums would not.
+            let mut lanes_g = [F::ZERO; REDUCTION_LANES];
+            let mut lanes_gx = [F::ZERO; REDUCTION_LANES];
+            let whole = d - d % REDUCTION_LANES;
+            for ((g, w), x) in g_row[..whole]
+                .chunks_exact(REDUCTION_LANES)
+                .zip(weight[..whole].chunks_exact(REDUCTION_LANES))
+                .zip(xhat[..whole].chunks_exact(REDUCTION_LANES))
+            {
+                for k in 0..REDUCTION_LANES {
+                    let gh = g[k] * w[k];
+                    lanes_g[k] += gh;
+                    lanes_gx[k] += gh * x[k];
+                }
+            }
+            let mut sum_g = lane_total(lanes_g);
+            let mut sum_gx = lane_total(lanes_gx);
+            for i in whole..d {
                 let gh = g_row[i] * weight[i];
                 sum_g += gh;
                 sum_gx += gh * xhat[i];
-                dw[i] += g_row[i] * xhat[i];
-                db[i] += g_row[i];
+            }
+            for (((dw, db), &g), &x) in dw.iter_mut().zip(db.iter_mut()).zip(g_row).zip(xhat) {
+                *dw += g * x;
+                *db += g;
             }
             let mean_g = match self.centering {
                 Centering::Mean => sum_g * inv_d,

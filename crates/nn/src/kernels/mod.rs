@@ -545,6 +545,45 @@ pub(crate) fn in_parallel_chunks<F: Float>(out: &mut [F], f: impl Fn(usize, &mut
     }
 }
 
+/// How many partial sums a row reduction keeps. A plain `iter().sum()` is one chain of
+/// dependent adds, which the compiler may not reorder for floats: it runs at one add per add
+/// latency and never uses the vector units. Independent partial sums, one per lane, compile to
+/// vector adds; 16 fill one AVX-512 register of f32.
+pub(crate) const REDUCTION_LANES: usize = 16;
+
+/// The partial sums of a lane reduction added into one: pairwise, in a fixed order, so the
+/// total does not depend on the vector width the loop was compiled for.
+#[inline(always)]
+pub(crate) fn lane_total<F: Float>(mut lanes: [F; REDUCTION_LANES]) -> F {
+    let mut width = REDUCTION_LANES;
+    while width > 1 {
+        width /= 2;
+        for k in 0..width {
+            lanes[k] += lanes[k + width];
+        }
+    }
+    lanes[0]
+}
+
+/// `Σ f(x)` over `xs` in [`REDUCTION_LANES`] partial sums (`lane k` sums the elements at
+/// `k mod LANES` of the whole chunks), then the tail in order.
+#[inline(always)]
+pub(crate) fn lane_sum<F: Float>(xs: &[F], f: impl Fn(F) -> F) -> F {
+    let mut lanes = [F::ZERO; REDUCTION_LANES];
+    let chunks = xs.chunks_exact(REDUCTION_LANES);
+    let tail = chunks.remainder();
+    for chunk in chunks {
+        for (lane, &x) in lanes.iter_mut().zip(chunk) {
+            *lane += f(x);
+        }
+    }
+    let mut total = lane_total(lanes);
+    for &x in tail {
+        total += f(x);
+    }
+    total
+}
+
 /// `dst[i] += src[i]`, a loop the compiler vectorises.
 pub(crate) fn add_assign<F: Float>(dst: &mut [F], src: &[F]) {
     for (d, s) in dst.iter_mut().zip(src) {
