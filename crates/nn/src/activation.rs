@@ -121,8 +121,10 @@ fn gelu_exact<F: Float>(x: F) -> F {
 #[inline(always)]
 fn gelu_exact_grad<F: Float>(x: F) -> F {
     let half = F::of(0.5);
-    let cdf = half * (F::ONE + (x * F::of(FRAC_1_SQRT_2)).erf());
-    let pdf = (-half * x * x).exp() * F::of(INV_SQRT_2PI);
+    // `e^(−z²)` at `z = x/√2` is `e^(−x²/2)`, the density's exponential: one for both.
+    let (erf, gauss) = (x * F::of(FRAC_1_SQRT_2)).erf_and_gauss();
+    let cdf = half * (F::ONE + erf);
+    let pdf = gauss * F::of(INV_SQRT_2PI);
     cdf + x * pdf
 }
 

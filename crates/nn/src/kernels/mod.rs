@@ -55,6 +55,12 @@ pub(crate) trait Float:
     fn exp(self) -> Self;
     /// The error function: [`crate::special::erf`] for f64, [`math::erf_f32`] for f32.
     fn erf(self) -> Self;
+    /// `(erf x, e^(−x²))`; f32 computes the exponential once for both
+    /// ([`math::erf_and_gauss_f32`]).
+    #[inline]
+    fn erf_and_gauss(self) -> (Self, Self) {
+        (self.erf(), (-(self * self)).exp())
+    }
     /// The hyperbolic tangent.
     fn tanh(self) -> Self;
     /// The square root.
@@ -147,6 +153,10 @@ impl Float for f32 {
     #[inline]
     fn erf(self) -> Self {
         math::erf_f32(self)
+    }
+    #[inline]
+    fn erf_and_gauss(self) -> (Self, Self) {
+        math::erf_and_gauss_f32(self)
     }
     #[inline]
     fn tanh(self) -> Self {
