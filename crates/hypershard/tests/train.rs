@@ -21,6 +21,8 @@ fn run(args: &[&str]) -> Output {
     Command::new(hypershard())
         .args(args)
         .env("HYPERSHARD_TIMEOUT", "60")
+        // The transport is the command line's to choose here (`--transport`).
+        .env_remove("HYPERSHARD_TRANSPORT")
         .stdin(Stdio::null())
         .output()
         .expect("hypershard runs")
@@ -28,6 +30,11 @@ fn run(args: &[&str]) -> Output {
 
 /// Trains the tiny preset and returns its per-step losses.
 fn train(out: &Path, extra: &[&str]) -> Vec<f64> {
+    train_with_output(out, extra).0
+}
+
+/// [`train`], with what the run printed.
+fn train_with_output(out: &Path, extra: &[&str]) -> (Vec<f64>, String) {
     let out_text = out.to_str().unwrap();
     let mut args = vec![
         "train",
@@ -45,11 +52,12 @@ fn train(out: &Path, extra: &[&str]) -> Vec<f64> {
         "train {extra:?} failed: {}",
         String::from_utf8_lossy(&output.stderr)
     );
-    read_losses(&out.join("losses.jsonl"))
+    let losses = read_losses(&out.join("losses.jsonl"))
         .unwrap()
         .iter()
         .map(|r| r.loss)
-        .collect()
+        .collect();
+    (losses, String::from_utf8_lossy(&output.stdout).into_owned())
 }
 
 fn max_rel_diff(a: &[f64], b: &[f64]) -> f64 {
@@ -77,7 +85,7 @@ fn one_rank_and_a_2x2_hsdp_run_of_the_same_global_batch_agree() {
             "6",
         ],
     );
-    let hsdp = train(
+    let (hsdp, printed) = train_with_output(
         &dir.join("hsdp"),
         &[
             "--nproc",
@@ -90,7 +98,7 @@ fn one_rank_and_a_2x2_hsdp_run_of_the_same_global_batch_agree() {
             "6",
         ],
     );
-    let again = train(
+    let (again, printed_again) = train_with_output(
         &dir.join("again"),
         &[
             "--nproc",
@@ -101,6 +109,8 @@ fn one_rank_and_a_2x2_hsdp_run_of_the_same_global_batch_agree() {
             "2",
             "--steps",
             "6",
+            "--transport",
+            "tcp",
         ],
     );
     // And split the other way: 2 FSDP ranks × 2 accumulated micro-steps × 2 windows.
@@ -125,7 +135,16 @@ fn one_rank_and_a_2x2_hsdp_run_of_the_same_global_batch_agree() {
         max_rel_diff(&accumulated, &one) < 1e-4,
         "{accumulated:?} vs {one:?}"
     );
-    // Same seed, data and mesh: the same losses, run to run.
+    // Same seed, data and mesh: the same losses, run to run, whichever transport carries the
+    // collectives: shared memory by default on one node, TCP when asked.
+    assert!(
+        printed.contains("collectives over shared memory (3 of 3 peers)"),
+        "{printed}"
+    );
+    assert!(
+        printed_again.contains("collectives over TCP"),
+        "{printed_again}"
+    );
     assert_eq!(hsdp, again);
     // And the loss falls.
     assert!(one[5] < one[0], "{one:?}");

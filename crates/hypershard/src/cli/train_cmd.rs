@@ -18,7 +18,7 @@ use hypershard::tensor::DType;
 use hypershard::train::{
     HF_CONFIG_FILE, HF_WEIGHTS_FILE, HfGpt2Config, LrSchedule, MeshSpec, ModelShape, OptimConfig,
     TrainConfig, TrainDevice, check_fits, checkpoint_root, default_cuda_backend, estimate,
-    gpu_count, print_summary, run_rank,
+    gpu_count, print_summary, run_rank, worker_transport,
 };
 use hypershard::{Error, collectives};
 
@@ -170,6 +170,12 @@ pub struct TrainArgs {
     /// FSDP/HSDP there; collectives stage through host memory.
     #[arg(long, value_enum, default_value_t = TrainDevice::Cpu)]
     device: TrainDevice,
+    /// How the ranks move collective data: auto (shared memory between the ranks of one node,
+    /// TCP between nodes), tcp (loopback TCP even on one node) or shm (as auto, but a shared
+    /// memory setup failure is an error, not a fallback to TCP). Without the flag,
+    /// HYPERSHARD_TRANSPORT when set, else auto.
+    #[arg(long, value_parser = parse_transport, value_name = "tcp|auto|shm")]
+    transport: Option<collectives::shm::TransportPolicy>,
     /// Output directory (default: a new runs/train-NNN).
     #[arg(long)]
     out: Option<PathBuf>,
@@ -531,6 +537,25 @@ fn check_init(init: &Path) -> Result<(), Error> {
     SafetensorsIndex::open(init).map(drop)
 }
 
+/// Rank 0's line on how its collective data travels: to `shm_peers` of its `peers` through
+/// shared memory, to the rest over TCP.
+fn transport_note(shm_peers: usize, peers: usize) -> String {
+    match shm_peers {
+        0 => "collectives over TCP".to_string(),
+        n if n == peers => format!("collectives over shared memory ({n} of {peers} peers)"),
+        n => format!(
+            "collectives over shared memory ({n} of {peers} peers), TCP to the other {}",
+            peers - n
+        ),
+    }
+}
+
+/// `--transport`'s words, as `HYPERSHARD_TRANSPORT` spells them.
+fn parse_transport(text: &str) -> Result<collectives::shm::TransportPolicy, String> {
+    collectives::shm::TransportPolicy::parse(text)
+        .ok_or_else(|| format!("expected tcp, auto or shm, got {text:?}"))
+}
+
 pub fn run(args: TrainArgs) -> Result<(), Error> {
     if args.worker {
         return run_worker(&args);
@@ -556,6 +581,10 @@ pub fn run(args: TrainArgs) -> Result<(), Error> {
         .into_iter()
         .chain(args.stall.rank_env())
         .collect();
+    let inherited = std::env::var(collectives::shm::TRANSPORT_ENV).ok();
+    if let Some(word) = worker_transport(args.transport, inherited.as_deref()) {
+        extra_env.push((collectives::shm::TRANSPORT_ENV.into(), word.into()));
+    }
     if args.device == TrainDevice::Cuda {
         let explicit = std::env::var(collectives::BACKEND_ENV).ok();
         if let Some(backend) =
@@ -596,6 +625,12 @@ fn run_worker(args: &TrainArgs) -> Result<(), Error> {
         (Some(config), Some(tcp)) => Some(collectives::watchdog::Watchdog::start(tcp, config)?),
         _ => None,
     };
+    if let Some(tcp) = world.tcp()
+        && world.comm.rank() == 0
+    {
+        let peers = world.comm.size().saturating_sub(1);
+        println!("{}", transport_note(tcp.comm.shm_peers().len(), peers));
+    }
     let comm: Arc<dyn collectives::Communicator> = world.comm.clone();
     let summary = run_rank(config, Arc::clone(&comm))?;
     // Rank 0 hosts the store: keep it up until every rank is done with it.

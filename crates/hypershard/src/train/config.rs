@@ -355,6 +355,26 @@ pub fn default_cuda_backend(
     }
 }
 
+/// What `hypershard train` sets `HYPERSHARD_TRANSPORT` to for its ranks, from `--transport`
+/// (`flag`) and the variable as the user's environment has it (`inherited`): the flag when
+/// given (a word on the command line beats one inherited from the shell); otherwise `auto`
+/// (shared memory between the ranks of one node, TCP between nodes) unless the environment
+/// already names a transport. `None`: leave the environment as it is.
+///
+/// The library's own default stays TCP (a program opts in); the trainer opts in because its
+/// ranks are processes of one node: on two cores, HSDP 2x2 ran 4–6 % faster on shared memory
+/// than over loopback TCP (docs/cli.md).
+pub fn worker_transport(
+    flag: Option<hypershard_collectives::shm::TransportPolicy>,
+    inherited: Option<&str>,
+) -> Option<&'static str> {
+    match flag {
+        Some(policy) => Some(policy.name()),
+        None if inherited.is_some_and(|value| !value.trim().is_empty()) => None,
+        None => Some(hypershard_collectives::shm::TransportPolicy::Auto.name()),
+    }
+}
+
 /// The number of GPUs this node has, for [`default_cuda_backend`].
 #[cfg(feature = "cuda")]
 pub fn gpu_count() -> Result<usize> {
@@ -529,6 +549,25 @@ mod tests {
         assert_eq!(default_cuda_backend(Some(""), 2, 2, 2), Some("nccl"));
         // The user's choice stands.
         assert_eq!(default_cuda_backend(Some("tcp"), 2, 2, 2), None);
+    }
+
+    #[test]
+    fn ranks_default_to_shared_memory_unless_told_otherwise() {
+        use hypershard_collectives::shm::TransportPolicy;
+        // Nothing said anywhere: shared memory between co-located ranks.
+        assert_eq!(worker_transport(None, None), Some("auto"));
+        assert_eq!(worker_transport(None, Some("  ")), Some("auto"));
+        // The shell's choice is kept when the command line says nothing ...
+        assert_eq!(worker_transport(None, Some("tcp")), None);
+        // ... and the command line's wins over it.
+        assert_eq!(
+            worker_transport(Some(TransportPolicy::Tcp), Some("shm")),
+            Some("tcp")
+        );
+        assert_eq!(
+            worker_transport(Some(TransportPolicy::Shm), None),
+            Some("shm")
+        );
         assert_eq!(default_cuda_backend(Some("nccl"), 2, 2, 1), None);
     }
 

@@ -20,7 +20,7 @@ mod worker;
 
 pub use config::{
     LrSchedule, MODEL_PRESETS, MeshSpec, ModelConfig, ModelShape, OptimConfig, TrainConfig,
-    TrainDevice, default_cuda_backend, gpu_count,
+    TrainDevice, default_cuda_backend, gpu_count, worker_transport,
 };
 pub use estimate::{MemoryEstimate, check_fits, estimate};
 pub use fault::{FAULT_ENV, Fault, FaultPoint};
