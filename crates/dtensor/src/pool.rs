@@ -18,15 +18,15 @@
 //!   caller's tensor. They are not counted as in use.
 //!
 //! # The cap
-//! While idle, the pool holds at most `max(4 × the largest buffer requested, the most bytes
-//! lent at once)` and at most 64 buffers, both measured since the pool was last emptied
-//! ([`BufferPool::release_cached`], which FSDP's root calls at the end of every backward:
-//! the window is one training step). Past the cap the oldest idle buffers are freed first.
-//! Of one (dtype, length) it keeps at most as many buffers as were lent at once (at least
-//! one), so buffers that no request of their size will take back (a redistribute's used-up
-//! sources) do not pile up. So pooled and live communication memory together stay within
-//! twice what one step needs anyway (FSDP2's caching allocator plays the same part, with no
-//! bound). A step that repeats the previous one finds every buffer it asks for when its
+//! Idle and lent bytes together stay within twice `max(4 × the largest buffer requested, the
+//! most bytes lent at once)`, and the pool holds at most 512 idle buffers, all measured since
+//! the pool was last emptied ([`BufferPool::release_cached`], which FSDP's root calls at the
+//! end of every backward unless told to keep its buffers: the window is one training step).
+//! Past the cap the oldest idle buffers are freed first. Of one (dtype, length) it keeps at
+//! most as many buffers as were lent at once (at least one), so buffers that no request of
+//! their size will take back (a redistribute's used-up sources) do not pile up. So pooled and
+//! live communication memory together stay within twice what one step needs anyway (FSDP2's
+//! caching allocator plays the same part, with no bound). A step that repeats the previous one finds every buffer it asks for when its
 //! buffers fit under the cap, as those of like units (a transformer's blocks) do; units of
 //! many different shapes would need the whole unsharded model cached, so there the oldest
 //! buffers are freed and allocated again: memory comes before allocations.
@@ -49,9 +49,12 @@ use crate::error::{Error, Result};
 
 /// The idle cap is at least this many times the largest buffer requested.
 const IDLE_CAP_FACTOR: usize = 4;
-/// At most this many idle buffers are kept (a unit of many small parameters returns one
-/// storage per parameter on reshard).
-const MAX_IDLE_BUFFERS: usize = 64;
+/// At most this many idle buffers are kept. A unit returns one storage per parameter on
+/// reshard, and zero_grad returns one gradient shard per parameter of the model at once: a
+/// 6-block GPT's step uses about a hundred, and at 64 the oldest of them (the next forward's
+/// gathered parameters) were evicted every step. The count only bounds the idle list's
+/// length (each request scans it); the byte bound is what bounds the memory.
+const MAX_IDLE_BUFFERS: usize = 512;
 /// Buffers at least this large are freed on the background thread when the pool lets them go
 /// while in use.
 const DEFERRED_FREE_BYTES: usize = 1 << 20;
@@ -135,10 +138,20 @@ struct SizeUse {
 }
 
 impl State {
+    /// The bound on idle plus lent bytes is twice this.
     fn cap(&self) -> usize {
         self.largest_request
             .saturating_mul(IDLE_CAP_FACTOR)
             .max(self.window_peak)
+    }
+
+    /// The most bytes that may sit idle now: what keeps idle plus lent within twice
+    /// [`cap`](State::cap). Bounding the sum rather than the idle bytes alone keeps a step's
+    /// buffers when few are lent (the end of backward, the optimizer step): an idle cap of
+    /// the lent peak alone freed, every step, the buffers of one phase to make room for
+    /// those of the next, and the next step allocated them again.
+    fn idle_room(&self) -> usize {
+        self.cap().saturating_mul(2).saturating_sub(self.in_use)
     }
 
     /// How many idle buffers of `key` may be held.
@@ -303,7 +316,7 @@ impl BufferPool {
             peak_in_use_bytes: state.peak_in_use,
             cached_bytes: state.idle_bytes,
             cached_buffers: state.idle.len(),
-            idle_cap_bytes: state.cap(),
+            idle_cap_bytes: state.idle_room(),
             hits: state.hits,
             misses: state.misses,
         }
@@ -357,7 +370,7 @@ impl BufferPool {
             if returning {
                 state.end_loan(key, bytes);
             }
-            let cap = state.cap();
+            let cap = state.idle_room();
             let same = state
                 .idle
                 .iter()

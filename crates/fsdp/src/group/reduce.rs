@@ -262,14 +262,17 @@ impl ParamGroup {
                 }
                 None => self.bucket(bucket.dtype, bucket.per_rank * shard_world)?,
             };
-            if !in_place && cached > 0 && pool.stats().cached_bytes == cached {
+            let lean = self.controls.release_buffers_after_backward;
+            if lean && !in_place && cached > 0 && pool.stats().cached_bytes == cached {
                 // The pool had no buffer of this size, so this one is new memory whose pages
                 // the copy-in is about to fault in. What the pool holds idle is of other sizes
                 // (blocks' buffers, last step's gradient shards), of no use to this unit: it
                 // goes back to the allocator first, so the copy-in does not stack on top of
                 // it. The root meets this every step when its gathered head weight holds the
                 // head's gradient (nn's `Gpt::keep_head_grad_in_gathered_weight`): its 200 MiB
-                // copy-in at GPT-2's vocabulary would otherwise be the rank's peak.
+                // copy-in at GPT-2's vocabulary would otherwise be the rank's peak. A module told
+                // to keep its step's buffers keeps them here too: freed here, every unit of the
+                // next step would allocate its buffers again.
                 pool.release_cached();
             }
             {
