@@ -240,7 +240,7 @@ fn comm_estimate_mib(args: &[&str]) -> f64 {
 }
 
 #[test]
-fn one_rank_gathers_nothing_and_more_ranks_free_their_step_buffers_by_default() {
+fn one_rank_gathers_nothing_and_more_ranks_keep_their_step_buffers_by_default() {
     // One rank's unsharded parameters are its shards: no communication buffers, kept or not;
     // only bf16 compute copies of the parameters remain.
     let one = ["--nproc", "1", "--mesh", "1"];
@@ -261,7 +261,7 @@ fn one_rank_gathers_nothing_and_more_ranks_free_their_step_buffers_by_default() 
     let default_two = comm_estimate_mib(&two);
     let freed_two = comm_estimate_mib(&[&two[..], &["--keep-step-buffers=false"]].concat());
     let kept_two = comm_estimate_mib(&[&two[..], &["--keep-step-buffers=true"]].concat());
-    assert_eq!(default_two, freed_two, "two ranks free them by default");
+    assert_eq!(default_two, kept_two, "two ranks keep them by default");
     assert!(
         kept_two > freed_two,
         "two ranks: kept {kept_two}, freed {freed_two}"

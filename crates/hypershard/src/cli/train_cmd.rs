@@ -158,8 +158,9 @@ pub struct TrainArgs {
     /// the collectives' buffers) cached for the next step instead of freeing them after
     /// backward (as PyTorch's caching allocator does on a GPU): faster, since no step faults
     /// them in again, but they stay resident through the optimizer step. The memory check
-    /// counts them. Off by default; a world of one rank has none. Large kernel outputs stay
-    /// cached either way (cached plus live within twice the most of them alive at once).
+    /// counts them. On by default; `--keep-step-buffers=false` is the memory-lean setting. A
+    /// world of one rank has none. Large kernel outputs stay cached either way (cached plus
+    /// live within twice the most of them alive at once).
     #[arg(long, num_args = 0..=1, default_missing_value = "true", value_name = "BOOL")]
     keep_step_buffers: Option<bool>,
     /// Where each rank keeps its model shards, gradients and activations: cpu, emulated (the
@@ -445,7 +446,7 @@ fn build_config(args: &TrainArgs, out: PathBuf) -> Result<TrainConfig, Error> {
         init_from_hf: args.init_from_hf.clone(),
         eager_init: args.eager_init,
         activation_checkpointing: args.activation_checkpointing,
-        keep_step_buffers: args.keep_step_buffers.unwrap_or(false),
+        keep_step_buffers: args.keep_step_buffers.unwrap_or(true),
         device: args.device,
         out,
         resume: args.resume,
