@@ -451,8 +451,7 @@ impl FsdpModule {
     /// does on a GPU. A step then costs no page faults for them, at the price of those idle
     /// buffers staying resident through the optimizer step (the tracker's peak of live
     /// tensors is the same either way). nn's cached kernel outputs are not affected: they
-    /// stay cached, cached plus live within twice the most kernel-output bytes ever alive at
-    /// once.
+    /// stay cached, bounded by the most kernel-output bytes ever alive at once.
     /// [`release_cached_buffers`](Self::release_cached_buffers) frees both on demand (torch's
     /// `empty_cache`).
     pub fn set_release_buffers_after_backward(&mut self, release: bool) {

@@ -8,12 +8,9 @@
 //! the zeroing nor new pages: [`tensor`] hands out storage whose bytes go back to a
 //! process-wide free list when the last view of the tensor is dropped.
 //!
-//! The list is bounded: it keeps at most [`MAX_BUFFERS`] buffers, and cached plus live storage
-//! stays within twice the most bytes ever handed out and alive at once (the peak the program
-//! needs anyway). The bound is on the sum, not on the cache alone: between the end of a
-//! backward (everything cached, little live) and the next one, a cache capped at the peak by
-//! itself evicted the largest activations to make room for the weight gradients freed after
-//! them, and every step then allocated and zeroed those activations again. Storage below [`MIN_BYTES`] is left to the allocator,
+//! The list is bounded: it keeps at most [`MAX_BUFFERS`] buffers, and at most as many bytes as
+//! were ever handed out and alive at once (so cached plus live storage stays within twice the
+//! peak the program needs anyway). Storage below [`MIN_BYTES`] is left to the allocator,
 //! which serves small sizes well. The memory tracker counts a recycled tensor's bytes while
 //! the tensor is alive, like any other storage, and not while they sit in the list.
 
@@ -54,53 +51,40 @@ fn lock() -> MutexGuard<'static, FreeList> {
     FREE.lock().unwrap_or_else(PoisonError::into_inner)
 }
 
-impl FreeList {
-    /// Counts `blocks` whole blocks as handed out and returns a cached allocation of exactly
-    /// that size (stale bytes), if one is cached.
-    fn take_cached(&mut self, blocks: usize) -> Option<Vec<Block>> {
-        let bytes = blocks * 64;
-        self.outstanding += bytes;
-        self.peak_outstanding = self.peak_outstanding.max(self.outstanding);
-        let index = self.free.iter().position(|b| b.len() == blocks)?;
-        self.cached_bytes -= bytes;
-        Some(self.free.swap_remove(index))
-    }
-
-    /// Takes `blocks` back, dropping the oldest entries to stay within the bounds; returns
-    /// what it does not keep, for the caller to free outside the lock.
-    fn give(&mut self, blocks: Vec<Block>) -> Vec<Vec<Block>> {
-        let bytes = blocks.len() * 64;
-        self.outstanding = self.outstanding.saturating_sub(bytes);
-        // What the cache may hold so that cached + live stays within twice the peak of live.
-        let cap = (2 * self.peak_outstanding).saturating_sub(self.outstanding);
-        if bytes > cap {
-            return vec![blocks];
-        }
-        let mut dropped = Vec::new();
-        while !self.free.is_empty()
-            && (self.cached_bytes + bytes > cap || self.free.len() >= MAX_BUFFERS)
-        {
-            let oldest = self.free.remove(0);
-            self.cached_bytes -= oldest.len() * 64;
-            dropped.push(oldest);
-        }
-        self.cached_bytes += bytes;
-        self.free.push(blocks);
-        dropped
-    }
-}
-
 /// `blocks` whole blocks: a cached allocation of exactly that size (stale bytes) or a new
 /// zeroed one.
 fn take(blocks: usize) -> Vec<Block> {
-    let cached = lock().take_cached(blocks);
-    cached.unwrap_or_else(|| bytemuck::zeroed_vec(blocks))
+    let bytes = blocks * 64;
+    {
+        let mut list = lock();
+        list.outstanding += bytes;
+        list.peak_outstanding = list.peak_outstanding.max(list.outstanding);
+        if let Some(index) = list.free.iter().position(|b| b.len() == blocks) {
+            let found = list.free.swap_remove(index);
+            list.cached_bytes -= bytes;
+            return found;
+        }
+    }
+    bytemuck::zeroed_vec(blocks)
 }
 
-/// Returns `blocks` to the list; what the list does not keep is freed after the lock is let go.
+/// Returns `blocks` to the list, dropping the oldest entries to stay within the bounds.
 fn give(blocks: Vec<Block>) {
-    let dropped = lock().give(blocks);
-    drop(dropped);
+    let bytes = blocks.len() * 64;
+    let mut list = lock();
+    list.outstanding = list.outstanding.saturating_sub(bytes);
+    let cap = list.peak_outstanding;
+    if bytes > cap {
+        return;
+    }
+    while !list.free.is_empty()
+        && (list.cached_bytes + bytes > cap || list.free.len() >= MAX_BUFFERS)
+    {
+        let oldest = list.free.remove(0);
+        list.cached_bytes -= oldest.len() * 64;
+    }
+    list.cached_bytes += bytes;
+    list.free.push(blocks);
 }
 
 /// Drops every cached buffer, returning its memory to the allocator (and, for large ones, to
@@ -189,67 +173,8 @@ mod tests {
         drop(second);
         drop(third);
         let list = lock();
-        assert!(list.cached_bytes + list.outstanding <= 2 * list.peak_outstanding);
+        assert!(list.cached_bytes <= list.peak_outstanding);
         assert!(list.free.len() <= MAX_BUFFERS);
         Ok(())
-    }
-
-    /// A training step's pattern: activations live through forward, weight gradients taken
-    /// and freed after them, then the next forward asks for the activations again. A cache
-    /// capped at the live peak on its own evicted the activations to keep the gradients, and
-    /// the next forward missed; with the bound on cached plus live it hits every time.
-    #[test]
-    fn a_step_after_the_first_finds_every_buffer_cached() {
-        let mut list = FreeList::default();
-        let activation = 6 * 1024;
-        let gradient = 3 * 1024;
-        let mut allocations = 0;
-        let mut take = |list: &mut FreeList, blocks: usize| {
-            list.take_cached(blocks).unwrap_or_else(|| {
-                allocations += 1;
-                vec![Block([0; 64]); blocks]
-            })
-        };
-        for step in 0..3 {
-            // Forward: two activations alive at once (the peak).
-            let a = take(&mut list, activation);
-            let b = take(&mut list, activation);
-            // Backward frees them; the gradients are taken and freed after them.
-            assert!(list.give(a).is_empty());
-            assert!(list.give(b).is_empty());
-            let g = take(&mut list, gradient);
-            let h = take(&mut list, gradient);
-            assert!(list.give(g).is_empty(), "step {step}: nothing evicted");
-            assert!(list.give(h).is_empty(), "step {step}: nothing evicted");
-            assert!(list.cached_bytes + list.outstanding <= 2 * list.peak_outstanding);
-        }
-        // Four buffers in the first step, none after it.
-        assert_eq!(allocations, 4);
-        assert_eq!(list.peak_outstanding, 2 * activation * 64);
-        assert_eq!(list.cached_bytes, (2 * activation + 2 * gradient) * 64);
-    }
-
-    #[test]
-    fn cached_plus_live_stays_within_twice_the_peak() {
-        let mut list = FreeList::default();
-        let a = list
-            .take_cached(100)
-            .unwrap_or_else(|| vec![Block([0; 64]); 100]);
-        assert!(list.give(a).is_empty());
-        // Distinct sizes, one at a time: each is a new allocation, and the oldest go once the
-        // cached bytes would pass twice the peak (100 blocks live at most).
-        let mut dropped = 0;
-        for blocks in 60..70 {
-            let b = list
-                .take_cached(blocks)
-                .unwrap_or_else(|| vec![Block([0; 64]); blocks]);
-            dropped += list.give(b).len();
-            assert!(list.cached_bytes + list.outstanding <= 2 * list.peak_outstanding);
-        }
-        assert!(dropped > 0);
-        // A buffer larger than twice the peak is never kept.
-        list.outstanding = 0;
-        let big = vec![Block([0; 64]); 250];
-        assert_eq!(list.give(big).len(), 1);
     }
 }
