@@ -190,9 +190,12 @@ fn train_command(
         "0",
     ]);
     command.arg("--out").arg(out.join("run"));
-    // The memory-lean setting, stated at every world size (it is the default), so the ratios
-    // compare like with like whatever the default becomes.
+    // The memory-lean settings (`hypershard train` keeps its step buffers and maps shared
+    // memory rings by default), stated at every world size so that the ratios compare like
+    // with like.
     command.arg("--keep-step-buffers=false");
+    // And TCP: shared memory maps 8 MiB of rings per peer into every rank.
+    command.args(["--transport", "tcp"]);
     if init == Init::Eager {
         command.arg("--eager-init");
     }

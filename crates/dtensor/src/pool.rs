@@ -18,11 +18,11 @@
 //!   caller's tensor. They are not counted as in use.
 //!
 //! # The cap
-//! Idle and lent bytes together stay within twice `max(4 × the largest buffer requested, the
-//! most bytes lent at once)`, and the pool holds at most 512 idle buffers, all measured since
-//! the pool was last emptied ([`BufferPool::release_cached`], which FSDP's root calls at the
-//! end of every backward unless told to keep its buffers: the window is one training step).
-//! Past the cap the oldest idle buffers are freed first. Of one (dtype, length) it keeps at
+//! While idle, the pool holds at most `max(4 × the largest buffer requested, the most bytes
+//! lent at once)` and at most 512 buffers, both measured since the pool was last emptied
+//! ([`BufferPool::release_cached`], which FSDP's root calls at the end of every backward unless
+//! told to keep its buffers: the window is then one training step). Past the cap the oldest
+//! idle buffers are freed first. Of one (dtype, length) it keeps at
 //! most as many buffers as were lent at once (at least one), so buffers that no request of
 //! their size will take back (a redistribute's used-up sources) do not pile up. So pooled and
 //! live communication memory together stay within twice what one step needs anyway (FSDP2's
@@ -138,20 +138,11 @@ struct SizeUse {
 }
 
 impl State {
-    /// The bound on idle plus lent bytes is twice this.
+    /// The most bytes that may sit idle.
     fn cap(&self) -> usize {
         self.largest_request
             .saturating_mul(IDLE_CAP_FACTOR)
             .max(self.window_peak)
-    }
-
-    /// The most bytes that may sit idle now: what keeps idle plus lent within twice
-    /// [`cap`](State::cap). Bounding the sum rather than the idle bytes alone keeps a step's
-    /// buffers when few are lent (the end of backward, the optimizer step): an idle cap of
-    /// the lent peak alone freed, every step, the buffers of one phase to make room for
-    /// those of the next, and the next step allocated them again.
-    fn idle_room(&self) -> usize {
-        self.cap().saturating_mul(2).saturating_sub(self.in_use)
     }
 
     /// How many idle buffers of `key` may be held.
@@ -316,7 +307,7 @@ impl BufferPool {
             peak_in_use_bytes: state.peak_in_use,
             cached_bytes: state.idle_bytes,
             cached_buffers: state.idle.len(),
-            idle_cap_bytes: state.idle_room(),
+            idle_cap_bytes: state.cap(),
             hits: state.hits,
             misses: state.misses,
         }
@@ -370,7 +361,7 @@ impl BufferPool {
             if returning {
                 state.end_loan(key, bytes);
             }
-            let cap = state.idle_room();
+            let cap = state.cap();
             let same = state
                 .idle
                 .iter()

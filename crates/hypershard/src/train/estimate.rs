@@ -306,14 +306,14 @@ pub fn estimate(config: &TrainConfig, data_tokens: u64) -> Result<MemoryEstimate
     }
     let (mut comm, activations, logits) = peak;
     if config.keep_step_buffers && !single_rank {
-        // Kept, the idle buffers of the last step stay beside this step's own: the pool keeps
-        // idle plus lent bytes within twice the larger of 4 x its largest request (the root's
-        // gather) and the most it lent at once (dtensor's pool.rs), the largest phase.
+        // Kept, the idle buffers of the last step stay beside this step's own: the pool holds
+        // at most the larger of 4 x its largest request (the root's gather) and the most it
+        // lent at once (dtensor's pool.rs), which is at most the largest phase.
         let idle = comm_term(&[(root, 4 * p)])?
             .max(comm_forward)
             .max(comm_backward)
             .max(comm_root_reduce);
-        comm = sum("communication buffers", comm_drivers, &[idle, idle])?;
+        comm = sum("communication buffers", comm_drivers, &[comm, idle])?;
     }
     let data = product(
         "corpus",
