@@ -22,14 +22,14 @@
 //! lent at once)` and at most 512 buffers, both measured since the pool was last emptied
 //! ([`BufferPool::release_cached`], which FSDP's root calls at the end of every backward unless
 //! told to keep its buffers: the window is then one training step). Past the cap the oldest
-//! idle buffers are freed first. Of one (dtype, length) it keeps at
-//! most as many buffers as were lent at once (at least one), so buffers that no request of
-//! their size will take back (a redistribute's used-up sources) do not pile up. So pooled and
-//! live communication memory together stay within twice what one step needs anyway (FSDP2's
-//! caching allocator plays the same part, with no bound). A step that repeats the previous one finds every buffer it asks for when its
-//! buffers fit under the cap, as those of like units (a transformer's blocks) do; units of
-//! many different shapes would need the whole unsharded model cached, so there the oldest
-//! buffers are freed and allocated again: memory comes before allocations.
+//! idle buffers are freed first. Of one (dtype, length) it keeps at most as many buffers as
+//! were lent at once (at least one), so buffers that no request of their size will take back
+//! (a redistribute's used-up sources) do not pile up. So pooled and live communication memory
+//! together stay within twice what one step needs anyway (FSDP2's caching allocator plays the
+//! same part, with no bound). A step that repeats the previous one finds every buffer it asks
+//! for when its buffers fit under the cap, as those of like units (a transformer's blocks) do;
+//! units of many different shapes would need the whole unsharded model cached, so there the
+//! oldest buffers are freed and allocated again: memory comes before allocations.
 //!
 //! Freeing a large buffer unmaps its pages, which takes milliseconds; buffers the pool lets go
 //! of while it is in use are freed on a background thread that the pool starts on first need
