@@ -138,7 +138,8 @@ typedef long long i64;
 __device__ __forceinline__ float f32_inf() { return __int_as_float(0x7f800000); }
 
 // The CPU's `exp_f32` (crates/nn/src/kernels/math.rs), step for step: Cody-Waite reduction by
-// ln 2, Cephes' degree-6 polynomial, 2^n built in the exponent bits.
+// ln 2, Cephes' degree-6 polynomial in fused multiply-adds (`mul_add` there, `fmaf` here: one
+// rounding each on both), 2^n built in the exponent bits.
 __device__ float cpu_exp_f32(float x) {
     const float round_magic = 12582912.0f;
     const float log2_e = 1.4426950408889634f;
@@ -150,12 +151,12 @@ __device__ float cpu_exp_f32(float x) {
     int n_int = (int)(__float_as_uint(shifted) - __float_as_uint(round_magic));
     float r = clamped - n * ln2_hi - n * ln2_lo;
     float p = 1.9875691e-4f;
-    p = p * r + 1.3981999e-3f;
-    p = p * r + 8.333452e-3f;
-    p = p * r + 4.1665796e-2f;
-    p = p * r + 1.6666665e-1f;
-    p = p * r + 0.5f;
-    float er = p * r * r + r + 1.0f;
+    p = fmaf(p, r, 1.3981999e-3f);
+    p = fmaf(p, r, 8.333452e-3f);
+    p = fmaf(p, r, 4.1665796e-2f);
+    p = fmaf(p, r, 1.6666665e-1f);
+    p = fmaf(p, r, 0.5f);
+    float er = fmaf(p * r, r, r) + 1.0f;
     float scale = __uint_as_float(((u32)(n_int + 127)) << 23);
     float value = er * scale;
     if (x > 88.0f) {
@@ -168,20 +169,32 @@ __device__ float cpu_exp_f32(float x) {
     return value;
 }
 
-// The CPU's `erf_f32`: Abramowitz and Stegun 7.1.26 from |x| = 0.5 on, the Maclaurin series
-// below.
-__device__ float cpu_erf_f32(float x) {
+// The CPU's `erf_and_gauss_f32`: erf by Abramowitz and Stegun 7.1.26 from |x| = 0.5 on, the
+// Maclaurin series (in fused multiply-adds) below; `*gauss` gets e^(−x²), which the tail
+// formula evaluates anyway.
+__device__ float cpu_erf_gauss_f32(float x, float* gauss) {
     float a = fabsf(x);
     float t = 1.0f / (1.0f + 0.3275911f * a);
     float poly =
         t * (0.2548296f + t * (-0.28449674f + t * (1.4214137f + t * (-1.453152f + t * 1.0614054f))));
-    float tail = 1.0f - poly * cpu_exp_f32(-a * a);
+    *gauss = cpu_exp_f32(-a * a);
+    float tail = 1.0f - poly * *gauss;
     float x2 = a * a;
-    float series = 1.1283791670955126f * a *
-                   (1.0f + x2 * (-1.0f / 3.0f +
-                                 x2 * (0.1f + x2 * (-1.0f / 42.0f + x2 * (1.0f / 216.0f - x2 / 1320.0f)))));
+    float series = -1.0f / 1320.0f;
+    series = fmaf(series, x2, 1.0f / 216.0f);
+    series = fmaf(series, x2, -1.0f / 42.0f);
+    series = fmaf(series, x2, 0.1f);
+    series = fmaf(series, x2, -1.0f / 3.0f);
+    series = fmaf(series, x2, 1.0f);
+    series = 1.1283791670955126f * a * series;
     float value = a < 0.5f ? series : tail;
     return copysignf(value, x);
+}
+
+// The CPU's `erf_f32`.
+__device__ float cpu_erf_f32(float x) {
+    float gauss;
+    return cpu_erf_gauss_f32(x, &gauss);
 }
 
 // The sum of every thread's `v` over the block (ROW_THREADS threads), as a fixed tree.
@@ -320,8 +333,10 @@ extern "C" __global__ void gelu_f32(float* y, const float* x, u64 n) {
 extern "C" __global__ void gelu_grad_f32(float* dx, const float* g, const float* x, u64 n) {
     GRID_STRIDE(i, n) {
         float v = x[i];
-        float cdf = 0.5f * (1.0f + cpu_erf_f32(v * 0.7071067811865476f));
-        float pdf = cpu_exp_f32(-0.5f * v * v) * 0.3989422804014327f;
+        // e^(−z²) at z = x/√2 is the density's e^(−x²/2): one exponential for both terms.
+        float gauss;
+        float cdf = 0.5f * (1.0f + cpu_erf_gauss_f32(v * 0.7071067811865476f, &gauss));
+        float pdf = gauss * 0.3989422804014327f;
         dx[i] = g[i] * (cdf + v * pdf);
     }
 }
