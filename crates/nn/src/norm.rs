@@ -200,6 +200,8 @@ impl<F: Float> BackwardRows<'_, F> {
         let inv_d = F::of(1.0 / d as f64);
         let mut dw = vec![F::ZERO; d];
         let mut db = vec![F::ZERO; d];
+        // The columns in whole lanes; the rest of each row is summed in order after them.
+        let whole = d - d % REDUCTION_LANES;
         for (((g_row, xhat), &r), gx_row) in grad
             .chunks_exact(d)
             .zip(normalized.chunks_exact(d))
@@ -211,7 +213,6 @@ impl<F: Float> BackwardRows<'_, F> {
             // two scalar sums would not.
             let mut lanes_g = [F::ZERO; REDUCTION_LANES];
             let mut lanes_gx = [F::ZERO; REDUCTION_LANES];
-            let whole = d - d % REDUCTION_LANES;
             for ((g, w), x) in g_row[..whole]
                 .chunks_exact(REDUCTION_LANES)
                 .zip(weight[..whole].chunks_exact(REDUCTION_LANES))
