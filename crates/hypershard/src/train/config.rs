@@ -549,6 +549,7 @@ mod tests {
         assert_eq!(default_cuda_backend(Some(""), 2, 2, 2), Some("nccl"));
         // The user's choice stands.
         assert_eq!(default_cuda_backend(Some("tcp"), 2, 2, 2), None);
+        assert_eq!(default_cuda_backend(Some("nccl"), 2, 2, 1), None);
     }
 
     #[test]
@@ -568,7 +569,6 @@ mod tests {
             worker_transport(Some(TransportPolicy::Shm), None),
             Some("shm")
         );
-        assert_eq!(default_cuda_backend(Some("nccl"), 2, 2, 1), None);
     }
 
     #[test]
