@@ -2,11 +2,12 @@
 
 use std::f64::consts::{FRAC_1_SQRT_2, PI};
 
-use hypershard_tensor::Tensor;
+use hypershard_tensor::{DType, Tensor};
 
 use crate::kernels::vector_isa::vectorized;
 use crate::kernels::{
-    Float, build_overwrite, in_parallel_chunks, same_device, with_float, with_values, with_values2,
+    Float, POINTWISE_CHUNK, build_overwrite, in_parallel_chunks, overwrite_target, same_device,
+    with_float, with_values, with_values2,
 };
 use crate::module::{ParamVisitor, ParamVisitorMut};
 use crate::{Error, Module, Result};
@@ -35,10 +36,17 @@ pub enum GeluApproximation {
 }
 
 /// The Gaussian error linear unit.
+///
+/// Forward keeps `f'(x)` for backward rather than `x` when the tensor is in its own compute
+/// type (f32, f64) on the host: the derivative shares most of its work with the value (GELU's
+/// `erf` already evaluates the Gaussian its derivative needs), so forward computes both in one
+/// pass and backward is a multiply, bit for bit the values of computing `f'(x)` there. Where
+/// the dtype is narrower than the compute type (bf16, f16) or on a device, it keeps `x`, as
+/// rounding `f'(x)` to the narrow type would change the gradient.
 #[derive(Debug, Default)]
 pub struct Gelu {
     approximation: GeluApproximation,
-    input: Option<Tensor>,
+    saved: Option<Saved>,
 }
 
 impl Gelu {
@@ -46,15 +54,24 @@ impl Gelu {
     pub fn new(approximation: GeluApproximation) -> Self {
         Gelu {
             approximation,
-            input: None,
+            saved: None,
         }
     }
 }
 
-/// `x · σ(x)` (also called swish).
+/// `x · σ(x)` (also called swish). Keeps `f'(x)` for backward as [`Gelu`] does.
 #[derive(Debug, Default)]
 pub struct Silu {
-    input: Option<Tensor>,
+    saved: Option<Saved>,
+}
+
+/// What an activation's forward keeps for its backward.
+#[derive(Debug)]
+enum Saved {
+    /// The input `x`.
+    Input(Tensor),
+    /// The derivative `f'(x)`, computed with the output.
+    Derivative(Tensor),
 }
 
 impl Silu {
@@ -103,6 +120,17 @@ trait Pointwise: Sync {
         .into())
     }
 
+    /// `out = f(xs)` and `derivatives = f'(xs)` over slices of one length (see
+    /// [`values`](Pointwise::values)); each bit for bit what `values` and
+    /// [`grads`](Pointwise::grads) compute.
+    #[inline(always)]
+    fn values_and_derivatives<F: Float>(&self, xs: &[F], out: &mut [F], derivatives: &mut [F]) {
+        for ((o, d), &x) in out.iter_mut().zip(derivatives.iter_mut()).zip(xs) {
+            *o = self.value(x);
+            *d = self.derivative(x);
+        }
+    }
+
     /// `out = gs · f'(xs)` over slices of one length (see [`values`](Pointwise::values)).
     #[inline(always)]
     fn grads<F: Float>(&self, xs: &[F], gs: &[F], out: &mut [F]) {
@@ -126,6 +154,17 @@ fn gelu_exact_grad<F: Float>(x: F) -> F {
     let cdf = half * (F::ONE + erf);
     let pdf = gauss * F::of(INV_SQRT_2PI);
     cdf + x * pdf
+}
+
+/// [`gelu_exact`] and [`gelu_exact_grad`] (bit for bit each) from one `erf` evaluation.
+#[inline(always)]
+fn gelu_exact_and_grad<F: Float>(x: F) -> (F, F) {
+    let half = F::of(0.5);
+    let (erf, gauss) = (x * F::of(FRAC_1_SQRT_2)).erf_and_gauss();
+    let value = half * x * (F::ONE + erf);
+    let cdf = half * (F::ONE + erf);
+    let pdf = gauss * F::of(INV_SQRT_2PI);
+    (value, cdf + x * pdf)
 }
 
 #[inline(always)]
@@ -199,6 +238,25 @@ impl Pointwise for Gelu {
     }
 
     #[inline(always)]
+    fn values_and_derivatives<F: Float>(&self, xs: &[F], out: &mut [F], derivatives: &mut [F]) {
+        match self.approximation {
+            GeluApproximation::None => {
+                let lanes = out.iter_mut().zip(derivatives.iter_mut()).zip(xs);
+                for ((o, d), &x) in lanes {
+                    (*o, *d) = gelu_exact_and_grad(x);
+                }
+            }
+            GeluApproximation::Tanh => {
+                let lanes = out.iter_mut().zip(derivatives.iter_mut()).zip(xs);
+                for ((o, d), &x) in lanes {
+                    *o = gelu_tanh(x);
+                    *d = gelu_tanh_grad(x);
+                }
+            }
+        }
+    }
+
+    #[inline(always)]
     fn grads<F: Float>(&self, xs: &[F], gs: &[F], out: &mut [F]) {
         match self.approximation {
             GeluApproximation::None => {
@@ -236,6 +294,15 @@ impl Pointwise for Silu {
             None => activation(Activation::Silu, x)?,
             Some(grad) => activation_backward(Activation::Silu, x, grad)?,
         })
+    }
+
+    #[inline(always)]
+    fn values_and_derivatives<F: Float>(&self, xs: &[F], out: &mut [F], derivatives: &mut [F]) {
+        for ((o, d), &x) in out.iter_mut().zip(derivatives.iter_mut()).zip(xs) {
+            let s = sigmoid(x);
+            *o = x * s;
+            *d = s * (F::ONE + x * (F::ONE - s));
+        }
     }
 
     fn value<F: Float>(&self, x: F) -> F {
@@ -303,6 +370,134 @@ fn apply_grad<P: Pointwise>(
     })
 }
 
+/// `f(x)` for every element of `input`, with what backward needs: `f'(x)` where `input` is in
+/// its compute type on the host (computed in the same pass), else `input` itself.
+fn apply_saving<P: Pointwise>(op: &'static str, f: &P, input: &Tensor) -> Result<(Tensor, Saved)> {
+    let device = input.device();
+    // f32 and f64 are their own compute types; bf16 and f16 compute in f32.
+    let keeps_derivative = device.is_cpu() && matches!(input.dtype(), DType::F32 | DType::F64);
+    if !keeps_derivative {
+        return Ok((apply(op, f, input)?, Saved::Input(input.clone())));
+    }
+    with_float!(op, input.dtype(), F => {
+        let output = overwrite_target::<F>(input.shape(), &device)?;
+        let derivative = overwrite_target::<F>(input.shape(), &device)?;
+        output.with_kernel_data_mut::<F, _>(op, |out| {
+            derivative.with_kernel_data_mut::<F, _>(op, |ds| {
+                with_values::<F, _>(input, |xs| values_and_derivatives_in_parallel(f, xs, out, ds))
+            })
+        })???;
+        Ok((output, Saved::Derivative(derivative)))
+    })
+}
+
+/// [`Pointwise::values_and_derivatives`] over whole slices, in chunks on every thread.
+fn values_and_derivatives_in_parallel<P: Pointwise, F: Float>(
+    f: &P,
+    xs: &[F],
+    out: &mut [F],
+    derivatives: &mut [F],
+) {
+    if out.len() <= POINTWISE_CHUNK {
+        vectorized!(|| f.values_and_derivatives(xs, out, derivatives));
+        return;
+    }
+    use rayon::prelude::*;
+    out.par_chunks_mut(POINTWISE_CHUNK)
+        .zip(derivatives.par_chunks_mut(POINTWISE_CHUNK))
+        .zip(xs.par_chunks(POINTWISE_CHUNK))
+        .for_each(|((out, ds), xs)| vectorized!(|| f.values_and_derivatives(xs, out, ds)));
+}
+
+/// `g · f'(x)` for every element from what [`apply_saving`] kept.
+fn apply_grad_saved<P: Pointwise>(
+    op: &'static str,
+    f: &P,
+    saved: &Saved,
+    grad: &Tensor,
+) -> Result<Tensor> {
+    let derivative = match saved {
+        Saved::Input(input) => return apply_grad(op, f, input, grad),
+        Saved::Derivative(derivative) => derivative,
+    };
+    if derivative.shape() != grad.shape() {
+        return Err(Error::ShapeMismatch {
+            op,
+            lhs: derivative.shape().to_vec(),
+            rhs: grad.shape().to_vec(),
+        });
+    }
+    if derivative.dtype() != grad.dtype() {
+        return Err(Error::DTypeMismatch {
+            op,
+            lhs: derivative.dtype(),
+            rhs: grad.dtype(),
+        });
+    }
+    let device = same_device(op, &[derivative, grad])?;
+    with_float!(op, grad.dtype(), F => {
+        build_overwrite::<F>(grad.shape(), grad.dtype(), &device, |out| {
+            with_values2::<F, _>(derivative, grad, |ds, gs| {
+                in_parallel_chunks(out, |start, out| {
+                    let end = start + out.len();
+                    vectorized!(|| multiply(&ds[start..end], &gs[start..end], out))
+                })
+            })
+        })
+    })
+}
+
+/// `out = a · b` elementwise.
+#[inline(always)]
+fn multiply<F: Float>(a: &[F], b: &[F], out: &mut [F]) {
+    for ((o, &x), &y) in out.iter_mut().zip(a).zip(b) {
+        *o = x * y;
+    }
+}
+
+/// Implements `Module` for an activation that keeps what [`apply_saving`] returns in
+/// `self.saved`.
+macro_rules! derivative_saving_module {
+    ($ty:ty, $kind:literal) => {
+        impl Module for $ty {
+            fn kind(&self) -> &'static str {
+                $kind
+            }
+
+            fn forward(&mut self, input: &Tensor) -> Result<Tensor> {
+                let (output, saved) = apply_saving($kind, &*self, input)?;
+                self.saved = Some(saved);
+                Ok(output)
+            }
+
+            fn backward(&mut self, grad_output: &Tensor) -> Result<Tensor> {
+                let saved = self
+                    .saved
+                    .take()
+                    .ok_or(Error::BackwardBeforeForward { module: $kind })?;
+                apply_grad_saved($kind, &*self, &saved, grad_output)
+            }
+
+            fn clear_cache(&mut self) -> Result<()> {
+                self.saved = None;
+                Ok(())
+            }
+
+            fn visit_params(&self, _prefix: &str, _f: &mut ParamVisitor<'_>) -> Result<()> {
+                Ok(())
+            }
+
+            fn visit_params_mut(
+                &mut self,
+                _prefix: &str,
+                _f: &mut ParamVisitorMut<'_>,
+            ) -> Result<()> {
+                Ok(())
+            }
+        }
+    };
+}
+
 /// Implements `Module` for an activation whose input is cached in `self.input`.
 macro_rules! activation_module {
     ($ty:ty, $kind:literal) => {
@@ -346,8 +541,8 @@ macro_rules! activation_module {
 }
 
 activation_module!(Relu, "ReLU");
-activation_module!(Gelu, "GELU");
-activation_module!(Silu, "SiLU");
+derivative_saving_module!(Gelu, "GELU");
+derivative_saving_module!(Silu, "SiLU");
 
 #[cfg(test)]
 mod tests {
@@ -421,5 +616,129 @@ mod tests {
             }
             x += 0.0173;
         }
+    }
+
+    /// Forward then backward through the module, as f32 values.
+    fn module_round_trip(
+        module: &mut dyn Module,
+        input: &Tensor,
+        grad: &Tensor,
+    ) -> (Vec<f32>, Vec<f32>) {
+        let y = module.forward(input).expect("forward");
+        let g = module.backward(grad).expect("backward");
+        (
+            y.to_dtype(DType::F32)
+                .expect("f32")
+                .to_vec::<f32>()
+                .expect("f32"),
+            g.to_dtype(DType::F32)
+                .expect("f32")
+                .to_vec::<f32>()
+                .expect("f32"),
+        )
+    }
+
+    #[test]
+    fn modules_keeping_the_derivative_match_the_formulas_bit_for_bit() {
+        // Over several chunks, so the two-output pass crosses task boundaries too.
+        let n = 2 * crate::kernels::POINTWISE_CHUNK + 301;
+        let xs: Vec<f32> = (0..n).map(|i| (i % 977) as f32 * 0.013 - 6.3).collect();
+        let gs: Vec<f32> = (0..n).map(|i| (i % 41) as f32 * 0.07 - 1.4).collect();
+        let input = Tensor::from_slice(&xs, &[n]).expect("input");
+        let grad = Tensor::from_slice(&gs, &[n]).expect("grad");
+        let mut exact = Gelu::new(GeluApproximation::None);
+        let mut tanh = Gelu::new(GeluApproximation::Tanh);
+        let mut silu = Silu::new();
+        // Each case: the module, and its value and derivative at a point.
+        type Case<'a> = (&'a mut dyn Module, &'a dyn Fn(f32) -> (f32, f32));
+        for threads in [1, 2] {
+            crate::with_num_threads(threads, || {
+                let cases: [Case<'_>; 3] = [
+                    (&mut exact, &|x| (gelu_exact(x), gelu_exact_grad(x))),
+                    (&mut tanh, &|x| (gelu_tanh(x), gelu_tanh_grad(x))),
+                    (&mut silu, &|x| {
+                        let silu = Silu::new();
+                        (silu.value(x), silu.derivative(x))
+                    }),
+                ];
+                for (module, formulas) in cases {
+                    let (values, grads) = module_round_trip(module, &input, &grad);
+                    for i in 0..n {
+                        let (value, derivative) = formulas(xs[i]);
+                        assert_eq!(values[i].to_bits(), value.to_bits(), "value {i}");
+                        let want = gs[i] * derivative;
+                        assert_eq!(grads[i].to_bits(), want.to_bits(), "grad {i}");
+                    }
+                }
+            })
+            .expect("pool");
+        }
+        // An f32 forward keeps the derivative; backward takes it, leaving nothing behind.
+        let mut gelu = Gelu::default();
+        gelu.forward(&input).expect("forward");
+        assert!(matches!(gelu.saved, Some(Saved::Derivative(_))));
+        gelu.backward(&grad).expect("backward");
+        assert!(gelu.saved.is_none());
+        assert!(matches!(
+            gelu.backward(&grad),
+            Err(Error::BackwardBeforeForward { module: "GELU" })
+        ));
+    }
+
+    #[test]
+    fn narrow_dtypes_keep_the_input_and_round_once() {
+        let xs: Vec<f32> = (0..300).map(|i| i as f32 * 0.03 - 4.5).collect();
+        let gs: Vec<f32> = (0..300).map(|i| (i % 13) as f32 * 0.25 - 1.5).collect();
+        let input = Tensor::from_slice(&xs, &[300])
+            .and_then(|t| t.to_dtype(DType::BF16))
+            .expect("input");
+        let grad = Tensor::from_slice(&gs, &[300])
+            .and_then(|t| t.to_dtype(DType::BF16))
+            .expect("grad");
+        let mut gelu = Gelu::default();
+        let (_, grads) = {
+            let y = gelu.forward(&input).expect("forward");
+            // Rounding f'(x) to bf16 would change the gradient: the input is kept instead.
+            assert!(matches!(gelu.saved, Some(Saved::Input(_))));
+            let g = gelu.backward(&grad).expect("backward");
+            (
+                y,
+                g.to_dtype(DType::F32)
+                    .expect("f32")
+                    .to_vec::<f32>()
+                    .expect("f32"),
+            )
+        };
+        let x_rounded = input
+            .to_dtype(DType::F32)
+            .expect("f32")
+            .to_vec::<f32>()
+            .expect("f32");
+        let g_rounded = grad
+            .to_dtype(DType::F32)
+            .expect("f32")
+            .to_vec::<f32>()
+            .expect("f32");
+        for i in 0..300 {
+            // g · f'(x) in f32 from the bf16 operands, rounded once to bf16.
+            let want = Tensor::from_slice(&[g_rounded[i] * gelu_exact_grad(x_rounded[i])], &[1])
+                .and_then(|t| t.to_dtype(DType::BF16))
+                .and_then(|t| t.to_dtype(DType::F32))
+                .and_then(|t| t.to_vec::<f32>())
+                .expect("round");
+            assert_eq!(grads[i].to_bits(), want[0].to_bits(), "grad {i}");
+        }
+    }
+
+    #[test]
+    fn a_gradient_of_the_wrong_shape_is_a_typed_error() {
+        let input = Tensor::from_slice(&[0.5f32, -1.0, 2.0], &[3]).expect("input");
+        let grad = Tensor::from_slice(&[1.0f32, 1.0], &[2]).expect("grad");
+        let mut silu = Silu::new();
+        silu.forward(&input).expect("forward");
+        assert!(matches!(
+            silu.backward(&grad),
+            Err(Error::ShapeMismatch { op: "SiLU", .. })
+        ));
     }
 }
