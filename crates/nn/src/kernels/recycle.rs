@@ -8,17 +8,18 @@
 //! the zeroing nor new pages: [`tensor`] hands out storage whose bytes go back to a
 //! process-wide free list when the last view of the tensor is dropped.
 //!
-//! The list is bounded so that caching never costs memory the program would not need anyway:
-//! the bytes of recycled storage in use plus the bytes cached never exceed the most ever in
-//! use at once by more than a tenth ([`HEADROOM_TENTHS`]); where the bound requires it, the
-//! oldest cached buffers are freed first. A request takes a cached buffer of exactly its size, or failing that the smallest one at
-//! most half again as large ([`MAX_SLACK_HALVES`]): a step's weight gradients are smaller than
-//! its activations and are allocated while the activations are being freed, so they can live
-//! in those buffers instead of every size keeping buffers of its own. Replayed over the
-//! sequences of requests of `hypershard train` steps (medium and gpt2, 1 and 4 ranks), these
-//! rules leave nothing to allocate afresh in a steady step, where bounding the cached bytes
-//! alone by the peak, with exact sizes only, re-allocated a sixth of medium's activations
-//! every step while holding more at its height.
+//! The list is bounded so that caching never costs much memory the program would not need
+//! anyway: the bytes of recycled storage in use plus the bytes cached never exceed the most
+//! ever in use at once by more than a tenth ([`HEADROOM_TENTHS`]); where the bound requires
+//! it, the oldest cached buffers are freed first. A request takes a cached buffer of exactly
+//! its size, or failing that the smallest one at most half again as large
+//! ([`MAX_SLACK_HALVES`]): a step's weight gradients are smaller than its activations and are
+//! allocated while the activations are being freed, so they can live in those buffers instead
+//! of every size keeping buffers of its own. Replayed over the sequences of requests of
+//! `hypershard train` steps (medium and gpt2, 1 and 4 ranks), these rules leave nothing to
+//! allocate afresh in a steady step, where bounding the cached bytes alone by the peak, with
+//! exact sizes only, re-allocated a sixth of medium's activations every step while holding
+//! more at its height.
 //!
 //! Storage below [`MIN_BYTES`] is left to the allocator, which serves small sizes well. The
 //! memory tracker counts a recycled tensor's requested bytes while the tensor is alive, like
