@@ -2,7 +2,7 @@
 
 use std::f64::consts::{FRAC_1_SQRT_2, PI};
 
-use hypershard_tensor::{DType, Tensor};
+use hypershard_tensor::{DType, Device, Tensor};
 
 use crate::kernels::vector_isa::vectorized;
 use crate::kernels::{
@@ -15,7 +15,7 @@ use crate::{Error, Module, Result};
 /// `max(x, 0)`; the gradient at 0 is 0, as in torch.
 #[derive(Debug, Default)]
 pub struct Relu {
-    input: Option<Tensor>,
+    saved: Option<Saved>,
 }
 
 impl Relu {
@@ -93,6 +93,11 @@ fn sqrt_2_over_pi() -> f64 {
 /// A pointwise function and its derivative, generic over the compute type so one definition
 /// serves the f64 reference path and the vectorised f32 path.
 trait Pointwise: Sync {
+    /// Whether forward keeps `f'(x)` rather than `x` where it can (see [`apply_saving`]):
+    /// worth it where the derivative shares work with the value, not for ReLU, whose
+    /// derivative is a comparison.
+    const KEEPS_DERIVATIVE: bool;
+
     /// `f(x)`.
     fn value<F: Float>(&self, x: F) -> F;
     /// `f'(x)`.
@@ -189,6 +194,8 @@ fn sigmoid<F: Float>(x: F) -> F {
 }
 
 impl Pointwise for Relu {
+    const KEEPS_DERIVATIVE: bool = false;
+
     #[cfg(feature = "cuda")]
     fn cuda(&self, _op: &'static str, x: &Tensor, grad: Option<&Tensor>) -> Result<Tensor> {
         match grad {
@@ -206,6 +213,8 @@ impl Pointwise for Relu {
 }
 
 impl Pointwise for Gelu {
+    const KEEPS_DERIVATIVE: bool = true;
+
     #[cfg(feature = "cuda")]
     fn cuda(&self, _op: &'static str, x: &Tensor, grad: Option<&Tensor>) -> Result<Tensor> {
         use crate::kernels::cuda::{Activation, activation, activation_backward};
@@ -287,6 +296,8 @@ impl Pointwise for Gelu {
 }
 
 impl Pointwise for Silu {
+    const KEEPS_DERIVATIVE: bool = true;
+
     #[cfg(feature = "cuda")]
     fn cuda(&self, _op: &'static str, x: &Tensor, grad: Option<&Tensor>) -> Result<Tensor> {
         use crate::kernels::cuda::{Activation, activation, activation_backward};
@@ -332,6 +343,26 @@ fn apply<P: Pointwise>(op: &'static str, f: &P, input: &Tensor) -> Result<Tensor
     })
 }
 
+/// Checks that `grad` has the shape, dtype and device of `saved` (the input or the kept
+/// derivative); returns that device.
+fn check_gradient(op: &'static str, saved: &Tensor, grad: &Tensor) -> Result<Device> {
+    if saved.shape() != grad.shape() {
+        return Err(Error::ShapeMismatch {
+            op,
+            lhs: saved.shape().to_vec(),
+            rhs: grad.shape().to_vec(),
+        });
+    }
+    if saved.dtype() != grad.dtype() {
+        return Err(Error::DTypeMismatch {
+            op,
+            lhs: saved.dtype(),
+            rhs: grad.dtype(),
+        });
+    }
+    same_device(op, &[saved, grad])
+}
+
 /// `g · f'(x)` for every element, checking that `grad` matches `input`.
 fn apply_grad<P: Pointwise>(
     op: &'static str,
@@ -339,21 +370,7 @@ fn apply_grad<P: Pointwise>(
     input: &Tensor,
     grad: &Tensor,
 ) -> Result<Tensor> {
-    if input.shape() != grad.shape() {
-        return Err(Error::ShapeMismatch {
-            op,
-            lhs: input.shape().to_vec(),
-            rhs: grad.shape().to_vec(),
-        });
-    }
-    if input.dtype() != grad.dtype() {
-        return Err(Error::DTypeMismatch {
-            op,
-            lhs: input.dtype(),
-            rhs: grad.dtype(),
-        });
-    }
-    let device = same_device(op, &[input, grad])?;
+    let device = check_gradient(op, input, grad)?;
     #[cfg(feature = "cuda")]
     if device.is_cuda() {
         return f.cuda(op, input, Some(grad));
@@ -370,12 +387,14 @@ fn apply_grad<P: Pointwise>(
     })
 }
 
-/// `f(x)` for every element of `input`, with what backward needs: `f'(x)` where `input` is in
-/// its compute type on the host (computed in the same pass), else `input` itself.
+/// `f(x)` for every element of `input`, with what backward needs: `f'(x)` where the function
+/// keeps it and `input` is in its compute type on the host (computed in the same pass), else
+/// `input` itself.
 fn apply_saving<P: Pointwise>(op: &'static str, f: &P, input: &Tensor) -> Result<(Tensor, Saved)> {
     let device = input.device();
     // f32 and f64 are their own compute types; bf16 and f16 compute in f32.
-    let keeps_derivative = device.is_cpu() && matches!(input.dtype(), DType::F32 | DType::F64);
+    let keeps_derivative =
+        P::KEEPS_DERIVATIVE && device.is_cpu() && matches!(input.dtype(), DType::F32 | DType::F64);
     if !keeps_derivative {
         return Ok((apply(op, f, input)?, Saved::Input(input.clone())));
     }
@@ -420,21 +439,7 @@ fn apply_grad_saved<P: Pointwise>(
         Saved::Input(input) => return apply_grad(op, f, input, grad),
         Saved::Derivative(derivative) => derivative,
     };
-    if derivative.shape() != grad.shape() {
-        return Err(Error::ShapeMismatch {
-            op,
-            lhs: derivative.shape().to_vec(),
-            rhs: grad.shape().to_vec(),
-        });
-    }
-    if derivative.dtype() != grad.dtype() {
-        return Err(Error::DTypeMismatch {
-            op,
-            lhs: derivative.dtype(),
-            rhs: grad.dtype(),
-        });
-    }
-    let device = same_device(op, &[derivative, grad])?;
+    let device = check_gradient(op, derivative, grad)?;
     with_float!(op, grad.dtype(), F => {
         build_overwrite::<F>(grad.shape(), grad.dtype(), &device, |out| {
             with_values2::<F, _>(derivative, grad, |ds, gs| {
@@ -457,7 +462,7 @@ fn multiply<F: Float>(a: &[F], b: &[F], out: &mut [F]) {
 
 /// Implements `Module` for an activation that keeps what [`apply_saving`] returns in
 /// `self.saved`.
-macro_rules! derivative_saving_module {
+macro_rules! activation_module {
     ($ty:ty, $kind:literal) => {
         impl Module for $ty {
             fn kind(&self) -> &'static str {
@@ -498,51 +503,9 @@ macro_rules! derivative_saving_module {
     };
 }
 
-/// Implements `Module` for an activation whose input is cached in `self.input`.
-macro_rules! activation_module {
-    ($ty:ty, $kind:literal) => {
-        impl Module for $ty {
-            fn kind(&self) -> &'static str {
-                $kind
-            }
-
-            fn forward(&mut self, input: &Tensor) -> Result<Tensor> {
-                let output = apply($kind, &*self, input)?;
-                self.input = Some(input.clone());
-                Ok(output)
-            }
-
-            fn backward(&mut self, grad_output: &Tensor) -> Result<Tensor> {
-                let input = self
-                    .input
-                    .take()
-                    .ok_or(Error::BackwardBeforeForward { module: $kind })?;
-                apply_grad($kind, &*self, &input, grad_output)
-            }
-
-            fn clear_cache(&mut self) -> Result<()> {
-                self.input = None;
-                Ok(())
-            }
-
-            fn visit_params(&self, _prefix: &str, _f: &mut ParamVisitor<'_>) -> Result<()> {
-                Ok(())
-            }
-
-            fn visit_params_mut(
-                &mut self,
-                _prefix: &str,
-                _f: &mut ParamVisitorMut<'_>,
-            ) -> Result<()> {
-                Ok(())
-            }
-        }
-    };
-}
-
 activation_module!(Relu, "ReLU");
-derivative_saving_module!(Gelu, "GELU");
-derivative_saving_module!(Silu, "SiLU");
+activation_module!(Gelu, "GELU");
+activation_module!(Silu, "SiLU");
 
 #[cfg(test)]
 mod tests {
@@ -683,6 +646,10 @@ mod tests {
             gelu.backward(&grad),
             Err(Error::BackwardBeforeForward { module: "GELU" })
         ));
+        // ReLU's derivative is a comparison: it keeps its input.
+        let mut relu = Relu::new();
+        relu.forward(&input).expect("forward");
+        assert!(matches!(relu.saved, Some(Saved::Input(_))));
     }
 
     #[test]
