@@ -451,7 +451,8 @@ impl FsdpModule {
     /// does on a GPU. A step then costs no page faults for them, at the price of those idle
     /// buffers staying resident through the optimizer step (the tracker's peak of live
     /// tensors is the same either way). nn's cached kernel outputs are not affected: they
-    /// stay cached, bounded by the most kernel-output bytes ever alive at once.
+    /// stay cached, in use plus cached within a tenth above the most kernel-output bytes
+    /// ever in use at once.
     /// [`release_cached_buffers`](Self::release_cached_buffers) frees both on demand (torch's
     /// `empty_cache`).
     pub fn set_release_buffers_after_backward(&mut self, release: bool) {

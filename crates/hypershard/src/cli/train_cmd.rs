@@ -159,8 +159,8 @@ pub struct TrainArgs {
     /// backward (as PyTorch's caching allocator does on a GPU): faster, since no step faults
     /// them in again, but they stay resident through the optimizer step. The memory check
     /// counts them. On by default; `--keep-step-buffers=false` is the memory-lean setting. A
-    /// world of one rank has none. Large kernel outputs stay cached either way (bounded by the
-    /// most of them alive at once).
+    /// world of one rank has none. Large kernel outputs stay cached either way (in use plus
+    /// cached within a tenth above the most of them ever in use at once).
     #[arg(long, num_args = 0..=1, default_missing_value = "true", value_name = "BOOL")]
     keep_step_buffers: Option<bool>,
     /// Where each rank keeps its model shards, gradients and activations: cpu, emulated (the

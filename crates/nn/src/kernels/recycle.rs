@@ -51,7 +51,6 @@ struct Block([u8; 64]);
 /// The cached buffers (oldest first) and the byte counts that bound them. `in_use` and
 /// `peak_in_use` count whole buffers, so a request served from a larger buffer counts the
 /// larger size.
-#[derive(Default)]
 struct FreeList {
     free: Vec<Vec<Block>>,
     cached_bytes: usize,
@@ -87,15 +86,14 @@ impl FreeList {
     /// buffers while in use plus cached plus the new one would exceed the limit).
     fn take(&mut self, blocks: usize) -> Taken {
         let largest = blocks.saturating_add(blocks / 2 * MAX_SLACK_HALVES);
-        let exact = self.free.iter().position(|b| b.len() == blocks);
-        let fitting = exact.or_else(|| {
-            self.free
-                .iter()
-                .enumerate()
-                .filter(|(_, b)| b.len() >= blocks && b.len() <= largest)
-                .min_by_key(|(_, b)| b.len())
-                .map(|(index, _)| index)
-        });
+        // The smallest that fits, the oldest of equals: one of exactly this size if any.
+        let fitting = self
+            .free
+            .iter()
+            .enumerate()
+            .filter(|(_, b)| b.len() >= blocks && b.len() <= largest)
+            .min_by_key(|(_, b)| b.len())
+            .map(|(index, _)| index);
         if let Some(index) = fitting {
             let found = self.free.remove(index);
             let bytes = found.len() * 64;
