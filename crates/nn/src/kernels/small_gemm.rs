@@ -15,13 +15,17 @@
 //! - [`gemm_tn`]: `C[m, n] = A[k, m]ᵀ · B[k, n]`, the same kernel reading `A` down its columns
 //!   (each element of `A` is broadcast on its own, so no transposed copy is needed).
 //!
-//! Each entry point returns `false`, doing nothing, when the CPU lacks AVX-512F, the shape is
-//! outside the kernels' range (an empty dim, or for `nt` and `nn` `m` ≥ [`MAX_ROWS`]) or a
-//! slice length does not match the shape; the caller then uses the general GEMM.
+//! With AVX-512F all three run; with AVX2 and FMA only, `nn` and `tn` run on 8-lane vectors
+//! (`nt` reduces each output across a vector, which pays only with 16 lanes). Each entry point
+//! returns `false`, doing nothing, when the CPU lacks its kernel, the shape is outside the
+//! kernels' range (an empty dim, or for `nt` and `nn` `m` ≥ [`MAX_ROWS`]) or a slice length
+//! does not match the shape; the caller then uses the general GEMM.
 
 #[cfg(target_arch = "x86_64")]
 use std::arch::x86_64::{
-    __m512, __mmask16, _mm512_fmadd_ps, _mm512_loadu_ps, _mm512_mask_storeu_ps,
+    __m256, __m256i, __m512, __mmask16, _mm256_cmpgt_epi32, _mm256_fmadd_ps, _mm256_loadu_ps,
+    _mm256_maskload_ps, _mm256_maskstore_ps, _mm256_set1_epi32, _mm256_set1_ps, _mm256_setr_epi32,
+    _mm256_setzero_ps, _mm256_storeu_ps, _mm512_fmadd_ps, _mm512_loadu_ps, _mm512_mask_storeu_ps,
     _mm512_maskz_loadu_ps, _mm512_reduce_add_ps, _mm512_set1_ps, _mm512_setzero_ps,
 };
 
@@ -29,16 +33,44 @@ use std::arch::x86_64::{
 /// reused often enough there to pay for themselves (and which splits rows over threads).
 pub(crate) const MAX_ROWS: usize = 64;
 
-/// Whether the kernels can run on this CPU (AVX-512F, which `packed_gemm` needs too).
+/// The kernels a CPU runs.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Kernels {
+    /// AVX-512F: all three products.
+    Avx512,
+    /// AVX2 with FMA: `nn` and `tn`.
+    Avx2,
+    /// Neither: every product is declined.
+    None,
+}
+
+impl Kernels {
+    /// This CPU's (`std` caches the CPUID query).
+    pub(crate) fn detect() -> Self {
+        #[cfg(target_arch = "x86_64")]
+        {
+            use std::arch::is_x86_feature_detected as has;
+            if has!("avx512f") {
+                return Self::Avx512;
+            }
+            if has!("avx2") && has!("fma") {
+                return Self::Avx2;
+            }
+        }
+        Self::None
+    }
+}
+
+/// Whether [`gemm_nt`] runs on this CPU (AVX-512F, which `packed_gemm`'s widest kernel needs
+/// too).
 pub(crate) fn available() -> bool {
-    #[cfg(target_arch = "x86_64")]
-    {
-        std::arch::is_x86_feature_detected!("avx512f")
-    }
-    #[cfg(not(target_arch = "x86_64"))]
-    {
-        false
-    }
+    Kernels::detect() == Kernels::Avx512
+}
+
+/// Whether [`gemm_nn`] and [`gemm_tn`] run on this CPU (what tests expect of them).
+#[cfg(test)]
+pub(crate) fn nn_available() -> bool {
+    Kernels::detect() != Kernels::None
 }
 
 /// Whether `(m, k, n)` with these slice lengths is a product the kernels take.
@@ -54,13 +86,12 @@ fn fits_any_rows(m: usize, k: usize, n: usize, a: usize, b: usize, c: usize) -> 
         && m.checked_mul(k) == Some(a)
         && k.checked_mul(n) == Some(b)
         && m.checked_mul(n) == Some(c)
-        && available()
 }
 
 /// `C = A · Bᵀ` for row-major `A[m, k]`, `B[n, k]`, `C[m, n]` (overwritten). Returns whether
 /// it ran (see the module docs for when it declines).
 pub(crate) fn gemm_nt(a: &[f32], b: &[f32], m: usize, k: usize, n: usize, c: &mut [f32]) -> bool {
-    if !fits(m, k, n, a.len(), b.len(), c.len()) {
+    if !fits(m, k, n, a.len(), b.len(), c.len()) || !available() {
         return false;
     }
     #[cfg(target_arch = "x86_64")]
@@ -82,41 +113,65 @@ pub(crate) fn gemm_nn(a: &[f32], b: &[f32], m: usize, k: usize, n: usize, c: &mu
     if !fits(m, k, n, a.len(), b.len(), c.len()) {
         return false;
     }
-    #[cfg(target_arch = "x86_64")]
-    {
-        // SAFETY: as in `gemm_nt`: AVX-512F is present and the lengths match the shape.
-        unsafe { nn_avx512(a, AStrides { row: k, col: 1 }, b, (m, k, n), c) };
-        true
-    }
-    #[cfg(not(target_arch = "x86_64"))]
-    {
-        false
-    }
+    nn_on(
+        Kernels::detect(),
+        a,
+        AStrides { row: k, col: 1 },
+        b,
+        (m, k, n),
+        c,
+    )
 }
 
 /// `C = Aᵀ · B` for row-major `A[k, m]`, `B[k, n]`, `C[m, n]` (overwritten), for any `m`
 /// (the tiled attention's tiles: its caller knows the sizes). Returns whether it ran (see the
 /// module docs for when it declines).
 pub(crate) fn gemm_tn(a: &[f32], b: &[f32], m: usize, k: usize, n: usize, c: &mut [f32]) -> bool {
+    // `fits_any_rows` checks `a.len() == m · k`, which is `k · m`.
     if !fits_any_rows(m, k, n, a.len(), b.len(), c.len()) {
         return false;
     }
+    nn_on(
+        Kernels::detect(),
+        a,
+        AStrides { row: 1, col: m },
+        b,
+        (m, k, n),
+        c,
+    )
+}
+
+/// `C = A · B` with `A` read through `a_strides`, on `kernels` (which must be this CPU's or
+/// narrower); the lengths must match the shape. Returns whether it ran.
+#[cfg_attr(not(target_arch = "x86_64"), allow(unused_variables))]
+fn nn_on(
+    kernels: Kernels,
+    a: &[f32],
+    a_strides: AStrides,
+    b: &[f32],
+    shape: (usize, usize, usize),
+    c: &mut [f32],
+) -> bool {
     #[cfg(target_arch = "x86_64")]
-    {
-        // SAFETY: as in `gemm_nt`: AVX-512F is present and the lengths match the shape
-        // (`fits_any_rows` checked `a.len() == m · k`, which is `k · m`).
-        unsafe { nn_avx512(a, AStrides { row: 1, col: m }, b, (m, k, n), c) };
-        true
+    match kernels {
+        Kernels::Avx512 => {
+            // SAFETY: AVX-512F is present (`kernels` is this CPU's or narrower), which is
+            // all the function's `target_feature` needs; the caller checked the lengths.
+            unsafe { nn_avx512(a, a_strides, b, shape, c) };
+            return true;
+        }
+        Kernels::Avx2 => {
+            // SAFETY: AVX2 and FMA are present, as above.
+            unsafe { nn_avx2(a, a_strides, b, shape, c) };
+            return true;
+        }
+        Kernels::None => {}
     }
-    #[cfg(not(target_arch = "x86_64"))]
-    {
-        false
-    }
+    false
 }
 
 /// Where element `(i, p)` of the left operand lies in its slice: at `i · row + p · col`
 /// (`(k, 1)` for a row-major `A[m, k]`, `(1, m)` for `A` given as its transpose `[k, m]`).
-#[cfg(target_arch = "x86_64")]
 #[derive(Clone, Copy)]
 struct AStrides {
     row: usize,
@@ -423,6 +478,196 @@ fn nn_block<const R: usize, const V: usize>(
     }
 }
 
+/// Rows of `B` per pass of [`nn_avx2`] (a `KC_AVX2 × 16` piece of a column panel, 8 KiB,
+/// stays in L1 while every row block of `A` uses it).
+const KC_AVX2: usize = 128;
+
+/// Rows of `A` per block of [`nn_avx2`]: 6 rows × 2 vectors are 12 running sums, with the
+/// panel's 2 vectors and a broadcast 15 of the 16 registers.
+const ROWS_AVX2: usize = 6;
+
+/// [`nn_avx512`] on AVX2: column panels of 16 (then a masked remainder), `KC_AVX2` rows of
+/// `B` at a time, by blocks of 6 rows of `A`; the partial sums of `C` are stored and reloaded
+/// between passes. Each element sums its products in the order of `p`, as every kernel here.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,fma")]
+fn nn_avx2(
+    a: &[f32],
+    a_strides: AStrides,
+    b: &[f32],
+    (m, k, n): (usize, usize, usize),
+    c: &mut [f32],
+) {
+    let mut j = 0;
+    while j < n {
+        let width = (n - j).min(16);
+        let mut p0 = 0;
+        while p0 < k {
+            let p1 = (p0 + KC_AVX2).min(k);
+            let mut i = 0;
+            while i < m {
+                let rows = (m - i).min(ROWS_AVX2);
+                let block = NnBlock {
+                    i,
+                    j,
+                    width,
+                    p0,
+                    p1,
+                };
+                let a = (a, a_strides);
+                if rows == ROWS_AVX2 {
+                    nn_block_avx2::<ROWS_AVX2>(a, b, n, block, c);
+                } else {
+                    for ii in i..i + rows {
+                        nn_block_avx2::<1>(a, b, n, NnBlock { i: ii, ..block }, c);
+                    }
+                }
+                i += rows;
+            }
+            p0 = p1;
+        }
+        j += width;
+    }
+}
+
+/// The AVX2 mask of the first `len` (at most 8) lanes: all bits set in each of them.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2")]
+fn lanes_avx2(len: usize) -> __m256i {
+    let index = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+    _mm256_cmpgt_epi32(_mm256_set1_epi32(len.min(8) as i32), index)
+}
+
+/// Loads `src` (1 to 8 elements; `mask` selects exactly that many low lanes), zeros in the
+/// other lanes.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2")]
+#[inline]
+fn load_avx2(src: &[f32], mask: __m256i) -> __m256 {
+    if src.len() == 8 {
+        // SAFETY: `src` holds 8 readable f32s; the load has no alignment requirement.
+        unsafe { _mm256_loadu_ps(src.as_ptr()) }
+    } else {
+        // SAFETY: `mask` selects only the first `src.len()` lanes; masked-off lanes are
+        // neither read nor allowed to fault, so only elements of `src` are touched.
+        unsafe { _mm256_maskload_ps(src.as_ptr(), mask) }
+    }
+}
+
+/// Stores the first `dst.len()` (1 to 8) lanes of `v` into `dst`; `mask` selects them.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2")]
+#[inline]
+fn store_avx2(dst: &mut [f32], mask: __m256i, v: __m256) {
+    if dst.len() == 8 {
+        // SAFETY: `dst` holds 8 writable f32s.
+        unsafe { _mm256_storeu_ps(dst.as_mut_ptr(), v) }
+    } else {
+        // SAFETY: the mask selects exactly the first `dst.len()` lanes, so only elements of
+        // `dst` are written; masked-off lanes never fault.
+        unsafe { _mm256_maskstore_ps(dst.as_mut_ptr(), mask, v) }
+    }
+}
+
+/// `C[i..i+R, j..j+width]` (`width` ≤ 16: two 8-lane vectors, the second possibly partial or
+/// empty) plus (from the second pass on) the sum over `p0..p1` of `A[i+r, p] · B[p, j..]`.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,fma")]
+fn nn_block_avx2<const R: usize>(
+    (a, a_strides): (&[f32], AStrides),
+    b: &[f32],
+    n: usize,
+    block: NnBlock,
+    c: &mut [f32],
+) {
+    let NnBlock {
+        i,
+        j,
+        width,
+        p0,
+        p1,
+    } = block;
+    let lane_count = |v: usize| width.saturating_sub(v * 8).min(8);
+    let counts = [lane_count(0), lane_count(1)];
+    let masks = [lanes_avx2(counts[0]), lanes_avx2(counts[1])];
+    // The first pass starts from zero, later ones from the partial sums in `C`.
+    let mut acc = [[_mm256_setzero_ps(); 2]; R];
+    if p0 > 0 {
+        for (r, row_acc) in acc.iter_mut().enumerate() {
+            let row = (i + r) * n + j;
+            for (v, slot) in row_acc
+                .iter_mut()
+                .enumerate()
+                .take_while(|&(v, _)| counts[v] > 0)
+            {
+                *slot = load_avx2(&c[row + v * 8..row + v * 8 + counts[v]], masks[v]);
+            }
+        }
+    }
+    // One bounds check per block, as in `nn_block`: the last element of `A` the block reads
+    // is `(i+R-1, p1-1)`, and rows `p0..p1` of the panel `[j, j+width)` of `B` end at
+    // `(p1-1)·n + j + width - 1`.
+    let AStrides {
+        row: a_row,
+        col: a_col,
+    } = a_strides;
+    let a_block = &a[..=(i + R - 1) * a_row + (p1 - 1) * a_col];
+    let b_panel = &b[p0 * n + j..(p1 - 1) * n + j + width];
+    let (ap, bp) = (a_block.as_ptr(), b_panel.as_ptr());
+    if width == 16 {
+        for p in p0..p1 {
+            let offset = (p - p0) * n;
+            // SAFETY: `offset + 16 <= (p1-1-p0)·n + 16 = b_panel.len()` as `p < p1`.
+            let bv = unsafe {
+                [
+                    _mm256_loadu_ps(bp.add(offset)),
+                    _mm256_loadu_ps(bp.add(offset + 8)),
+                ]
+            };
+            for (r, row_acc) in acc.iter_mut().enumerate() {
+                // SAFETY: `r < R` and `p < p1`: at most the offset of `(i+R-1, p1-1)`, the last
+                // element of `a_block`.
+                let av = _mm256_set1_ps(unsafe { *ap.add((i + r) * a_row + p * a_col) });
+                row_acc[0] = _mm256_fmadd_ps(av, bv[0], row_acc[0]);
+                row_acc[1] = _mm256_fmadd_ps(av, bv[1], row_acc[1]);
+            }
+        }
+    } else {
+        for p in p0..p1 {
+            let offset = (p - p0) * n;
+            let bv: [__m256; 2] = std::array::from_fn(|v| {
+                if counts[v] == 0 {
+                    return _mm256_setzero_ps();
+                }
+                // SAFETY: the mask selects the first `counts[v]` lanes from `offset + 8v`,
+                // all inside row `p` of `b_panel` (`8v + counts[v] ≤ width`); masked-off
+                // lanes are not read and cannot fault.
+                unsafe { _mm256_maskload_ps(bp.add(offset + v * 8), masks[v]) }
+            });
+            for (r, row_acc) in acc.iter_mut().enumerate() {
+                // SAFETY: as in the full-width loop.
+                let av = _mm256_set1_ps(unsafe { *ap.add((i + r) * a_row + p * a_col) });
+                row_acc[0] = _mm256_fmadd_ps(av, bv[0], row_acc[0]);
+                row_acc[1] = _mm256_fmadd_ps(av, bv[1], row_acc[1]);
+            }
+        }
+    }
+    for (r, row_acc) in acc.iter().enumerate() {
+        let row = (i + r) * n + j;
+        for (v, &value) in row_acc
+            .iter()
+            .enumerate()
+            .take_while(|&(v, _)| counts[v] > 0)
+        {
+            store_avx2(
+                &mut c[row + v * 8..row + v * 8 + counts[v]],
+                masks[v],
+                value,
+            );
+        }
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -478,11 +723,24 @@ mod tests {
         }
     }
 
+    /// The kernel sets this CPU runs, widest first, and `None`, which declines.
+    fn kernel_sets() -> Vec<Kernels> {
+        match Kernels::detect() {
+            Kernels::Avx512 => vec![Kernels::Avx512, Kernels::Avx2, Kernels::None],
+            Kernels::Avx2 => vec![Kernels::Avx2, Kernels::None],
+            Kernels::None => vec![Kernels::None],
+        }
+    }
+
     #[test]
     fn kernels_match_a_reference_on_ragged_shapes() {
-        // Row counts around the 4- and 8-row blocks, inner sizes around the 16-lane vectors,
-        // column counts around the 4-column (nt) and 16/32/64-column (nn) panels.
+        // Row counts around the 4-, 6- and 8-row blocks, inner sizes around the 8- and 16-lane
+        // vectors and the passes over `B` (64 and 128 rows), column counts around the
+        // 4-column (nt) and 16/32/64-column (nn) panels and the 8-lane halves of AVX2's.
         let shapes = [
+            (7, 257, 17),
+            (12, 129, 16),
+            (13, 9, 8),
             (64, 64, 32),
             (13, 40, 32),
             (8, 70, 48),
@@ -509,12 +767,10 @@ mod tests {
             if ran {
                 assert_close(&c, &reference(&a, &b, m, k, n, true), k, "nt");
             }
+            // The dispatching entry points take what the widest kernel set takes.
             let mut c = vec![f32::NAN; m * n];
-            let nn_ran = gemm_nn(&a, &b, m, k, n, &mut c);
-            assert_eq!(nn_ran, takes, "nn {m}x{k}x{n}");
-            if nn_ran {
-                assert_close(&c, &reference(&a, &b, m, k, n, false), k, "nn");
-            }
+            let nn_takes = nn_available() && m < MAX_ROWS;
+            assert_eq!(gemm_nn(&a, &b, m, k, n, &mut c), nn_takes, "nn {m}x{k}x{n}");
             // The same A given as its transpose `[k, m]`.
             let mut a_t = vec![0.0f32; k * m];
             for i in 0..m {
@@ -523,14 +779,31 @@ mod tests {
                 }
             }
             let mut c_t = vec![f32::NAN; m * n];
-            let ran = gemm_tn(&a_t, &b, m, k, n, &mut c_t);
-            assert_eq!(ran, available(), "tn {m}x{k}x{n}");
-            if ran {
-                assert_close(&c_t, &reference(&a, &b, m, k, n, false), k, "tn");
-                // The same products summed in the same order: the same bits as `nn`.
-                if nn_ran {
-                    assert_eq!(c_t, c, "tn vs nn {m}x{k}x{n}");
+            let tn_ran = gemm_tn(&a_t, &b, m, k, n, &mut c_t);
+            assert_eq!(tn_ran, nn_available(), "tn {m}x{k}x{n}");
+            // Every kernel set the CPU runs, on both layouts of A.
+            for kernels in kernel_sets() {
+                let want = reference(&a, &b, m, k, n, false);
+                let mut c = vec![f32::NAN; m * n];
+                let row_major = AStrides { row: k, col: 1 };
+                let nn_ran = nn_on(kernels, &a, row_major, &b, (m, k, n), &mut c);
+                assert_eq!(nn_ran, kernels != Kernels::None, "{kernels:?}");
+                let mut c_t = vec![f32::NAN; m * n];
+                let transposed = AStrides { row: 1, col: m };
+                assert_eq!(
+                    nn_on(kernels, &a_t, transposed, &b, (m, k, n), &mut c_t),
+                    nn_ran
+                );
+                if !nn_ran {
+                    assert!(
+                        c.iter().chain(&c_t).all(|v| v.is_nan()),
+                        "declined but wrote C"
+                    );
+                    continue;
                 }
+                assert_close(&c, &want, k, &format!("{kernels:?} nn {m}x{k}x{n}"));
+                // The same products summed in the same order: the same bits as `nn`.
+                assert_eq!(c_t, c, "{kernels:?} tn vs nn {m}x{k}x{n}");
             }
         }
     }
