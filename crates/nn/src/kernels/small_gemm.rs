@@ -16,7 +16,7 @@
 //!   (each element of `A` is broadcast on its own, so no transposed copy is needed).
 //!
 //! With AVX-512F all three run; with AVX2 and FMA only, `nn` and `tn` run on 8-lane vectors
-//! (`nt` reduces each output across a vector, which pays only with 16 lanes). Each entry point
+//! and `nt` declines (it has no AVX2 version). Each entry point
 //! returns `false`, doing nothing, when the CPU lacks its kernel, the shape is outside the
 //! kernels' range (an empty dim, or for `nt` and `nn` `m` ≥ [`MAX_ROWS`]) or a slice length
 //! does not match the shape; the caller then uses the general GEMM.
