@@ -382,7 +382,7 @@ mod row_block_tests {
             let ran = small_nn_in_row_blocks(&g, &w, (rows, k, n), &mut got);
             assert_eq!(
                 ran,
-                crate::kernels::small_gemm::nn_available(),
+                crate::kernels::small_gemm::available(),
                 "{rows}x{k}x{n}"
             );
             if ran {

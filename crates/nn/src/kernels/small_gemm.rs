@@ -15,18 +15,19 @@
 //! - [`gemm_tn`]: `C[m, n] = A[k, m]ᵀ · B[k, n]`, the same kernel reading `A` down its columns
 //!   (each element of `A` is broadcast on its own, so no transposed copy is needed).
 //!
-//! With AVX-512F all three run; with AVX2 and FMA only, `nn` and `tn` run on 8-lane vectors
-//! and `nt` declines (it has no AVX2 version). Each entry point
+//! With AVX-512F they run on 16-lane vectors, with AVX2 and FMA on 8-lane ones. Each entry point
 //! returns `false`, doing nothing, when the CPU lacks its kernel, the shape is outside the
 //! kernels' range (an empty dim, or for `nt` and `nn` `m` ≥ [`MAX_ROWS`]) or a slice length
 //! does not match the shape; the caller then uses the general GEMM.
 
 #[cfg(target_arch = "x86_64")]
 use std::arch::x86_64::{
-    __m256, __m256i, __m512, __mmask16, _mm256_cmpgt_epi32, _mm256_fmadd_ps, _mm256_loadu_ps,
-    _mm256_maskload_ps, _mm256_maskstore_ps, _mm256_set1_epi32, _mm256_set1_ps, _mm256_setr_epi32,
-    _mm256_setzero_ps, _mm256_storeu_ps, _mm512_fmadd_ps, _mm512_loadu_ps, _mm512_mask_storeu_ps,
-    _mm512_maskz_loadu_ps, _mm512_reduce_add_ps, _mm512_set1_ps, _mm512_setzero_ps,
+    __m256, __m256i, __m512, __mmask16, _mm_add_ps, _mm_add_ss, _mm_cvtss_f32, _mm_movehl_ps,
+    _mm_shuffle_ps, _mm256_castps256_ps128, _mm256_cmpgt_epi32, _mm256_extractf128_ps,
+    _mm256_fmadd_ps, _mm256_loadu_ps, _mm256_maskload_ps, _mm256_maskstore_ps, _mm256_set1_epi32,
+    _mm256_set1_ps, _mm256_setr_epi32, _mm256_setzero_ps, _mm256_storeu_ps, _mm512_fmadd_ps,
+    _mm512_loadu_ps, _mm512_mask_storeu_ps, _mm512_maskz_loadu_ps, _mm512_reduce_add_ps,
+    _mm512_set1_ps, _mm512_setzero_ps,
 };
 
 /// Products with at least this many rows go to the packing GEMM, whose packed panels are
@@ -36,9 +37,9 @@ pub(crate) const MAX_ROWS: usize = 64;
 /// The kernels a CPU runs.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(crate) enum Kernels {
-    /// AVX-512F: all three products.
+    /// AVX-512F: 16-lane vectors.
     Avx512,
-    /// AVX2 with FMA: `nn` and `tn`.
+    /// AVX2 with FMA: 8-lane vectors.
     Avx2,
     /// Neither: every product is declined.
     None,
@@ -61,15 +62,9 @@ impl Kernels {
     }
 }
 
-/// Whether [`gemm_nt`] runs on this CPU (AVX-512F, which `packed_gemm`'s widest kernel needs
-/// too).
-pub(crate) fn available() -> bool {
-    Kernels::detect() == Kernels::Avx512
-}
-
-/// Whether [`gemm_nn`] and [`gemm_tn`] run on this CPU (what tests expect of them).
+/// Whether the kernels run on this CPU (what tests expect of them).
 #[cfg(test)]
-pub(crate) fn nn_available() -> bool {
+pub(crate) fn available() -> bool {
     Kernels::detect() != Kernels::None
 }
 
@@ -91,20 +86,39 @@ fn fits_any_rows(m: usize, k: usize, n: usize, a: usize, b: usize, c: usize) -> 
 /// `C = A · Bᵀ` for row-major `A[m, k]`, `B[n, k]`, `C[m, n]` (overwritten). Returns whether
 /// it ran (see the module docs for when it declines).
 pub(crate) fn gemm_nt(a: &[f32], b: &[f32], m: usize, k: usize, n: usize, c: &mut [f32]) -> bool {
-    if !fits(m, k, n, a.len(), b.len(), c.len()) || !available() {
+    if !fits(m, k, n, a.len(), b.len(), c.len()) {
         return false;
     }
+    nt_on(Kernels::detect(), a, b, (m, k, n), c)
+}
+
+/// [`gemm_nt`] on `kernels` (which must be this CPU's or narrower); the lengths must match
+/// the shape. Returns whether it ran.
+#[cfg_attr(not(target_arch = "x86_64"), allow(unused_variables))]
+fn nt_on(
+    kernels: Kernels,
+    a: &[f32],
+    b: &[f32],
+    shape: (usize, usize, usize),
+    c: &mut [f32],
+) -> bool {
+    let (m, k, n) = shape;
     #[cfg(target_arch = "x86_64")]
-    {
-        // SAFETY: `fits` checked that the CPU has AVX-512F, which is all the function's
-        // `target_feature` needs; the slice lengths were checked against the shape too.
-        unsafe { nt_avx512(a, b, m, k, n, c) };
-        true
+    match kernels {
+        Kernels::Avx512 => {
+            // SAFETY: AVX-512F is present (`kernels` is this CPU's or narrower), which is
+            // all the function's `target_feature` needs; the caller checked the lengths.
+            unsafe { nt_avx512(a, b, m, k, n, c) };
+            return true;
+        }
+        Kernels::Avx2 => {
+            // SAFETY: AVX2 and FMA are present, as above.
+            unsafe { nt_avx2(a, b, m, k, n, c) };
+            return true;
+        }
+        Kernels::None => {}
     }
-    #[cfg(not(target_arch = "x86_64"))]
-    {
-        false
-    }
+    false
 }
 
 /// `C = A · B` for row-major `A[m, k]`, `B[k, n]`, `C[m, n]` (overwritten). Returns whether it
@@ -478,6 +492,117 @@ fn nn_block<const R: usize, const V: usize>(
     }
 }
 
+/// [`nt_avx512`] on AVX2: blocks of 3 rows of `A` by 3 rows of `B` (9 running sums, with
+/// the loads 13 of the 16 registers), then the ragged edges one row at a time.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,fma")]
+fn nt_avx2(a: &[f32], b: &[f32], m: usize, k: usize, n: usize, c: &mut [f32]) {
+    // As in `nt_avx512`: a block of the weight's rows stays in L1 while every row block of
+    // `A` passes over it.
+    let mut j = 0;
+    while j < n {
+        let cols = (n - j).min(3);
+        let mut i = 0;
+        while i < m {
+            let rows = (m - i).min(3);
+            match (rows, cols) {
+                (3, 3) => nt_block_avx2::<3, 3>(a, b, k, n, i, j, c),
+                (3, _) => {
+                    for jj in j..j + cols {
+                        nt_block_avx2::<3, 1>(a, b, k, n, i, jj, c);
+                    }
+                }
+                (_, 3) => {
+                    for ii in i..i + rows {
+                        nt_block_avx2::<1, 3>(a, b, k, n, ii, j, c);
+                    }
+                }
+                _ => {
+                    for ii in i..i + rows {
+                        for jj in j..j + cols {
+                            nt_block_avx2::<1, 1>(a, b, k, n, ii, jj, c);
+                        }
+                    }
+                }
+            }
+            i += rows;
+        }
+        j += cols;
+    }
+}
+
+/// `C[i..i+R, j..j+C]` as dot products of rows of `A` and `B` along `k`, 8 lanes at a time
+/// with a masked tail, each summed across its lanes at the end.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,fma")]
+#[allow(clippy::too_many_arguments)]
+fn nt_block_avx2<const R: usize, const C: usize>(
+    a: &[f32],
+    b: &[f32],
+    k: usize,
+    ldc: usize,
+    i: usize,
+    j: usize,
+    c: &mut [f32],
+) {
+    // Slicing checks the block's bounds once; the hot loop then reads through pointers at
+    // offsets below `R * k` and `C * k`.
+    let a_rows = &a[i * k..(i + R) * k];
+    let b_rows = &b[j * k..(j + C) * k];
+    let (ap, bp) = (a_rows.as_ptr(), b_rows.as_ptr());
+    let mut acc = [[_mm256_setzero_ps(); C]; R];
+    let full = k / 8 * 8;
+    let mut p = 0;
+    while p < full {
+        let mut bv = [_mm256_setzero_ps(); C];
+        for (cc, v) in bv.iter_mut().enumerate() {
+            // SAFETY: `cc < C` and `p + 8 <= full <= k`, so the 8 elements from `cc * k + p`
+            // lie inside `b_rows` (length `C * k`).
+            *v = unsafe { _mm256_loadu_ps(bp.add(cc * k + p)) };
+        }
+        for (r, row_acc) in acc.iter_mut().enumerate() {
+            // SAFETY: as above, inside `a_rows` (length `R * k`).
+            let av = unsafe { _mm256_loadu_ps(ap.add(r * k + p)) };
+            for (slot, &bvec) in row_acc.iter_mut().zip(&bv) {
+                *slot = _mm256_fmadd_ps(av, bvec, *slot);
+            }
+        }
+        p += 8;
+    }
+    if p < k {
+        let len = k - p;
+        let mask = lanes_avx2(len);
+        let mut bv = [_mm256_setzero_ps(); C];
+        for (cc, v) in bv.iter_mut().enumerate() {
+            let start = cc * k + p;
+            *v = load_avx2(&b_rows[start..start + len], mask);
+        }
+        for (r, row_acc) in acc.iter_mut().enumerate() {
+            let start = r * k + p;
+            let av = load_avx2(&a_rows[start..start + len], mask);
+            for (slot, &bvec) in row_acc.iter_mut().zip(&bv) {
+                *slot = _mm256_fmadd_ps(av, bvec, *slot);
+            }
+        }
+    }
+    for (r, row_acc) in acc.iter().enumerate() {
+        let out = &mut c[(i + r) * ldc + j..(i + r) * ldc + j + C];
+        for (o, &v) in out.iter_mut().zip(row_acc) {
+            *o = sum_lanes_avx2(v);
+        }
+    }
+}
+
+/// The sum of the 8 lanes of `v`: the two halves added, then pairs within the half.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2")]
+#[inline]
+fn sum_lanes_avx2(v: __m256) -> f32 {
+    let half = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps::<1>(v));
+    let pairs = _mm_add_ps(half, _mm_movehl_ps(half, half));
+    _mm_cvtss_f32(_mm_add_ss(pairs, _mm_shuffle_ps::<0b01>(pairs, pairs)))
+}
+
 /// Rows of `B` per pass of [`nn_avx2`] (a `KC_AVX2 × 16` piece of a column panel, 8 KiB,
 /// stays in L1 while every row block of `A` uses it).
 const KC_AVX2: usize = 128;
@@ -769,7 +894,7 @@ mod tests {
             }
             // The dispatching entry points take what the widest kernel set takes.
             let mut c = vec![f32::NAN; m * n];
-            let nn_takes = nn_available() && m < MAX_ROWS;
+            let nn_takes = available() && m < MAX_ROWS;
             assert_eq!(gemm_nn(&a, &b, m, k, n, &mut c), nn_takes, "nn {m}x{k}x{n}");
             // The same A given as its transpose `[k, m]`.
             let mut a_t = vec![0.0f32; k * m];
@@ -780,7 +905,7 @@ mod tests {
             }
             let mut c_t = vec![f32::NAN; m * n];
             let tn_ran = gemm_tn(&a_t, &b, m, k, n, &mut c_t);
-            assert_eq!(tn_ran, nn_available(), "tn {m}x{k}x{n}");
+            assert_eq!(tn_ran, available(), "tn {m}x{k}x{n}");
             // Every kernel set the CPU runs, on both layouts of A.
             for kernels in kernel_sets() {
                 let want = reference(&a, &b, m, k, n, false);
@@ -795,15 +920,19 @@ mod tests {
                     nn_ran
                 );
                 if !nn_ran {
-                    assert!(
-                        c.iter().chain(&c_t).all(|v| v.is_nan()),
-                        "declined but wrote C"
-                    );
+                    let mut c_nt = vec![f32::NAN; m * n];
+                    assert!(!nt_on(kernels, &a, &b, (m, k, n), &mut c_nt));
+                    let mut all = c.iter().chain(&c_t).chain(&c_nt);
+                    assert!(all.all(|v| v.is_nan()), "declined but wrote C");
                     continue;
                 }
                 assert_close(&c, &want, k, &format!("{kernels:?} nn {m}x{k}x{n}"));
                 // The same products summed in the same order: the same bits as `nn`.
                 assert_eq!(c_t, c, "{kernels:?} tn vs nn {m}x{k}x{n}");
+                let mut c_nt = vec![f32::NAN; m * n];
+                assert!(nt_on(kernels, &a, &b, (m, k, n), &mut c_nt));
+                let want_nt = reference(&a, &b, m, k, n, true);
+                assert_close(&c_nt, &want_nt, k, &format!("{kernels:?} nt {m}x{k}x{n}"));
             }
         }
     }
