@@ -98,7 +98,7 @@ const STATICS: &[(&str, &str)] = &[
         "the training phase and step of this rank process, read by the stall watchdog",
     ),
     (
-        "crates/nn/src/kernels/packed_gemm.rs",
+        "crates/nn/src/kernels/packed_gemm/mod.rs",
         "per-thread GEMM packing buffers reused across calls",
     ),
     (
