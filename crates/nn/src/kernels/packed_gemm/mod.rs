@@ -53,11 +53,8 @@ struct Kernel {
     mc: usize,
     /// One micro-tile (the contract of [`avx512::micro_tile`]).
     tile: unsafe fn(RowsOfA<'_>, &[f32], Tile, Epilogue),
-    /// Rows of an operand that [`Kernel::transpose`] turns into steps at once.
-    transpose_rows: usize,
-    /// Writes `transpose_rows` rows of [`TRANSPOSE_STEPS`] values transposed into panel
-    /// steps (the contract of [`avx512::transpose_16x16`]).
-    transpose: unsafe fn(&[&[f32]], &mut [f32], usize, usize),
+    /// The vector transpose [`pack`] uses for operands stored along `k`.
+    transposer: Transposer,
 }
 
 /// The AVX-512 kernel. A 12-row panel of `A` (18 KiB at `kc` 384) stays in a 48 KiB L1; the
@@ -68,8 +65,10 @@ const AVX512: Kernel = Kernel {
     nc: 480,
     mc: 1536,
     tile: avx512::micro_tile,
-    transpose_rows: 16,
-    transpose: avx512::transpose_16x16,
+    transposer: Transposer {
+        rows: 16,
+        run: avx512::transpose_16x16,
+    },
 };
 
 /// The AVX2 kernel. A 6-row panel of `A` (6 KiB at `kc` 256) and the 16 KiB `B` panel
@@ -80,8 +79,10 @@ const AVX2: Kernel = Kernel {
     nc: 240,
     mc: 1536,
     tile: avx2::micro_tile,
-    transpose_rows: 8,
-    transpose: avx2::transpose_8x16,
+    transposer: Transposer {
+        rows: 8,
+        run: avx2::transpose_8x16,
+    },
 };
 
 /// One 64-byte-aligned group of 16 floats: a `Vec` of these is aligned storage without
@@ -277,10 +278,7 @@ unsafe fn blocked<const MR: usize, const NR: usize>(
     } else {
         Epilogue::Scale(beta)
     };
-    let transposer = Transposer {
-        rows: kernel.transpose_rows,
-        run: kernel.transpose,
-    };
+    let transposer = kernel.transposer;
     let mut p0 = 0;
     while p0 < k {
         let kc = kernel.kc.min(k - p0);
@@ -374,7 +372,10 @@ unsafe fn blocked<const MR: usize, const NR: usize>(
 #[cfg(target_arch = "x86_64")]
 #[derive(Clone, Copy)]
 struct Transposer {
+    /// Rows of an operand turned into steps at once.
     rows: usize,
+    /// Writes `rows` rows transposed into panel steps (the contract of
+    /// [`avx512::transpose_16x16`]).
     run: unsafe fn(&[&[f32]], &mut [f32], usize, usize),
 }
 
