@@ -12,7 +12,7 @@
 use hypershard_tensor::Tensor;
 use rayon::prelude::*;
 
-use crate::kernels::{Float, load, same_device, store, with_float};
+use crate::kernels::{Float, RawGemm, add_assign, load, same_device, store, with_float};
 use crate::{Error, Result};
 
 /// Which operands of [`matmul_with`] are used transposed.
@@ -199,7 +199,27 @@ pub(crate) fn gemm<F: Float>(a: &[F], b: &[F], shape: GemmShape) -> Result<Vec<F
 /// [`gemm`] writing into `c`, which must hold exactly `m · n` elements (overwritten, not
 /// accumulated into).
 pub(crate) fn gemm_into<F: Float>(a: &[F], b: &[F], shape: GemmShape, c: &mut [F]) -> Result<()> {
-    gemm_beta_into(a, b, shape, F::ZERO, c)
+    gemm_beta_into(a, b, shape, F::ZERO, None, c)
+}
+
+/// `C = op(A) · op(B)` with `bias[j]` then added to column `j` of every row, into `c` (every
+/// element overwritten): a `Linear`'s forward. The same bits as [`gemm_into`] followed by a
+/// pass adding the bias; the packed f32 GEMM adds it to each tile while the tile is in L1.
+pub(crate) fn gemm_bias_into<F: Float>(
+    a: &[F],
+    b: &[F],
+    shape: GemmShape,
+    bias: &[F],
+    c: &mut [F],
+) -> Result<()> {
+    if bias.len() != shape.n {
+        return Err(Error::ShapeMismatch {
+            op: "matmul bias",
+            lhs: vec![shape.m, shape.n],
+            rhs: vec![bias.len()],
+        });
+    }
+    gemm_beta_into(a, b, shape, F::ZERO, Some(bias), c)
 }
 
 /// `C += op(A) · op(B)` into `c`, which must hold exactly `m · n` elements: accumulating in
@@ -210,15 +230,17 @@ pub(crate) fn gemm_accumulate_into<F: Float>(
     shape: GemmShape,
     c: &mut [F],
 ) -> Result<()> {
-    gemm_beta_into(a, b, shape, F::ONE, c)
+    gemm_beta_into(a, b, shape, F::ONE, None, c)
 }
 
-/// `C = op(A) · op(B) + beta · C`, with `beta` zero (overwrite) or one (accumulate).
+/// `C = op(A) · op(B) + beta · C`, with `beta` zero (overwrite) or one (accumulate), then
+/// `bias` (`n` values, checked by the caller) added to every row.
 fn gemm_beta_into<F: Float>(
     a: &[F],
     b: &[F],
     shape: GemmShape,
     beta: F,
+    bias: Option<&[F]>,
     c: &mut [F],
 ) -> Result<()> {
     check_lengths(a.len(), b.len(), shape)?;
@@ -228,20 +250,34 @@ fn gemm_beta_into<F: Float>(
         if beta == F::ZERO {
             c.fill(F::ZERO);
         }
+        if let Some(bias) = bias {
+            for row in c.chunks_exact_mut(n.max(1)) {
+                add_assign(row, bias);
+            }
+        }
         return Ok(());
     }
     let threads = rayon::current_num_threads();
     let muladds = m.saturating_mul(k).saturating_mul(n);
+    let rows = RowBlock { beta, bias };
     if threads > 1 && muladds >= PARALLEL_MIN_MULADDS && splits_columns(shape, threads) {
-        gemm_column_blocks(a, b, shape, beta, c, threads)
+        gemm_column_blocks(a, b, shape, rows, c, threads)
     } else if threads > 1 && muladds >= PARALLEL_MIN_MULADDS && m >= 2 * MIN_BLOCK_ROWS {
         let block_rows = m.div_ceil(threads).max(MIN_BLOCK_ROWS);
         c.par_chunks_mut(block_rows * n)
             .enumerate()
-            .try_for_each(|(index, block)| gemm_rows(a, b, shape, index * block_rows, beta, block))
+            .try_for_each(|(index, block)| gemm_rows(a, b, shape, index * block_rows, rows, block))
     } else {
-        gemm_rows(a, b, shape, 0, beta, c)
+        gemm_rows(a, b, shape, 0, rows, c)
     }
+}
+
+/// What every block of one product does with its piece of `C` besides the product: scale
+/// the old values by `beta` and add `bias` (all `n` columns of it) to each row.
+#[derive(Clone, Copy)]
+struct RowBlock<'a, F> {
+    beta: F,
+    bias: Option<&'a [F]>,
 }
 
 /// Columns of `B` in one block of the kernel's packing (matrixmultiply's f32 `NC`): a thread
@@ -305,7 +341,7 @@ fn gemm_column_blocks<F: Float>(
     a: &[F],
     b: &[F],
     shape: GemmShape,
-    beta: F,
+    RowBlock { beta, bias }: RowBlock<'_, F>,
     c: &mut [F],
     threads: usize,
 ) -> Result<()> {
@@ -333,19 +369,21 @@ fn gemm_column_blocks<F: Float>(
         // stride `n`: inside `C`, and in no other block's columns, while the loop holds the
         // only borrow of `c`. `C` cannot alias `A` or `B` (a `&mut` beside two `&`). Tested by
         // `column_blocks_are_bitwise_the_single_thread_product`.
+        // The block's bias is columns `first..first + cols` of the `n` the caller checked.
         unsafe {
-            F::gemm_raw(
+            F::gemm_raw(RawGemm {
                 m,
                 k,
-                cols,
-                a.as_ptr(),
-                [shape.a_row_stride, shape.a_col_stride],
-                b.as_ptr().add(first * b_col_stride),
-                [shape.b_row_stride, shape.b_col_stride],
+                n: cols,
+                a: a.as_ptr(),
+                a_strides: [shape.a_row_stride, shape.a_col_stride],
+                b: b.as_ptr().add(first * b_col_stride),
+                b_strides: [shape.b_row_stride, shape.b_col_stride],
                 beta,
-                output.column(first),
+                c: output.column(first),
                 c_row_stride,
-            );
+                bias: bias.map(|bias| bias[first..first + cols].as_ptr()),
+            });
         }
     });
     Ok(())
@@ -357,7 +395,7 @@ fn gemm_rows<F: Float>(
     b: &[F],
     shape: GemmShape,
     first_row: usize,
-    beta: F,
+    RowBlock { beta, bias }: RowBlock<'_, F>,
     c_block: &mut [F],
 ) -> Result<()> {
     check_lengths(a.len(), b.len(), shape)?;
@@ -385,6 +423,11 @@ fn gemm_rows<F: Float>(
         if beta == F::ZERO {
             c_block.fill(F::ZERO);
         }
+        if let Some(bias) = bias {
+            for row in c_block.chunks_exact_mut(shape.n.max(1)) {
+                add_assign(row, bias);
+            }
+        }
         return Ok(());
     }
     if a_offset >= a.len() {
@@ -404,19 +447,21 @@ fn gemm_rows<F: Float>(
     // or `b`. With `beta = 0` the kernel never reads `c_block` before writing it; otherwise
     // it reads the initialised elements of a `&mut [F]` (tested by
     // `accumulate_adds_the_product_to_c_in_parallel_blocks`).
+    // The bias holds `n` values (checked by the caller).
     unsafe {
-        F::gemm_raw(
-            rows,
-            shape.k,
-            shape.n,
-            a.as_ptr().add(a_offset),
-            [shape.a_row_stride, shape.a_col_stride],
-            b.as_ptr(),
-            [shape.b_row_stride, shape.b_col_stride],
+        F::gemm_raw(RawGemm {
+            m: rows,
+            k: shape.k,
+            n: shape.n,
+            a: a.as_ptr().add(a_offset),
+            a_strides: [shape.a_row_stride, shape.a_col_stride],
+            b: b.as_ptr(),
+            b_strides: [shape.b_row_stride, shape.b_col_stride],
             beta,
-            c_block.as_mut_ptr(),
+            c: c_block.as_mut_ptr(),
             c_row_stride,
-        );
+            bias: bias.map(<[F]>::as_ptr),
+        });
     }
     Ok(())
 }
@@ -560,6 +605,72 @@ mod tests {
         let empty = GemmShape::new(2, 0, 3, MatmulOptions::default()).expect("shape");
         gemm_accumulate_into::<f64>(&[], &[], empty, &mut same).expect("gemm");
         assert_eq!(same, start[..6]);
+    }
+
+    /// [`gemm_bias_into`] against [`gemm_into`] followed by a pass adding the bias, bit for
+    /// bit, in `F`.
+    fn check_bias<F: Float>(m: usize, k: usize, n: usize, threads: usize) {
+        let options = MatmulOptions {
+            transpose_a: false,
+            transpose_b: true,
+        };
+        let shape = GemmShape::new(m, k, n, options).expect("shape");
+        let a: Vec<F> = (0..m * k)
+            .map(|i| F::of(((i * 37 % 101) as f64 - 50.0) / 7.0))
+            .collect();
+        let b: Vec<F> = (0..k * n)
+            .map(|i| F::of(((i * 53 % 97) as f64 - 48.0) / 9.0))
+            .collect();
+        let bias: Vec<F> = (0..n).map(|j| F::of((j % 13) as f64 / 3.0 - 2.0)).collect();
+        let pool = rayon::ThreadPoolBuilder::new()
+            .num_threads(threads)
+            .build()
+            .expect("pool");
+        // Start from values the overwrite must not keep.
+        let (mut fused, mut separate) = (vec![F::of(9.0); m * n], vec![F::of(9.0); m * n]);
+        pool.install(|| {
+            gemm_bias_into(&a, &b, shape, &bias, &mut fused)?;
+            gemm_into(&a, &b, shape, &mut separate)
+        })
+        .expect("gemm");
+        for row in separate.chunks_exact_mut(n) {
+            add_assign(row, &bias);
+        }
+        for (index, (got, want)) in fused.iter().zip(&separate).enumerate() {
+            assert!(
+                got.as_f64().to_bits() == want.as_f64().to_bits(),
+                "{m}×{k}×{n} at {threads} threads, element {index}: {got:?} against {want:?}"
+            );
+        }
+    }
+
+    #[test]
+    fn a_fused_bias_is_bitwise_the_product_then_a_pass() {
+        // One thread; split by rows (many rows); split by columns (few rows, many columns,
+        // ragged last block); several k-blocks; f32 (the packed GEMM) and f64 (matrixmultiply
+        // and the pass).
+        for (m, k, n, threads) in [
+            (50, 70, 90, 1),
+            (300, 192, 200, 2),
+            (9, 300, 1030, 3),
+            (80, 800, 33, 2),
+        ] {
+            assert!(threads == 1 || m * k * n >= PARALLEL_MIN_MULADDS);
+            let options = MatmulOptions {
+                transpose_a: false,
+                transpose_b: true,
+            };
+            let shape = GemmShape::new(m, k, n, options).expect("shape");
+            let by_columns = (m, k, n) == (9, 300, 1030);
+            assert!(threads == 1 || splits_columns(shape, threads) == by_columns);
+            check_bias::<f32>(m, k, n, threads);
+            check_bias::<f64>(m, k, n, threads);
+        }
+        let shape = GemmShape::new(2, 3, 4, MatmulOptions::default()).expect("shape");
+        let mut c = [0.0f32; 8];
+        let err = gemm_bias_into(&[0.0; 6], &[0.0; 12], shape, &[1.0; 3], &mut c)
+            .expect_err("a bias of 3 values for 4 columns");
+        assert!(err.to_string().contains("matmul bias"), "{err}");
     }
 
     #[test]

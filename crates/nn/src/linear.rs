@@ -7,7 +7,7 @@ use crate::kernels::{
     Float, add_row, build_overwrite, load, same_device, small_nn_rows, store, sum_rows, with_float,
     with_values, with_values2,
 };
-use crate::linalg::{GemmShape, MatmulOptions, gemm_into};
+use crate::linalg::{GemmShape, MatmulOptions, gemm_bias_into, gemm_into};
 use crate::module::{ParamVisitor, ParamVisitorMut, join_name};
 use crate::{Error, Module, Parameter, Result};
 
@@ -203,17 +203,20 @@ impl Module for Linear {
             build_overwrite::<F>(&out_shape, weight.dtype(), &device, |y| {
                 with_values2::<F, _>(&x, weight, |xs, ws| {
                     // Few rows (a small batch): the packing-free kernel reads the weight in
-                    // place; otherwise the general GEMM.
+                    // place, and the bias is a pass of its own; otherwise the general GEMM,
+                    // which adds the bias as it stores each tile.
                     if F::small_gemm_nt(xs, ws, rows, self.in_features, self.out_features, y) {
+                        if let Some(bias) = &bias {
+                            add_row(y, bias);
+                        }
                         Ok(())
                     } else {
-                        gemm_into(xs, ws, shape, y)
+                        match &bias {
+                            Some(bias) => gemm_bias_into(xs, ws, shape, bias, y),
+                            None => gemm_into(xs, ws, shape, y),
+                        }
                     }
-                })??;
-                if let Some(bias) = &bias {
-                    add_row(y, bias);
-                }
-                Ok(())
+                })?
             })?
         });
         self.input = Some(input.clone());

@@ -110,28 +110,62 @@ pub(crate) trait Float:
         false
     }
 
-    /// `C = A · B + beta · C` (f32: [`packed_gemm`] on AVX-512, else matrixmultiply's
-    /// `sgemm`; f64: matrixmultiply's `dgemm`);
-    /// `[row, col]` element strides for `A` and `B`, row stride for `C` (column stride 1).
-    /// With `beta = 0` `C` is only written (its old contents may be anything).
+    /// The product `g` describes, `C = A · B + beta · C` then the bias added to every row
+    /// (f32: [`packed_gemm`] on AVX-512 or AVX2, else matrixmultiply's `sgemm`; f64:
+    /// matrixmultiply's `dgemm`). With `beta = 0` `C` is only written (its old contents may be
+    /// anything).
     ///
     /// # Safety
-    /// For `i < m`, `p < k`, `j < n`: `a + i*a[0] + p*a[1]` and `b + p*b[0] + j*b[1]` must be
-    /// readable elements, `c + i*c_row_stride + j` writable (and, when `beta ≠ 0`, initialised)
-    /// ones, and the `C` range must not overlap `A` or `B`.
-    #[allow(clippy::too_many_arguments)]
-    unsafe fn gemm_raw(
-        m: usize,
-        k: usize,
-        n: usize,
-        a: *const Self,
-        a_strides: [isize; 2],
-        b: *const Self,
-        b_strides: [isize; 2],
-        beta: Self,
-        c: *mut Self,
-        c_row_stride: isize,
-    );
+    /// For `i < m`, `p < k`, `j < n`: `a + i*a_strides[0] + p*a_strides[1]` and
+    /// `b + p*b_strides[0] + j*b_strides[1]` must be readable elements,
+    /// `c + i*c_row_stride + j` writable (and, when `beta ≠ 0`, initialised) ones, `bias + j`
+    /// readable when a bias is given, and the `C` range must not overlap `A`, `B` or the bias.
+    unsafe fn gemm_raw(g: RawGemm<Self>);
+}
+
+/// One product for [`Float::gemm_raw`]: `C = A · B + beta · C` for `A` `[m, k]`, `B` `[k, n]`
+/// (element strides `[row, col]`) and `C` `[m, n]` (row stride `c_row_stride`, column stride
+/// 1), then `bias[j]` added to column `j` of every row when a bias is given (rounded after
+/// the product, as a separate pass over `C` rounds it).
+#[derive(Clone, Copy)]
+pub(crate) struct RawGemm<F> {
+    pub(crate) m: usize,
+    pub(crate) k: usize,
+    pub(crate) n: usize,
+    pub(crate) a: *const F,
+    pub(crate) a_strides: [isize; 2],
+    pub(crate) b: *const F,
+    pub(crate) b_strides: [isize; 2],
+    pub(crate) beta: F,
+    pub(crate) c: *mut F,
+    pub(crate) c_row_stride: isize,
+    /// `n` values: a `Linear`'s bias, or the columns of it this product computes.
+    pub(crate) bias: Option<*const F>,
+}
+
+impl<F: Float> RawGemm<F> {
+    /// Adds the bias, if any, to every row of `C`: the pass for the GEMMs that take no bias
+    /// themselves (matrixmultiply's).
+    ///
+    /// # Safety
+    /// [`Float::gemm_raw`]'s contract, with `C` initialised.
+    unsafe fn add_bias_pass(self) {
+        let Some(bias) = self.bias else { return };
+        // SAFETY: `n` readable values (the contract), apart from `C`. The pass runs for f64
+        // (and f32 without the packed GEMM), tested in f64 by
+        // `a_fused_bias_is_bitwise_the_product_then_a_pass`.
+        let bias = unsafe { std::slice::from_raw_parts(bias, self.n) };
+        for i in 0..self.m {
+            // SAFETY: row `i < m` of `C`: `n` initialised, writable elements.
+            let row = unsafe {
+                std::slice::from_raw_parts_mut(
+                    self.c.offset(i as isize * self.c_row_stride),
+                    self.n,
+                )
+            };
+            add_assign(row, bias);
+        }
+    }
 }
 
 impl Float for f32 {
@@ -183,53 +217,46 @@ impl Float for f32 {
     fn small_gemm_tn(a: &[Self], b: &[Self], m: usize, k: usize, n: usize, c: &mut [Self]) -> bool {
         small_gemm::gemm_tn(a, b, m, k, n, c)
     }
-    unsafe fn gemm_raw(
-        m: usize,
-        k: usize,
-        n: usize,
-        a: *const Self,
-        a_strides: [isize; 2],
-        b: *const Self,
-        b_strides: [isize; 2],
-        beta: Self,
-        c: *mut Self,
-        c_row_stride: isize,
-    ) {
+    unsafe fn gemm_raw(g: RawGemm<Self>) {
         let strided = |start, [row, col]: [isize; 2]| packed_gemm::Strided { start, row, col };
-        // SAFETY: the caller guarantees every addressed element of `a`, `b` and `c` is valid
-        // (and initialised when `beta ≠ 0`) and that `c` does not overlap the inputs, which
-        // is `packed_gemm::gemm`'s contract too.
+        // SAFETY: the caller guarantees every addressed element of `a`, `b`, `c` and the bias
+        // is valid (`c`'s initialised when `beta ≠ 0`) and that `c` overlaps none of them,
+        // which is `packed_gemm::gemm`'s contract too.
         let packed = unsafe {
-            packed_gemm::gemm(
-                (m, k, n),
-                strided(a, a_strides),
-                strided(b, b_strides),
-                beta,
-                c,
-                c_row_stride,
-            )
+            packed_gemm::gemm(packed_gemm::Product {
+                m: g.m,
+                k: g.k,
+                n: g.n,
+                a: strided(g.a, g.a_strides),
+                b: strided(g.b, g.b_strides),
+                beta: g.beta,
+                c: g.c,
+                c_row_stride: g.c_row_stride,
+                bias: g.bias,
+            })
         };
         if packed {
             return;
         }
-        // SAFETY: as above.
+        // SAFETY: as above; `sgemm` leaves every element of `C` initialised.
         unsafe {
             matrixmultiply::sgemm(
-                m,
-                k,
-                n,
+                g.m,
+                g.k,
+                g.n,
                 1.0,
-                a,
-                a_strides[0],
-                a_strides[1],
-                b,
-                b_strides[0],
-                b_strides[1],
-                beta,
-                c,
-                c_row_stride,
+                g.a,
+                g.a_strides[0],
+                g.a_strides[1],
+                g.b,
+                g.b_strides[0],
+                g.b_strides[1],
+                g.beta,
+                g.c,
+                g.c_row_stride,
                 1,
             );
+            g.add_bias_pass();
         }
     }
 }
@@ -270,37 +297,28 @@ impl Float for f64 {
     fn max(self, other: Self) -> Self {
         f64::max(self, other)
     }
-    unsafe fn gemm_raw(
-        m: usize,
-        k: usize,
-        n: usize,
-        a: *const Self,
-        a_strides: [isize; 2],
-        b: *const Self,
-        b_strides: [isize; 2],
-        beta: Self,
-        c: *mut Self,
-        c_row_stride: isize,
-    ) {
-        // SAFETY: the caller guarantees every addressed element of `a`, `b` and `c` is valid
-        // (and initialised when `beta ≠ 0`) and that `c` does not overlap the inputs.
+    unsafe fn gemm_raw(g: RawGemm<Self>) {
+        // SAFETY: the caller guarantees every addressed element of `a`, `b`, `c` and the bias
+        // is valid (`c`'s initialised when `beta ≠ 0`) and that `c` overlaps none of them;
+        // `dgemm` leaves every element of `C` initialised.
         unsafe {
             matrixmultiply::dgemm(
-                m,
-                k,
-                n,
+                g.m,
+                g.k,
+                g.n,
                 1.0,
-                a,
-                a_strides[0],
-                a_strides[1],
-                b,
-                b_strides[0],
-                b_strides[1],
-                beta,
-                c,
-                c_row_stride,
+                g.a,
+                g.a_strides[0],
+                g.a_strides[1],
+                g.b,
+                g.b_strides[0],
+                g.b_strides[1],
+                g.beta,
+                g.c,
+                g.c_row_stride,
                 1,
             );
+            g.add_bias_pass();
         }
     }
 }

@@ -18,7 +18,8 @@ fn kernels() -> Vec<VectorIsa> {
 }
 
 /// [`gemm_on`] `isa` on slices (dimensions at least 1, strides non-negative), after
-/// asserting that the last element each operand's strides address lies inside its slice.
+/// asserting that the last element each operand's strides address lies inside its slice
+/// (and that a bias holds `n` values).
 #[allow(clippy::too_many_arguments)]
 fn gemm_on_slices(
     isa: VectorIsa,
@@ -30,8 +31,10 @@ fn gemm_on_slices(
     beta: f32,
     c: &mut [f32],
     c_row: usize,
+    bias: Option<&[f32]>,
 ) -> bool {
     assert!((m - 1) * a_row + (k - 1) * a_col < a.len());
+    assert!(bias.is_none_or(|bias| bias.len() == n));
     assert!((k - 1) * b_row + (n - 1) * b_col < b.len());
     assert!((m - 1) * c_row + n <= c.len() && c_row >= n);
     let strided = |x: &[f32], row: usize, col: usize| Strided {
@@ -55,6 +58,7 @@ fn gemm_on_slices(
                 beta,
                 c: c.as_mut_ptr(),
                 c_row_stride: c_row as isize,
+                bias: bias.map(<[f32]>::as_ptr),
             },
         )
     }
@@ -98,6 +102,7 @@ fn check_on(isa: VectorIsa, m: usize, k: usize, n: usize, a_t: bool, b_t: bool, 
         beta,
         &mut c,
         stride,
+        None,
     );
     assert_eq!(ran, isa != VectorIsa::Baseline, "{isa:?}");
     if !ran {
@@ -151,6 +156,56 @@ fn products_match_an_f64_reference_on_ragged_shapes_and_every_layout() {
 }
 
 #[test]
+fn a_fused_bias_is_bitwise_a_separate_pass() {
+    // Ragged tiles and column blocks, one and several k-blocks (the bias must go on after
+    // the last), overwrite and accumulate, B stored either way (a `Linear` stores it
+    // transposed).
+    let shapes = [
+        (7, 257, 241),
+        (13, 800, 33),
+        (24, 192, 64),
+        (1, 1, 1),
+        (30, 3, 1000),
+    ];
+    for isa in kernels() {
+        for &(m, k, n) in &shapes {
+            for (b_t, beta) in [(true, 0.0), (false, 0.0), (true, 1.0)] {
+                let a: Vec<f32> = (0..m * k).map(|i| value(1, i)).collect();
+                let b: Vec<f32> = (0..k * n).map(|i| value(2, i)).collect();
+                let bias: Vec<f32> = (0..n).map(|j| value(4, j) * 3.0).collect();
+                let b_strides = if b_t { (1, k) } else { (n, 1) };
+                let stride = n + 2;
+                let start: Vec<f32> = (0..m * stride).map(|i| value(3, i)).collect();
+                let (mut fused, mut separate) = (start.clone(), start.clone());
+                let run = |c: &mut [f32], bias: Option<&[f32]>| {
+                    let shape = (m, k, n);
+                    gemm_on_slices(isa, shape, &a, (k, 1), &b, b_strides, beta, c, stride, bias)
+                };
+                let ran = run(&mut fused, Some(&bias));
+                assert_eq!(ran, isa != VectorIsa::Baseline, "{isa:?}");
+                if !ran {
+                    assert_eq!(fused, start, "a declined product wrote C");
+                    continue;
+                }
+                assert!(run(&mut separate, None));
+                for row in separate.chunks_exact_mut(stride) {
+                    for (x, &add) in row.iter_mut().zip(&bias) {
+                        *x += add;
+                    }
+                }
+                for (index, (got, want)) in fused.iter().zip(&separate).enumerate() {
+                    assert_eq!(
+                        got.to_bits(),
+                        want.to_bits(),
+                        "{isa:?} m {m} k {k} n {n} b_t {b_t} beta {beta}: element {index}"
+                    );
+                }
+            }
+        }
+    }
+}
+
+#[test]
 fn tall_products_cross_the_packed_row_block() {
     let rows = AVX512.mc.max(AVX2.mc) + 13;
     check(rows, 5, 40, false, true, 0.0);
@@ -166,7 +221,18 @@ fn fully_strided_operands_take_the_general_packing_path() {
     let b: Vec<f32> = (0..k * n).map(|i| value(5, i)).collect();
     for isa in kernels() {
         let mut c = vec![0.0f32; m * n];
-        let ran = gemm_on_slices(isa, (m, k, n), &a, (2 * k, 2), &b, (n, 1), 0.0, &mut c, n);
+        let ran = gemm_on_slices(
+            isa,
+            (m, k, n),
+            &a,
+            (2 * k, 2),
+            &b,
+            (n, 1),
+            0.0,
+            &mut c,
+            n,
+            None,
+        );
         assert_eq!(ran, isa != VectorIsa::Baseline, "{isa:?}");
         if !ran {
             continue;
@@ -194,8 +260,19 @@ fn an_empty_dimension_is_declined() {
         row: 1,
         col: 1,
     };
+    let product = Product {
+        m: 1,
+        k: 0,
+        n: 1,
+        a: s,
+        b: s,
+        beta: 0.0,
+        c: c.as_mut_ptr(),
+        c_row_stride: 1,
+        bias: Some(one.as_ptr()),
+    };
     // SAFETY: nothing is addressed when a dimension is zero.
-    let ran = unsafe { gemm((1, 0, 1), s, s, 0.0, c.as_mut_ptr(), 1) };
+    let ran = unsafe { gemm(product) };
     assert!(!ran);
     assert_eq!(c[0], 0.0);
 }
