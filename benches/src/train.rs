@@ -249,9 +249,10 @@ pub fn measure_fma_peak(threads: usize, iterations: u64, reps: usize) -> Option<
 }
 
 /// The warm-up steps `hypershard train` leaves out of its steady state for a run of
-/// `steps` steps (a fifth, at least 1, at most 5); the suite gives PyTorch the same.
+/// `steps` steps (a fifth, at least 2 and at most 5, never every step of a run of two or
+/// more: the rule of `hypershard::train::warmup_steps`); the suite gives PyTorch the same.
 pub fn warmup_steps(steps: u64) -> u64 {
-    (steps / 5).clamp(1, 5)
+    (steps / 5).clamp(2, 5).min(steps.saturating_sub(1)).max(1)
 }
 
 /// Median, minimum and maximum of `values` (`None` when empty).
@@ -539,7 +540,10 @@ mod tests {
         assert_eq!(threads_per_rank(2, 1), 2);
         assert_eq!(threads_per_rank(2, 4), 1);
         assert_eq!(threads_per_rank(16, 4), 4);
-        assert_eq!([3, 10, 30, 400].map(warmup_steps), [1, 2, 5, 5]);
+        assert_eq!(
+            [1, 2, 3, 4, 10, 30, 400].map(warmup_steps),
+            [1, 1, 2, 2, 2, 5, 5]
+        );
     }
 
     #[test]

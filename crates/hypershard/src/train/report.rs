@@ -38,7 +38,8 @@ pub struct TrainSummary {
     /// Tokens per second over all ranks, averaged over the whole run: wall time from the
     /// reporter's start to the end, warm-up steps, evaluations and checkpoints included.
     pub tokens_per_second: f64,
-    /// The first steps left out of [`Self::steady_tokens_per_second`] (one fifth of the run, between 1 and 5 steps).
+    /// The first steps left out of [`Self::steady_tokens_per_second`] ([`warmup_steps`]: a
+    /// fifth of the run, between 2 and 5 steps, fewer only in runs of under three steps).
     pub warmup_steps: u64,
     /// Tokens per second over all ranks in steady state: the tokens of the steps after the
     /// warm-up over the summed time of those steps' `train_step` on rank 0 (forward, backward,
@@ -241,15 +242,24 @@ impl Reporter {
 /// The most steps [`warmup_steps`] leaves out.
 pub const MAX_WARMUP_STEPS: u64 = 5;
 
-/// How many of a run's first `steps_run` steps are warm-up: a fifth of the run, at least one
-/// and at most [`MAX_WARMUP_STEPS`]. The first step is always slower: it faults in the pages
-/// of every activation and gradient buffer, allocates AdamW's moments, fills the buffer
-/// recycling pools and starts the kernel threads; the next few still grow pools to their peak.
-/// Five is also what PyTorch's peer script (`bench_gpt_fsdp2.py --warmup`) leaves out by
-/// default, so the two steady-state figures compare like for like; short runs keep four
-/// fifths of their steps.
+/// The fewest steps [`warmup_steps`] leaves out of a run of three steps or more.
+pub const MIN_WARMUP_STEPS: u64 = 2;
+
+/// How many of a run's first `steps_run` steps are warm-up: a fifth of the run, at least
+/// [`MIN_WARMUP_STEPS`] and at most [`MAX_WARMUP_STEPS`], and never every step of a run of
+/// two or more (a run of one step is all warm-up). The first step is always slower: it faults
+/// in the pages of every activation and gradient buffer, allocates AdamW's moments, starts
+/// the kernel threads, and hands nn's cached kernel outputs back before the moments are
+/// allocated (so the two never stack on the resident peak). The second step therefore faults
+/// its activations in afresh while it refills that cache: at gpt2 over 4 ranks it ran about
+/// 15 % slower than the third. Five is also what PyTorch's peer script
+/// (`bench_gpt_fsdp2.py --warmup`) leaves out by default, so the two steady-state figures
+/// compare like for like.
 pub fn warmup_steps(steps_run: u64) -> u64 {
-    (steps_run / 5).clamp(1, MAX_WARMUP_STEPS)
+    (steps_run / 5)
+        .clamp(MIN_WARMUP_STEPS, MAX_WARMUP_STEPS)
+        .min(steps_run.saturating_sub(1))
+        .max(1)
 }
 
 /// Steady-state figures of one run's step times.
@@ -421,10 +431,10 @@ mod tests {
     }
 
     #[test]
-    fn warm_up_is_a_fifth_of_the_run_between_one_and_five_steps() {
+    fn warm_up_is_a_fifth_of_the_run_between_two_and_five_steps() {
         assert_eq!(
-            [1, 4, 5, 12, 25, 30, 400].map(warmup_steps),
-            [1, 1, 1, 2, 5, 5, 5]
+            [1, 2, 3, 4, 5, 12, 15, 25, 30, 400].map(warmup_steps),
+            [1, 1, 2, 2, 2, 2, 3, 5, 5, 5]
         );
     }
 
