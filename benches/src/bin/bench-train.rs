@@ -484,7 +484,8 @@ struct TrainReport {
 }
 
 const DEFINITION: &str = "steady-state tokens/s, both libraries alike: the first \
-     max(1, min(5, steps/5)) steps are warm-up and left out; the tokens of the remaining steps \
+     max(1, min(steps - 1, max(2, min(5, steps/5)))) steps are warm-up and left out; the \
+     tokens of the remaining steps \
      (all ranks) over the summed time of those steps (forward to optimizer step; data generation \
      excluded). PyTorch times every rank and takes the slowest; hypershard times rank 0, kept \
      in step with the others by each step's collectives. Every rank of either library gets \
