@@ -153,12 +153,15 @@ pub(super) fn nn(
                     p1,
                 };
                 let a = (a, a_strides);
-                if rows == ROWS {
-                    nn_block::<ROWS>(a, b, n, block, c);
-                } else {
-                    for ii in i..i + rows {
-                        nn_block::<1>(a, b, n, NnBlock { i: ii, ..block }, c);
-                    }
+                // The last rows (4 of a 64-row attention tile) as one block too: one row at a
+                // time keeps 2 running sums, too few to cover the multiply-add's latency.
+                match rows {
+                    ROWS => nn_block::<ROWS>(a, b, n, block, c),
+                    5 => nn_block::<5>(a, b, n, block, c),
+                    4 => nn_block::<4>(a, b, n, block, c),
+                    3 => nn_block::<3>(a, b, n, block, c),
+                    2 => nn_block::<2>(a, b, n, block, c),
+                    _ => nn_block::<1>(a, b, n, block, c),
                 }
                 i += rows;
             }
