@@ -38,7 +38,7 @@ pub struct TrainSummary {
     /// Tokens per second over all ranks, averaged over the whole run: wall time from the
     /// reporter's start to the end, warm-up steps, evaluations and checkpoints included.
     pub tokens_per_second: f64,
-    /// The first steps left out of [`Self::steady_tokens_per_second`] ([`warmup_steps`]: a
+    /// The first steps left out of [`Self::steady_tokens_per_second`] (the warm-up rule: a
     /// fifth of the run, between 2 and 5 steps, fewer only in runs of under three steps).
     pub warmup_steps: u64,
     /// Tokens per second over all ranks in steady state: the tokens of the steps after the
