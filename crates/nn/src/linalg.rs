@@ -12,7 +12,7 @@
 use hypershard_tensor::Tensor;
 use rayon::prelude::*;
 
-use crate::kernels::{Float, RawGemm, add_assign, load, same_device, store, with_float};
+use crate::kernels::{Float, RawGemm, add_row, load, same_device, store, with_float};
 use crate::{Error, Result};
 
 /// Which operands of [`matmul_with`] are used transposed.
@@ -251,9 +251,7 @@ fn gemm_beta_into<F: Float>(
             c.fill(F::ZERO);
         }
         if let Some(bias) = bias {
-            for row in c.chunks_exact_mut(n.max(1)) {
-                add_assign(row, bias);
-            }
+            add_row(c, bias);
         }
         return Ok(());
     }
@@ -424,9 +422,7 @@ fn gemm_rows<F: Float>(
             c_block.fill(F::ZERO);
         }
         if let Some(bias) = bias {
-            for row in c_block.chunks_exact_mut(shape.n.max(1)) {
-                add_assign(row, bias);
-            }
+            add_row(c_block, bias);
         }
         return Ok(());
     }

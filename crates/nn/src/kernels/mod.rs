@@ -143,7 +143,57 @@ pub(crate) struct RawGemm<F> {
     pub(crate) bias: Option<*const F>,
 }
 
+/// matrixmultiply's `sgemm` or `dgemm`: `(m, k, n, alpha, a, a_row, a_col, b, b_row, b_col,
+/// beta, c, c_row, c_col)`.
+type MatrixmultiplyGemm<F> = unsafe fn(
+    usize,
+    usize,
+    usize,
+    F,
+    *const F,
+    isize,
+    isize,
+    *const F,
+    isize,
+    isize,
+    F,
+    *mut F,
+    isize,
+    isize,
+);
+
 impl<F: Float> RawGemm<F> {
+    /// The product on matrixmultiply's `gemm` (`sgemm` or `dgemm`), then the bias by a pass
+    /// of its own.
+    ///
+    /// # Safety
+    /// [`Float::gemm_raw`]'s contract.
+    unsafe fn run_matrixmultiply(self, gemm: MatrixmultiplyGemm<F>) {
+        let g = self;
+        // SAFETY: the caller guarantees every addressed element of `a`, `b`, `c` and the bias
+        // is valid (`c`'s initialised when `beta ≠ 0`) and that `c` overlaps none of them;
+        // matrixmultiply then leaves every element of `C` initialised, as the pass needs.
+        unsafe {
+            gemm(
+                g.m,
+                g.k,
+                g.n,
+                F::ONE,
+                g.a,
+                g.a_strides[0],
+                g.a_strides[1],
+                g.b,
+                g.b_strides[0],
+                g.b_strides[1],
+                g.beta,
+                g.c,
+                g.c_row_stride,
+                1,
+            );
+            g.add_bias_pass();
+        }
+    }
+
     /// Adds the bias, if any, to every row of `C`: the pass for the GEMMs that take no bias
     /// themselves (matrixmultiply's).
     ///
@@ -238,26 +288,8 @@ impl Float for f32 {
         if packed {
             return;
         }
-        // SAFETY: as above; `sgemm` leaves every element of `C` initialised.
-        unsafe {
-            matrixmultiply::sgemm(
-                g.m,
-                g.k,
-                g.n,
-                1.0,
-                g.a,
-                g.a_strides[0],
-                g.a_strides[1],
-                g.b,
-                g.b_strides[0],
-                g.b_strides[1],
-                g.beta,
-                g.c,
-                g.c_row_stride,
-                1,
-            );
-            g.add_bias_pass();
-        }
+        // SAFETY: as above.
+        unsafe { g.run_matrixmultiply(matrixmultiply::sgemm) };
     }
 }
 
@@ -298,28 +330,8 @@ impl Float for f64 {
         f64::max(self, other)
     }
     unsafe fn gemm_raw(g: RawGemm<Self>) {
-        // SAFETY: the caller guarantees every addressed element of `a`, `b`, `c` and the bias
-        // is valid (`c`'s initialised when `beta ≠ 0`) and that `c` overlaps none of them;
-        // `dgemm` leaves every element of `C` initialised.
-        unsafe {
-            matrixmultiply::dgemm(
-                g.m,
-                g.k,
-                g.n,
-                1.0,
-                g.a,
-                g.a_strides[0],
-                g.a_strides[1],
-                g.b,
-                g.b_strides[0],
-                g.b_strides[1],
-                g.beta,
-                g.c,
-                g.c_row_stride,
-                1,
-            );
-            g.add_bias_pass();
-        }
+        // SAFETY: the caller's contract is `run_matrixmultiply`'s.
+        unsafe { g.run_matrixmultiply(matrixmultiply::dgemm) };
     }
 }
 

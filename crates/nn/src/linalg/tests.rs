@@ -3,6 +3,7 @@
 use hypershard_tensor::{DType, RandomInit};
 
 use super::*;
+use crate::kernels::add_assign;
 
 /// The reference product by the definition, in f64.
 fn naive(a: &[f64], b: &[f64], m: usize, k: usize, n: usize) -> Vec<f64> {
