@@ -206,89 +206,102 @@ fn a_fused_bias_is_bitwise_the_product_then_a_pass() {
     assert!(err.to_string().contains("matmul bias"), "{err}");
 }
 
-#[test]
-fn column_blocks_are_bitwise_the_single_thread_product() {
-    // Few rows and many columns: split by columns at 2 and 3 threads (ragged last block),
-    // for every layout of the operands, overwriting and accumulating.
-    for (m, k, n, threads) in [(40, 70, 1000, 2), (9, 300, 1030, 3), (90, 20, 3000, 2)] {
-        for (transpose_a, transpose_b) in
-            [(false, false), (false, true), (true, false), (true, true)]
-        {
-            let options = MatmulOptions {
-                transpose_a,
-                transpose_b,
+/// A product at `threads` threads against the single-thread one, bit for bit, for every
+/// layout of the operands, overwriting and accumulating, and against an f64 dot product at
+/// a few elements; `by_columns` is the split the shape must take.
+fn check_split(m: usize, k: usize, n: usize, threads: usize, by_columns: bool) {
+    for (transpose_a, transpose_b) in [(false, false), (false, true), (true, false), (true, true)] {
+        let options = MatmulOptions {
+            transpose_a,
+            transpose_b,
+        };
+        let shape = GemmShape::new(m, k, n, options).expect("shape");
+        assert_eq!(splits_columns(shape, threads), by_columns, "{m}×{k}×{n}");
+        assert!(
+            m * k * n >= PARALLEL_MIN_MULADDS,
+            "{m}×{k}×{n} runs in parallel"
+        );
+        let a: Vec<f32> = (0..m * k)
+            .map(|i| ((i * 37 % 101) as f32 - 50.0) / 7.0)
+            .collect();
+        let b: Vec<f32> = (0..k * n)
+            .map(|i| ((i * 53 % 97) as f32 - 48.0) / 9.0)
+            .collect();
+        let start: Vec<f32> = (0..m * n).map(|i| (i % 11) as f32 - 5.0).collect();
+        for accumulate in [false, true] {
+            let run = |threads: usize| {
+                let pool = rayon::ThreadPoolBuilder::new()
+                    .num_threads(threads)
+                    .build()
+                    .expect("pool");
+                let mut c = start.clone();
+                pool.install(|| {
+                    if accumulate {
+                        gemm_accumulate_into(&a, &b, shape, &mut c)
+                    } else {
+                        gemm_into(&a, &b, shape, &mut c)
+                    }
+                })
+                .expect("gemm");
+                c
             };
-            let shape = GemmShape::new(m, k, n, options).expect("shape");
-            assert!(splits_columns(shape, threads), "{m}×{k}×{n}");
+            let split = run(threads);
+            let whole = run(1);
             assert!(
-                m * k * n >= PARALLEL_MIN_MULADDS,
-                "{m}×{k}×{n} runs in parallel"
+                split
+                    .iter()
+                    .zip(&whole)
+                    .all(|(x, y)| x.to_bits() == y.to_bits()),
+                "{m}×{k}×{n}, {options:?}, accumulate {accumulate}"
             );
-            let a: Vec<f32> = (0..m * k)
-                .map(|i| ((i * 37 % 101) as f32 - 50.0) / 7.0)
-                .collect();
-            let b: Vec<f32> = (0..k * n)
-                .map(|i| ((i * 53 % 97) as f32 - 48.0) / 9.0)
-                .collect();
-            let start: Vec<f32> = (0..m * n).map(|i| (i % 11) as f32 - 5.0).collect();
-            for accumulate in [false, true] {
-                let run = |threads: usize| {
-                    let pool = rayon::ThreadPoolBuilder::new()
-                        .num_threads(threads)
-                        .build()
-                        .expect("pool");
-                    let mut c = start.clone();
-                    pool.install(|| {
-                        if accumulate {
-                            gemm_accumulate_into(&a, &b, shape, &mut c)
-                        } else {
-                            gemm_into(&a, &b, shape, &mut c)
-                        }
-                    })
-                    .expect("gemm");
-                    c
-                };
-                let split = run(threads);
-                let whole = run(1);
-                assert!(
-                    split
-                        .iter()
-                        .zip(&whole)
-                        .all(|(x, y)| x.to_bits() == y.to_bits()),
-                    "{m}×{k}×{n}, {options:?}, accumulate {accumulate}"
-                );
-                let at = |i: usize, p: usize| {
-                    if transpose_a {
-                        a[p * m + i]
-                    } else {
-                        a[i * k + p]
-                    }
-                };
-                let bt = |p: usize, j: usize| {
-                    if transpose_b {
-                        b[j * k + p]
-                    } else {
-                        b[p * n + j]
-                    }
-                };
-                for (i, j) in [(0, 0), (m - 1, n - 1), (m / 2, n / 2 + 1)] {
-                    let dot: f64 = (0..k)
-                        .map(|p| f64::from(at(i, p)) * f64::from(bt(p, j)))
-                        .sum();
-                    let want = dot
-                        + if accumulate {
-                            f64::from(start[i * n + j])
-                        } else {
-                            0.0
-                        };
-                    let got = f64::from(split[i * n + j]);
-                    assert!(
-                        (got - want).abs() <= 1e-4 * (1.0 + want.abs()),
-                        "{got} vs {want}"
-                    );
+            let at = |i: usize, p: usize| {
+                if transpose_a {
+                    a[p * m + i]
+                } else {
+                    a[i * k + p]
                 }
+            };
+            let bt = |p: usize, j: usize| {
+                if transpose_b {
+                    b[j * k + p]
+                } else {
+                    b[p * n + j]
+                }
+            };
+            for (i, j) in [(0, 0), (m - 1, n - 1), (m / 2, n / 2 + 1)] {
+                let dot: f64 = (0..k)
+                    .map(|p| f64::from(at(i, p)) * f64::from(bt(p, j)))
+                    .sum();
+                let want = dot
+                    + if accumulate {
+                        f64::from(start[i * n + j])
+                    } else {
+                        0.0
+                    };
+                let got = f64::from(split[i * n + j]);
+                assert!(
+                    (got - want).abs() <= 1e-4 * (1.0 + want.abs()),
+                    "{got} vs {want}"
+                );
             }
         }
+    }
+}
+
+#[test]
+fn row_blocks_are_bitwise_the_single_thread_product() {
+    // Many rows: split by rows at 2 and 3 threads, a ragged last block of rows, several
+    // blocks of `k` (300 > the AVX2 kernel's 256) and of packed columns (300 > 240).
+    for (m, k, n, threads) in [(301, 300, 70, 2), (400, 64, 300, 3), (1000, 20, 129, 2)] {
+        check_split(m, k, n, threads, false);
+    }
+}
+
+#[test]
+fn column_blocks_are_bitwise_the_single_thread_product() {
+    // Few rows and many columns: split by columns at 2 and 3 threads (ragged last block).
+    for (m, k, n, threads) in [(40, 70, 1000, 2), (9, 300, 1030, 3), (90, 20, 3000, 2)] {
+        check_split(m, k, n, threads, true);
     }
     // The fused head's logits split by columns; a square layer's product by rows.
     let nt = MatmulOptions {
