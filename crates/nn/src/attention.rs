@@ -13,7 +13,8 @@ use hypershard_tensor::{DType, Tensor};
 use crate::dropout::DropMask;
 use crate::elementwise::check_float;
 use crate::kernels::{
-    Float, build_overwrite, load, same_device, store, with_float, with_values, with_values2,
+    Float, build_overwrite, load, overwrite_target, same_device, store, with_float, with_values,
+    with_values2,
 };
 use crate::module::{ChildVisitorMut, ParamVisitor, ParamVisitorMut, join_name};
 use crate::{Dropout, Error, Linear, LinearConfig, Module, Result};
@@ -79,10 +80,11 @@ impl std::fmt::Debug for CausalSelfAttention {
 
 /// What backward needs, in the compute type.
 enum AttentionCache {
-    /// The tiled path: the fused projection `[B, T, 3C]`, the attention output `[B, T, C]`
-    /// (before `c_proj`, unrounded), the per-row log-sum-exp `[B, H, T]` and the dropout mask.
+    /// The tiled path: every head's q, k and v `[B, H, 3, T, D]` (the fused projection,
+    /// regrouped by head), the attention output `[B, T, C]` (before `c_proj`, unrounded), the
+    /// per-row log-sum-exp `[B, H, T]` and the dropout mask.
     Flash {
-        qkv: Tensor,
+        heads: Tensor,
         out: Tensor,
         lse: Tensor,
         mask: Option<DropMask>,
@@ -273,18 +275,21 @@ impl CausalSelfAttention {
         let dtype = qkv.dtype();
         let y_shape = [dims.batch, dims.seq, dims.n_embd];
         let lse_shape = [dims.batch, dims.n_head, dims.seq];
+        let heads_shape = [dims.batch, dims.n_head, 3, dims.seq, dims.head_dim()];
         let device = qkv.device();
-        let (qkv, out, lse) = with_float!(OP, dtype, F => {
+        let (heads, out, lse) = with_float!(OP, dtype, F => {
             let qkv = compute_tensor::<F>(qkv)?;
-            // The heads' outputs go straight into the output's (recycled) storage.
-            let mut row_lse = Vec::new();
-            let out = build_overwrite::<F>(&y_shape, F::COMPUTE_DTYPE, &device, |y| {
-                row_lse = with_values::<F, _>(&qkv, |values| {
-                    flash::forward_into(values, dims, TILE, mask.as_ref(), y)
-                })??;
-                Ok(())
-            })?;
-            (qkv, out, Tensor::from_vec_on(row_lse, &lse_shape, &device)?)
+            // The heads' operands and outputs go straight into (recycled) storage.
+            let out = overwrite_target::<F>(&y_shape, &device)?;
+            let heads = overwrite_target::<F>(&heads_shape, &device)?;
+            let row_lse = out.with_kernel_data_mut::<F, _>(OP, |y| {
+                heads.with_kernel_data_mut::<F, _>(OP, |h| {
+                    with_values::<F, _>(&qkv, |values| {
+                        flash::forward_into(values, dims, TILE, mask.as_ref(), (h, y))
+                    })
+                })
+            })????;
+            (heads, out, Tensor::from_vec_on(row_lse, &lse_shape, &device)?)
         });
         let y = if dtype == out.dtype() {
             out.clone()
@@ -292,7 +297,7 @@ impl CausalSelfAttention {
             out.to_dtype(dtype)?
         };
         self.cache = Some(AttentionCache::Flash {
-            qkv,
+            heads,
             out,
             lse,
             mask,
@@ -469,22 +474,22 @@ impl Module for CausalSelfAttention {
         }
         let grad_qkv = match cache {
             AttentionCache::Flash {
-                qkv,
+                heads,
                 out,
                 lse,
                 mask,
                 dims,
                 dtype,
             } => with_float!(OP, dtype, F => {
-                // `qkv`, the output and its gradient are read in place; the `[B, H, T]`
+                // The heads, the output and its gradient are read in place; the `[B, H, T]`
                 // log-sum-exps are copied. One thread never read-locks one storage twice:
                 // `with_values2` copies its second operand if it shares the first's storage,
-                // and a gradient sharing `qkv`'s storage is copied here.
-                let device = same_device(OP, &[&qkv, &grad_y])?;
+                // and a gradient sharing the heads' storage is copied here.
+                let device = same_device(OP, &[&heads, &grad_y])?;
                 let row_lse = load::<F>(&lse)?;
                 drop(lse);
-                let shape = qkv.shape().to_vec();
-                let dy_copy = if grad_y.shares_storage(&qkv) {
+                let shape = [dims.batch, dims.seq, 3 * dims.n_embd];
+                let dy_copy = if grad_y.shares_storage(&heads) {
                     Some(Tensor::from_vec_on(load::<F>(&grad_y)?, grad_y.shape(), &device)?)
                 } else {
                     None
@@ -492,9 +497,9 @@ impl Module for CausalSelfAttention {
                 let dy_tensor = dy_copy.as_ref().unwrap_or(&grad_y);
                 // The heads' gradients go straight into the gradient's (recycled) storage.
                 build_overwrite::<F>(&shape, dtype, &device, |g| {
-                    with_values::<F, _>(&qkv, |qkv| {
+                    with_values::<F, _>(&heads, |heads| {
                         with_values2::<F, _>(dy_tensor, &out, |dy, o| {
-                            let operands = (qkv, o, &row_lse[..]);
+                            let operands = (heads, o, &row_lse[..]);
                             flash::backward_into(operands, dy, dims, TILE, mask.as_ref(), g)
                         })
                     })???;

@@ -17,11 +17,16 @@
 //! have built, so both paths drop the same weights; the normaliser `l` is taken before the
 //! mask, as `dropout(softmax(s))` requires.
 //!
-//! Extra memory beyond q, k, v and the output: the log-sum-exp (`B·H·T` values) kept for
+//! The forward gathers each head's q, k and v out of the fused projection `[B, T, 3C]` into
+//! one `[B, H, 3, T, D]` buffer, which replaces the projection as what backward keeps (the
+//! same size): backward then reads every head's operands where they lie, contiguous, instead
+//! of gathering them out of `[B, T, 3C]` rows again.
+//!
+//! Extra memory beyond the heads and the output: the log-sum-exp (`B·H·T` values) kept for
 //! backward; per rayon task (reused for every head the task runs) the head's gathered `[T, D]`
-//! operands (with block-wise transposed copies of k and v) and a few `tile × tile` and
-//! `tile × D` scratch buffers; and per call one recycled buffer holding every head's result
-//! until it is scattered into place.
+//! output and its gradient in backward, block-wise transposed copies of k and v, and a few
+//! `tile × tile` and `tile × D` scratch buffers; and per call one recycled buffer holding
+//! every head's result until it is scattered into place.
 
 use rayon::prelude::*;
 
@@ -35,10 +40,12 @@ use crate::linalg::{GemmShape, MatmulOptions, gemm_into};
 use crate::{Error, Result};
 
 /// What the forward returns: the attention output `[B, T, C]` (heads side by side, before
-/// `c_proj`) and every row's log-sum-exp of its scaled scores, `[B, H, T]`.
+/// `c_proj`), the heads' `q, k, v` `[B, H, 3, T, D]` and every row's log-sum-exp of its scaled
+/// scores, `[B, H, T]`.
 #[cfg(test)]
 pub(super) struct FlashOutput<F> {
     pub(super) y: Vec<F>,
+    pub(super) heads: Vec<F>,
     pub(super) lse: Vec<F>,
 }
 
@@ -199,14 +206,11 @@ struct ForwardScratch<F> {
 }
 
 /// What one rayon task of the forward needs for a head, allocated once per task (rayon's
-/// `*_init`) and reused for every head it runs: the head's gathered `q, k, v` `[T, D]`, `k`'s
-/// block-transposed copy, and the tiles' scratch. Allocating them per head cost page faults
-/// and zeroing on every head of every layer (at GPT-2's `[1024, 64]` heads each is 256 KiB,
-/// which the allocator maps fresh from the system).
+/// `*_init`) and reused for every head it runs: `k`'s block-transposed copy and the tiles'
+/// scratch. Allocating them per head cost page faults and zeroing on every head of every
+/// layer (at GPT-2's `[1024, 64]` heads each is 256 KiB, which the allocator maps fresh from
+/// the system).
 struct ForwardTask<F> {
-    q: Vec<F>,
-    k: Vec<F>,
-    v: Vec<F>,
     k_t: Vec<F>,
     scratch: ForwardScratch<F>,
 }
@@ -214,9 +218,6 @@ struct ForwardTask<F> {
 impl<F: Float> ForwardTask<F> {
     fn new((seq, d, tile): (usize, usize, usize), masked: bool) -> Self {
         ForwardTask {
-            q: vec![F::ZERO; seq * d],
-            k: vec![F::ZERO; seq * d],
-            v: vec![F::ZERO; seq * d],
             k_t: vec![F::ZERO; seq * d],
             scratch: ForwardScratch {
                 scores: vec![F::ZERO; tile * tile],
@@ -230,25 +231,20 @@ impl<F: Float> ForwardTask<F> {
     }
 }
 
-/// One head's forward: `o[T, D]` and `lse[T]` from the task's gathered `q, k, v` `[T, D]`
-/// (every element of `o` and `lse` overwritten; the task's scratch may hold any values).
+/// One head's forward: `o[T, D]` and `lse[T]` from the head's `q, k, v` (`[3, T, D]`; every
+/// element of `o` and `lse` overwritten; the task's scratch may hold any values).
 #[inline(always)]
 fn forward_head<F: Float>(
     task: &mut ForwardTask<F>,
+    qkv: &[F],
     (seq, d, tile): (usize, usize, usize),
     mask: Option<HeadMask<'_>>,
-    o: &mut [F],
-    lse: &mut [F],
+    (o, lse): (&mut [F], &mut [F]),
 ) -> Result<()> {
     let scale = F::of(1.0 / (d as f64).sqrt());
     let neg_inf = F::of(f64::NEG_INFINITY);
-    let ForwardTask {
-        q,
-        k,
-        v,
-        k_t,
-        scratch: s,
-    } = task;
+    let ForwardTask { k_t, scratch: s } = task;
+    let (q, k, v) = head_parts(qkv, seq * d);
     transpose_blocks(k, seq, d, tile, k_t);
     for r0 in (0..seq).step_by(tile) {
         let rows = tile.min(seq - r0);
@@ -320,37 +316,49 @@ pub(super) fn forward<F: Float>(
     mask: Option<&DropMask>,
 ) -> Result<FlashOutput<F>> {
     let mut y = vec![F::ZERO; dims.batch * dims.seq * dims.n_embd];
-    let lse = forward_into(qkv, dims, tile, mask, &mut y)?;
-    Ok(FlashOutput { y, lse })
+    let mut heads = vec![F::ZERO; qkv.len()];
+    let lse = forward_into(qkv, dims, tile, mask, (&mut heads, &mut y))?;
+    Ok(FlashOutput { y, heads, lse })
 }
 
-/// Every head's output into `heads` (`[B·H, T, D]`, head `b · H + h` at its index) and its
-/// log-sum-exps into `lse` (`[B·H, T]`); every element of both is overwritten.
+/// A head's `[3, T, D]` operands as `q`, `k` and `v`.
+fn head_parts<F>(qkv: &[F], part: usize) -> (&[F], &[F], &[F]) {
+    let (q, rest) = qkv.split_at(part);
+    let (k, v) = rest.split_at(part);
+    (q, k, &v[..part])
+}
+
+/// Gathers every head's `q, k, v` out of `qkv` `[B, T, 3C]` into `qkv_heads`
+/// (`[B·H, 3, T, D]`, head `b · H + h` at its index), and writes the head's output into
+/// `heads` (`[B·H, T, D]`) and its log-sum-exps into `lse` (`[B·H, T]`); every element of the
+/// three is overwritten.
 fn forward_heads<F: Float>(
     qkv: &[F],
     dims: Dims,
     tile: usize,
     mask: Option<&DropMask>,
-    (heads, lse): (&mut [F], &mut [F]),
+    (qkv_heads, heads, lse): (&mut [F], &mut [F], &mut [F]),
 ) -> Result<()> {
     let (t, d, tile) = (dims.seq, dims.head_dim(), tile.max(1));
-    heads
-        .par_chunks_mut((t * d).max(1))
+    qkv_heads
+        .par_chunks_mut((3 * t * d).max(1))
+        .zip(heads.par_chunks_mut((t * d).max(1)))
         .zip(lse.par_chunks_mut(t.max(1)))
         .enumerate()
         .try_for_each_init(
             || ForwardTask::new((t, d, tile), mask.is_some()),
-            |task, (bh, (o, lse))| {
+            |task, (bh, ((head_qkv, o), lse))| {
                 let (b, h) = (bh / dims.n_head, bh % dims.n_head);
-                dims.gather_head_into(qkv, b, h, 0, &mut task.q);
-                dims.gather_head_into(qkv, b, h, 1, &mut task.k);
-                dims.gather_head_into(qkv, b, h, 2, &mut task.v);
+                for (part, dst) in head_qkv.chunks_exact_mut((t * d).max(1)).enumerate() {
+                    dims.gather_head_into(qkv, b, h, part, dst);
+                }
                 let head_mask = mask.map(|mask| HeadMask {
                     mask,
                     first: (bh * t * t) as u64,
                     seq: t,
                 });
-                vectorized!(|| forward_head(task, (t, d, tile), head_mask, o, lse))
+                let head = &*head_qkv;
+                vectorized!(|| forward_head(task, head, (t, d, tile), head_mask, (o, lse)))
             },
         )
 }
@@ -363,24 +371,31 @@ fn with_scratch<F: Float, R>(len: usize, f: impl FnOnce(&mut [F]) -> Result<R>) 
     buffer.with_kernel_data_mut::<F, _>("attention scratch", f)?
 }
 
-/// [`forward`] writing the attention output into `y` `[B, T, C]` (every element
+/// [`forward`] writing the attention output into `y` `[B, T, C]` and the heads' `q, k, v`,
+/// which the backward reads, into `qkv_heads` `[B, H, 3, T, D]` (every element of both
 /// overwritten); returns the log-sum-exps `[B, H, T]`.
 pub(super) fn forward_into<F: Float>(
     qkv: &[F],
     dims: Dims,
     tile: usize,
     mask: Option<&DropMask>,
-    y: &mut [F],
+    (qkv_heads, y): (&mut [F], &mut [F]),
 ) -> Result<Vec<F>> {
     check_len(
         "attention forward output",
         y.len(),
         dims.batch * dims.seq * dims.n_embd,
     )?;
+    check_len("attention forward heads", qkv_heads.len(), qkv.len())?;
+    check_len(
+        "attention forward input",
+        qkv.len(),
+        dims.batch * dims.seq * 3 * dims.n_embd,
+    )?;
     let (t, d) = (dims.seq, dims.head_dim());
     let mut lse = vec![F::ZERO; dims.batch * dims.n_head * t];
     with_scratch::<F, _>(dims.batch * dims.n_head * t * d, |heads| {
-        forward_heads(qkv, dims, tile, mask, (&mut *heads, &mut lse))?;
+        forward_heads(qkv, dims, tile, mask, (qkv_heads, &mut *heads, &mut lse))?;
         scatter_forward(heads, dims, y);
         Ok(())
     })?;
@@ -427,13 +442,10 @@ struct BackwardScratch<F> {
 }
 
 /// What one rayon task of the backward needs for a head, allocated once per task and reused
-/// for every head it runs (as [`ForwardTask`]): the head's gathered `q, k, v`, output `o` and
-/// output gradient `dout` (each `[T, D]`), the block-transposed `k` and `v`, the rows' `D`
-/// values `[T]`, and the tiles' scratch.
+/// for every head it runs (as [`ForwardTask`]): the head's gathered output `o` and output
+/// gradient `dout` (each `[T, D]`), the block-transposed `k` and `v`, the rows' `D` values
+/// `[T]`, and the tiles' scratch.
 struct BackwardTask<F> {
-    q: Vec<F>,
-    k: Vec<F>,
-    v: Vec<F>,
     o: Vec<F>,
     dout: Vec<F>,
     k_t: Vec<F>,
@@ -447,9 +459,6 @@ impl<F: Float> BackwardTask<F> {
         let head = || vec![F::ZERO; seq * d];
         let masked_len = if masked { tile * tile } else { 0 };
         BackwardTask {
-            q: head(),
-            k: head(),
-            v: head(),
             o: head(),
             dout: head(),
             k_t: head(),
@@ -468,20 +477,19 @@ impl<F: Float> BackwardTask<F> {
     }
 }
 
-/// One head's backward: `dq, dk, dv` `[T, D]` (every element overwritten) from the task's
-/// gathered `q, k, v`, output `o` and its gradient `dout`, and the forward's log-sum-exp `lse`.
+/// One head's backward: `dq, dk, dv` `[T, D]` (every element overwritten) from the head's
+/// `q, k, v` (`[3, T, D]`) and log-sum-exps `lse`, saved by the forward, and the task's
+/// gathered output `o` and its gradient `dout`.
 #[inline(always)]
 fn backward_head<F: Float>(
     task: &mut BackwardTask<F>,
-    lse: &[F],
+    (qkv, lse): (&[F], &[F]),
     (seq, d, tile): (usize, usize, usize),
     mask: Option<HeadMask<'_>>,
     (dq, dk, dv): (&mut [F], &mut [F], &mut [F]),
 ) -> Result<()> {
+    let (q, k, v) = head_parts(qkv, seq * d);
     let BackwardTask {
-        q,
-        k,
-        v,
         o,
         dout,
         k_t,
@@ -563,25 +571,27 @@ fn backward_head<F: Float>(
     Ok(())
 }
 
-/// The backward of every head: the gradient of the fused projection `[B, T, 3C]` from `qkv`,
-/// the forward's output `y` `[B, T, C]` and log-sum-exp `[B, H, T]`, and the gradient of `y`.
+/// The backward of every head: the gradient of the fused projection `[B, T, 3C]` from the
+/// forward's heads `[B, H, 3, T, D]`, output `y` `[B, T, C]` and log-sum-exp `[B, H, T]`, and
+/// the gradient of `y`.
 #[cfg(test)]
 pub(super) fn backward<F: Float>(
-    (qkv, y, lse): (&[F], &[F], &[F]),
+    (qkv_heads, y, lse): (&[F], &[F], &[F]),
     grad_y: &[F],
     dims: Dims,
     tile: usize,
     mask: Option<&DropMask>,
 ) -> Result<Vec<F>> {
     let mut grad_qkv = vec![F::ZERO; dims.batch * dims.seq * 3 * dims.n_embd];
-    backward_into((qkv, y, lse), grad_y, dims, tile, mask, &mut grad_qkv)?;
+    backward_into((qkv_heads, y, lse), grad_y, dims, tile, mask, &mut grad_qkv)?;
     Ok(grad_qkv)
 }
 
 /// Every head's `[dq, dk, dv]` into `grads` (`[B·H, 3, T, D]`, head `b · H + h` at its
-/// index; every element overwritten).
+/// index; every element overwritten), from the heads' `q, k, v` as the forward saved them
+/// (the same layout).
 fn backward_heads<F: Float>(
-    (qkv, y, lse): (&[F], &[F], &[F]),
+    (qkv_heads, y, lse): (&[F], &[F], &[F]),
     grad_y: &[F],
     dims: Dims,
     tile: usize,
@@ -591,14 +601,12 @@ fn backward_heads<F: Float>(
     let (t, d, tile) = (dims.seq, dims.head_dim(), tile.max(1));
     grads
         .par_chunks_mut((3 * t * d).max(1))
+        .zip(qkv_heads.par_chunks((3 * t * d).max(1)))
         .enumerate()
         .try_for_each_init(
             || BackwardTask::new((t, d, tile), mask.is_some()),
-            |task, (bh, head_grads)| {
+            |task, (bh, (head_grads, head_qkv))| {
                 let (b, h) = (bh / dims.n_head, bh % dims.n_head);
-                dims.gather_head_into(qkv, b, h, 0, &mut task.q);
-                dims.gather_head_into(qkv, b, h, 1, &mut task.k);
-                dims.gather_head_into(qkv, b, h, 2, &mut task.v);
                 dims.gather_output_head_into(y, b, h, &mut task.o);
                 dims.gather_output_head_into(grad_y, b, h, &mut task.dout);
                 let head_mask = mask.map(|mask| HeadMask {
@@ -609,7 +617,8 @@ fn backward_heads<F: Float>(
                 let (dq, rest) = head_grads.split_at_mut(t * d);
                 let (dk, dv) = rest.split_at_mut(t * d);
                 let lse = &lse[bh * t..(bh + 1) * t];
-                vectorized!(|| backward_head(task, lse, (t, d, tile), head_mask, (dq, dk, dv)))
+                let grads = (dq, dk, dv);
+                vectorized!(|| backward_head(task, (head_qkv, lse), (t, d, tile), head_mask, grads))
             },
         )
 }
@@ -629,6 +638,7 @@ pub(super) fn backward_into<F: Float>(
         grad_qkv.len(),
         dims.batch * dims.seq * 3 * dims.n_embd,
     )?;
+    check_len("attention backward heads", operands.0.len(), grad_qkv.len())?;
     let len = dims.batch * dims.n_head * 3 * dims.seq * dims.head_dim();
     with_scratch::<F, _>(len, |grads| {
         backward_heads(operands, grad_y, dims, tile, mask, &mut *grads)?;

@@ -89,7 +89,18 @@ fn check<F: Float>(dims: Dims, tile: usize, mask: Option<&DropMask>, tol: f64) {
     // invariant: the slices match `dims` by construction.
     let out = forward(&qkv, dims, tile, mask).expect("forward");
     assert_close(&out.y, &y_ref, tol, &format!("{what} y"));
-    let g = backward((&qkv, &out.y, &out.lse), &grad_y, dims, tile, mask).expect("backward");
+    // What the forward keeps for backward: each head's q, k, v, `[B, H, 3, T, D]`.
+    let part = dims.seq * dims.head_dim();
+    for (index, kept) in out.heads.chunks_exact(part).enumerate() {
+        let (bh, which) = (index / 3, index % 3);
+        let (b, h) = (bh / dims.n_head, bh % dims.n_head);
+        assert_eq!(
+            kept,
+            dims.gather_head(&qkv, b, h, which),
+            "{what} head {bh} part {which}"
+        );
+    }
+    let g = backward((&out.heads, &out.y, &out.lse), &grad_y, dims, tile, mask).expect("backward");
     let names = ["dq", "dk", "dv"];
     for ((got, want), name) in split(&g, dims.n_embd)
         .iter()
