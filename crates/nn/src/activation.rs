@@ -145,29 +145,27 @@ trait Pointwise: Sync {
     }
 }
 
+/// `x · Φ(x)` with `Φ(x) = (1 + erf(x/√2)) / 2`.
 #[inline(always)]
 fn gelu_exact<F: Float>(x: F) -> F {
-    let half = F::of(0.5);
-    half * x * (F::ONE + (x * F::of(FRAC_1_SQRT_2)).erf())
+    let (one_plus_erf, _) = (x * F::of(FRAC_1_SQRT_2)).one_plus_erf_and_gauss();
+    F::of(0.5) * x * one_plus_erf
 }
 
+/// `Φ(x) + x · φ(x)`.
 #[inline(always)]
 fn gelu_exact_grad<F: Float>(x: F) -> F {
-    let half = F::of(0.5);
-    // `e^(−z²)` at `z = x/√2` is `e^(−x²/2)`, the density's exponential: one for both.
-    let (erf, gauss) = (x * F::of(FRAC_1_SQRT_2)).erf_and_gauss();
-    let cdf = half * (F::ONE + erf);
-    let pdf = gauss * F::of(INV_SQRT_2PI);
-    cdf + x * pdf
+    gelu_exact_and_grad(x).1
 }
 
-/// [`gelu_exact`] and [`gelu_exact_grad`] (bit for bit each) from one `erf` evaluation.
+/// [`gelu_exact`] and [`gelu_exact_grad`] (bit for bit each) from one `erf` evaluation: `e^(−z²)`
+/// at `z = x/√2` is `e^(−x²/2)`, the density's exponential.
 #[inline(always)]
 fn gelu_exact_and_grad<F: Float>(x: F) -> (F, F) {
     let half = F::of(0.5);
-    let (erf, gauss) = (x * F::of(FRAC_1_SQRT_2)).erf_and_gauss();
-    let value = half * x * (F::ONE + erf);
-    let cdf = half * (F::ONE + erf);
+    let (one_plus_erf, gauss) = (x * F::of(FRAC_1_SQRT_2)).one_plus_erf_and_gauss();
+    let value = half * x * one_plus_erf;
+    let cdf = half * one_plus_erf;
     let pdf = gauss * F::of(INV_SQRT_2PI);
     (value, cdf + x * pdf)
 }

@@ -29,7 +29,29 @@ const EXP_MIN: f32 = -87.0;
 /// coefficients) and `2ⁿ` built directly in the exponent bits.
 #[inline]
 pub(crate) fn exp_f32(x: f32) -> f32 {
-    let clamped = x.clamp(EXP_MIN, EXP_MAX);
+    let value = exp_in_range(x.clamp(EXP_MIN, EXP_MAX));
+    if x > EXP_MAX {
+        f32::INFINITY
+    } else if x < EXP_MIN {
+        0.0
+    } else if x.is_nan() {
+        x
+    } else {
+        value
+    }
+}
+
+/// [`exp_f32`] of an argument that is never positive, clamped at `EXP_MIN` (where `eˣ` is
+/// about 2e-38) instead of flushed to zero below it: it cannot overflow, and a NaN stays NaN
+/// through the clamp, so the checks for those are left out. For GELU's `e^(−x²)`.
+#[inline]
+fn exp_nonpositive_f32(x: f32) -> f32 {
+    exp_in_range(x.clamp(EXP_MIN, 0.0))
+}
+
+/// `eˣ` for `x` in `[EXP_MIN, EXP_MAX]` (see [`exp_f32`]).
+#[inline]
+fn exp_in_range(clamped: f32) -> f32 {
     let shifted = clamped * LOG2_E + ROUND_MAGIC;
     let n = shifted - ROUND_MAGIC;
     // The low bits of `shifted` hold `n` (|n| ≤ 127) in two's complement relative to the magic.
@@ -44,16 +66,7 @@ pub(crate) fn exp_f32(x: f32) -> f32 {
     let er = (p * r).mul_add(r, r) + 1.0;
     // n + 127 lies in [1, 254] after the clamp, a valid biased exponent.
     let scale = f32::from_bits(((n_int + 127) as u32) << 23);
-    let value = er * scale;
-    if x > EXP_MAX {
-        f32::INFINITY
-    } else if x < EXP_MIN {
-        0.0
-    } else if x.is_nan() {
-        x
-    } else {
-        value
-    }
+    er * scale
 }
 
 /// The error function within 3e-7 absolute (1.5e-7 from the formula, the rest f32 rounding) (Abramowitz and Stegun 7.1.26, with the
@@ -72,13 +85,23 @@ pub(crate) fn erf_f32(x: f32) -> f32 {
 #[inline]
 pub(crate) fn erf_and_gauss_f32(x: f32) -> (f32, f32) {
     let a = x.abs();
-    let t = 1.0 / (1.0 + 0.327_591_1 * a);
-    let poly = t
-        * (0.254_829_6
-            + t * (-0.284_496_74 + t * (1.421_413_7 + t * (-1.453_152 + t * 1.061_405_4))));
     let gauss = exp_f32(-a * a);
-    let tail = 1.0 - poly * gauss;
-    // 2/√π · (x − x³/3 + x⁵/10 − x⁷/42 + x⁹/216 − x¹¹/1320).
+    let tail = 1.0 - erfc_ratio(a) * gauss;
+    let value = if a < SERIES_BELOW {
+        erf_series(a)
+    } else {
+        tail
+    };
+    (value.copysign(x), gauss)
+}
+
+/// Below this `|x|` erf is summed from its Maclaurin series, where the tail formula cancels.
+const SERIES_BELOW: f32 = 0.5;
+
+/// `erf a` for `0 ≤ a < 0.5` by its Maclaurin series, truncated after a¹¹ (the remainder is
+/// below 1.3e-8): `2/√π · (a − a³/3 + a⁵/10 − a⁷/42 + a⁹/216 − a¹¹/1320)`.
+#[inline]
+fn erf_series(a: f32) -> f32 {
     let x2 = a * a;
     let mut series: f32 = -1.0 / 1320.0;
     series = series.mul_add(x2, 1.0 / 216.0);
@@ -86,9 +109,35 @@ pub(crate) fn erf_and_gauss_f32(x: f32) -> (f32, f32) {
     series = series.mul_add(x2, 0.1);
     series = series.mul_add(x2, -1.0 / 3.0);
     series = series.mul_add(x2, 1.0);
-    let series = std::f32::consts::FRAC_2_SQRT_PI * a * series;
-    let value = if a < 0.5 { series } else { tail };
-    (value.copysign(x), gauss)
+    std::f32::consts::FRAC_2_SQRT_PI * a * series
+}
+
+/// `erfc(a) · e^(a²)` for `a ≥ 0`: Abramowitz and Stegun 7.1.26's rational function of
+/// `t = 1 / (1 + p·a)`.
+#[inline]
+fn erfc_ratio(a: f32) -> f32 {
+    let t = 1.0 / (1.0 + 0.327_591_1 * a);
+    t * (0.254_829_6 + t * (-0.284_496_74 + t * (1.421_413_7 + t * (-1.453_152 + t * 1.061_405_4))))
+}
+
+/// `(1 + erf x, e^(−x²))`, what GELU's `Φ(z) = (1 + erf(z/√2)) / 2` and its density need.
+///
+/// The sum comes from `erfc |x|` directly (`1 −` the series near zero, the tail formula
+/// beyond, as [`erf_and_gauss_f32`]): `erfc` itself below zero, `2 − erfc` above. Far below
+/// zero, `1 + erf x` taken as a sum cancels (to nothing by −4); `erfc` keeps its leading
+/// digits (the formula's relative error, under 1e-3 down to −3, grows to a few percent by
+/// −9, where the sum is 1e-36). One exponential, with no overflow to guard against.
+#[inline]
+pub(crate) fn one_plus_erf_and_gauss_f32(x: f32) -> (f32, f32) {
+    let a = x.abs();
+    let gauss = exp_nonpositive_f32(-a * a);
+    let erfc = if a < SERIES_BELOW {
+        1.0 - erf_series(a)
+    } else {
+        erfc_ratio(a) * gauss
+    };
+    let sum = if x < 0.0 { erfc } else { 2.0 - erfc };
+    (sum, gauss)
 }
 
 /// `tanh x = 1 − 2 / (e²ˣ + 1)`, with [`exp_f32`]; exact limits ±1 for large `|x|`. Near 0 the
@@ -135,6 +184,46 @@ mod tests {
         assert_eq!(tanh_f32(50.0), 1.0);
         assert_eq!(tanh_f32(-50.0), -1.0);
         assert_eq!(erf_f32(0.0), 0.0);
+    }
+
+    #[test]
+    fn one_plus_erf_keeps_its_accuracy_in_both_tails() {
+        let mut x = -9.0f32;
+        while x <= 9.0 {
+            let (sum, gauss) = one_plus_erf_and_gauss_f32(x);
+            let want = if x < -3.0 {
+                // `erfc |x|` by its continued fraction: `1 + erf x` in f64 cancels out there.
+                let a = f64::from(x).abs();
+                let mut tail = a;
+                for k in (1..=120).rev() {
+                    tail = a + (f64::from(k) / 2.0) / tail;
+                }
+                (-a * a).exp() / (std::f64::consts::PI.sqrt() * tail)
+            } else {
+                1.0 + crate::special::erf(f64::from(x))
+            };
+            // Absolute within the tail formula's 1.5e-7 and f32 rounding (the series' near
+            // zero). Relative where the
+            // sum is tiny (below zero), which a sum `1 + erf x` loses entirely by −4: the
+            // formula's own relative error, 7e-4 down to −3, a few percent by −9.
+            let err = (f64::from(sum) - want).abs();
+            let relative = if x >= -3.0 { 1e-3 } else { 4e-2 };
+            assert!(
+                err <= 3e-7 && err <= relative * want,
+                "1 + erf({x}) = {sum}, want {want}"
+            );
+            let a = x.abs();
+            let g = f64::from(-a * a).exp();
+            assert!(
+                (f64::from(gauss) - g).abs() <= 3e-7 * g + 2e-38,
+                "e^-x² at {x}: {gauss}"
+            );
+            x += 0.0041;
+        }
+        let (sum, gauss) = one_plus_erf_and_gauss_f32(f32::NAN);
+        assert!(sum.is_nan(), "{sum} {gauss}");
+        assert_eq!(one_plus_erf_and_gauss_f32(30.0).0, 2.0);
+        assert!(one_plus_erf_and_gauss_f32(-30.0).0 < 1e-37);
     }
 
     #[test]

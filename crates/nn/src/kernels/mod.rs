@@ -55,11 +55,11 @@ pub(crate) trait Float:
     fn exp(self) -> Self;
     /// The error function: [`crate::special::erf`] for f64, [`math::erf_f32`] for f32.
     fn erf(self) -> Self;
-    /// `(erf x, e^(−x²))`; f32 computes the exponential once for both
-    /// ([`math::erf_and_gauss_f32`]).
+    /// `(1 + erf x, e^(−x²))`, GELU's two functions of `x/√2`; f32 computes the exponential
+    /// once for both and the sum without cancelling ([`math::one_plus_erf_and_gauss_f32`]).
     #[inline]
-    fn erf_and_gauss(self) -> (Self, Self) {
-        (self.erf(), (-(self * self)).exp())
+    fn one_plus_erf_and_gauss(self) -> (Self, Self) {
+        (Self::ONE + self.erf(), (-(self * self)).exp())
     }
     /// The hyperbolic tangent.
     fn tanh(self) -> Self;
@@ -239,8 +239,8 @@ impl Float for f32 {
         math::erf_f32(self)
     }
     #[inline]
-    fn erf_and_gauss(self) -> (Self, Self) {
-        math::erf_and_gauss_f32(self)
+    fn one_plus_erf_and_gauss(self) -> (Self, Self) {
+        math::one_plus_erf_and_gauss_f32(self)
     }
     #[inline]
     fn tanh(self) -> Self {
