@@ -137,15 +137,15 @@ typedef long long i64;
 
 __device__ __forceinline__ float f32_inf() { return __int_as_float(0x7f800000); }
 
-// The CPU's `exp_f32` (crates/nn/src/kernels/math.rs), step for step: Cody-Waite reduction by
-// ln 2, Cephes' degree-6 polynomial in fused multiply-adds (`mul_add` there, `fmaf` here: one
-// rounding each on both), 2^n built in the exponent bits.
-__device__ float cpu_exp_f32(float x) {
+// The CPU's `exp_in_range` (crates/nn/src/kernels/math.rs), step for step: Cody-Waite
+// reduction by ln 2, Cephes' degree-6 polynomial in fused multiply-adds (`mul_add` there,
+// `fmaf` here: one rounding each on both), 2^n built in the exponent bits. `clamped` lies in
+// [-87, 88].
+__device__ float cpu_exp_in_range_f32(float clamped) {
     const float round_magic = 12582912.0f;
     const float log2_e = 1.4426950408889634f;
     const float ln2_hi = 0.6933594f;
     const float ln2_lo = -2.1219444e-4f;
-    float clamped = fminf(fmaxf(x, -87.0f), 88.0f);
     float shifted = clamped * log2_e + round_magic;
     float n = shifted - round_magic;
     int n_int = (int)(__float_as_uint(shifted) - __float_as_uint(round_magic));
@@ -158,7 +158,12 @@ __device__ float cpu_exp_f32(float x) {
     p = fmaf(p, r, 0.5f);
     float er = fmaf(p * r, r, r) + 1.0f;
     float scale = __uint_as_float(((u32)(n_int + 127)) << 23);
-    float value = er * scale;
+    return er * scale;
+}
+
+// The CPU's `exp_f32`: the above, with +inf above 88, 0 below -87 and NaN kept.
+__device__ float cpu_exp_f32(float x) {
+    float value = cpu_exp_in_range_f32(fminf(fmaxf(x, -87.0f), 88.0f));
     if (x > 88.0f) {
         return f32_inf();
     } else if (x < -87.0f) {
@@ -169,16 +174,20 @@ __device__ float cpu_exp_f32(float x) {
     return value;
 }
 
-// The CPU's `erf_and_gauss_f32`: erf by Abramowitz and Stegun 7.1.26 from |x| = 0.5 on, the
-// Maclaurin series (in fused multiply-adds) below; `*gauss` gets e^(−x²), which the tail
-// formula evaluates anyway.
-__device__ float cpu_erf_gauss_f32(float x, float* gauss) {
-    float a = fabsf(x);
+// The CPU's `exp_nonpositive_f32`: an argument that is never positive, clamped at -87.
+__device__ float cpu_exp_nonpositive_f32(float x) {
+    return cpu_exp_in_range_f32(fminf(fmaxf(x, -87.0f), 0.0f));
+}
+
+// The CPU's `erfc_ratio`: erfc(a) e^(a²) for a >= 0 by Abramowitz and Stegun 7.1.26.
+__device__ float cpu_erfc_ratio_f32(float a) {
     float t = 1.0f / (1.0f + 0.3275911f * a);
-    float poly =
-        t * (0.2548296f + t * (-0.28449674f + t * (1.4214137f + t * (-1.453152f + t * 1.0614054f))));
-    *gauss = cpu_exp_f32(-a * a);
-    float tail = 1.0f - poly * *gauss;
+    return t * (0.2548296f + t * (-0.28449674f + t * (1.4214137f + t * (-1.453152f + t * 1.0614054f))));
+}
+
+// The CPU's `erf_series`: erf a for 0 <= a < 0.5 by its Maclaurin series, in fused
+// multiply-adds.
+__device__ float cpu_erf_series_f32(float a) {
     float x2 = a * a;
     float series = -1.0f / 1320.0f;
     series = fmaf(series, x2, 1.0f / 216.0f);
@@ -186,15 +195,16 @@ __device__ float cpu_erf_gauss_f32(float x, float* gauss) {
     series = fmaf(series, x2, 0.1f);
     series = fmaf(series, x2, -1.0f / 3.0f);
     series = fmaf(series, x2, 1.0f);
-    series = 1.1283791670955126f * a * series;
-    float value = a < 0.5f ? series : tail;
-    return copysignf(value, x);
+    return 1.1283791670955126f * a * series;
 }
 
-// The CPU's `erf_f32`.
-__device__ float cpu_erf_f32(float x) {
-    float gauss;
-    return cpu_erf_gauss_f32(x, &gauss);
+// The CPU's `one_plus_erf_and_gauss_f32`: 1 + erf x from erfc |x| directly (erfc below zero,
+// 2 − erfc above), and `*gauss` = e^(−x²).
+__device__ float cpu_one_plus_erf_gauss_f32(float x, float* gauss) {
+    float a = fabsf(x);
+    *gauss = cpu_exp_nonpositive_f32(-a * a);
+    float erfc = a < 0.5f ? 1.0f - cpu_erf_series_f32(a) : cpu_erfc_ratio_f32(a) * *gauss;
+    return x < 0.0f ? erfc : 2.0f - erfc;
 }
 
 // The sum of every thread's `v` over the block (ROW_THREADS threads), as a fixed tree.
@@ -325,7 +335,8 @@ extern "C" __global__ void layer_norm_param_grad_f32(float* dw, float* db, const
 extern "C" __global__ void gelu_f32(float* y, const float* x, u64 n) {
     GRID_STRIDE(i, n) {
         float v = x[i];
-        y[i] = 0.5f * v * (1.0f + cpu_erf_f32(v * 0.7071067811865476f));
+        float gauss;
+        y[i] = 0.5f * v * cpu_one_plus_erf_gauss_f32(v * 0.7071067811865476f, &gauss);
     }
 }
 
@@ -335,7 +346,7 @@ extern "C" __global__ void gelu_grad_f32(float* dx, const float* g, const float*
         float v = x[i];
         // e^(−z²) at z = x/√2 is the density's e^(−x²/2): one exponential for both terms.
         float gauss;
-        float cdf = 0.5f * (1.0f + cpu_erf_gauss_f32(v * 0.7071067811865476f, &gauss));
+        float cdf = 0.5f * cpu_one_plus_erf_gauss_f32(v * 0.7071067811865476f, &gauss);
         float pdf = gauss * 0.3989422804014327f;
         dx[i] = g[i] * (cdf + v * pdf);
     }
