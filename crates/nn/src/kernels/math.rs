@@ -76,23 +76,14 @@ fn exp_in_range(clamped: f32) -> f32 {
 /// and the series (truncated after x¹¹, remainder below 1.3e-8) is accurate to f32 rounding.
 #[inline]
 pub(crate) fn erf_f32(x: f32) -> f32 {
-    erf_and_gauss_f32(x).0
-}
-
-/// `(erf x, e^(−x²))`: [`erf_f32`] and the Gaussian its tail formula evaluates anyway, for
-/// callers that need both (GELU's gradient `Φ(x) + x·φ(x)` is one of each at `x/√2`), at the
-/// cost of one exponential.
-#[inline]
-pub(crate) fn erf_and_gauss_f32(x: f32) -> (f32, f32) {
     let a = x.abs();
-    let gauss = exp_f32(-a * a);
-    let tail = 1.0 - erfc_ratio(a) * gauss;
+    let tail = 1.0 - erfc_ratio(a) * exp_f32(-a * a);
     let value = if a < SERIES_BELOW {
         erf_series(a)
     } else {
         tail
     };
-    (value.copysign(x), gauss)
+    value.copysign(x)
 }
 
 /// Below this `|x|` erf is summed from its Maclaurin series, where the tail formula cancels.
@@ -123,7 +114,7 @@ fn erfc_ratio(a: f32) -> f32 {
 /// `(1 + erf x, e^(−x²))`, what GELU's `Φ(z) = (1 + erf(z/√2)) / 2` and its density need.
 ///
 /// The sum comes from `erfc |x|` directly (`1 −` the series near zero, the tail formula
-/// beyond, as [`erf_and_gauss_f32`]): `erfc` itself below zero, `2 − erfc` above. Far below
+/// beyond, as [`erf_f32`]): `erfc` itself below zero, `2 − erfc` above. Far below
 /// zero, `1 + erf x` taken as a sum cancels (to nothing by −4); `erfc` keeps its leading
 /// digits (the formula's relative error, under 1e-3 down to −3, grows to a few percent by
 /// −9, where the sum is 1e-36). One exponential, with no overflow to guard against.
@@ -203,9 +194,9 @@ mod tests {
                 1.0 + crate::special::erf(f64::from(x))
             };
             // Absolute within the tail formula's 1.5e-7 and f32 rounding (the series' near
-            // zero). Relative where the
-            // sum is tiny (below zero), which a sum `1 + erf x` loses entirely by −4: the
-            // formula's own relative error, 7e-4 down to −3, a few percent by −9.
+            // zero). Relative where the sum is tiny (below zero), which a sum `1 + erf x`
+            // loses entirely by −4: the formula's own relative error, 7e-4 down to −3, a few
+            // percent by −9.
             let err = (f64::from(sum) - want).abs();
             let relative = if x >= -3.0 { 1e-3 } else { 4e-2 };
             assert!(
@@ -224,22 +215,5 @@ mod tests {
         assert!(sum.is_nan(), "{sum} {gauss}");
         assert_eq!(one_plus_erf_and_gauss_f32(30.0).0, 2.0);
         assert!(one_plus_erf_and_gauss_f32(-30.0).0 < 1e-37);
-    }
-
-    #[test]
-    fn erf_and_gauss_share_one_exponential() {
-        let mut x = -6.0f32;
-        while x <= 6.0 {
-            let (erf, gauss) = erf_and_gauss_f32(x);
-            assert_eq!(erf.to_bits(), erf_f32(x).to_bits());
-            // Of the argument as f32 rounds it: e^(−x²) itself moves by x² times that rounding.
-            let a = x.abs();
-            let want = f64::from(-a * a).exp();
-            assert!(
-                (f64::from(gauss) - want).abs() <= 3e-7 * want + 1e-30,
-                "e^-x² at {x}: {gauss}, want {want}"
-            );
-            x += 0.0047;
-        }
     }
 }
