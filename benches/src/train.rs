@@ -276,6 +276,13 @@ pub fn threads_per_rank(cores: usize, ranks: usize) -> usize {
     (cores / ranks.max(1)).max(1)
 }
 
+/// The cores a run's kernel threads occupy: its threads over all its ranks, at most the
+/// machine's `cores`. Four one-thread ranks on two cores share those two, so their FMA peak is
+/// two cores' peak, not four.
+pub fn cores_used(threads_per_rank: usize, world: usize, cores: usize) -> usize {
+    threads_per_rank.saturating_mul(world).min(cores).max(1)
+}
+
 /// Processes a mesh (`1`, `N`, `RxS`) runs, or `None` when it does not parse.
 pub fn mesh_world(mesh: &str) -> Option<usize> {
     match mesh.split_once('x') {
@@ -296,6 +303,10 @@ pub struct TrainCell {
     pub world: usize,
     /// Kernel threads per rank, both libraries.
     pub threads_per_rank: usize,
+    /// The cores those threads occupy ([`cores_used`]): the peak fractions' denominator.
+    /// Absent from reports written before it was recorded; [`TrainCell::set_peak`] sets it.
+    #[serde(default)]
+    pub cores_used: usize,
     /// Sequences per rank per step.
     pub batch_per_rank: usize,
     /// Steps per run, warm-up included.
@@ -330,7 +341,8 @@ pub struct TrainCell {
     pub ours_peak_rss_mib: Option<f64>,
     /// PyTorch's, likewise.
     pub torch_peak_rss_mib: Option<f64>,
-    /// Our median throughput's FLOP/s over the FMA peak of the cores the run uses.
+    /// Our median throughput's FLOP/s over the FMA peak of the cores the run uses
+    /// (`cores_used`).
     pub ours_peak_fraction: Option<f64>,
     /// PyTorch's, likewise.
     pub torch_peak_fraction: Option<f64>,
@@ -358,6 +370,8 @@ pub struct CellSpec {
     pub world: usize,
     /// Threads per rank.
     pub threads_per_rank: usize,
+    /// The machine's cores, which every rank's threads share.
+    pub cores: usize,
     /// Sequences per rank.
     pub batch_per_rank: usize,
     /// Steps per run.
@@ -384,9 +398,8 @@ impl TrainCell {
         let peak_rss = |values: Vec<Option<f64>>| values.into_iter().flatten().reduce(f64::max);
         let tokens_per_step = (spec.world * spec.batch_per_rank * spec.shape.block_size) as u64;
         let flops = step_flops(&spec.shape, tokens_per_step);
-        // The cores the run uses: its threads over all its ranks.
-        let peak =
-            peak_gflops_per_thread.map(|p| p * 1e9 * (spec.threads_per_rank * spec.world) as f64);
+        let cores = cores_used(spec.threads_per_rank, spec.world, spec.cores);
+        let peak = peak_gflops_per_thread.map(|p| p * 1e9 * cores as f64);
         let fraction = |tokens_per_s: Option<f64>| {
             Some(tokens_per_s? / tokens_per_step as f64 * flops / peak?)
         };
@@ -398,6 +411,7 @@ impl TrainCell {
             mesh: spec.mesh.clone(),
             world: spec.world,
             threads_per_rank: spec.threads_per_rank,
+            cores_used: cores,
             batch_per_rank: spec.batch_per_rank,
             steps: spec.steps,
             warmup_steps: warmup_steps(spec.steps),
@@ -427,9 +441,11 @@ impl TrainCell {
 }
 
 impl TrainCell {
-    /// Recomputes the peak fractions against `peak_gflops_per_thread`.
-    pub fn set_peak(&mut self, peak_gflops_per_thread: f64) {
-        let peak = peak_gflops_per_thread * 1e9 * (self.threads_per_rank * self.world) as f64;
+    /// Recomputes the peak fractions against `peak_gflops_per_thread` per core of a machine
+    /// with `cores` cores.
+    pub fn set_peak(&mut self, peak_gflops_per_thread: f64, cores: usize) {
+        self.cores_used = cores_used(self.threads_per_rank, self.world, cores);
+        let peak = peak_gflops_per_thread * 1e9 * self.cores_used as f64;
         let flops_per_token = self.step_gflop * 1e9
             / (self.world * self.batch_per_rank) as f64
             / self.block_size as f64;
@@ -554,6 +570,7 @@ mod tests {
             mesh: "1".into(),
             world: 1,
             threads_per_rank: 2,
+            cores: 2,
             batch_per_rank: 8,
             steps: 30,
         };
@@ -584,10 +601,29 @@ mod tests {
         let fraction = cell.ours_peak_fraction.expect("peak given");
         assert!((fraction - 100.0 * per_token / 20e9).abs() < 1e-12);
         assert_eq!(cell.warmup_steps, 5);
+        assert_eq!(cell.cores_used, 2);
         let mut halved = cell.clone();
-        halved.set_peak(20.0);
+        halved.set_peak(20.0, 2);
         let half = halved.ours_peak_fraction.expect("peak given");
         assert!((half - fraction / 2.0).abs() < 1e-12);
+        // Four one-thread ranks on the same two cores: the peak is still two cores'.
+        let shared = CellSpec {
+            mesh: "2x2".into(),
+            world: 4,
+            threads_per_rank: 1,
+            ..spec.clone()
+        };
+        let four = TrainCell::reduce(&shared, &pairs, Some(10.0));
+        assert_eq!(four.cores_used, 2);
+        let per_token = step_flops(&shared.shape, 1);
+        let four_fraction = four.ours_peak_fraction.expect("peak given");
+        assert!((four_fraction - 100.0 * per_token / 20e9).abs() < 1e-12);
+        // On a machine of eight cores they would have four to themselves.
+        let mut roomy = four.clone();
+        roomy.set_peak(10.0, 8);
+        assert_eq!(roomy.cores_used, 4);
+        let roomy_fraction = roomy.ours_peak_fraction.expect("peak given");
+        assert!((roomy_fraction - four_fraction / 2.0).abs() < 1e-12);
         let table = markdown_table(&[cell]);
         assert!(
             table.contains("| small (batch 8) | 1 process | 2 | 100.0 | 45.0 | 2.50 (2.00–3.00) |")

@@ -495,7 +495,7 @@ const DEFINITION: &str = "steady-state tokens/s, both libraries alike: the first
 const FLOPS: &str = "model FLOPs per step: 6·(12·L·C² + V·C)·tokens + 12·L·T·C·tokens (weight \
      matrices forward and backward, the head tied to the embedding counted once; attention \
      QKᵀ and A·V over the full T×T square); peak fraction = median tokens/s × FLOPs per token \
-     / (FMA peak per core × threads per rank × ranks)";
+     / (FMA peak per core × min(threads per rank × ranks, cores))";
 
 const FMA_METHOD: &str = "one thread per core, all at once, each running 12 independent FMA \
      chains of the widest vectors the CPU has (AVX-512: 16 f32 lanes, else AVX2: 8; an FMA \
@@ -570,6 +570,7 @@ fn run(args: &Args) -> Result<()> {
                     mesh: mesh.clone(),
                     world,
                     threads_per_rank: threads_per_rank(cores, world),
+                    cores,
                     batch_per_rank: if name == "gpt2" { 1 } else { 8 },
                     steps: steps_for(name, args.quick),
                 },
@@ -651,7 +652,7 @@ fn run(args: &Args) -> Result<()> {
             p.per_thread_gflops
         );
         for cell in &mut cells {
-            cell.set_peak(p.per_thread_gflops);
+            cell.set_peak(p.per_thread_gflops, cores);
         }
     }
     let report = TrainReport {
