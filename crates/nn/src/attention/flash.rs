@@ -24,7 +24,8 @@
 //!
 //! Extra memory beyond the heads and the output: the log-sum-exp (`B·H·T` values) kept for
 //! backward; per rayon task (reused for every head the task runs) the head's gathered `[T, D]`
-//! output and its gradient in backward, block-wise transposed copies of k and v, and a few
+//! output gradient in backward (`D = rowsum(dO ⊙ O)` reads the output's rows where they lie),
+//! block-wise transposed copies of k and v, and a few
 //! `tile × tile` and `tile × D` scratch buffers; and per call one recycled buffer holding
 //! every head's result until it is scattered into place.
 
@@ -442,11 +443,10 @@ struct BackwardScratch<F> {
 }
 
 /// What one rayon task of the backward needs for a head, allocated once per task and reused
-/// for every head it runs (as [`ForwardTask`]): the head's gathered output `o` and output
-/// gradient `dout` (each `[T, D]`), the block-transposed `k` and `v`, the rows' `D` values
-/// `[T]`, and the tiles' scratch.
+/// for every head it runs (as [`ForwardTask`]): the head's gathered output gradient `dout`
+/// (`[T, D]`), the block-transposed `k` and `v`, the rows' `D` values `[T]`, and the tiles'
+/// scratch.
 struct BackwardTask<F> {
-    o: Vec<F>,
     dout: Vec<F>,
     k_t: Vec<F>,
     v_t: Vec<F>,
@@ -459,7 +459,6 @@ impl<F: Float> BackwardTask<F> {
         let head = || vec![F::ZERO; seq * d];
         let masked_len = if masked { tile * tile } else { 0 };
         BackwardTask {
-            o: head(),
             dout: head(),
             k_t: head(),
             v_t: head(),
@@ -479,7 +478,7 @@ impl<F: Float> BackwardTask<F> {
 
 /// One head's backward: `dq, dk, dv` `[T, D]` (every element overwritten) from the head's
 /// `q, k, v` (`[3, T, D]`) and log-sum-exps `lse`, saved by the forward, and the task's
-/// gathered output `o` and its gradient `dout`.
+/// gathered output gradient `dout` and rows' `D = rowsum(dO ⊙ O)` in `delta`.
 #[inline(always)]
 fn backward_head<F: Float>(
     task: &mut BackwardTask<F>,
@@ -490,7 +489,6 @@ fn backward_head<F: Float>(
 ) -> Result<()> {
     let (q, k, v) = head_parts(qkv, seq * d);
     let BackwardTask {
-        o,
         dout,
         k_t,
         v_t,
@@ -498,12 +496,6 @@ fn backward_head<F: Float>(
         scratch: s,
     } = task;
     let scale = F::of(1.0 / (d as f64).sqrt());
-    for (dst, (g, y)) in delta
-        .iter_mut()
-        .zip(dout.chunks_exact(d).zip(o.chunks_exact(d)))
-    {
-        *dst = g.iter().zip(y.iter()).map(|(&a, &b)| a * b).sum();
-    }
     transpose_blocks(k, seq, d, tile, k_t);
     transpose_blocks(v, seq, d, tile, v_t);
     dq.fill(F::ZERO);
@@ -607,8 +599,22 @@ fn backward_heads<F: Float>(
             || BackwardTask::new((t, d, tile), mask.is_some()),
             |task, (bh, (head_grads, head_qkv))| {
                 let (b, h) = (bh / dims.n_head, bh % dims.n_head);
-                dims.gather_output_head_into(y, b, h, &mut task.o);
                 dims.gather_output_head_into(grad_y, b, h, &mut task.dout);
+                // `D = rowsum(dO ⊙ O)` straight from `O`'s rows of `y`: the output itself is
+                // needed nowhere else, so it is not gathered.
+                for (ti, (dst, g)) in task
+                    .delta
+                    .iter_mut()
+                    .zip(task.dout.chunks_exact(d))
+                    .enumerate()
+                {
+                    let start = (b * t + ti) * dims.n_embd + h * d;
+                    *dst = g
+                        .iter()
+                        .zip(&y[start..start + d])
+                        .map(|(&a, &b)| a * b)
+                        .sum();
+                }
                 let head_mask = mask.map(|mask| HeadMask {
                     mask,
                     first: (bh * t * t) as u64,
