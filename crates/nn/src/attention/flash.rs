@@ -645,6 +645,9 @@ pub(super) fn backward_into<F: Float>(
         dims.batch * dims.seq * 3 * dims.n_embd,
     )?;
     check_len("attention backward heads", operands.0.len(), grad_qkv.len())?;
+    let rows = dims.batch * dims.seq * dims.n_embd;
+    check_len("attention backward forward output", operands.1.len(), rows)?;
+    check_len("attention backward output gradient", grad_y.len(), rows)?;
     let len = dims.batch * dims.n_head * 3 * dims.seq * dims.head_dim();
     with_scratch::<F, _>(len, |grads| {
         backward_heads(operands, grad_y, dims, tile, mask, &mut *grads)?;

@@ -168,3 +168,26 @@ fn a_zero_length_sequence_gives_empty_outputs() {
     let g = backward::<f32>((&[], &[], &[]), &[], d, TILE, None).expect("backward");
     assert!(g.is_empty());
 }
+
+#[test]
+fn backward_operands_of_the_wrong_length_are_typed_errors() {
+    let d = dims(2, 5, 8, 2);
+    let heads = random::<f64>(2 * 5 * 24, 1);
+    let y = random::<f64>(2 * 5 * 8, 2);
+    let lse = random::<f64>(2 * 2 * 5, 3);
+    let dy = random::<f64>(2 * 5 * 8, 4);
+    assert!(backward((&heads, &y, &lse), &dy, d, TILE, None).is_ok());
+    let cases: [(&str, &[f64], &[f64]); 2] = [
+        ("attention backward forward output", &y[1..], &dy),
+        ("attention backward output gradient", &y, &dy[1..]),
+    ];
+    for (what, y, dy) in cases {
+        match backward((&heads, y, &lse), dy, d, TILE, None) {
+            Err(Error::ShapeMismatch { op, lhs, rhs }) => {
+                assert_eq!(op, what);
+                assert_eq!((lhs, rhs), (vec![80], vec![79]));
+            }
+            other => panic!("{what}: expected a shape mismatch, got {other:?}"),
+        }
+    }
+}
