@@ -168,9 +168,15 @@ impl Dims {
     fn gather_output_head_into<F: Float>(self, y: &[F], b: usize, head: usize, out: &mut [F]) {
         let d = self.head_dim();
         for (t, dst) in out.chunks_exact_mut(d).enumerate() {
-            let start = (b * self.seq + t) * self.n_embd + head * d;
-            copy_head_row(dst, &y[start..start + d]);
+            copy_head_row(dst, self.output_head_row(y, b, head, t));
         }
+    }
+
+    /// Head `head`'s `D` values of token `t` of batch row `b` in a `[B, T, C]` buffer.
+    fn output_head_row<F>(self, y: &[F], b: usize, head: usize, t: usize) -> &[F] {
+        let d = self.head_dim();
+        let start = (b * self.seq + t) * self.n_embd + head * d;
+        &y[start..start + d]
     }
 }
 

@@ -600,21 +600,7 @@ fn backward_heads<F: Float>(
             |task, (bh, (head_grads, head_qkv))| {
                 let (b, h) = (bh / dims.n_head, bh % dims.n_head);
                 dims.gather_output_head_into(grad_y, b, h, &mut task.dout);
-                // `D = rowsum(dO ⊙ O)` straight from `O`'s rows of `y`: the output itself is
-                // needed nowhere else, so it is not gathered.
-                for (ti, (dst, g)) in task
-                    .delta
-                    .iter_mut()
-                    .zip(task.dout.chunks_exact(d))
-                    .enumerate()
-                {
-                    let start = (b * t + ti) * dims.n_embd + h * d;
-                    *dst = g
-                        .iter()
-                        .zip(&y[start..start + d])
-                        .map(|(&a, &b)| a * b)
-                        .sum();
-                }
+                row_deltas(&task.dout, y, dims, (b, h), &mut task.delta);
                 let head_mask = mask.map(|mask| HeadMask {
                     mask,
                     first: (bh * t * t) as u64,
@@ -627,6 +613,17 @@ fn backward_heads<F: Float>(
                 vectorized!(|| backward_head(task, (head_qkv, lse), (t, d, tile), head_mask, grads))
             },
         )
+}
+
+/// Every row's `D = rowsum(dO ⊙ O)` of head `h` of batch row `b` into `delta` (`[T]`), from
+/// the head's gathered output gradient `dout` (`[T, D]`) and the output's rows where they lie
+/// in `y` `[B, T, C]`: the output itself is needed nowhere else, so it is not gathered.
+fn row_deltas<F: Float>(dout: &[F], y: &[F], dims: Dims, (b, h): (usize, usize), delta: &mut [F]) {
+    let d = dims.head_dim();
+    for (t, (dst, g)) in delta.iter_mut().zip(dout.chunks_exact(d)).enumerate() {
+        let o = dims.output_head_row(y, b, h, t);
+        *dst = g.iter().zip(o).map(|(&a, &b)| a * b).sum();
+    }
 }
 
 /// [`backward`] writing the gradient of the fused projection into `grad_qkv` `[B, T, 3C]`
