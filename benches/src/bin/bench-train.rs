@@ -558,11 +558,9 @@ fn run(args: &Args) -> Result<()> {
     let mut runs: Vec<RunRecord> = Vec::new();
     let mut torch_version = None;
     for name in &args.presets {
-        // invariant: parse_args checked every preset name.
-        let shape = preset(name).expect("checked preset");
+        let shape = preset(name).ok_or_else(|| usage(format!("unknown preset `{name}`")))?;
         for mesh in &args.meshes {
-            // invariant: parse_args checked every mesh.
-            let world = mesh_world(mesh).expect("checked mesh");
+            let world = mesh_world(mesh).ok_or_else(|| usage(format!("bad mesh `{mesh}`")))?;
             let cell = Cell {
                 spec: CellSpec {
                     preset: name.clone(),
@@ -698,8 +696,7 @@ fn run_profile(args: &Args, explicit_presets: bool) -> Result<()> {
     };
     let mut rows = Vec::new();
     for name in &presets {
-        // invariant: parse_args checked every preset name.
-        let shape = preset(name).expect("checked preset");
+        let shape = preset(name).ok_or_else(|| usage(format!("unknown preset `{name}`")))?;
         let batch = if name == "gpt2" { 1 } else { 8 };
         let reps = if name == "gpt2" {
             args.gpt2_reps
