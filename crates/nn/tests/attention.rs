@@ -198,6 +198,18 @@ fn peak_memory_stays_far_below_the_weights_of_every_head() {
         tiled_peak < weights_bytes / 4,
         "tiled peak {tiled_peak} (dense {dense_peak}) vs weights {weights_bytes}"
     );
+    // Tighter: the tiled path's peak is what backward must hold at once and no more: the
+    // input, the output, its gradient and the input's gradient (`[B, T, C]` each), the heads'
+    // q, k, v and the projection's gradient (`[B, T, 3C]` each) and the log-sum-exps. The
+    // heads' results go straight into their tensors, with no `[B, H, 3, T, D]` staging buffer
+    // (which would add 98,304 bytes here); 16 KiB covers the weights' gradients.
+    let c = 16;
+    let activation = batch * seq * c * 4;
+    let accounted = 4 * activation + 2 * 3 * activation + batch * heads * seq * 4;
+    assert!(
+        tiled_peak <= accounted + 16 * 1024,
+        "tiled peak {tiled_peak} vs {accounted} bytes of operands and results"
+    );
 }
 
 #[test]

@@ -20,23 +20,25 @@
 //! The forward gathers each head's q, k and v out of the fused projection `[B, T, 3C]` into
 //! one `[B, H, 3, T, D]` buffer, which replaces the projection as what backward keeps (the
 //! same size): backward then reads every head's operands where they lie, contiguous, instead
-//! of gathering them out of `[B, T, 3C]` rows again.
+//! of gathering them out of `[B, T, 3C]` rows again. The results go the other way without a
+//! detour: each head's task writes its output rows straight into its columns of `y`
+//! `[B, T, C]`, and its `dq`, `dk` and `dv` rows into theirs of the projection's gradient
+//! `[B, T, 3C]` (the tasks' columns are disjoint, see `SharedRows`).
 //!
 //! Extra memory beyond the heads and the output: the log-sum-exp (`B·H·T` values) kept for
-//! backward; per rayon task (reused for every head the task runs) the head's gathered `[T, D]`
-//! output gradient in backward (`D = rowsum(dO ⊙ O)` reads the output's rows where they lie),
-//! block-wise transposed copies of k and v, and a few
-//! `tile × tile` and `tile × D` scratch buffers; and per call one recycled buffer holding
-//! every head's result until it is scattered into place.
+//! backward; and per rayon task (reused for every head the task runs) the head's gathered
+//! `[T, D]` output gradient and its `dq` in backward (`D = rowsum(dO ⊙ O)` reads the output's
+//! rows where they lie), block-wise transposed copies of k and v, and a few `tile × tile`
+//! and `tile × D` scratch buffers.
+
+use std::marker::PhantomData;
 
 use rayon::prelude::*;
-
-use hypershard_tensor::Device;
 
 use super::{Dims, copy_head_row};
 use crate::dropout::DropMask;
 use crate::kernels::vector_isa::vectorized;
-use crate::kernels::{Float, add_assign, overwrite_target, small_nn_rows};
+use crate::kernels::{Float, add_assign, small_nn_rows};
 use crate::linalg::{GemmShape, MatmulOptions, gemm_into};
 use crate::{Error, Result};
 
@@ -196,6 +198,83 @@ fn visible(row: usize, c0: usize, cols: usize) -> usize {
     cols.min(row + 1 - c0)
 }
 
+/// A row-major `[rows, width]` buffer that the tasks of one parallel loop write in disjoint
+/// pieces: each head's task writes only its own head's columns (`D` of them) of its batch
+/// row's tokens, so the attention's output and input gradient go straight to their places in
+/// `[B, T, C]` and `[B, T, 3C]` instead of through a per-head buffer and a scatter pass.
+struct SharedRows<'a, F> {
+    start: *mut F,
+    len: usize,
+    width: usize,
+    _buffer: PhantomData<&'a mut [F]>,
+}
+
+// SAFETY: a `SharedRows` is made from a `&mut [F]` it holds for `'a`, so nothing else reads or
+// writes the buffer meanwhile; the tasks it is shared with write it only through
+// [`SharedRows::piece`], whose contract keeps their pieces disjoint; `F` is a plain float.
+unsafe impl<F: Send> Send for SharedRows<'_, F> {}
+// SAFETY: as for `Send`.
+unsafe impl<F: Send> Sync for SharedRows<'_, F> {}
+
+impl<'a, F> SharedRows<'a, F> {
+    fn new(buffer: &'a mut [F], width: usize) -> Self {
+        SharedRows {
+            start: buffer.as_mut_ptr(),
+            len: buffer.len(),
+            width,
+            _buffer: PhantomData,
+        }
+    }
+
+    /// Columns `col .. col + len` of row `row`.
+    ///
+    /// # Safety
+    /// While the returned slice lives, no other slice from this `SharedRows` (in this task or
+    /// another) may cover any of its elements.
+    #[allow(clippy::mut_from_ref)]
+    unsafe fn piece(&self, row: usize, col: usize, len: usize) -> &mut [F] {
+        let first = row * self.width + col;
+        // invariant: the callers address rows and head columns of the `[B, T, C]` or
+        // `[B, T, 3C]` buffer whose length `forward_into` / `backward_into` checked.
+        assert!(
+            col + len <= self.width && first + len <= self.len,
+            "attention: piece ({row}, {col}..{}) outside a buffer of {} rows of {}",
+            col + len,
+            self.len / self.width.max(1),
+            self.width
+        );
+        // SAFETY: `first + len ≤ len` of the buffer (asserted), which `'a` keeps borrowed
+        // for this `SharedRows`; the caller keeps the piece apart from every other one.
+        // Tested against the materialised path (several batch rows and heads, on the test
+        // pool's threads) by `tiled_forward_and_gradients_match_the_materialised_path` and
+        // `tiled_dropout_matches_the_materialised_path_with_the_same_mask`.
+        unsafe { std::slice::from_raw_parts_mut(self.start.add(first), len) }
+    }
+}
+
+/// Where one head's `[T, D]` rows go in a shared `[B·T, width]` buffer: row `t` is row
+/// `first_row + t`, columns `col .. col + d`.
+#[derive(Clone, Copy)]
+struct HeadRows<'s, 'a, F> {
+    rows: &'s SharedRows<'a, F>,
+    first_row: usize,
+    col: usize,
+    d: usize,
+}
+
+impl<F> HeadRows<'_, '_, F> {
+    /// Row `t` of the head.
+    ///
+    /// # Safety
+    /// As [`SharedRows::piece`]: no other live slice covers these `d` elements (each head's
+    /// task holds the only `HeadRows` of its `(b, h)` and uses one row at a time).
+    #[allow(clippy::mut_from_ref)]
+    unsafe fn row(&self, t: usize) -> &mut [F] {
+        // SAFETY: the caller's contract.
+        unsafe { self.rows.piece(self.first_row + t, self.col, self.d) }
+    }
+}
+
 /// Scratch buffers of one running head task.
 struct ForwardScratch<F> {
     scores: Vec<F>,
@@ -232,15 +311,16 @@ impl<F: Float> ForwardTask<F> {
     }
 }
 
-/// One head's forward: `o[T, D]` and `lse[T]` from the head's `q, k, v` (`[3, T, D]`; every
-/// element of `o` and `lse` overwritten; the task's scratch may hold any values).
+/// One head's forward: its output rows `o` (`T` rows of `D`, in place in `y`) and `lse[T]`
+/// from the head's `q, k, v` (`[3, T, D]`; every element of both overwritten; the task's
+/// scratch may hold any values).
 #[inline(always)]
 fn forward_head<F: Float>(
     task: &mut ForwardTask<F>,
     qkv: &[F],
     (seq, d, tile): (usize, usize, usize),
     mask: Option<HeadMask<'_>>,
-    (o, lse): (&mut [F], &mut [F]),
+    (o, lse): (HeadRows<'_, '_, F>, &mut [F]),
 ) -> Result<()> {
     let scale = F::of(1.0 / (d as f64).sqrt());
     let neg_inf = F::of(f64::NEG_INFINITY);
@@ -297,7 +377,9 @@ fn forward_head<F: Float>(
         }
         for i in 0..rows {
             let inv = F::ONE / s.row_sum[i];
-            let out = &mut o[(r0 + i) * d..(r0 + i + 1) * d];
+            // SAFETY: this head's row `r0 + i`, the only piece of it live here (`o` is this
+            // task's head's alone).
+            let out = unsafe { o.row(r0 + i) };
             for (dst, &a) in out.iter_mut().zip(&acc[i * d..(i + 1) * d]) {
                 *dst = a * inv;
             }
@@ -330,25 +412,25 @@ fn head_parts<F>(qkv: &[F], part: usize) -> (&[F], &[F], &[F]) {
 }
 
 /// Gathers every head's `q, k, v` out of `qkv` `[B, T, 3C]` into `qkv_heads`
-/// (`[B·H, 3, T, D]`, head `b · H + h` at its index), and writes the head's output into
-/// `heads` (`[B·H, T, D]`) and its log-sum-exps into `lse` (`[B·H, T]`); every element of the
-/// three is overwritten.
+/// (`[B·H, 3, T, D]`, head `b · H + h` at its index), and writes the heads' outputs into
+/// their columns of `y` (`[B, T, C]`) and their log-sum-exps into `lse` (`[B·H, T]`); every
+/// element of the three is overwritten.
 fn forward_heads<F: Float>(
     qkv: &[F],
     dims: Dims,
     tile: usize,
     mask: Option<&DropMask>,
-    (qkv_heads, heads, lse): (&mut [F], &mut [F], &mut [F]),
+    (qkv_heads, y, lse): (&mut [F], &mut [F], &mut [F]),
 ) -> Result<()> {
     let (t, d, tile) = (dims.seq, dims.head_dim(), tile.max(1));
+    let y_rows = SharedRows::new(y, dims.n_embd);
     qkv_heads
         .par_chunks_mut((3 * t * d).max(1))
-        .zip(heads.par_chunks_mut((t * d).max(1)))
         .zip(lse.par_chunks_mut(t.max(1)))
         .enumerate()
         .try_for_each_init(
             || ForwardTask::new((t, d, tile), mask.is_some()),
-            |task, (bh, ((head_qkv, o), lse))| {
+            |task, (bh, (head_qkv, lse))| {
                 let (b, h) = (bh / dims.n_head, bh % dims.n_head);
                 for (part, dst) in head_qkv.chunks_exact_mut((t * d).max(1)).enumerate() {
                     dims.gather_head_into(qkv, b, h, part, dst);
@@ -359,17 +441,16 @@ fn forward_heads<F: Float>(
                     seq: t,
                 });
                 let head = &*head_qkv;
+                // Each task's `bh` is its own, so no two tasks write the same head's columns.
+                let o = HeadRows {
+                    rows: &y_rows,
+                    first_row: b * t,
+                    col: h * d,
+                    d,
+                };
                 vectorized!(|| forward_head(task, head, (t, d, tile), head_mask, (o, lse)))
             },
         )
-}
-
-/// A host buffer of `len` compute-type values for a kernel that overwrites all of them,
-/// taken from nn's recycled storage (see `kernels::recycle`) so that a step reuses the last
-/// step's instead of faulting in new pages.
-fn with_scratch<F: Float, R>(len: usize, f: impl FnOnce(&mut [F]) -> Result<R>) -> Result<R> {
-    let buffer = overwrite_target::<F>(&[len], &Device::Cpu)?;
-    buffer.with_kernel_data_mut::<F, _>("attention scratch", f)?
 }
 
 /// [`forward`] writing the attention output into `y` `[B, T, C]` and the heads' `q, k, v`,
@@ -393,29 +474,9 @@ pub(super) fn forward_into<F: Float>(
         qkv.len(),
         dims.batch * dims.seq * 3 * dims.n_embd,
     )?;
-    let (t, d) = (dims.seq, dims.head_dim());
-    let mut lse = vec![F::ZERO; dims.batch * dims.n_head * t];
-    with_scratch::<F, _>(dims.batch * dims.n_head * t * d, |heads| {
-        forward_heads(qkv, dims, tile, mask, (qkv_heads, &mut *heads, &mut lse))?;
-        scatter_forward(heads, dims, y);
-        Ok(())
-    })?;
+    let mut lse = vec![F::ZERO; dims.batch * dims.n_head * dims.seq];
+    forward_heads(qkv, dims, tile, mask, (qkv_heads, y, &mut lse))?;
     Ok(lse)
-}
-
-/// Puts every head's output rows (`heads`, `[B·H, T, D]`) side by side in `y` `[B, T, C]`,
-/// one token row per task so the copy runs on every thread.
-fn scatter_forward<F: Float>(heads: &[F], dims: Dims, y: &mut [F]) {
-    let (t, d) = (dims.seq, dims.head_dim());
-    y.par_chunks_mut(dims.n_embd.max(1))
-        .enumerate()
-        .for_each(|(row, dst)| {
-            let (b, ti) = (row / t, row % t);
-            for (h, part) in dst.chunks_exact_mut(d).enumerate() {
-                let head = (b * dims.n_head + h) * t * d;
-                copy_head_row(part, &heads[head + ti * d..head + (ti + 1) * d]);
-            }
-        });
 }
 
 /// Fails unless an output slice has the length its shape needs.
@@ -444,10 +505,11 @@ struct BackwardScratch<F> {
 
 /// What one rayon task of the backward needs for a head, allocated once per task and reused
 /// for every head it runs (as [`ForwardTask`]): the head's gathered output gradient `dout`
-/// (`[T, D]`), the block-transposed `k` and `v`, the rows' `D` values `[T]`, and the tiles'
-/// scratch.
+/// (`[T, D]`), its `dq` as it accumulates (`[T, D]`), the block-transposed `k` and `v`, the
+/// rows' `D` values `[T]`, and the tiles' scratch.
 struct BackwardTask<F> {
     dout: Vec<F>,
+    dq: Vec<F>,
     k_t: Vec<F>,
     v_t: Vec<F>,
     delta: Vec<F>,
@@ -460,6 +522,7 @@ impl<F: Float> BackwardTask<F> {
         let masked_len = if masked { tile * tile } else { 0 };
         BackwardTask {
             dout: head(),
+            dq: head(),
             k_t: head(),
             v_t: head(),
             delta: vec![F::ZERO; seq],
@@ -476,20 +539,24 @@ impl<F: Float> BackwardTask<F> {
     }
 }
 
-/// One head's backward: `dq, dk, dv` `[T, D]` (every element overwritten) from the head's
-/// `q, k, v` (`[3, T, D]`) and log-sum-exps `lse`, saved by the forward, and the task's
-/// gathered output gradient `dout` and rows' `D = rowsum(dO ⊙ O)` in `delta`.
+/// One head's backward: its `dq, dk, dv` rows (`T` rows of `D` each, in place in the
+/// gradient of the fused projection; every element overwritten) from the head's `q, k, v`
+/// (`[3, T, D]`) and log-sum-exps `lse`, saved by the forward, and the task's gathered output
+/// gradient `dout` and rows' `D = rowsum(dO ⊙ O)` in `delta`. `dq` sums over every key block,
+/// so it accumulates in the task's own buffer and is written out at the end; each key
+/// block's `dk` and `dv` are complete when its query blocks are done and go out then.
 #[inline(always)]
 fn backward_head<F: Float>(
     task: &mut BackwardTask<F>,
     (qkv, lse): (&[F], &[F]),
     (seq, d, tile): (usize, usize, usize),
     mask: Option<HeadMask<'_>>,
-    (dq, dk, dv): (&mut [F], &mut [F], &mut [F]),
+    [dq_rows, dk_rows, dv_rows]: [HeadRows<'_, '_, F>; 3],
 ) -> Result<()> {
     let (q, k, v) = head_parts(qkv, seq * d);
     let BackwardTask {
         dout,
+        dq,
         k_t,
         v_t,
         delta,
@@ -557,8 +624,22 @@ fn backward_head<F: Float>(
             mm_tn(grad, q_block, (cols, rows, d), tmp)?;
             add_assign(dk_block, tmp);
         }
-        dk[c0 * d..(c0 + cols) * d].copy_from_slice(dk_block);
-        dv[c0 * d..(c0 + cols) * d].copy_from_slice(dv_block);
+        for (j, (dk_row, dv_row)) in dk_block
+            .chunks_exact(d)
+            .zip(dv_block.chunks_exact(d))
+            .enumerate()
+        {
+            // SAFETY: this head's rows `c0 + j` of its `dk` and `dv` columns, the only
+            // pieces of them live here (the rows are this task's head's alone).
+            unsafe {
+                copy_head_row(dk_rows.row(c0 + j), dk_row);
+                copy_head_row(dv_rows.row(c0 + j), dv_row);
+            }
+        }
+    }
+    for (t, row) in dq.chunks_exact(d).enumerate() {
+        // SAFETY: as for `dk` above, this head's `dq` row `t`.
+        unsafe { copy_head_row(dq_rows.row(t), row) };
     }
     Ok(())
 }
@@ -579,25 +660,25 @@ pub(super) fn backward<F: Float>(
     Ok(grad_qkv)
 }
 
-/// Every head's `[dq, dk, dv]` into `grads` (`[B·H, 3, T, D]`, head `b · H + h` at its
-/// index; every element overwritten), from the heads' `q, k, v` as the forward saved them
-/// (the same layout).
+/// Every head's `dq, dk, dv` into their columns of `grad_qkv` (`[B, T, 3C]`, the gradient of
+/// the fused projection; every element overwritten), from the heads' `q, k, v` as the
+/// forward saved them (`[B·H, 3, T, D]`).
 fn backward_heads<F: Float>(
     (qkv_heads, y, lse): (&[F], &[F], &[F]),
     grad_y: &[F],
     dims: Dims,
     tile: usize,
     mask: Option<&DropMask>,
-    grads: &mut [F],
+    grad_qkv: &mut [F],
 ) -> Result<()> {
     let (t, d, tile) = (dims.seq, dims.head_dim(), tile.max(1));
-    grads
-        .par_chunks_mut((3 * t * d).max(1))
-        .zip(qkv_heads.par_chunks((3 * t * d).max(1)))
+    let grad_rows = SharedRows::new(grad_qkv, 3 * dims.n_embd);
+    qkv_heads
+        .par_chunks((3 * t * d).max(1))
         .enumerate()
         .try_for_each_init(
             || BackwardTask::new((t, d, tile), mask.is_some()),
-            |task, (bh, (head_grads, head_qkv))| {
+            |task, (bh, head_qkv)| {
                 let (b, h) = (bh / dims.n_head, bh % dims.n_head);
                 dims.gather_output_head_into(grad_y, b, h, &mut task.dout);
                 row_deltas(&task.dout, y, dims, (b, h), &mut task.delta);
@@ -606,10 +687,14 @@ fn backward_heads<F: Float>(
                     first: (bh * t * t) as u64,
                     seq: t,
                 });
-                let (dq, rest) = head_grads.split_at_mut(t * d);
-                let (dk, dv) = rest.split_at_mut(t * d);
                 let lse = &lse[bh * t..(bh + 1) * t];
-                let grads = (dq, dk, dv);
+                // Each task's `bh` is its own, so no two tasks write the same head's columns.
+                let grads = [0, 1, 2].map(|part| HeadRows {
+                    rows: &grad_rows,
+                    first_row: b * t,
+                    col: part * dims.n_embd + h * d,
+                    d,
+                });
                 vectorized!(|| backward_head(task, (head_qkv, lse), (t, d, tile), head_mask, grads))
             },
         )
@@ -645,30 +730,7 @@ pub(super) fn backward_into<F: Float>(
     let rows = dims.batch * dims.seq * dims.n_embd;
     check_len("attention backward forward output", operands.1.len(), rows)?;
     check_len("attention backward output gradient", grad_y.len(), rows)?;
-    let len = dims.batch * dims.n_head * 3 * dims.seq * dims.head_dim();
-    with_scratch::<F, _>(len, |grads| {
-        backward_heads(operands, grad_y, dims, tile, mask, &mut *grads)?;
-        scatter_backward(grads, dims, grad_qkv);
-        Ok(())
-    })
-}
-
-/// Puts every head's `dq, dk, dv` rows into their places in `grad_qkv` `[B, T, 3C]`, one
-/// token row per task so the copy runs on every thread.
-fn scatter_backward<F: Float>(grads: &[F], dims: Dims, grad_qkv: &mut [F]) {
-    let (t, d) = (dims.seq, dims.head_dim());
-    grad_qkv
-        .par_chunks_mut((3 * dims.n_embd).max(1))
-        .enumerate()
-        .for_each(|(row, dst)| {
-            let (b, ti) = (row / t, row % t);
-            for (part, section) in dst.chunks_exact_mut(dims.n_embd).enumerate() {
-                for (h, slot) in section.chunks_exact_mut(d).enumerate() {
-                    let src = ((b * dims.n_head + h) * 3 + part) * t * d + ti * d;
-                    copy_head_row(slot, &grads[src..src + d]);
-                }
-            }
-        });
+    backward_heads(operands, grad_y, dims, tile, mask, grad_qkv)
 }
 
 #[cfg(test)]
