@@ -155,9 +155,15 @@ fn is_waiting(record: Option<&Record>) -> bool {
 }
 
 /// The ranks to blame, most likely first: ranks named as missing that stopped publishing,
-/// then those that are not inside any collective (stuck in their own code), then the rest of
-/// the missing; when nobody is missing (every member entered and one of them stopped inside
-/// it), the ranks that stopped publishing.
+/// then those that are not inside any collective (stuck in their own code), then any other
+/// rank of the job that stopped publishing, then the rest of the missing; when nobody is
+/// missing (every member entered and one of them stopped inside it), the ranks that stopped
+/// publishing.
+///
+/// A missing rank that is alive and waiting inside another collective is held up itself: the
+/// first declaration of a job (the one the launcher acts on) often comes from a rank two hops
+/// from the stuck one, whose own group only shows the rank in between. A silent rank
+/// anywhere in the job then comes before it.
 pub fn culprits(
     declarations: &[Declaration],
     records: &BTreeMap<usize, Record>,
@@ -182,6 +188,14 @@ pub fn culprits(
             .copied()
             .filter(|r| !stale(r) && !is_waiting(records.get(r))),
     );
+    if !missing.is_empty() {
+        let silent_elsewhere: Vec<usize> = records
+            .keys()
+            .copied()
+            .filter(|r| !missing.contains(r) && stale(r))
+            .collect();
+        ordered.extend(silent_elsewhere);
+    }
     ordered.extend(
         missing
             .iter()
@@ -384,6 +398,51 @@ mod tests {
         // A rank with no record at all counts as missing.
         records.remove(&1);
         assert_eq!(missing_ranks(0, &records[&0].groups[0], &records), vec![1]);
+    }
+
+    #[test]
+    fn a_missing_rank_waiting_on_a_silent_one_is_not_blamed_first() {
+        // HSDP 2x2: shard groups {0, 2} and {1, 3}, replicate groups {0, 1} and {2, 3}. Rank
+        // 2 stopped (silent for 3.3 s) before the all-gather of {2, 3}; rank 3 waits in that
+        // all-gather, and rank 1 waits in an all-reduce of {1, 3} that rank 3 has not
+        // reached. Rank 1's declaration names only rank 3, which is alive and held up itself.
+        let now = 20_000;
+        let shard = [1, 3];
+        let replicate = [2, 3];
+        let mut records = BTreeMap::new();
+        records.insert(1, record(1, now, vec![group(1, 6, true, &shard)]));
+        records.insert(
+            3,
+            record(
+                3,
+                now,
+                vec![group(1, 5, false, &shard), group(3, 18, true, &replicate)],
+            ),
+        );
+        records.insert(
+            2,
+            record(2, now - 3_300, vec![group(3, 17, false, &replicate)]),
+        );
+        records.insert(0, record(0, now, vec![]));
+        let waiting = records[&1].groups[0].clone();
+        let missing = missing_ranks(1, &waiting, &records);
+        assert_eq!(missing, vec![3]);
+        let declaration = Declaration {
+            waiter: 1,
+            group: waiting,
+            waited_ms: 3_200,
+            policy: StallPolicy::Fail,
+            missing,
+            tick_ms: 250,
+        };
+        let declarations = [declaration];
+        assert_eq!(culprits(&declarations, &records, now), vec![2, 3]);
+        let text = report("launcher", &declarations, &records, now);
+        assert!(text.contains("not responding: rank 2"), "{text}");
+        assert!(text.contains("most likely stuck: rank 2"), "{text}");
+        // A missing rank stuck in its own code (inside no collective) still comes first.
+        records.insert(3, record(3, now, vec![group(1, 5, false, &shard)]));
+        assert_eq!(culprits(&declarations, &records, now), vec![3, 2]);
     }
 
     #[test]
