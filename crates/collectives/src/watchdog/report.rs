@@ -338,6 +338,26 @@ mod tests {
         }
     }
 
+    /// Global rank `waiter`'s declaration, waiting in the first group of its record, with the
+    /// ranks `missing_ranks` finds behind it.
+    fn declaration_of(
+        waiter: usize,
+        records: &BTreeMap<usize, Record>,
+        waited_ms: u64,
+        policy: StallPolicy,
+    ) -> Declaration {
+        let group = records[&waiter].groups[0].clone();
+        let missing = missing_ranks(waiter, &group, records);
+        Declaration {
+            waiter,
+            group,
+            waited_ms,
+            policy,
+            missing,
+            tick_ms: 250,
+        }
+    }
+
     #[test]
     fn the_rank_behind_and_silent_is_blamed_and_described() {
         let members = [0, 1, 2, 3];
@@ -351,17 +371,8 @@ mod tests {
             record(2, now - 3_000, vec![group(0, 40, false, &members)]),
         );
         records.insert(3, record(3, now, vec![group(0, 41, true, &members)]));
-        let waiting = records[&1].groups[0].clone();
-        let missing = missing_ranks(1, &waiting, &records);
-        assert_eq!(missing, vec![2]);
-        let declaration = Declaration {
-            waiter: 1,
-            group: waiting,
-            waited_ms: 3_100,
-            policy: StallPolicy::Fail,
-            missing,
-            tick_ms: 250,
-        };
+        let declaration = declaration_of(1, &records, 3_100, StallPolicy::Fail);
+        assert_eq!(declaration.missing, vec![2]);
         assert_eq!(
             Declaration::decode(&declaration.encode()),
             Some(declaration.clone())
@@ -383,17 +394,8 @@ mod tests {
         let mut records = BTreeMap::new();
         records.insert(0, record(0, now, vec![group(5, 7, true, &members)]));
         records.insert(1, record(1, now - 9_000, vec![group(5, 7, true, &members)]));
-        let waiting = records[&0].groups[0].clone();
-        let missing = missing_ranks(0, &waiting, &records);
-        assert!(missing.is_empty());
-        let declaration = Declaration {
-            waiter: 0,
-            group: waiting,
-            waited_ms: 9_000,
-            policy: StallPolicy::Wait,
-            missing,
-            tick_ms: 250,
-        };
+        let declaration = declaration_of(0, &records, 9_000, StallPolicy::Wait);
+        assert!(declaration.missing.is_empty());
         assert_eq!(culprits(&[declaration], &records, now), vec![1]);
         // A rank with no record at all counts as missing.
         records.remove(&1);
@@ -424,17 +426,8 @@ mod tests {
             record(2, now - 3_300, vec![group(3, 17, false, &replicate)]),
         );
         records.insert(0, record(0, now, vec![]));
-        let waiting = records[&1].groups[0].clone();
-        let missing = missing_ranks(1, &waiting, &records);
-        assert_eq!(missing, vec![3]);
-        let declaration = Declaration {
-            waiter: 1,
-            group: waiting,
-            waited_ms: 3_200,
-            policy: StallPolicy::Fail,
-            missing,
-            tick_ms: 250,
-        };
+        let declaration = declaration_of(1, &records, 3_200, StallPolicy::Fail);
+        assert_eq!(declaration.missing, vec![3]);
         let declarations = [declaration];
         assert_eq!(culprits(&declarations, &records, now), vec![2, 3]);
         let text = report("launcher", &declarations, &records, now);
