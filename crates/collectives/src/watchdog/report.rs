@@ -189,12 +189,12 @@ pub fn culprits(
             .filter(|r| !stale(r) && !is_waiting(records.get(r))),
     );
     if !missing.is_empty() {
-        let silent_elsewhere: Vec<usize> = records
-            .keys()
-            .copied()
-            .filter(|r| !missing.contains(r) && stale(r))
-            .collect();
-        ordered.extend(silent_elsewhere);
+        ordered.extend(
+            records
+                .keys()
+                .copied()
+                .filter(|r| !missing.contains(r) && stale(r)),
+        );
     }
     ordered.extend(
         missing
